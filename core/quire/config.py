@@ -1,0 +1,175 @@
+"""Engine configuration: typed, frozen dataclasses checked when created.
+
+``EngineConfig`` holds what a user chooses (keyword arguments of ``LLM``, later CLI flags
+and YAML keys, with vLLM's names where vLLM has one). Values that depend on the checkpoint
+or the platform (``block_size=None``, ``max_model_len=None``, ``dtype="auto"``) are
+resolved once, by :meth:`EngineConfig.resolve`, into a :class:`ResolvedConfig`; nothing
+mutates a config after creation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
+    """Map a dtype name to ``torch.dtype``; ``"auto"`` gives None.
+
+    :raises ValueError: naming the accepted names.
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    if value == "auto":
+        return None
+    try:
+        return _DTYPES[value]
+    except KeyError:
+        raise ValueError(
+            f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {value!r}"
+        ) from None
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asks of the engine. Checked on creation; raises ``ValueError``."""
+
+    model: str = field(metadata=_help("Hugging Face checkpoint directory or .gguf file"))
+    tokenizer: str | None = field(
+        default=None, metadata=_help("tokenizer directory (default: the model's)")
+    )
+    device: str = field(default="auto", metadata=_help("platform name, or 'auto'"))
+    dtype: str = field(
+        default="auto", metadata=_help("float32, bfloat16, float16, or auto (the platform's)")
+    )
+    block_size: int | None = field(
+        default=None, metadata=_help("tokens per KV page (default: the platform's)")
+    )
+    max_num_seqs: int = field(default=256, metadata=_help("most sequences in one step"))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_help("token budget of one step (default: 2048, at least max_model_len "
+                       "without chunked prefill)"),
+    )
+    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse cached KV pages"))
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_help("split long prompts across steps")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=_help("context length (default: the model's)")
+    )
+    seed: int = field(default=0, metadata=_help("seed of the engine's random generator"))
+    kv_cache_memory: int | float | None = field(
+        default=None,
+        metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path")
+        parse_dtype(self.dtype)
+        _positive("block_size", self.block_size, optional=True)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        _positive("max_model_len", self.max_model_len, optional=True)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        kv = self.kv_cache_memory
+        if kv is not None:
+            if isinstance(kv, bool) or not isinstance(kv, (int, float)):
+                raise ValueError(f"kv_cache_memory must be bytes or a fraction, got {kv!r}")
+            if isinstance(kv, float) and not 0.0 < kv <= 1.0:
+                raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
+            if isinstance(kv, int) and kv <= 0:
+                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(model=model, **kwargs)
+
+    def resolve(
+        self, *, model_max_len: int, platform_block_size: int, platform_dtype: torch.dtype
+    ) -> "ResolvedConfig":
+        """Fill in what depends on the checkpoint and the platform.
+
+        :raises ValueError: when ``max_model_len`` exceeds the model's, or the token budget
+            cannot hold one whole prompt without chunked prefill.
+        """
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "
+                "without chunked prefill the longest prompt could never be scheduled"
+            )
+        return ResolvedConfig(
+            engine=self,
+            dtype=parse_dtype(self.dtype) or platform_dtype,
+            block_size=self.block_size or platform_block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """``EngineConfig`` with every default settled; what the engine's parts read."""
+
+    engine: EngineConfig
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.engine.enable_prefix_caching
+
+    @property
+    def enable_chunked_prefill(self) -> bool:
+        return self.engine.enable_chunked_prefill
+
+
+def _positive(name: str, value: object, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,163 @@
+"""The attention-backend contract: paged KV storage and attention over it.
+
+A backend owns two things: the *layout* of one layer's KV cache tensor, and the two
+operations the model calls every layer: writing the step's new keys/values into their
+pages, and attention of the step's queries over everything in the pages.
+
+Vocabulary used below (all counts are per engine step):
+
+- ``T``: number of new tokens in the flattened batch (prefill chunks and decode tokens
+  concatenated, sequence after sequence).
+- ``B``: number of sequences in the batch.
+- ``Hq`` / ``Hkv``: query / key-value heads on this rank (``Hq % Hkv == 0``, GQA).
+- ``D``: head size.
+- A *slot* is one token position in the cache: ``slot = block_id * block_size + offset``.
+
+The cpu platform's backend (``quire.platforms.cpu.attention``) is the reference every
+other backend is measured against by the conformance suite.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The flattened batch as the model runner hands it to a backend, on the device.
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``. Its new
+    tokens are the *last* ``q_len_i`` of its ``seq_lens[i]`` tokens, so the first new token
+    sits at position ``seq_lens[i] - q_len_i`` and may attend to every earlier position
+    (the cached prefix) and causally to the new ones.
+    """
+
+    #: int64 [T]: cache slot that receives each new token's K/V.
+    slot_mapping: torch.Tensor
+    #: int64 [B+1]: prefix sums of per-sequence query lengths, starting at 0.
+    query_start_loc: torch.Tensor
+    #: int64 [B]: tokens of each sequence in the cache once this step's are written.
+    seq_lens: torch.Tensor
+    #: int32 [B, max_blocks]: physical block ids; entries past a sequence's last block are
+    #: padding (any valid id) and are never read.
+    block_tables: torch.Tensor
+    #: Tokens per page.
+    block_size: int
+    #: Host-side maxima, so backends need not synchronise to size buffers.
+    max_query_len: int
+    max_seq_len: int
+    #: Host-side per-sequence query lengths (len B); cheap to have, costly to recompute
+    #: from a device tensor.
+    query_lens: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one platform. Stateless between steps; safe to share by layers.
+
+    Ownership: the model runner allocates one KV tensor per layer through
+    :meth:`allocate_kv_cache` and owns it; the backend only reads and writes it. The
+    metadata returned by :meth:`build_metadata` belongs to one step and may be reused by
+    every layer of that step, never by a later step.
+    """
+
+    #: Short name shown in logs and conformance tables.
+    name: str = "abstract"
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor. Pure: changes nothing."""
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Allocate one layer's KV cache. Contents are undefined until written.
+
+        :raises RuntimeError: (from the allocator) when the memory is not there.
+        """
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Precompute whatever the backend needs for this step (once, not per layer).
+
+        Must not read or change any KV cache. The result is opaque to the core.
+        """
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> None:
+        """Store the step's new keys and values into their slots, in place.
+
+        :param key: [T, Hkv, D], the cache's dtype.
+        :param value: [T, Hkv, D], the cache's dtype.
+        :param kv_cache: one layer's tensor from :meth:`allocate_kv_cache`; changed in place
+            at the slots of ``slot_mapping`` and nowhere else.
+        """
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the new queries over the paged keys/values. Read-only.
+
+        The step's K/V must already be written (:meth:`write_kv`). Query row ``t`` of a
+        sequence sits at position ``p``; it attends to that sequence's positions ``j <= p``
+        (and ``j > p - sliding_window`` when a window is given).
+
+        :param query: [T, Hq, D].
+        :param scale: multiplier of ``q . k`` before the softmax (usually ``D ** -0.5``).
+        :param logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)``.
+        :returns: [T, Hq, D], the query's dtype.
+        """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Write then attend; what a model layer calls. Backends may fuse the two."""
+        self.write_kv(key, value, kv_cache, metadata)
+        return self.attend(
+            query,
+            kv_cache,
+            metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )

@@ -1,0 +1,102 @@
+"""The platform contract: one kind of hardware, and the factories for its backends.
+
+A plugin ships a :class:`Platform` subclass and registers it through the
+``quire_platforms`` hook (see :mod:`quire.plugins.hookspecs`). Creating the subclass and
+reading its class attributes must be cheap and must not import any vendor library: the
+registry instantiates every discovered platform to list it and to ask whether it is
+available. Vendor imports belong inside :meth:`Platform.availability` and the factories.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.communicator import Communicator
+from quire.interfaces.memory import MemoryProfiler
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a platform can run here, and if not, why. Truthy when available."""
+
+    available: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.available
+
+    @classmethod
+    def yes(cls) -> "Availability":
+        return cls(True, "")
+
+    @classmethod
+    def no(cls, reason: str) -> "Availability":
+        if not reason:
+            raise ValueError("an unavailable platform must say why")
+        return cls(False, reason)
+
+
+class Platform(ABC):
+    """One hardware target. Subclasses set the class attributes and implement the methods."""
+
+    #: Name used by ``--device`` and ``LLM(device=...)``: lower-case, unique among plugins.
+    name: ClassVar[str]
+    #: ``torch.device`` type the tensors live on ("cpu", "cuda", "xpu", "npu", "hpu").
+    device_type: ClassVar[str]
+    #: Environment variable that restricts visible devices, or None.
+    visible_devices_env: ClassVar[str | None] = None
+    #: ``torch.distributed`` backend for the communicator ("gloo", "nccl", ...).
+    distributed_backend: ClassVar[str]
+    #: dtypes the backends support, the preferred one first (used for ``dtype="auto"``).
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
+    #: Tokens per KV page when the user does not choose.
+    default_block_size: ClassVar[int]
+    #: Preference for ``device="auto"`` among available platforms; higher wins. cpu is 0.
+    priority: ClassVar[int] = 0
+
+    @abstractmethod
+    def availability(self) -> Availability:
+        """Probe the hardware and its libraries. Never raises: failures become reasons.
+
+        The reason is precise enough to act on ("torch was built without CUDA",
+        "no device found", "driver error: ...").
+        """
+
+    def is_available(self) -> Availability:
+        """Same as :meth:`availability`; a truthy result carrying the reason when falsy."""
+        return self.availability()
+
+    def device(self, index: int = 0) -> torch.device:
+        """The ``torch.device`` for local device ``index``."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """:raises ValueError: naming the supported dtypes when ``dtype`` is not one."""
+        if dtype not in self.supported_dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            raise ValueError(
+                f"dtype {str(dtype).removeprefix('torch.')} is not supported on the "
+                f"'{self.name}' platform; choose one of: {names}"
+            )
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing). Host platforms need nothing."""
+
+    @abstractmethod
+    def make_attention_backend(self) -> AttentionBackend:
+        """A new attention backend for this platform."""
+
+    @abstractmethod
+    def make_communicator(self, rank: int = 0, world_size: int = 1) -> Communicator:
+        """A communicator for one model-parallel group over :attr:`distributed_backend`."""
+
+    @abstractmethod
+    def make_memory_profiler(self, device_index: int = 0) -> MemoryProfiler:
+        """A profiler for local device ``device_index``."""

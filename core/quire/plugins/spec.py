@@ -1,0 +1,39 @@
+"""The small records a plugin hands to the registry through its hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from quire.interfaces.platform import Platform
+
+#: The plugin API this core provides, "MAJOR.MINOR". A plugin built for MAJOR.m works when
+#: MAJOR is equal and m <= MINOR; anything else is refused with both versions named.
+PLUGIN_API_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """One platform a plugin provides."""
+
+    #: The device name users pass to ``--device`` (lower-case).
+    name: str
+    #: The :data:`PLUGIN_API_VERSION` the plugin was built against.
+    api_version: str
+    #: Builds the platform. Must not import vendor libraries (see Platform's docs).
+    factory: Callable[[], "Platform"]
+    #: One line for ``quire plugins``.
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model implementation, for a Hugging Face ``architectures`` entry."""
+
+    #: e.g. "LlamaForCausalLM".
+    architecture: str
+    #: Imports and returns the ``nn.Module`` class (lazily, so listing stays cheap).
+    load: Callable[[], "type[nn.Module]"]

@@ -1,0 +1,79 @@
+"""Request and sequence state: what the scheduler, block manager and runner share.
+
+The scheduler owns every :class:`Sequence` (creates, moves and finishes them). The block
+manager alone writes ``block_table`` and ``block_hashes``; the model runner only reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from quire.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence being generated. Identity (not value) equality: ids are unique."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    #: Order of arrival; FCFS and "newest first" preemption read it.
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    #: Tokens whose K/V are in the cache (computed or taken from the prefix cache).
+    num_computed_tokens: int = 0
+    #: Prompt tokens found in the prefix cache at the last admission (statistic).
+    num_cached_tokens: int = 0
+    #: Physical page ids, in order; page i holds positions [i*bs, (i+1)*bs).
+    block_table: list[int] = field(default_factory=list)
+    #: Chained hashes of the leading full pages (prefix caching), block_hashes[i] for page i.
+    block_hashes: list[int] = field(default_factory=list)
+    #: Times this sequence lost its pages to preemption.
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the output so far (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose K/V are not yet in the cache (1 for a decoding sequence)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
