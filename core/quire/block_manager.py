@@ -1,0 +1,248 @@
+"""The block manager: fixed-size KV pages, block tables, reference counts, prefix caching.
+
+Every page is in exactly one of three states:
+
+==========  ==========  =============  ===================================================
+state       ref_count   block_hash     where
+==========  ==========  =============  ===================================================
+free        0           None           ``_free`` (taken first when a page is needed)
+cached      0           set            ``_evictable`` (LRU order) and ``_by_hash``
+used        > 0         set or None    some sequences' block tables (``_by_hash`` if set)
+==========  ==========  =============  ===================================================
+
+A *full* page is named by a hash chained over its parent page's hash and its own token
+ids, so equal hashes mean equal whole prefixes. A new sequence takes the longest chain of
+cached pages without copying (ref count + 1); pages nobody uses keep their contents and
+stay findable until a new page is needed and none is free, then the least recently
+released is evicted.
+
+Only the scheduler calls the mutating methods; it owns the sequences whose
+``block_table`` and ``block_hashes`` this class writes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence as SequenceABC
+
+from quire.sequence import Sequence
+
+
+class Block:
+    """One physical page."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+def hash_block(parent_hash: int | None, token_ids: SequenceABC[int]) -> int:
+    """Chained hash of one full page: depends on the whole prefix, not just this page."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    """Owns the page pool. Methods that return ``False`` have changed nothing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free pages, used in id order: a dict keeps insertion order and removes in O(1).
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Cached pages with no user, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        #: Cached pages reclaimed for new content (statistic).
+        self.num_evictions = 0
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages a sequence could take now (free and evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Pages with no user that still hold a reusable prefix."""
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of pages held by sequences, in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Pages that ``num_tokens`` tokens occupy."""
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix caching --------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        """Make ``seq.block_hashes`` cover its first ``num_full_blocks`` pages."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, seq.token_slice(i * bs, (i + 1) * bs)))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages holding the longest cached prefix of ``seq``'s tokens. Changes no page.
+
+        At least one token is always left to compute, because the model must run on the
+        last token to produce the next one's logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        found: list[int] = []
+        for h in seq.block_hashes[:max_blocks]:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Make the full pages among ``seq``'s first ``num_computed_tokens`` findable.
+
+        Call only once their K/V are in the cache. A page whose hash another page already
+        carries stays unnamed: the older copy keeps serving the prefix.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            if h not in self._by_hash:
+                block.block_hash = h
+                self._by_hash[h] = block.block_id
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: SequenceABC[int] = ()
+    ) -> bool:
+        """Grow ``seq``'s table to hold ``num_new_tokens`` more tokens, all or nothing.
+
+        ``cached_blocks`` (from :meth:`find_cached_prefix`, for a sequence with an empty
+        table) are shared first; the tokens they hold count as already computed.
+        :returns: False, changing nothing, when the pool cannot supply the pages.
+        """
+        if cached_blocks and seq.block_table:
+            raise ValueError("cached prefix pages can only start an empty block table")
+        held = len(seq.block_table) + len(cached_blocks)
+        computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
+        new_needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if new_needed + revived > self.num_free_blocks:
+            return False
+        for block_id in cached_blocks:
+            self._acquire(self.blocks[block_id])
+        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend(self._take_new().block_id for _ in range(new_needed))
+        return True
+
+    def _acquire(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._evictable[block.block_id]
+        block.ref_count += 1
+
+    def _take_new(self) -> Block:
+        if self._free:
+            block_id = next(iter(self._free))
+            del self._free[block_id]
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self._by_hash[block.block_hash]  # type: ignore[arg-type]
+            block.block_hash = None
+            self.num_evictions += 1
+        block = self.blocks[block_id]
+        block.ref_count = 1
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        """Release every page of ``seq`` and empty its table.
+
+        Pages are released last-first, so a sequence's tail is evicted before its prefix,
+        which is the part other requests are likeliest to share.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free[block_id] = None
+                else:
+                    self._evictable[block_id] = None
+        seq.block_table.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page that nobody uses (they become free)."""
+        for block_id in list(self._evictable):
+            block = self.blocks[block_id]
+            del self._by_hash[block.block_hash]  # type: ignore[arg-type]
+            block.block_hash = None
+            self._free[block_id] = None
+        self._evictable.clear()
+
+    # -- checking --------------------------------------------------------------------------
+    def check_invariants(self, seqs: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError naming the first broken rule.
+
+        free + cached + used = total; each page is in the one place its state says; the
+        hash index points at pages carrying that hash; and, given every live sequence,
+        each page's ref count equals the number of tables that hold it.
+        """
+        used = [b for b in self.blocks if b.ref_count > 0]
+        if len(self._free) + len(self._evictable) + len(used) != self.num_blocks:
+            raise AssertionError(
+                f"free {len(self._free)} + cached {len(self._evictable)} + used {len(used)} "
+                f"!= total {self.num_blocks}"
+            )
+        for b in self.blocks:
+            if b.ref_count < 0:
+                raise AssertionError(f"{b} has a negative ref count")
+            in_free, in_evictable = b.block_id in self._free, b.block_id in self._evictable
+            if b.ref_count > 0 and (in_free or in_evictable):
+                raise AssertionError(f"{b} is used yet listed as free or cached")
+            if b.ref_count == 0 and b.block_hash is None and not in_free:
+                raise AssertionError(f"{b} is unused and unnamed but not in the free list")
+            if b.ref_count == 0 and b.block_hash is not None and not in_evictable:
+                raise AssertionError(f"{b} is unused and cached but not evictable")
+            if b.block_hash is not None and self._by_hash.get(b.block_hash) != b.block_id:
+                raise AssertionError(f"{b} carries a hash the index does not map to it")
+        for h, block_id in self._by_hash.items():
+            if self.blocks[block_id].block_hash != h:
+                raise AssertionError(f"hash index maps {h} to {self.blocks[block_id]}")
+        if seqs is not None:
+            counts = [0] * self.num_blocks
+            for seq in seqs:
+                for block_id in seq.block_table:
+                    counts[block_id] += 1
+            for b in self.blocks:
+                if counts[b.block_id] != b.ref_count:
+                    raise AssertionError(
+                        f"{b}: {counts[b.block_id]} block tables hold it, ref count says "
+                        f"{b.ref_count}"
+                    )

@@ -1,0 +1,209 @@
+"""The scheduler: token-level continuous batching under a token budget, FCFS.
+
+Each step it walks the running sequences oldest first, giving each the tokens it still
+needs (one for a decoding sequence, the next chunk for a prompt being prefilled), then
+admits waiting sequences while the token budget, the sequence cap and the page pool allow.
+A step may therefore mix decode tokens with prefill chunks; with chunked prefill a long
+prompt is cut to the budget that is left, so it never stalls the decoders.
+
+When a running sequence cannot get a page, the newest running sequence is preempted: its
+pages go back to the pool and it returns to the front of the waiting queue, to be
+recomputed later (the prefix cache often hands its pages straight back). No waiting
+sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from quire.block_manager import BlockManager
+from quire.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_tokens)``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the last known token, so its logits are sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler was created."""
+
+    num_preemptions: int = 0
+    #: Prompt tokens looked up in the prefix cache at admission, and found there.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running sequences and the block manager."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Both queues are kept in arrival order: FCFS admission and newest-first preemption.
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, seq: Sequence, max_kv_tokens: int) -> None:
+        """Queue ``seq``, whose K/V may grow to ``max_kv_tokens`` tokens (its longest
+        length minus one: the last sampled token is never run through the model).
+
+        :raises ValueError: when that many tokens could never fit the page pool, since the
+            sequence would otherwise wait forever.
+        """
+        bm = self.block_manager
+        if bm.blocks_for(max_kv_tokens) > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id} may hold {max_kv_tokens} tokens of K/V "
+                f"({bm.blocks_for(max_kv_tokens)} pages of {bm.block_size}), but the "
+                f"cache holds only {bm.num_blocks} pages; raise kv_cache_memory or lower "
+                "max_tokens"
+            )
+        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {seq.request_id} has {seq.num_tokens} prompt tokens, more than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} without chunked prefill"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._insert_waiting(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is and free its pages at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and release its pages (it may still be listed as running)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> Iterator[Sequence]:
+        yield from self.running
+        yield from self.waiting
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens. Allocates their pages; computes nothing."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, num):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                continue  # retry seq, unless it was the victim (then the loop ends)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+            budget -= num
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_cached = len(cached) * bm.block_size
+            num = seq.num_tokens - num_cached
+            if num > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num = budget
+            if not bm.allocate(seq, num, cached):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            self.stats.prefix_queries += seq.num_tokens
+            self.stats.prefix_hits += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_cached, num))
+            budget -= num
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.stats.num_preemptions += 1
+        self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        # Preempted sequences are older than anything queued after them, so this lands
+        # them at the front; new arrivals land at the back.
+        if not self.waiting or self.waiting[-1].arrival <= seq.arrival:
+            self.waiting.append(seq)
+            return
+        keys = [s.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        keys = [s.arrival for s in self.running]
+        self.running.insert(bisect.bisect_right(keys, seq.arrival), seq)
+
+    # -- after the step --------------------------------------------------------------------
+    def complete_step(self, out: SchedulerOutput) -> None:
+        """Record that the step's K/V are in the cache; their full pages become findable."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens = item.end
+            self.block_manager.cache_full_blocks(item.seq, item.end)
