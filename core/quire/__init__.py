@@ -1,0 +1,18 @@
+"""Quire: an LLM inference and serving engine with a paged KV cache and pluggable backends."""
+
+from quire.outputs import CompletionOutput, RequestOutput
+from quire.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # LLM pulls in transformers and the model code; importing it lazily keeps
+    # `import quire` (and the CLI's start) fast for commands that never load a model.
+    if name == "LLM":
+        from quire.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'quire' has no attribute {name!r}")

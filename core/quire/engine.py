@@ -1,0 +1,260 @@
+"""The engine: builds the parts once, then runs schedule -> forward -> sample steps.
+
+Build order: platform (from the registry), model config, resolved engine config,
+tokenizer, model, KV cache sized by the platform's memory profiler, block manager,
+scheduler, runner. One engine owns all of these; nothing is shared between engines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from quire.block_manager import BlockManager
+from quire.config import EngineConfig, ResolvedConfig
+from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.platform import Platform
+from quire.model_runner import ModelRunner
+from quire.models.loader import load_model, load_model_config
+from quire.outputs import CompletionOutput, RequestOutput
+from quire.plugins.registry import PlatformRegistry
+from quire.sampler import Sampler
+from quire.sampling_params import SamplingParams
+from quire.scheduler import ScheduledSeq, Scheduler
+from quire.sequence import Sequence
+from quire.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape facts of the model's KV cache, per rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    @classmethod
+    def from_config(cls, config: object, world_size: int = 1) -> "KVCacheSpec":
+        heads = config.num_attention_heads  # type: ignore[attr-defined]
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_size = getattr(config, "head_dim", None) or (
+            config.hidden_size // heads  # type: ignore[attr-defined]
+        )
+        return cls(
+            num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
+            num_kv_heads=max(1, kv_heads // world_size),
+            head_size=head_size,
+        )
+
+
+class LLMEngine:
+    """Turns requests into outputs, one step at a time. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None):
+        self.platform: Platform = (registry or PlatformRegistry()).resolve(config.device)
+        self.model_config = load_model_config(config.model)
+        self.config: ResolvedConfig = config.resolve(
+            model_max_len=_model_max_len(self.model_config),
+            platform_block_size=self.platform.default_block_size,
+            platform_dtype=self.platform.supported_dtypes[0],
+        )
+        self.platform.check_dtype(self.config.dtype)
+        self.device = self.platform.device()
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, config.model)
+        self.vocab_size: int = self.model_config.vocab_size
+
+        comm = self.platform.make_communicator()
+        self.model, _ = load_model(config.model, comm, self.device, self.config.dtype)
+        self.model.eval()
+        backend = self.platform.make_attention_backend()
+        self.kv_spec = KVCacheSpec.from_config(self.model_config, comm.world_size)
+        num_blocks = self._num_kv_blocks(backend)
+        kv_caches = [
+            backend.allocate_kv_cache(num_blocks, self.config.block_size,
+                                      self.kv_spec.num_kv_heads, self.kv_spec.head_size,
+                                      self.config.dtype, self.device)
+            for _ in range(self.kv_spec.num_layers)
+        ]
+        self.block_manager = BlockManager(num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(self.model, backend, kv_caches, self.config.block_size,
+                                  self.device)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens)",
+            self.platform.name, self.config.dtype, self.config.block_size, num_blocks,
+            num_blocks * self.config.block_size,
+        )
+
+    # -- KV cache sizing -------------------------------------------------------------------
+    def _bytes_per_block(self, backend: AttentionBackend) -> int:
+        spec, bs = self.kv_spec, self.config.block_size
+        elems = math.prod(backend.kv_cache_shape(1, bs, spec.num_kv_heads, spec.head_size))
+        return elems * self.config.dtype.itemsize * spec.num_layers
+
+    def _num_kv_blocks(self, backend: AttentionBackend) -> int:
+        profiler = self.platform.make_memory_profiler()
+        requested = self.config.engine.kv_cache_memory
+        activation_peak = 0
+        if not isinstance(requested, int):  # a share of free memory: leave room to run
+            activation_peak = profiler.profile(lambda: self._profile_run(backend))
+        budget = profiler.kv_budget(requested, activation_peak)
+        return profiler.num_kv_blocks(budget, self._bytes_per_block(backend))
+
+    def _profile_run(self, backend: AttentionBackend) -> None:
+        """One forward of the largest step, on a throwaway cache, to measure activations."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        bs = self.config.block_size
+        num_blocks = -(-num_tokens // bs)
+        spec = self.kv_spec
+        caches = [backend.allocate_kv_cache(num_blocks, bs, spec.num_kv_heads, spec.head_size,
+                                            self.config.dtype, self.device)
+                  for _ in range(spec.num_layers)]
+        seq = Sequence(seq_id=-1, request_id="profile", prompt_token_ids=[0] * num_tokens,
+                       params=SamplingParams(max_tokens=1))
+        seq.block_table = list(range(num_blocks))
+        runner = ModelRunner(self.model, backend, caches, bs, self.device)
+        runner.execute([ScheduledSeq(seq, 0, num_tokens)])
+        self.platform.synchronize()
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request. Checks everything before anything is scheduled.
+
+        :raises ValueError: for an empty or too long prompt, a token id outside the
+            vocabulary, a duplicate request id, or a request the KV cache could never hold.
+        """
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        tokens = self._check_prompt(prompt_token_ids)
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=tokens,
+                       params=params, arrival=seq_id)
+        longest = min(len(tokens) + params.max_tokens, self.config.max_model_len)
+        self.scheduler.add(seq, max(len(tokens), longest - 1))
+        self._requests[rid] = _Request(rid, prompt, tokens, params, [seq])
+        return rid
+
+    def _check_prompt(self, token_ids: Iterable[int]) -> list[int]:
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(tokens) > self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens, more than max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return tokens
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its pages; unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and report the requests that finished."""
+        out = self.scheduler.schedule()
+        if not out:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler found no work it could run; this is a bug")
+            return []
+        logits, items = self.runner.execute(out.scheduled)
+        self.scheduler.complete_step(out)
+        seqs = [out.scheduled[i].seq for i in items]
+        tokens = self.sampler.sample(logits, seqs)
+        finished: list[RequestOutput] = []
+        for seq, token in zip(seqs, tokens):
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                req = self._requests[seq.request_id]
+                if all(s.is_finished for s in req.seqs):
+                    finished.append(self._output(self._requests.pop(seq.request_id)))
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True),
+                token_ids=list(s.output_token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(req.seqs)
+        ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+
+def _model_max_len(config: object) -> int:
+    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("the model config states no context length (max_position_embeddings)")

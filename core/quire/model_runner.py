@@ -1,0 +1,116 @@
+"""The model runner: turns one scheduled step into one flattened forward pass.
+
+It owns the model and the per-layer KV tensors; it reads (never writes) the sequences'
+token ids and block tables. Per step it builds, on the device:
+
+- ``input_ids`` and ``positions`` [T]: each sequence's new tokens, concatenated;
+- the :class:`~quire.interfaces.attention.AttentionBatch` (slot mapping, query offsets,
+  sequence lengths, block tables) that the attention backend turns into its metadata;
+- the rows whose logits are due: the last new token of each sequence that reaches the
+  end of its known tokens (a prefill chunk that stops short samples nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.models.context import ForwardContext
+from quire.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
+    #: Rows of the flattened batch whose logits are sampled, and their sequences' indices
+    #: in the scheduled list.
+    sample_rows: torch.Tensor
+    sample_items: tuple[int, ...]
+
+
+class ModelRunner:
+    """Runs the model for scheduled steps. One per engine; not thread-safe."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        """Build the flattened inputs of one step. Reads the sequences only."""
+        bs = self.block_size
+        query_lens = [s.num_tokens for s in scheduled]
+        starts = [s.start for s in scheduled]
+        token_ids: list[int] = []
+        for s in scheduled:
+            token_ids.extend(s.seq.token_slice(s.start, s.end))
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
+                  for s in scheduled]
+
+        dev = self.device
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
+        # position of token t = its sequence's start + its offset within the sequence's rows
+        positions = (torch.arange(int(query_start_loc[-1]))
+                     - query_start_loc[:-1][seq_index]
+                     + torch.tensor(starts, dtype=torch.int64)[seq_index])
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        slots = (block_tables[seq_index, positions // bs].to(torch.int64) * bs
+                 + positions % bs)
+        sample_items = tuple(i for i, s in enumerate(scheduled) if s.samples)
+        sample_rows = query_start_loc[1:][list(sample_items)] - 1
+
+        seq_lens = [s.end for s in scheduled]
+        batch = AttentionBatch(
+            slot_mapping=slots.to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens=tuple(query_lens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            batch=batch,
+            sample_rows=sample_rows.to(dev),
+            sample_items=sample_items,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Run one forward. Writes the step's K/V into the pages.
+
+        :returns: float32 logits [N, vocab] for the N sampling sequences, and their indices
+            in ``scheduled``.
+        """
+        inputs = self.prepare(scheduled)
+        ctx = ForwardContext(
+            backend=self.backend,
+            metadata=self.backend.build_metadata(inputs.batch),
+            kv_caches=self.kv_caches,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if not inputs.sample_items:
+            return hidden.new_empty((0, 0), dtype=torch.float32), ()
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        return logits, inputs.sample_items
