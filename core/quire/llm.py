@@ -9,7 +9,7 @@ from typing import Any, Union
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.outputs import RequestOutput
-from quire.plugins.registry import PlatformRegistry
+from quire.plugins.registry import DISABLE_PLUGINS_ENV, PlatformRegistry, parse_plugin_names
 from quire.sampling_params import SamplingParams
 
 #: A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
@@ -27,7 +27,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_options: Any) -> None:
         config = EngineConfig.from_kwargs(model, **engine_options)
-        blocked = [n for n in os.environ.get("QUIRE_DISABLE_PLUGINS", "").split(",") if n]
+        blocked = parse_plugin_names(os.environ.get(DISABLE_PLUGINS_ENV))
         self.engine = LLMEngine(config, PlatformRegistry(blocked=blocked))
 
     def get_tokenizer(self) -> Any:

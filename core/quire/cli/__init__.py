@@ -1,0 +1,48 @@
+"""The ``quire`` command line: one module per subcommand, registered on one parser.
+
+To add a subcommand, write ``quire/cli/<name>.py`` with ``register(subparsers)`` that adds
+its parser and sets ``run`` (``(argparse.Namespace) -> int``) as a default, then list the
+module in :data:`COMMANDS`. Errors caused by the user's input are raised as
+:class:`~quire.cli.common.UsageError` and printed argparse-style, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from quire.cli import common, plugins
+
+#: Subcommand modules, in the order ``quire --help`` lists them.
+COMMANDS = (plugins,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser for ``quire``, with every subcommand in :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="quire", description="Quire: LLM inference with pluggable hardware platforms."
+    )
+    common.add_global_options(parser)
+    subparsers = parser.add_subparsers(title="commands", dest="command", required=True)
+    for command in COMMANDS:
+        command.register(subparsers)
+    # Global options are accepted after the subcommand too; SUPPRESS keeps a subcommand's
+    # unset default from overwriting a value given before it.
+    for subparser in subparsers.choices.values():
+        common.add_global_options(subparser, default=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``quire`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed help (0) or a usage error (2) already
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.run(args)
+    except common.UsageError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2

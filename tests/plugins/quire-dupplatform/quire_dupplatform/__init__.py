@@ -1,0 +1,1 @@
+"""Test-only Quire plugin whose device name collides with quire-testplatform's."""
