@@ -1,0 +1,259 @@
+"""The cpu platform: its contract, its plugin hook, host memory readings, collectives."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pluggy
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from quire.distributed import TorchDistributedCommunicator
+from quire.interfaces import AttentionBackend, Communicator, MemoryProfiler, Platform
+from quire.platforms.cpu import CpuPlatform
+from quire.platforms.cpu import plugin as cpu_plugin
+from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.platforms.cpu.memory import CpuMemoryProfiler
+from quire.plugins import hookspecs
+from quire.plugins.spec import PLUGIN_API_VERSION
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+# -- platform contract ---------------------------------------------------------------------
+
+
+def test_platform_attributes() -> None:
+    platform = CpuPlatform()
+    assert isinstance(platform, Platform)
+    assert platform.name == "cpu" and platform.device_type == "cpu"
+    assert platform.distributed_backend == "gloo"
+    assert platform.supported_dtypes == (torch.float32, torch.bfloat16, torch.float16)
+    assert platform.default_block_size == 16
+    assert platform.priority == 0
+    assert platform.device() == torch.device("cpu")
+    availability = platform.availability()
+    assert availability and platform.is_available()
+    assert availability.reason == ""
+
+
+def test_check_dtype() -> None:
+    platform = CpuPlatform()
+    for dtype in platform.supported_dtypes:
+        platform.check_dtype(dtype)
+    with pytest.raises(ValueError, match=r"float64 .* 'cpu' .*: float32, bfloat16, float16"):
+        platform.check_dtype(torch.float64)
+
+
+def test_factories_build_fresh_backends() -> None:
+    platform = CpuPlatform()
+    backend = platform.make_attention_backend()
+    assert isinstance(backend, AttentionBackend) and isinstance(backend, CpuAttentionBackend)
+    assert platform.make_attention_backend() is not backend
+    comm = platform.make_communicator()
+    assert isinstance(comm, Communicator) and (comm.rank, comm.world_size) == (0, 1)
+    assert isinstance(platform.make_memory_profiler(), MemoryProfiler)
+
+
+# -- plugin hook -------------------------------------------------------------------------------
+
+
+def test_plugin_hook_provides_the_platform() -> None:
+    pm = pluggy.PluginManager("quire")
+    pm.add_hookspecs(hookspecs)
+    pm.register(cpu_plugin)
+    (specs,) = pm.hook.quire_platforms()
+    (spec,) = specs
+    assert spec.name == "cpu" and spec.api_version == PLUGIN_API_VERSION
+    assert spec.description
+    assert isinstance(spec.factory(), CpuPlatform)
+
+
+def test_entry_point_names_the_plugin_module() -> None:
+    points = importlib.metadata.entry_points(group="quire.platforms")
+    (cpu,) = [p for p in points if p.name == "cpu"]
+    assert cpu.load() is cpu_plugin
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def fake_proc(
+    root: Path, *, available_kib: int, total_kib: int = 64 * 1024 * 1024, rss_kib: int = 1000
+) -> Path:
+    """A procfs stand-in with meminfo and self/status; no clear_refs (not writable)."""
+    (root / "self").mkdir(parents=True)
+    (root / "meminfo").write_text(
+        f"MemTotal:       {total_kib} kB\nMemFree:        12 kB\n"
+        f"MemAvailable:   {available_kib} kB\nHugePages_Total:       0\n"
+    )
+    write_status(root, hwm_kib=rss_kib, rss_kib=rss_kib)
+    (root / "self" / "clear_refs").mkdir()  # a directory: opening it to write fails
+    return root
+
+
+def write_status(proc: Path, *, hwm_kib: int, rss_kib: int) -> None:
+    (proc / "self" / "status").write_text(
+        f"Name:\tpython\nVmPeak:\t  999999 kB\n"
+        f"VmHWM:\t{hwm_kib:8d} kB\nVmRSS:\t{rss_kib:8d} kB\n"
+    )
+
+
+def test_real_host_readings_are_sane() -> None:
+    profiler = CpuMemoryProfiler()
+    total, free = profiler.total_memory(), profiler.free_memory()
+    assert 0 < free <= total
+
+
+def test_readings_parse_meminfo(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", available_kib=1000, total_kib=4000)
+    profiler = CpuMemoryProfiler(proc=proc, cgroup=tmp_path / "no-cgroup")
+    assert profiler.total_memory() == 4000 * 1024
+    assert profiler.free_memory() == 1000 * 1024
+
+
+def test_cgroup_limit_caps_readings(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", available_kib=8 * 1024 * 1024)  # 8 GiB free on host
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{2 * GIB}\n")
+    (cgroup / "memory.current").write_text(f"{GIB // 2}\n")
+    profiler = CpuMemoryProfiler(proc=proc, cgroup=cgroup)
+    assert profiler.total_memory() == 2 * GIB
+    assert profiler.free_memory() == 2 * GIB - GIB // 2
+    (cgroup / "memory.max").write_text("max\n")  # unlimited: host figures again
+    assert profiler.free_memory() == 8 * GIB
+
+
+def test_sysconf_fallback_without_proc(tmp_path: Path) -> None:
+    profiler = CpuMemoryProfiler(proc=tmp_path / "absent", cgroup=tmp_path / "absent")
+    total, free = profiler.total_memory(), profiler.free_memory()
+    assert 0 < free <= total
+
+
+def test_peak_grows_with_a_touched_allocation() -> None:
+    profiler = CpuMemoryProfiler()
+    profiler.reset_peak()
+    before = profiler.peak_memory()
+    block = torch.ones(200 * MIB // 4)  # 200 MB, written so the pages are resident
+    after = profiler.peak_memory()
+    del block
+    assert after - before >= 180 * MIB
+    # freeing does not lower the peak until the next reset (Linux's RSS counters are
+    # synced lazily, so compare with the allocation's size, not byte for byte)
+    assert profiler.peak_memory() - before >= 180 * MIB
+
+
+def test_profile_reports_a_freed_transient_peak() -> None:
+    profiler = CpuMemoryProfiler()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pytest.skip("clear_refs not writable here: the fallback cannot see freed memory")
+    rise = profiler.profile(lambda: torch.ones(200 * MIB // 4).sum())
+    assert rise >= 180 * MIB
+
+
+def test_peak_fallback_without_clear_refs(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", available_kib=1000)
+    write_status(proc, hwm_kib=5000, rss_kib=3000)  # an earlier lifetime high of 5000
+    profiler = CpuMemoryProfiler(proc=proc, cgroup=tmp_path / "no-cgroup")
+    profiler.reset_peak()
+    assert profiler.peak_memory() == 3000 * 1024  # RSS at reset
+    write_status(proc, hwm_kib=5000, rss_kib=4000)  # below the old high: lower bound
+    assert profiler.peak_memory() == 4000 * 1024
+    write_status(proc, hwm_kib=7000, rss_kib=3500)  # a new high inside the window: exact
+    assert profiler.peak_memory() == 7000 * 1024
+
+
+def test_kv_budget_arithmetic(tmp_path: Path) -> None:
+    def profiler_with_free(gib: int) -> CpuMemoryProfiler:
+        proc = fake_proc(tmp_path / f"proc{gib}", available_kib=gib * 1024 * 1024)
+        return CpuMemoryProfiler(proc=proc, cgroup=tmp_path / "no-cgroup")
+
+    small, large = profiler_with_free(10), profiler_with_free(100)
+    assert small.kv_budget(None) == int(10 * GIB * 0.4)  # 40% of free
+    assert large.kv_budget(None) == 8 * GIB  # capped
+    assert large.kv_budget(None, activation_peak=GIB) == 7 * GIB
+    assert small.kv_budget(0.5) == 5 * GIB
+    assert small.kv_budget(0.5, activation_peak=GIB) == 4 * GIB
+    assert small.kv_budget(3 * GIB) == 3 * GIB
+
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        small.kv_budget(1.5)
+    with pytest.raises(ValueError, match="must be > 0"):
+        small.kv_budget(-1)
+    with pytest.raises(ValueError, match="exceeds"):
+        small.kv_budget(11 * GIB)
+    with pytest.raises(ValueError, match="no memory left"):
+        small.kv_budget(None, activation_peak=5 * GIB)
+
+    assert small.num_kv_blocks(1000, 300) == 3
+    with pytest.raises(ValueError, match="holds no page"):
+        small.num_kv_blocks(100, 300)
+    with pytest.raises(ValueError, match="bytes_per_block"):
+        small.num_kv_blocks(1000, 0)
+
+
+# -- communicator --------------------------------------------------------------------------------
+
+
+def test_world_size_one_returns_inputs_unchanged() -> None:
+    comm = TorchDistributedCommunicator("gloo")
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    original = x.clone()
+    assert comm.all_reduce(x) is x
+    assert comm.all_gather(x, dim=0) is x
+    assert comm.broadcast(x) is x
+    comm.barrier()
+    assert torch.equal(x, original)
+
+
+def test_bad_ranks_are_refused() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        TorchDistributedCommunicator("gloo", 0, 0)
+    with pytest.raises(ValueError, match="rank"):
+        TorchDistributedCommunicator("gloo", 2, 2)
+    with pytest.raises(ValueError, match="src"):
+        TorchDistributedCommunicator("gloo").broadcast(torch.ones(1), src=1)
+
+
+def test_many_ranks_need_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("another test left a process group initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group.*'gloo'"):
+        TorchDistributedCommunicator("gloo", rank=0, world_size=2)
+
+
+def _two_rank_worker(rank: int, init_file: str) -> None:
+    """Runs in a spawned process; an assertion failure fails the parent's spawn call."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
+    )
+    try:
+        comm = CpuPlatform().make_communicator(rank, 2)
+        x = torch.full((2, 3), float(rank + 1))
+        original = x.clone()
+
+        assert torch.equal(comm.all_reduce(x), torch.full((2, 3), 3.0))
+        gathered = comm.all_gather(x, dim=0)
+        expected = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+        assert torch.equal(gathered, expected)
+        assert comm.all_gather(x).shape == (2, 6)
+        assert torch.equal(comm.broadcast(x, src=0), torch.full((2, 3), 1.0))
+        comm.barrier()
+        assert torch.equal(x, original)  # inputs are never changed
+
+        with pytest.raises(RuntimeError, match="asked for 'xccl'"):
+            TorchDistributedCommunicator("xccl", rank, 2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_over_gloo(tmp_path: Path) -> None:
+    # A file rendezvous instead of a TCP port: no free-port race with parallel runs.
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True)
