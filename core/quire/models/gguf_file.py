@@ -1,0 +1,185 @@
+"""GGUF files (llama.cpp's format) read back into Hugging Face names, layouts and config.
+
+What llama.cpp's converter changed, and what this module undoes:
+
+- *Names*: ``token_embd``, ``blk.N.attn_q`` ... instead of ``model.embed_tokens``,
+  ``model.layers.N.self_attn.q_proj`` ... (table :data:`BLOCK_NAMES`).
+- *Dimension order*: GGUF lists dimensions fastest-first (``[in, out]`` for a weight).
+  ``gguf.quants.dequantize`` already returns the row-major ``[out, in]`` array; the shape
+  is still checked against the reversed GGUF shape.
+- *Quantisation*: every tensor is dequantised to float32 (F16/BF16 too), with
+  ``gguf.quants.dequantize``, one tensor at a time.
+- *Q/K rows, llama architecture only*: for its interleaved rope kernel the converter
+  reorders each head's rows of ``q_proj``/``k_proj`` (weights and biases) from
+  rotate-half pairs ``(i, i + D/2)`` to adjacent pairs ``(2i, 2i + 1)``. Qwen2/Qwen3 use
+  llama.cpp's NeoX rope and are stored unpermuted. (transformers' GGUF loader agrees:
+  it un-permutes for ``llama`` only.)
+- *Config*: transformers builds the config from the metadata; this module adds what it
+  leaves out for these families: ``head_dim`` from ``attention.key_length``,
+  ``attention_bias``/``mlp_bias`` from the bias tensors present, rope scaling from
+  ``rope.scaling.*`` (linear, yarn), and the ``rope_freqs`` tensor (Llama 3.1's
+  frequency divisors) as ``freq_factors`` in the rope parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+#: GGUF ``general.architecture`` values this reader maps.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+#: Tensors outside the blocks: GGUF name -> Hugging Face module path.
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+#: Per-block tensors: GGUF name (after ``blk.N.``) -> HF path (after ``model.layers.N.``).
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+#: Tensors that are settings rather than weights; read into the config instead.
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a GGUF tensor.
+
+    :raises ValueError: for a name this reader does not know.
+    """
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL_RE.fullmatch(gguf_name)
+    if m and m.group(1) in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name known to quire")
+
+
+def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head q/k row interleave (see the module docs).
+
+    :param rows: [num_heads * D, ...] (a weight or a bias).
+    """
+    head_pairs = rows.shape[0] // num_heads // 2
+    return (
+        rows.reshape(num_heads, head_pairs, 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every weight in the file, one at a time.
+
+    :raises ValueError: for an unsupported architecture or an unknown tensor name.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _architecture(reader, path)
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads)
+    for tensor in reader.tensors:
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # fastest-first -> row-major
+        data = dequantize(tensor.data, tensor.tensor_type)
+        if data.size != int(np.prod(shape)):
+            raise ValueError(f"GGUF tensor {tensor.name!r}: {data.shape} does not fit {shape}")
+        data = data.reshape(shape)
+        if arch == "llama" and ".q_proj." in name:
+            data = unpermute_rows(data, num_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = unpermute_rows(data, num_kv_heads)
+        # a copy: unquantised tensors come back as read-only views of the memory map
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """The Hugging Face config of a GGUF file, completed for these families.
+
+    :raises ValueError: for an unsupported architecture or rope scaling type.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = _architecture(reader, path)
+    directory, name = os.path.split(os.path.abspath(path))
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length:
+        config.head_dim = int(key_length)
+    # No metadata says whether projections have biases; the tensors present do.
+    names = {tensor.name for tensor in reader.tensors}
+    if "blk.0.attn_q.bias" in names:
+        config.attention_bias = True
+    if "blk.0.ffn_up.bias" in names:
+        config.mlp_bias = True
+    updates = _rope_updates(reader, arch)
+    if updates:
+        _update_rope(config, updates)
+    return config
+
+
+def _rope_updates(reader: Any, arch: str) -> dict[str, Any]:
+    updates: dict[str, Any] = {}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        updates["rope_type"] = scaling
+        updates["factor"] = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            updates["original_max_position_embeddings"] = int(original)
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (linear, yarn)")
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            updates["freq_factors"] = np.array(tensor.data, dtype=np.float32).tolist()
+    return updates
+
+
+def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:
+    # transformers v5 keeps rope settings in rope_parameters; older ones in rope_scaling.
+    if isinstance(getattr(config, "rope_parameters", None), dict):
+        config.rope_parameters = {**config.rope_parameters, **updates}
+    else:
+        config.rope_scaling = {**(getattr(config, "rope_scaling", None) or {}), **updates}
+
+
+def _architecture(reader: Any, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A metadata value (number, string or list), or None when absent."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()

@@ -1,0 +1,107 @@
+"""The vocabulary, split by rows over the ranks: the token embedding and the LM head.
+
+The vocabulary is padded up to a multiple of the world size, so every rank holds the
+same number of rows: rank ``r`` owns token ids ``[r * n, (r + 1) * n)``. Padding rows
+hold zeros and their logits are cut off before anything sees them.
+
+- :class:`VocabParallelEmbedding` looks up the ids it owns, zeroes the others, and sums
+  the ranks' partial rows with one ``all_reduce``.
+- :class:`ParallelLMHead` computes the logits of its own rows and ``all_gather`` s them.
+  It may share its weight with the embedding (``tie_word_embeddings``): both use the
+  same split, so each rank's shard is the same tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quire.interfaces.communicator import Communicator
+
+
+class _VocabShard(nn.Module):
+    """The row split both vocabulary layers share, and the loader of their weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, comm: Communicator) -> None:
+        super().__init__()
+        self.comm = comm
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        ws = comm.world_size
+        self.num_embeddings_per_rank = -(-num_embeddings // ws)  # ceil: pad, never drop
+        #: First token id this rank owns; the end is clipped to the real vocabulary.
+        self.vocab_start = comm.rank * self.num_embeddings_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        """Copy this rank's rows of the full ``[vocab, dim]`` tensor; zero the padding.
+
+        :raises ValueError: on a shard id or a shape mismatch.
+        """
+        if shard_id is not None:
+            raise ValueError(f"the vocabulary is not fused; got shard id {shard_id!r}")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
+        owned = max(self.vocab_end - self.vocab_start, 0)
+        param.data[:owned].copy_(loaded[self.vocab_start : self.vocab_start + owned])
+        param.data[owned:].zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"vocab={self.num_embeddings} (rows {self.vocab_start}:{self.vocab_end} here), "
+            f"dim={self.embedding_dim}"
+        )
+
+
+class VocabParallelEmbedding(_VocabShard):
+    """Token id -> embedding row, with the rows split over ranks."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """:param input_ids: int64 [T], each below ``num_embeddings``. :returns: [T, dim]."""
+        if self.comm.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        # Ids owned elsewhere look up row 0 and are then zeroed, so the sum over ranks
+        # leaves exactly the owner's row.
+        local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill(~owned.unsqueeze(-1), 0)
+        return self.comm.all_reduce(rows)
+
+
+class ParallelLMHead(_VocabShard):
+    """Hidden state -> logits over the whole vocabulary (no bias, as in Llama/Qwen)."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share ``embedding``'s weight (``tie_word_embeddings``); nothing is loaded twice.
+
+        :raises ValueError: when the two layers do not split the same vocabulary.
+        """
+        same = (
+            embedding.num_embeddings == self.num_embeddings
+            and embedding.embedding_dim == self.embedding_dim
+            and embedding.comm is self.comm
+        )
+        if not same:
+            raise ValueError(
+                f"cannot tie the LM head ({self.extra_repr()}) to an embedding "
+                f"({embedding.extra_repr()}) with another shape or group"
+            )
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, dim] -> [N, num_embeddings] logits in the weight's dtype."""
+        logits = F.linear(hidden, self.weight)
+        if self.comm.world_size == 1:
+            return logits
+        logits = self.comm.all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings]  # drop the padding rows' logits

@@ -1,0 +1,49 @@
+"""RMSNorm as Llama/Qwen define it, with the decoder's residual add folded in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dimension.
+
+    The statistics are taken in float32 whatever the input dtype, and the normalised
+    value is cast back to the input dtype *before* the weight multiplies it: the same
+    operations, in the same order, as Hugging Face's ``LlamaRMSNorm``, so float32 results
+    agree to rounding and half-precision ones round the same way. Not sharded: every
+    rank holds the whole weight.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x``; with ``residual``, normalise ``x + residual`` instead.
+
+        :param x: [..., hidden_size].
+        :param residual: the running residual stream, same shape and dtype as ``x``.
+        :returns: the normalised tensor; with ``residual``, also the new residual
+            ``x + residual``. That add is the one a decoder layer does between its
+            sublayers, computed as the same single add, so folding it here changes no
+            bit of the result.
+        """
+        if residual is not None:
+            x = residual + x
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,408 @@
+"""The Llama-family decoder: Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3.
+
+One implementation; the families differ in a few switches, gathered in
+:class:`DecoderVariant` and read from the Hugging Face config:
+
+- Llama (also SmolLM2): ``attention_bias`` on q/k/v and o_proj; full attention (as in
+  HF, a stray ``sliding_window`` in a Llama config is ignored).
+- Mistral: as Llama (its configs have no biases), plus ``sliding_window`` (when set) on
+  every layer.
+- Qwen2: bias on q/k/v only; when ``use_sliding_window``, a window on the layers from
+  ``max_window_layers`` on (or those ``layer_types`` marks).
+- Qwen3: ``attention_bias`` on q/k/v and o_proj; per-head RMSNorm of q and k before
+  the rotary embedding; windows as Qwen2.
+
+The MLP bias is ``mlp_bias`` (Llama only; false elsewhere).
+
+The model runs on a *flattened* batch: ``forward(input_ids [T], positions [T], ctx)``,
+with every sequence's new tokens concatenated; attention goes through
+``ctx.attention`` (the platform's paged backend). Module and parameter names mirror
+Hugging Face's (``model.layers.N.self_attn...``) except for the two fusions, whose
+loaders take the checkpoint's separate tensors: ``qkv_proj`` (``q_proj``, ``k_proj``,
+``v_proj``) and ``gate_up_proj`` (``gate_proj``, ``up_proj``).
+
+Tensor parallelism: every layer takes the communicator and holds its shard (heads per
+rank = total heads / world size); at world size 1 no collective runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from quire.interfaces.communicator import Communicator
+from quire.models.context import ForwardContext
+from quire.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    default_weight_loader,
+    get_rope,
+)
+
+#: Checkpoint tensor name fragment -> (our fused parameter's fragment, shard id).
+_FUSED: dict[str, tuple[str, Any]] = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+#: Every shard a fused parameter needs before it counts as loaded.
+_FUSED_SHARDS: dict[str, frozenset[Any]] = {
+    ".qkv_proj.": frozenset("qkv"),
+    ".gate_up_proj.": frozenset({0, 1}),
+}
+#: Checkpoint tensors with no parameter here: buffers some older checkpoints saved.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What distinguishes one family's decoder layer from another's."""
+
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    #: RMSNorm over each head's query/key (Qwen3), before the rotary embedding.
+    qk_norm: bool
+    #: One entry per layer: its attention window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """``config.head_dim`` when set, else ``hidden_size / num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: PretrainedConfig) -> int:
+    """``config.num_key_value_heads``; configs from before GQA lack it (one per query head)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _mistral_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    # The same window on every layer (None: full attention, as Mistral v0.2 and later).
+    window = getattr(config, "sliding_window", None)
+    return (window,) * config.num_hidden_layers
+
+
+def _qwen_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    # Qwen2/3 window only when use_sliding_window is on, and then only the layers from
+    # max_window_layers on (or those config.layer_types marks, where a config has them).
+    # Older configs keep sliding_window set even when it is off, hence the flag check.
+    window = getattr(config, "sliding_window", None)
+    n = config.num_hidden_layers
+    if not getattr(config, "use_sliding_window", False) or window is None:
+        return (None,) * n
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    first = getattr(config, "max_window_layers", 0)
+    return tuple(window if i >= first else None for i in range(n))
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, (q/k norm), rotary, paged attention, output projection."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        variant: DecoderVariant,
+        comm: Communicator,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = variant.sliding_windows[layer_idx]
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            num_kv_heads_of(config),
+            bias=variant.qkv_bias,
+            comm=comm,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=variant.o_proj_bias,
+            comm=comm,
+        )
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; ``rotary`` is this step's (cos, sin)."""
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention(
+            self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(
+        self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator
+    ) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=variant.mlp_bias, comm=comm
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=variant.mlp_bias, comm=comm
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream.
+
+    The residual add happens inside the next norm (:class:`RMSNorm` with ``residual``):
+    the same single add Hugging Face does, so results are unchanged.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        variant: DecoderVariant,
+        comm: Communicator,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, variant, comm)
+        self.mlp = LlamaMLP(config, variant, comm)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:returns: (this layer's MLP output, the residual stream before adding it)."""
+        if residual is None:  # first layer: the stream is the embeddings
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(
+        self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm=comm)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, variant, comm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # One table for every layer; each step's cos/sin are looked up once, not per layer.
+        self.rotary_emb = get_rope(config, head_dim_of(config))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rotary, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM of the Llama family over a flattened batch.
+
+    :param config: the Hugging Face config (``LlamaConfig`` or a sibling).
+    :param comm: the tensor-parallel group; world size 1 for a single device.
+
+    Parameters are uninitialised (``torch.empty``) until :meth:`load_weights`; the engine
+    moves the model with ``.to(device=..., dtype=...)`` first.
+
+    For sizing KV caches (one per layer, indexed by layer number in the
+    ``ForwardContext``): :attr:`num_layers`, :attr:`num_kv_heads` (on this rank) and
+    :attr:`head_dim`.
+    """
+
+    def __init__(self, config: PretrainedConfig, comm: Communicator) -> None:
+        super().__init__()
+        self.config = config
+        self.variant = self.decoder_variant(config)
+        if len(self.variant.sliding_windows) != config.num_hidden_layers:
+            raise ValueError(
+                f"{type(self).__name__}: {len(self.variant.sliding_windows)} per-layer "
+                f"window entries for {config.num_hidden_layers} layers"
+            )
+        self.model = LlamaModel(config, self.variant, comm)
+        attn = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm=comm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        """The family's switches, read from ``config``."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(
+            qkv_bias=bias,
+            o_proj_bias=bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=False,
+            sliding_windows=(None,) * config.num_hidden_layers,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """:param input_ids: int64 [T]. :param positions: int64 [T].
+
+        :returns: [T, hidden_size], after the final norm.
+        """
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] float32 logits (every rank gets all)."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the parameters (this rank's shards).
+
+        :param weights: (name, full tensor) pairs, any dtype, any order.
+        :returns: names (as in ``named_parameters()``) of the parameters now completely
+            loaded; a fused parameter counts once all its parts arrived. Checking that
+            nothing is missing is the caller's job (see ``quire.models.loader``).
+        :raises ValueError: naming a tensor that has no parameter here, or whose shape
+            does not fit its parameter.
+        """
+        params = dict(self.named_parameters())
+        shards: dict[str, set[Any]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the embedding's weight, already loaded under its own name
+            target, shard_id = _fused_target(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"loading {name!r} into {target!r}: {e}") from None
+            if shard_id is None:
+                loaded.add(target)
+            else:
+                shards.setdefault(target, set()).add(shard_id)
+        for target, got in shards.items():
+            if got >= _FUSED_SHARDS[_fused_fragment(target)]:
+                loaded.add(target)
+        return loaded
+
+
+def _fused_target(name: str) -> tuple[str, Any]:
+    for fragment, (fused, shard_id) in _FUSED.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard_id
+    return name, None
+
+
+def _fused_fragment(target: str) -> str:
+    return next(f for f in _FUSED_SHARDS if f in target)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama decoder with ``config.sliding_window`` on every layer."""
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        return replace(super().decoder_variant(config), sliding_windows=_mistral_windows(config))
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: biased q/k/v, unbiased o_proj, optional windowed upper layers."""
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        return DecoderVariant(
+            qkv_bias=True,
+            o_proj_bias=False,
+            mlp_bias=False,
+            qk_norm=False,
+            sliding_windows=_qwen_windows(config),
+        )
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): per-head RMSNorm on q and k before rotary; ``attention_bias``."""
+
+    @classmethod
+    def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(
+            qkv_bias=bias,
+            o_proj_bias=bias,
+            mlp_bias=False,
+            qk_norm=True,
+            sliding_windows=_qwen_windows(config),
+        )

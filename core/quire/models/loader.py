@@ -1,0 +1,122 @@
+"""From a checkpoint path to a loaded model: config, weight stream, build and check.
+
+A checkpoint is either a Hugging Face directory (``config.json`` plus ``*.safetensors``,
+or ``pytorch_model*.bin`` as a fallback) or a single ``.gguf`` file
+(:mod:`quire.models.gguf_file`). Weights are streamed one tensor at a time under
+Hugging Face names, so the peak host memory is one tensor, not one checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from quire.interfaces.communicator import Communicator
+from quire.models.gguf_file import iter_gguf_weights, load_gguf_config
+from quire.models.registry import ModelRegistry
+from quire.plugins.spec import ModelSpec
+
+
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` names a GGUF file (by its extension)."""
+    return path.lower().endswith(".gguf")
+
+
+def load_model_config(path: str) -> PretrainedConfig:
+    """The Hugging Face config of a checkpoint directory or ``.gguf`` file.
+
+    :raises FileNotFoundError: when ``path`` is neither.
+    """
+    if is_gguf(path) and os.path.isfile(path):
+        return load_gguf_config(path)
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path)
+    raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every weight, on the host.
+
+    In a directory: the files of ``model.safetensors.index.json`` if present, else every
+    ``*.safetensors`` (except Mistral's ``consolidated*`` duplicates, which use other
+    names); without safetensors, ``pytorch_model*.bin`` (loaded ``weights_only``).
+
+    :raises FileNotFoundError: when the directory holds no weight files.
+    """
+    if is_gguf(path):
+        yield from iter_gguf_weights(path)
+        return
+    files = _safetensors_files(path)
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    files = _bin_files(path)
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+def load_model(
+    path: str,
+    comm: Communicator,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    extra_models: Iterable[ModelSpec | tuple[ModelSpec, str]] = (),
+) -> tuple[nn.Module, PretrainedConfig]:
+    """Build the model a checkpoint needs, on ``device`` in ``dtype``, and load it.
+
+    :param comm: the tensor-parallel group; each rank loads only its shards.
+    :param extra_models: plugin model specs (see :class:`ModelRegistry`).
+    :returns: (the model in eval mode, its config).
+    :raises ValueError: for an unsupported architecture, a tensor that fits no
+        parameter, or a parameter the checkpoint did not provide (all named; a
+        ``tie_word_embeddings`` LM head is the embedding and needs nothing).
+    """
+    config = load_model_config(path)
+    model_cls = ModelRegistry(extra_models).resolve(config)
+    # Built on the host with torch.empty: that reserves address space but touches no
+    # page, so moving it to the device costs device memory only, in the final dtype.
+    model = model_cls(config, comm)
+    model.to(device=device, dtype=dtype)
+    loaded = model.load_weights(iter_weights(path))
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:8])
+        if len(missing) > 8:
+            shown += f", ... ({len(missing)} in all)"
+        raise ValueError(f"{path}: the checkpoint does not provide {shown}")
+    return model.eval(), config
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    return [f for f in files if not os.path.basename(f).startswith("consolidated")]
+
+
+def _bin_files(path: str) -> list[str]:
+    index = os.path.join(path, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    return sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))

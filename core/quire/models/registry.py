@@ -1,0 +1,121 @@
+"""Which model class runs a checkpoint: Hugging Face architecture name -> ``nn.Module`` class.
+
+The core's own architectures are fixed here; plugins add others as
+:class:`~quire.plugins.spec.ModelSpec` records, passed in explicitly (no process-wide
+table to mutate). A plugin may add an architecture but never replace a core one: a
+checkpoint's meaning must not depend on which plugins happen to be installed.
+
+Lookup is by ``config.architectures[0]``; configs without ``architectures`` (those built
+from GGUF metadata) fall back to ``config.model_type`` for the core families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from quire.plugins.spec import ModelSpec
+
+
+def _core(name: str) -> ModelSpec:
+    def load() -> type[nn.Module]:
+        # Imported on use, so listing architectures never imports model code.
+        from quire.models import llama
+
+        return getattr(llama, name)
+
+    return ModelSpec(architecture=name, load=load)
+
+
+#: The architectures the core implements.
+CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        name: _core(name)
+        for name in (
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+        )
+    }
+)
+
+#: ``config.model_type`` -> core architecture, for configs that name no architecture.
+MODEL_TYPES: Mapping[str, str] = MappingProxyType(
+    {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+)
+
+
+class ModelRegistry:
+    """The core architectures plus those of the given plugin specs. Immutable once built.
+
+    :param extra: plugin-provided specs, each alone or as ``(spec, distribution name)``
+        (what ``PluginRegistry.model_specs()`` returns), the name then used in errors.
+    :raises ValueError: when a spec names a core architecture (naming both), or two
+        specs name the same architecture.
+    """
+
+    def __init__(self, extra: Iterable[ModelSpec | tuple[ModelSpec, str]] = ()) -> None:
+        specs = dict(CORE_MODELS)
+        sources: dict[str, str] = {name: "quire (core)" for name in CORE_MODELS}
+        for item in extra:
+            spec, source = item if isinstance(item, tuple) else (item, _describe(item.load))
+            name = spec.architecture
+            if name in CORE_MODELS:
+                raise ValueError(
+                    f"plugin model {name!r} from {source} may not replace the core "
+                    f"implementation quire.models.llama.{name}"
+                )
+            if name in specs:
+                raise ValueError(
+                    f"model {name!r} is provided twice: by {sources[name]} and by {source}"
+                )
+            specs[name], sources[name] = spec, source
+        self._specs: Mapping[str, ModelSpec] = MappingProxyType(specs)
+
+    def supported(self) -> list[str]:
+        """Every architecture name this registry resolves, sorted."""
+        return sorted(self._specs)
+
+    def resolve(self, config: Any) -> type[nn.Module]:
+        """The model class for ``config`` (a Hugging Face ``PretrainedConfig``).
+
+        :raises ValueError: when neither ``architectures[0]`` nor (without architectures)
+            ``model_type`` is supported; the message lists what is.
+        """
+        architectures = getattr(config, "architectures", None) or []
+        model_type = getattr(config, "model_type", None)
+        if architectures:
+            name = architectures[0]
+        else:
+            name = MODEL_TYPES.get(model_type or "", "")
+        spec = self._specs.get(name)
+        if spec is None:
+            asked = f"architecture {architectures[0]!r}" if architectures else "no architecture"
+            raise ValueError(
+                f"unsupported model: {asked} (model_type {model_type!r}); supported "
+                f"architectures: {', '.join(self.supported())}; model types without an "
+                f"architecture: {', '.join(sorted(MODEL_TYPES))}"
+            )
+        return spec.load()
+
+
+def resolve_architecture(
+    config: Any, extra: Iterable[ModelSpec | tuple[ModelSpec, str]] = ()
+) -> type[nn.Module]:
+    """Shorthand for ``ModelRegistry(extra).resolve(config)``."""
+    return ModelRegistry(extra).resolve(config)
+
+
+def _describe(load: Any) -> str:
+    # A spec alone does not say which plugin it came from; its loader's module does.
+    module = getattr(load, "__module__", None) or "?"
+    return f"loader {module}.{getattr(load, '__qualname__', repr(load))}"
