@@ -28,20 +28,6 @@ from collections.abc import Iterable, Sequence as SequenceABC
 from quire.sequence import Sequence
 
 
-class Block:
-    """One physical page."""
-
-    __slots__ = ("block_id", "ref_count", "block_hash")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: int | None = None
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
-
-
 def hash_block(parent_hash: int | None, token_ids: SequenceABC[int]) -> int:
     """Chained hash of one full page: depends on the whole prefix, not just this page."""
     return hash((parent_hash, tuple(token_ids)))
@@ -58,7 +44,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Per-page state as flat lists, not objects: an engine may have a million pages.
+        self._ref_count = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
         # Free pages, used in id order: a dict keeps insertion order and removes in O(1).
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         # Cached pages with no user, least recently released first.
@@ -68,6 +56,14 @@ class BlockManager:
         self.num_evictions = 0
 
     # -- reading ---------------------------------------------------------------------------
+    def ref_count(self, block_id: int) -> int:
+        """Block tables holding page ``block_id``."""
+        return self._ref_count[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The prefix hash page ``block_id`` is findable by, or None."""
+        return self._hash[block_id]
+
     @property
     def num_free_blocks(self) -> int:
         """Pages a sequence could take now (free and evictable)."""
@@ -130,13 +126,13 @@ class BlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
         self._extend_hashes(seq, num_full)
         for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
+            block_id = seq.block_table[i]
+            if self._hash[block_id] is not None:
                 continue
             h = seq.block_hashes[i]
             if h not in self._by_hash:
-                block.block_hash = h
-                self._by_hash[h] = block.block_id
+                self._hash[block_id] = h
+                self._by_hash[h] = block_id
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(
@@ -153,33 +149,28 @@ class BlockManager:
         held = len(seq.block_table) + len(cached_blocks)
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         new_needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in cached_blocks if self._ref_count[b] == 0)
         if new_needed + revived > self.num_free_blocks:
             return False
         for block_id in cached_blocks:
-            self._acquire(self.blocks[block_id])
+            if self._ref_count[block_id] == 0:
+                del self._evictable[block_id]
+            self._ref_count[block_id] += 1
         seq.block_table.extend(cached_blocks)
-        seq.block_table.extend(self._take_new().block_id for _ in range(new_needed))
+        seq.block_table.extend(self._take_new() for _ in range(new_needed))
         return True
 
-    def _acquire(self, block: Block) -> None:
-        if block.ref_count == 0:
-            del self._evictable[block.block_id]
-        block.ref_count += 1
-
-    def _take_new(self) -> Block:
+    def _take_new(self) -> int:
         if self._free:
             block_id = next(iter(self._free))
             del self._free[block_id]
         else:
             block_id, _ = self._evictable.popitem(last=False)
-            block = self.blocks[block_id]
-            del self._by_hash[block.block_hash]  # type: ignore[arg-type]
-            block.block_hash = None
+            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
+            self._hash[block_id] = None
             self.num_evictions += 1
-        block = self.blocks[block_id]
-        block.ref_count = 1
-        return block
+        self._ref_count[block_id] = 1
+        return block_id
 
     def free(self, seq: Sequence) -> None:
         """Release every page of ``seq`` and empty its table.
@@ -188,10 +179,9 @@ class BlockManager:
         which is the part other requests are likeliest to share.
         """
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
+            self._ref_count[block_id] -= 1
+            if self._ref_count[block_id] == 0:
+                if self._hash[block_id] is None:
                     self._free[block_id] = None
                 else:
                     self._evictable[block_id] = None
@@ -199,10 +189,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page that nobody uses (they become free)."""
-        for block_id in list(self._evictable):
-            block = self.blocks[block_id]
-            del self._by_hash[block.block_hash]  # type: ignore[arg-type]
-            block.block_hash = None
+        for block_id in self._evictable:
+            del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
+            self._hash[block_id] = None
             self._free[block_id] = None
         self._evictable.clear()
 
@@ -214,35 +203,35 @@ class BlockManager:
         hash index points at pages carrying that hash; and, given every live sequence,
         each page's ref count equals the number of tables that hold it.
         """
-        used = [b for b in self.blocks if b.ref_count > 0]
-        if len(self._free) + len(self._evictable) + len(used) != self.num_blocks:
+        n_used = sum(1 for r in self._ref_count if r > 0)
+        if len(self._free) + len(self._evictable) + n_used != self.num_blocks:
             raise AssertionError(
-                f"free {len(self._free)} + cached {len(self._evictable)} + used {len(used)} "
+                f"free {len(self._free)} + cached {len(self._evictable)} + used {n_used} "
                 f"!= total {self.num_blocks}"
             )
-        for b in self.blocks:
-            if b.ref_count < 0:
-                raise AssertionError(f"{b} has a negative ref count")
-            in_free, in_evictable = b.block_id in self._free, b.block_id in self._evictable
-            if b.ref_count > 0 and (in_free or in_evictable):
-                raise AssertionError(f"{b} is used yet listed as free or cached")
-            if b.ref_count == 0 and b.block_hash is None and not in_free:
-                raise AssertionError(f"{b} is unused and unnamed but not in the free list")
-            if b.ref_count == 0 and b.block_hash is not None and not in_evictable:
-                raise AssertionError(f"{b} is unused and cached but not evictable")
-            if b.block_hash is not None and self._by_hash.get(b.block_hash) != b.block_id:
-                raise AssertionError(f"{b} carries a hash the index does not map to it")
-        for h, block_id in self._by_hash.items():
-            if self.blocks[block_id].block_hash != h:
-                raise AssertionError(f"hash index maps {h} to {self.blocks[block_id]}")
+        for b, (ref, h) in enumerate(zip(self._ref_count, self._hash)):
+            page = f"page {b} (ref {ref}, hash {h})"
+            if ref < 0:
+                raise AssertionError(f"{page} has a negative ref count")
+            in_free, in_evictable = b in self._free, b in self._evictable
+            if ref > 0 and (in_free or in_evictable):
+                raise AssertionError(f"{page} is used yet listed as free or cached")
+            if ref == 0 and h is None and not in_free:
+                raise AssertionError(f"{page} is unused and unnamed but not in the free list")
+            if ref == 0 and h is not None and not in_evictable:
+                raise AssertionError(f"{page} is unused and cached but not evictable")
+            if h is not None and self._by_hash.get(h) != b:
+                raise AssertionError(f"{page} carries a hash the index does not map to it")
+        for h, b in self._by_hash.items():
+            if self._hash[b] != h:
+                raise AssertionError(f"hash index maps {h} to page {b} carrying {self._hash[b]}")
         if seqs is not None:
             counts = [0] * self.num_blocks
             for seq in seqs:
                 for block_id in seq.block_table:
                     counts[block_id] += 1
-            for b in self.blocks:
-                if counts[b.block_id] != b.ref_count:
+            for b, ref in enumerate(self._ref_count):
+                if counts[b] != ref:
                     raise AssertionError(
-                        f"{b}: {counts[b.block_id]} block tables hold it, ref count says "
-                        f"{b.ref_count}"
+                        f"page {b}: {counts[b]} block tables hold it, ref count says {ref}"
                     )

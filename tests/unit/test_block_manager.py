@@ -76,7 +76,7 @@ def test_shared_prefix_reuses_pages_without_copying():
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
     for block_id in a.block_table[:2]:
-        assert bm.blocks[block_id].ref_count == 2
+        assert bm.ref_count(block_id) == 2
     bm.check_invariants([a, b])
 
 
@@ -159,8 +159,8 @@ def test_duplicate_content_keeps_the_first_page_named():
     assert bm.allocate(a, 3) and bm.allocate(b, 3)
     bm.cache_full_blocks(a, 3)
     bm.cache_full_blocks(b, 3)
-    assert bm.blocks[a.block_table[0]].block_hash is not None
-    assert bm.blocks[b.block_table[0]].block_hash is None
+    assert bm.block_hash(a.block_table[0]) is not None
+    assert bm.block_hash(b.block_table[0]) is None
     bm.free(b)
     bm.check_invariants([a])
 
@@ -178,7 +178,7 @@ def test_invariant_check_catches_a_wrong_ref_count():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq([1, 2, 3])
     compute(bm, a)
-    bm.blocks[a.block_table[0]].ref_count += 1
+    bm._ref_count[a.block_table[0]] += 1  # corrupt on purpose
     with pytest.raises(AssertionError, match="ref count"):
         bm.check_invariants([a])
 
