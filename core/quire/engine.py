@@ -20,6 +20,7 @@ from quire.config import EngineConfig, ResolvedConfig
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.platform import Platform
 from quire.model_runner import ModelRunner
+from quire.model_store import resolve_model
 from quire.models.loader import load_model, load_model_config
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.plugins.registry import PlatformRegistry
@@ -67,8 +68,10 @@ class LLMEngine:
     """Turns requests into outputs, one step at a time. Not thread-safe."""
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None):
-        self.platform: Platform = (registry or PlatformRegistry()).resolve(config.device)
-        self.model_config = load_model_config(config.model)
+        registry = registry or PlatformRegistry()
+        self.platform: Platform = registry.resolve(config.device)
+        model_path = resolve_model(config.model)
+        self.model_config = load_model_config(model_path)
         self.config: ResolvedConfig = config.resolve(
             model_max_len=_model_max_len(self.model_config),
             platform_block_size=self.platform.default_block_size,
@@ -76,12 +79,13 @@ class LLMEngine:
         )
         self.platform.check_dtype(self.config.dtype)
         self.device = self.platform.device()
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, model_path)
         self.vocab_size: int = self.model_config.vocab_size
 
         comm = self.platform.make_communicator()
-        self.model, _ = load_model(config.model, comm, self.device, self.config.dtype)
+        self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
+                                   extra_models=registry.model_specs())
         self.model.eval()
         backend = self.platform.make_attention_backend()
         self.kv_spec = KVCacheSpec.from_config(self.model_config, comm.world_size)
@@ -206,7 +210,7 @@ class LLMEngine:
         logits, items = self.runner.execute(out.scheduled)
         self.scheduler.complete_step(out)
         seqs = [out.scheduled[i].seq for i in items]
-        tokens = self.sampler.sample(logits, seqs)
+        tokens = self.sampler.sample(logits, seqs) if seqs else []
         finished: list[RequestOutput] = []
         for seq, token in zip(seqs, tokens):
             seq.output_token_ids.append(token)

@@ -30,6 +30,13 @@ class LLM:
         blocked = parse_plugin_names(os.environ.get(DISABLE_PLUGINS_ENV))
         self.engine = LLMEngine(config, PlatformRegistry(blocked=blocked))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine built elsewhere (the CLI builds it with its own registry)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

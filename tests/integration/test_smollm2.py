@@ -1,0 +1,53 @@
+"""The real SmolLM2-135M-Instruct (GGUF, dequantized) against transformers, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from quire import LLM, SamplingParams
+from tiny_models import hf_greedy, hf_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    model = hf_model(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(str(smollm2_gguf), device="cpu", dtype="float32")
+
+
+def test_greedy_32_tokens_match_transformers(llm, reference):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    for text, out in zip(PROMPTS, outs):
+        ids = tok.encode(text)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(reference, ids, 32), text
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids,
+                                                 skip_special_tokens=True)
+
+
+def test_chat_prompt_stops_at_the_model_eos_like_transformers(llm, reference):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    eos = reference.generation_config.eos_token_id
+    eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
+    expected = hf_greedy(reference, ids, 64, eos_ids=eos_ids)
+    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=64))
+    assert out.outputs[0].token_ids == expected
+    assert expected[-1] in eos_ids, "the reference should end by itself within 64 tokens"
+    assert out.outputs[0].finish_reason == "stop"
+    assert "Paris" in out.outputs[0].text
