@@ -241,3 +241,21 @@ def test_bad_attention_options_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         metadata = backend.build_metadata(case.batch)
         backend.attend(case.query, case.kv_cache, metadata, scale=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_unwritten_slots_never_leak_into_the_output(poison: float) -> None:
+    """A fresh cache may hold any bits; NaN or inf past a sequence's end must not show."""
+    block_size = 4
+    case = make_case(MIXED, block_size=block_size, group=2, dtype=torch.float32, seed=3)
+    flat = case.kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    keep = torch.zeros(flat.shape[1], dtype=torch.bool)
+    for i, seq_len in enumerate(case.batch.seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        keep[case.batch.block_tables[i, pos // block_size].long() * block_size
+             + pos % block_size] = True
+    flat[:, ~keep] = poison
+    out = run_backend(case, scale=HEAD_SIZE**-0.5, window=None, soft_cap=None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive_attention(case, HEAD_SIZE**-0.5, None, None),
+                               rtol=1e-5, atol=1e-5)

@@ -42,6 +42,10 @@ class _Group:
     #: bool [b, max_q, L]: key ``j`` is inside the sequence and not in the future of the
     #: row (``j < seq_len`` and ``j <= p``); the sliding window is applied per layer.
     causal_mask: torch.Tensor
+    #: bool [b, L, 1, 1]: slot ``j`` holds one of the sequence's tokens (``j < seq_len``).
+    #: Slots past the end were never written for this sequence and may hold anything,
+    #: NaN included, which a zero probability would not cancel (0 * NaN = NaN).
+    kv_valid: torch.Tensor
     num_seqs: int
     max_q: int
 
@@ -161,15 +165,15 @@ def _build_group(
     q_pos = (seq_lens - q_lens)[:, None] + last_row
 
     j = torch.arange(n_blocks * batch.block_size, device=device)
-    causal_mask = (j[None, None, :] < seq_lens[:, None, None]) & (
-        j[None, None, :] <= q_pos[:, :, None]
-    )
+    kv_valid = j[None, :] < seq_lens[:, None]
+    causal_mask = kv_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
     return _Group(
         token_idx=flat_row[real],
         padded_idx=cell[real],
         block_tables=batch.block_tables[seq_idx, :n_blocks].long(),
         q_pos=q_pos,
         causal_mask=causal_mask,
+        kv_valid=kv_valid[:, :, None, None],
         num_seqs=b,
         max_q=max_q,
     )
@@ -191,6 +195,8 @@ def _attend_group(
     # gather: [b, n_blocks, block_size, Hkv, D] -> [b, L, Hkv, D]
     keys = kv_cache[0][group.block_tables].flatten(1, 2).float()
     values = kv_cache[1][group.block_tables].flatten(1, 2).float()
+    # indexing made a copy, so this never touches the cache
+    values.masked_fill_(~group.kv_valid, 0.0)
 
     # scatter the group's queries into [b, max_q, Hq, D]; padding rows stay zero
     q = query.new_zeros(b * max_q, hq, d)
