@@ -85,6 +85,7 @@ class LLMEngine:
 
         comm = self.platform.make_communicator()
         self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
+                                   config=self.model_config,
                                    extra_models=registry.model_specs())
         self.model.eval()
         backend = self.platform.make_attention_backend()

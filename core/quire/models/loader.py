@@ -76,18 +76,21 @@ def load_model(
     device: torch.device | str,
     dtype: torch.dtype,
     *,
+    config: PretrainedConfig | None = None,
     extra_models: Iterable[ModelSpec | tuple[ModelSpec, str]] = (),
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model a checkpoint needs, on ``device`` in ``dtype``, and load it.
 
     :param comm: the tensor-parallel group; each rank loads only its shards.
+    :param config: the checkpoint's config when the caller has read it already
+        (reading a GGUF file's metadata takes seconds).
     :param extra_models: plugin model specs (see :class:`ModelRegistry`).
     :returns: (the model in eval mode, its config).
     :raises ValueError: for an unsupported architecture, a tensor that fits no
         parameter, or a parameter the checkpoint did not provide (all named; a
         ``tie_word_embeddings`` LM head is the embedding and needs nothing).
     """
-    config = load_model_config(path)
+    config = config if config is not None else load_model_config(path)
     model_cls = ModelRegistry(extra_models).resolve(config)
     # Built on the host with torch.empty: that reserves address space but touches no
     # page, so moving it to the device costs device memory only, in the final dtype.
