@@ -129,7 +129,12 @@ class LLMEngine:
         if not isinstance(requested, int):  # a share of free memory: leave room to run
             activation_peak = profiler.profile(lambda: self._profile_run(backend))
         budget = profiler.kv_budget(requested, activation_peak)
-        return profiler.num_kv_blocks(budget, self._bytes_per_block(backend))
+        num_blocks = profiler.num_kv_blocks(budget, self._bytes_per_block(backend))
+        # Never more pages than max_num_seqs sequences of max_model_len tokens can hold:
+        # a small model's default budget would otherwise be millions of pages that only
+        # cost start-up time and bookkeeping memory.
+        most = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
+        return min(num_blocks, most)
 
     def _profile_run(self, backend: AttentionBackend) -> None:
         """One forward of the largest step, on a throwaway cache, to measure activations."""
