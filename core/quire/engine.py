@@ -21,6 +21,7 @@ from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.platform import Platform
 from quire.model_runner import ModelRunner
 from quire.model_store import resolve_model
+from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.plugins.registry import PlatformRegistry
@@ -44,24 +45,15 @@ class _Request:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape facts of the model's KV cache, per rank."""
+    """Shape facts of the model's KV cache, on this rank."""
 
     num_layers: int
     num_kv_heads: int
     head_size: int
 
     @classmethod
-    def from_config(cls, config: object, world_size: int = 1) -> "KVCacheSpec":
-        heads = config.num_attention_heads  # type: ignore[attr-defined]
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_size = getattr(config, "head_dim", None) or (
-            config.hidden_size // heads  # type: ignore[attr-defined]
-        )
-        return cls(
-            num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
-            num_kv_heads=max(1, kv_heads // world_size),
-            head_size=head_size,
-        )
+    def of(cls, model: CausalLM) -> "KVCacheSpec":
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
 
 
 class LLMEngine:
@@ -89,7 +81,7 @@ class LLMEngine:
                                    extra_models=registry.model_specs())
         self.model.eval()
         backend = self.platform.make_attention_backend()
-        self.kv_spec = KVCacheSpec.from_config(self.model_config, comm.world_size)
+        self.kv_spec = KVCacheSpec.of(self.model)
         num_blocks = self._num_kv_blocks(backend)
         kv_caches = [
             backend.allocate_kv_cache(num_blocks, self.config.block_size,
