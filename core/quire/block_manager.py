@@ -160,6 +160,25 @@ class BlockManager:
         seq.block_table.extend(self._take_new() for _ in range(new_needed))
         return True
 
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give ``child`` (empty table) the first ``num_blocks`` of ``parent``'s pages.
+
+        No page is copied: each gains a reference, and the child's pages past these are
+        its own. Only full pages may be shared, since both would write into a partial one.
+        """
+        if child.block_table:
+            raise ValueError("pages can only be shared into an empty block table")
+        if num_blocks * self.block_size > parent.num_computed_tokens:
+            raise ValueError(
+                f"cannot share {num_blocks} pages: only {parent.num_computed_tokens} of the "
+                "parent's tokens are computed"
+            )
+        shared = parent.block_table[:num_blocks]
+        for block_id in shared:
+            self._ref_count[block_id] += 1
+        child.block_table.extend(shared)
+        child.block_hashes[:] = parent.block_hashes[:num_blocks]
+
     def _take_new(self) -> int:
         if self._free:
             block_id = next(iter(self._free))

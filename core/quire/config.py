@@ -77,6 +77,9 @@ class EngineConfig:
         default=None, metadata=_help("context length (default: the model's)")
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random generator"))
+    max_logprobs: int = field(
+        default=20, metadata=_help("most logprobs or prompt_logprobs a request may ask for")
+    )
     kv_cache_memory: int | float | None = field(
         default=None,
         metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
@@ -90,6 +93,9 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _positive("max_model_len", self.max_model_len, optional=True)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         kv = self.kv_cache_memory

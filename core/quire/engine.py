@@ -23,24 +23,16 @@ from quire.model_runner import ModelRunner
 from quire.model_store import resolve_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
-from quire.outputs import CompletionOutput, RequestOutput
+from quire.output_processor import OutputProcessor, RequestState
+from quire.outputs import RequestOutput
 from quire.plugins.registry import PlatformRegistry
-from quire.sampler import Sampler
+from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
 from quire.scheduler import ScheduledSeq, Scheduler
 from quire.sequence import Sequence
 from quire.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
 
 
 @dataclass(frozen=True)
@@ -99,8 +91,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, backend, kv_caches, self.config.block_size,
                                   self.device)
-        self.sampler = Sampler()
-        self._requests: dict[str, _Request] = {}
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
+                               seed=config.seed)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                         self.config.max_model_len)
+        self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         logger.info(
             "engine ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens)",
@@ -156,19 +151,35 @@ class LLMEngine:
         """Queue a request. Checks everything before anything is scheduled.
 
         :raises ValueError: for an empty or too long prompt, a token id outside the
-            vocabulary, a duplicate request id, or a request the KV cache could never hold.
+            vocabulary, parameters outside this engine's limits, a duplicate request id,
+            or a request the KV cache could never hold.
         """
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         tokens = self._check_prompt(prompt_token_ids)
-        seq_id = next(self._ids)
-        seq = Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=tokens,
-                       params=params, arrival=seq_id)
-        longest = min(len(tokens) + params.max_tokens, self.config.max_model_len)
-        self.scheduler.add(seq, max(len(tokens), longest - 1))
-        self._requests[rid] = _Request(rid, prompt, tokens, params, [seq])
+        params.check_against(max_logprobs=self.config.engine.max_logprobs,
+                             vocab_size=self.vocab_size)
+        seq = self._new_sequence(rid, tokens, params, index=0)
+        self.scheduler.add(seq, self._max_kv_tokens(seq))
+        req = RequestState(rid, prompt, tokens, params,
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.processor.track(req, seq)
+        self._requests[rid] = req
         return rid
+
+    def _new_sequence(self, rid: str, tokens: list[int], params: SamplingParams,
+                      index: int, arrival: int | None = None) -> Sequence:
+        seq_id = next(self._ids)
+        # each sample gets its own parameters (n=1, a seeded request's seed + index)
+        return Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=tokens,
+                        params=params.for_sequence(index),
+                        arrival=seq_id if arrival is None else arrival, index=index)
+
+    def _max_kv_tokens(self, seq: Sequence) -> int:
+        longest = seq.num_prompt_tokens + seq.params.max_output_tokens(
+            seq.num_prompt_tokens, self.config.max_model_len)
+        return max(seq.num_prompt_tokens, longest - 1)
 
     def _check_prompt(self, token_ids: Iterable[int]) -> list[int]:
         tokens = [int(t) for t in token_ids]
@@ -186,72 +197,89 @@ class LLMEngine:
             )
         return tokens
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its pages; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; unknown or finished ids are ignored.
+
+        :returns: the request's last output, finished with reason "abort", or None.
+        """
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
+        if req is None:
+            return None
+        for out in req.outputs:
+            if not out.seq.is_finished:
+                self.scheduler.abort(out.seq)
+            self.sampler.release(out.seq.seq_id)
+        return self.processor.make_output(req, req.outputs[0].seq.num_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._requests)
 
     # -- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, and report the requests that finished."""
+        """Schedule, run one forward, sample; report every request that changed."""
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found no work it could run; this is a bug")
             return []
-        logits, items = self.runner.execute(out.scheduled)
+        result = self.runner.execute(out.scheduled)
         self.scheduler.complete_step(out)
-        seqs = [out.scheduled[i].seq for i in items]
-        tokens = self.sampler.sample(logits, seqs) if seqs else []
-        finished: list[RequestOutput] = []
-        for seq, token in zip(seqs, tokens):
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+        changed: dict[str, RequestState] = {}
+        for item_idx, first_pos, logits in result.prompt_logits:
+            seq = out.scheduled[item_idx].seq
+            self._record_prompt_logprobs(self._requests[seq.request_id], first_pos, logits)
+        seqs = [out.scheduled[i].seq for i in result.sample_items]
+        if seqs:
+            sampled = self.sampler.sample(result.logits, seqs)
+            for row, seq in enumerate(seqs):
                 req = self._requests[seq.request_id]
-                if all(s.is_finished for s in req.seqs):
-                    finished.append(self._output(self._requests.pop(seq.request_id)))
-        return finished
+                if seq.index == 0 and seq.num_output_tokens == 0 and req.params.n > 1:
+                    self._fork(req, seq)  # before the parent can finish and free its pages
+                token = sampled.token_ids[row]
+                logprobs = None
+                if sampled.logprobs is not None and sampled.logprobs[row] is not None:
+                    lp = sampled.logprobs[row]
+                    logprobs = self.processor.token_logprobs(token, lp.logprob, lp.rank, lp.top)
+                reason = self.processor.append_token(req.outputs[seq.index], token, logprobs)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    self.sampler.release(seq.seq_id)
+                changed[req.request_id] = req
+        outputs = []
+        for rid, req in changed.items():
+            outputs.append(self.processor.make_output(req, req.outputs[0].seq.num_cached_tokens))
+            if req.finished:
+                del self._requests[rid]
+        return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+    def _fork(self, req: RequestState, parent: Sequence) -> None:
+        """Start samples 1..n-1 on the parent's prompt pages (shared, not recomputed).
 
-    def _output(self, req: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True),
-                token_ids=list(s.output_token_ids),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(req.seqs)
-        ]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=True,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-        )
+        The parent has just computed its whole prompt. Each child takes the parent's full
+        prompt pages by reference and recomputes only the prompt's last partial page (at
+        least its last token, whose logits it samples its own first token from).
+        """
+        for index in range(1, req.params.n):
+            child = self._new_sequence(req.request_id, req.prompt_token_ids, req.params,
+                                       index=index, arrival=parent.arrival)
+            self.scheduler.fork(parent, child)
+            self.processor.track(req, child)
+
+    def _record_prompt_logprobs(self, req: RequestState, first_pos: int,
+                                logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens ``first_pos + 1 ...`` from the logits before them."""
+        assert req.prompt_logprobs is not None
+        known = len(req.prompt_logprobs)  # positions already recorded (recompute repeats)
+        targets = req.prompt_token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]]
+        skip = max(0, known - (first_pos + 1))
+        if skip >= len(targets):
+            return
+        entries = compute_prompt_logprobs(logits[skip:], torch.tensor(targets[skip:]),
+                                          req.params.prompt_logprobs)
+        for target, lp in zip(targets[skip:], entries):
+            req.prompt_logprobs.append(
+                self.processor.token_logprobs(target, lp.logprob, lp.rank, lp.top))
 
 
 def _model_max_len(config: object) -> int:

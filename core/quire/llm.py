@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence as SequenceABC
+from collections.abc import Iterator, Mapping, Sequence as SequenceABC
 from typing import Any, Union
 
 from quire.config import EngineConfig
@@ -44,27 +44,105 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in prompt order.
 
+        :param use_tqdm: show a progress bar of finished requests.
         :raises ValueError: for an invalid prompt or parameters, before anything runs.
         """
+        results: dict[str, RequestOutput] = {}
+        order = self._add_requests(prompts, sampling_params)
+        bar = _progress(len(order)) if use_tqdm else None
+        for out in self._run(order):
+            if out.finished:
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    def stream(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's output every time it changes (cumulative text and ids).
+
+        The last output of a request has ``finished=True``. Text withheld while it might
+        still begin a stop string arrives later, so each text extends the previous one.
+        Leaving the loop early aborts what is still running.
+        """
+        yield from self._run(self._add_requests(prompts, sampling_params))
+
+    def chat(
+        self,
+        messages: SequenceABC[Mapping[str, Any]] | SequenceABC[SequenceABC[Mapping[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations.
+
+        Each conversation is rendered with the tokenizer's chat template (or
+        ``chat_template``, a Jinja string) and tokenized as is: the template places any
+        special tokens itself.
+
+        :raises ValueError: when the model has no chat template and none is given.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) \
+            else list(messages)
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass one with "
+                "chat_template=\"...\" (a Jinja template)"
+            )
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_requests(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+    ) -> list[str]:
+        """Check and queue every prompt, all or none; returns the request ids in order."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         encoded = [self._encode(p) for p in batch]
-        order: dict[str, int] = {}
+        order: list[str] = []
         try:
-            for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
-                order[self.engine.add_request(ids, sp, prompt=text)] = i
+            for (text, ids), sp in zip(encoded, params):
+                order.append(self.engine.add_request(ids, sp, prompt=text))
         except ValueError:
             for rid in order:
                 self.engine.abort_request(rid)
             raise
-        results: list[RequestOutput | None] = [None] * len(batch)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                results[order[out.request_id]] = out
-        return [r for r in results if r is not None]
+        return order
+
+    def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(request_ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id not in pending:
+                        continue  # another caller's request on the same engine
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+        finally:
+            for rid in pending:  # the caller stopped early, or a step raised
+                self.engine.abort_request(rid)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -111,3 +189,9 @@ def _as_params_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts; give one or {n}")
     return params
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm  # transformers' own dependency
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -31,6 +31,20 @@ class StepInputs:
     #: in the scheduled list.
     sample_rows: torch.Tensor
     sample_items: tuple[int, ...]
+    #: For sequences that want prompt logprobs: (index in the scheduled list, position of
+    #: the first row, the rows) of prompt positions whose next token is a prompt token.
+    prompt_rows: tuple[tuple[int, int, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    #: float32 [N, vocab] for the N sampling sequences (rows follow ``sample_items``).
+    logits: torch.Tensor
+    #: Indices in the scheduled list of the sequences that sample.
+    sample_items: tuple[int, ...]
+    #: (index in the scheduled list, first position, float32 logits [k, vocab]) for
+    #: prompt positions ``first .. first+k-1``, which predict prompt tokens ``first+1 ..``.
+    prompt_logits: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
 class ModelRunner:
@@ -76,6 +90,15 @@ class ModelRunner:
                  + positions % bs)
         sample_items = tuple(i for i, s in enumerate(scheduled) if s.samples)
         sample_rows = query_start_loc[1:][list(sample_items)] - 1
+        prompt_rows = []
+        for i, s in enumerate(scheduled):
+            if s.seq.params.prompt_logprobs is None:
+                continue
+            count = min(s.end, s.seq.num_prompt_tokens - 1) - s.start
+            if count > 0:
+                first_row = int(query_start_loc[i])
+                prompt_rows.append((i, s.start, torch.arange(first_row, first_row + count,
+                                                             device=dev)))
 
         seq_lens = [s.end for s in scheduled]
         batch = AttentionBatch(
@@ -94,15 +117,12 @@ class ModelRunner:
             batch=batch,
             sample_rows=sample_rows.to(dev),
             sample_items=sample_items,
+            prompt_rows=tuple(prompt_rows),
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Run one forward. Writes the step's K/V into the pages.
-
-        :returns: float32 logits [N, vocab] for the N sampling sequences, and their indices
-            in ``scheduled``.
-        """
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """Run one forward. Writes the step's K/V into the pages."""
         inputs = self.prepare(scheduled)
         ctx = ForwardContext(
             backend=self.backend,
@@ -110,7 +130,12 @@ class ModelRunner:
             kv_caches=self.kv_caches,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        if not inputs.sample_items:
-            return hidden.new_empty((0, 0), dtype=torch.float32), ()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return logits, inputs.sample_items
+        if inputs.sample_items:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        else:
+            logits = hidden.new_empty((0, 0), dtype=torch.float32)
+        prompt_logits = tuple(
+            (i, first, self.model.compute_logits(hidden[rows]))
+            for i, first, rows in inputs.prompt_rows
+        )
+        return StepResult(logits, inputs.sample_items, prompt_logits)

@@ -1,22 +1,159 @@
-"""The sampler: picks each sequence's next token from its logits.
+"""The sampler: picks each sequence's next token from its logits, vectorised over the batch.
 
-This release is greedy only; the full sampler (temperature, top-k/p, min-p, penalties,
-seeds, logprobs) replaces the body of :meth:`Sampler.sample` without changing its caller.
+One call runs, for every row with that row's own parameters:
+
+| step | rows | what |
+| --- | --- | --- |
+| raw logprobs | ``logprobs`` set | ``log_softmax`` of the logits as given (reported, not sampled) |
+| logit bias | ``logit_bias`` set | add the bias |
+| min_tokens | short of ``min_tokens`` | EOS and ``stop_token_ids`` to ``-inf`` |
+| penalties | any penalty set | repetition (prompt + output), frequency, presence |
+| greedy | ``temperature == 0`` | argmax of the penalised logits |
+| temperature | the rest | divide by it |
+| min-p, top-k, top-p | the rest | drop tokens (vLLM v1 order) |
+| sample | the rest | exponential race: ``argmax(probs / Exponential(1))`` |
+
+The parts live in :mod:`quire.sampling`. The sampler owns three pieces of state: the
+cached :class:`~quire.sampling.batch.BatchParams` of the last composition, the token
+counts inside it, and the generators (:class:`~quire.sampling.noise.NoiseSource`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from quire.sampling.batch import BatchParams, RandomRows, batch_key
+from quire.sampling.filters import apply_min_p, apply_top_k_top_p
+from quire.sampling.logprobs import TokenLogprobs, compute_prompt_logprobs, \
+    gather_token_logprobs
+from quire.sampling.noise import NoiseSource
 from quire.sequence import Sequence
+
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "compute_prompt_logprobs"]
+
+
+@dataclass
+class SamplerOutput:
+    """What one :meth:`Sampler.sample` call chose."""
+
+    #: One token id per row, in row order.
+    token_ids: list[int]
+    #: Per row: the chosen token's raw logprob, rank and top ``params.logprobs``
+    #: alternatives; None for rows whose ``params.logprobs`` is None.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class Sampler:
-    """Vectorised over the batch: one argmax for all sequences."""
+    """Chooses next tokens. One per engine; not thread-safe.
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """:param logits: float32 [N, vocab], row i for ``seqs[i]``.
-        :returns: one token id per sequence."""
-        if logits.shape[0] != len(seqs):
-            raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
-        return logits.argmax(dim=-1).tolist()
+    :param eos_token_ids: the ids ``min_tokens`` keeps out until enough tokens exist.
+    :param vocab_size: the width of the logits it will be given.
+    :param seed: seeds the generator of rows whose request has no seed.
+
+    Contract with the engine:
+
+    * Call :meth:`sample` with one logits row per sequence that samples this step. The
+      sequences' ``output_token_ids`` must hold every token sampled so far (append each
+      step's token before the next call).
+    * A sequence's ``params`` must not change while it lives; give each of the ``n``
+      sequences of a request ``params.for_sequence(i)`` so that seeded requests draw
+      ``seed + i`` per sequence.
+    * Call :meth:`release` when a sequence finishes or is aborted, to drop its generator.
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int], vocab_size: int, seed: int = 0):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._noise = NoiseSource(seed)
+        self._batch: BatchParams | None = None
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Choose one token per row.
+
+        :param logits: float32 [N, vocab_size], row i for ``seqs[i]``. Changed in place
+            (bias, penalties and masks are applied to it); do not reuse it afterwards.
+        :param seqs: the N sequences, distinct.
+        :returns: the tokens, and logprobs for the rows that asked for them.
+        :raises ValueError: mismatched shapes, or a ``logit_bias`` id past the vocabulary.
+        """
+        if not seqs and logits.shape[0] == 0:  # any width: runners may return [0, 0]
+            return SamplerOutput([], [])
+        if logits.dim() != 2 or logits.shape != (len(seqs), self.vocab_size):
+            raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}] (one row per "
+                             f"sequence), got {list(logits.shape)}")
+        logits = logits.float()  # no-op for float32
+        batch = self._batch_for(seqs, logits.device)
+        raw_logprobs = (torch.log_softmax(logits[batch.logprobs.index], dim=-1)
+                        if batch.logprobs else None)
+        self._adjust(logits, batch)
+        tokens = self._choose(logits, batch)
+        return SamplerOutput(tokens.tolist(), self._logprobs(batch, raw_logprobs, tokens))
+
+    def release(self, seq_id: int) -> None:
+        """Forget what the sampler keeps for a finished or aborted sequence (its
+        generator). Unknown ids are ignored. Its token counts go with the cached batch
+        at the next composition change."""
+        self._noise.release(seq_id)
+
+    def num_seq_generators(self) -> int:
+        """Generators held for seeded sequences (a leak check: after every sequence was
+        released, 0)."""
+        return self._noise.num_seq_generators()
+
+    # -- steps -----------------------------------------------------------------------------
+    def _batch_for(self, seqs: list[Sequence], device: torch.device) -> BatchParams:
+        key = batch_key(seqs, device)
+        if self._batch is None or self._batch.key != key:
+            self._batch = BatchParams.build(seqs, self.vocab_size, self.eos_token_ids,
+                                            device, self._batch)
+        return self._batch
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, batch: BatchParams) -> None:
+        """Bias, min_tokens masks and penalties, in place (vLLM v1 order)."""
+        if batch.bias is not None:
+            rows, cols, values = batch.bias
+            logits.index_put_((rows, cols), values, accumulate=True)
+        if batch.min_tokens is not None:
+            batch.min_tokens.apply(logits)
+        if batch.penalties is not None:
+            batch.penalties.update()
+            batch.penalties.apply(logits)
+
+    def _choose(self, logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
+        if batch.random is None:
+            return logits.argmax(dim=-1)
+        sampled = self._sample_random(logits, batch.random)
+        if batch.greedy_rows is None:
+            return sampled
+        tokens = torch.empty(batch.num_rows, dtype=torch.long, device=logits.device)
+        tokens[batch.greedy_rows] = logits[batch.greedy_rows].argmax(dim=-1)
+        tokens[batch.random.rows] = sampled
+        return tokens
+
+    def _sample_random(self, logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+        x = logits if rnd.all_rows else logits[rnd.rows]
+        x.div_(rnd.temperature)
+        if rnd.log_min_p is not None:
+            apply_min_p(x, rnd.log_min_p)
+        x = apply_top_k_top_p(x, rnd.top_k, rnd.top_k_max, rnd.top_p)
+        probs = x.softmax(dim=-1)
+        noise = self._noise.exponential(probs.shape[0], probs.shape[1], probs.device,
+                                        rnd.seeded, rnd.unseeded)
+        return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(batch: BatchParams, raw: torch.Tensor | None,
+                  tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * batch.num_rows
+        if batch.logprobs is None or raw is None:
+            return out
+        chosen = tokens[batch.logprobs.index]
+        for row, entry in zip(batch.logprobs.rows,
+                              gather_token_logprobs(raw, chosen, batch.logprobs.ks)):
+            out[row] = entry
+        return out

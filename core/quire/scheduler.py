@@ -108,6 +108,20 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Queue ``child``, another sample of ``parent``'s prompt, on the parent's pages.
+
+        The parent must have computed its prompt. The child shares every full prompt page
+        but the one holding the last prompt token (whose logits it needs), and computes
+        the rest itself when admitted.
+        """
+        bm = self.block_manager
+        shared = (parent.num_prompt_tokens - 1) // bm.block_size
+        bm.share(parent, child, shared)
+        child.num_computed_tokens = shared * bm.block_size
+        child.status = SequenceStatus.WAITING
+        self._insert_waiting(child)
+
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is and free its pages at once."""
         if seq in self.waiting:
@@ -160,9 +174,15 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
+            # A forked sample already holds its shared pages; a request that wants prompt
+            # logprobs must compute every prompt position, so it takes nothing cached.
+            if seq.block_table or seq.params.prompt_logprobs is not None:
+                cached = []
+            else:
+                cached = bm.find_cached_prefix(seq)
+            start = seq.num_computed_tokens + len(cached) * bm.block_size
             num_cached = len(cached) * bm.block_size
-            num = seq.num_tokens - num_cached
+            num = seq.num_tokens - start
             if num > budget:
                 if not self.enable_chunked_prefill:
                     break
@@ -170,13 +190,13 @@ class Scheduler:
             if not bm.allocate(seq, num, cached):
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = start
             seq.num_cached_tokens = num_cached
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += num_cached
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_cached, num))
+            out.scheduled.append(ScheduledSeq(seq, start, num))
             budget -= num
 
     def _preempt(self, seq: Sequence) -> None:

@@ -26,8 +26,11 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    #: Order of arrival; FCFS and "newest first" preemption read it.
+    #: Order of arrival; FCFS and "newest first" preemption read it. The samples of one
+    #: request share their parent's arrival.
     arrival: int = 0
+    #: Which of the request's ``n`` samples this is (0 for the first).
+    index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     #: Tokens whose K/V are in the cache (computed or taken from the prefix cache).

@@ -77,7 +77,7 @@ def _make_llm(path, scenario: dict) -> LLM:
 def test_greedy_matches_transformers(arch, scenario, tiny_checkpoint, oracle):
     prompts, expected = oracle(arch)
     llm = _make_llm(tiny_checkpoint(arch), SCENARIOS[scenario])
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, out in enumerate(outs):
@@ -105,7 +105,7 @@ def test_greedy_matches_transformers(arch, scenario, tiny_checkpoint, oracle):
 def test_text_prompts_and_outputs_round_trip(tiny_checkpoint, oracle):
     prompts, expected = oracle("llama")
     llm = LLM(str(tiny_checkpoint("llama")), device="cpu")
-    outs = llm.generate(_TEXTS[:2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(_TEXTS[:2], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     tok = llm.get_tokenizer()
     for text, ids, want, out in zip(_TEXTS, prompts, expected, outs):
         assert out.prompt == text

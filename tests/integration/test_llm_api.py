@@ -24,7 +24,7 @@ def llama(tiny_checkpoint):
 
 def test_prompt_forms_give_the_same_tokens(llama):
     _, llm, ids, expected = llama
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for prompt in (PROMPT, ids, {"prompt_token_ids": ids}, {"prompt": PROMPT}):
         [out] = llm.generate(prompt, params)
         assert out.outputs[0].token_ids == expected
@@ -35,9 +35,9 @@ def test_prompt_forms_give_the_same_tokens(llama):
 def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llama):
     _, llm, ids, expected = llama
     outs = llm.generate([ids, ids[:3], ids],
-                        [SamplingParams(max_tokens=4, ignore_eos=True),
-                         SamplingParams(max_tokens=2, ignore_eos=True),
-                         SamplingParams(max_tokens=9, ignore_eos=True)])
+                        [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)])
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 2, 9]
     assert outs[0].outputs[0].token_ids == expected[:4]
     assert outs[2].outputs[0].token_ids == expected[:9]
@@ -48,7 +48,7 @@ def test_stop_token_ids_end_generation_and_are_reported(llama):
     _, llm, ids, expected = llama
     stop = expected[5]
     first = expected.index(stop)
-    [out] = llm.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True,
+    [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                              stop_token_ids=[stop]))
     assert out.outputs[0].token_ids == expected[: first + 1]
     assert out.outputs[0].finish_reason == "stop"
@@ -63,18 +63,18 @@ def test_eos_from_generation_config_stops_unless_ignored(llama, tmp_path):
     shutil.copytree(path, model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     llm = LLM(str(model_dir), device="cpu")
-    [out] = llm.generate(ids, SamplingParams(max_tokens=16))
+    [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16))
     assert out.outputs[0].token_ids == expected[: first + 1]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason is None
-    [out] = llm.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out.outputs[0].token_ids == expected
 
 
 def test_max_model_len_caps_generation(llama):
     path, _, ids, expected = llama
     llm = LLM(str(path), device="cpu", max_model_len=len(ids) + 5)
-    [out] = llm.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out.outputs[0].token_ids == expected[:5]
     assert out.outputs[0].finish_reason == "length"
 
@@ -94,9 +94,9 @@ def test_bad_prompts_raise_before_anything_runs_and_the_engine_keeps_working(
 ):
     _, llm, ids, expected = llama
     with pytest.raises(ValueError, match=message):
-        llm.generate([ids, prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate([ids, prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert not llm.engine.has_unfinished_requests()
-    [out] = llm.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert out.outputs[0].token_ids == expected[:4]
 
 
@@ -145,7 +145,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_checkpoint, tmp_
 def test_abort_frees_pages_at_once(llama):
     _, llm, ids, _ = llama
     engine = llm.engine
-    rid = engine.add_request(ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
     engine.abort_request(rid)

@@ -29,7 +29,7 @@ def llm(smollm2_gguf):
 
 def test_greedy_32_tokens_match_transformers(llm, reference):
     tok = llm.get_tokenizer()
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for text, out in zip(PROMPTS, outs):
         ids = tok.encode(text)
         assert out.prompt_token_ids == ids
@@ -46,8 +46,28 @@ def test_chat_prompt_stops_at_the_model_eos_like_transformers(llm, reference):
     eos = reference.generation_config.eos_token_id
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     expected = hf_greedy(reference, ids, 64, eos_ids=eos_ids)
-    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=64))
+    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=64))
     assert out.outputs[0].token_ids == expected
     assert expected[-1] in eos_ids, "the reference should end by itself within 64 tokens"
     assert out.outputs[0].finish_reason == "stop"
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("prompt", ["안녕하세요, 제 이름은", "Emoji time: 🎉🚀 I feel", "Ünïcödé façade — naïve café:"])
+def test_multibyte_text_streams_without_broken_characters(llm, prompt):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    texts = [out.outputs[0].text for out in llm.stream(prompt, params)]
+    for before, after in zip(texts, texts[1:]):
+        assert after.startswith(before)
+    assert not any("\ufffd" in t for t in texts)
+    [final] = llm.generate(prompt, params)
+    assert texts[-1] == final.outputs[0].text
+    assert final.outputs[0].text == llm.get_tokenizer().decode(final.outputs[0].token_ids,
+                                                               skip_special_tokens=True)
+
+
+def test_chat_answers_a_simple_question(llm):
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=48))
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"

@@ -21,6 +21,16 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                         help="a prompt; repeat for a batch (default: read lines from stdin)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 decodes greedily (the default here)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
+    parser.add_argument("--sampling-seed", type=int, default=None, metavar="SEED",
+                        help="per-request seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="a stop string; repeat for several")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user message in the model's chat template")
     add_engine_options(parser)
     parser.set_defaults(run=run)
 
@@ -34,9 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise UsageError("--prompt: give at least one prompt (or lines on stdin)")
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                                temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
     except ValueError as exc:
-        raise UsageError(f"--max-tokens: {exc}") from exc
+        field = str(exc).split(" ", 1)[0]
+        raise UsageError(f"--{field.replace('_', '-')}: {exc}") from exc
     config = engine_config_from_args(args)
     registry = open_registry(args)
     started = time.perf_counter()
@@ -46,13 +59,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     loaded = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params)
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     done = time.perf_counter()
-    for out in outputs:
+    for i, out in enumerate(outputs):
         completion = out.outputs[0]
-        print(f"{out.prompt!r} -> {completion.text!r}  [{completion.finish_reason}]")
+        shown = prompts[i] if args.chat else out.prompt
+        print(f"{shown!r} -> {completion.text!r}  [{completion.finish_reason}]")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"quire: {llm.engine.platform.name}, loaded in {loaded - started:.1f}s; "
           f"{tokens} tokens in {done - loaded:.2f}s", file=sys.stderr)

@@ -1,0 +1,111 @@
+"""Incremental detokenization: the text of each new token, as it is sampled.
+
+Decoding one token id at a time is wrong for both tokenizer families: byte-level BPE
+splits a multi-byte character over several tokens (each alone decodes to U+FFFD), and
+SentencePiece decides a token's leading space from its neighbour. So each sequence keeps
+two offsets into its token ids: text is decoded from a window starting a few tokens back
+(``prefix_offset``), and only what the newest tokens add beyond the already emitted part
+(up to ``read_offset``) is returned. A window whose text ends in an incomplete character
+emits nothing until the character is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+#: Prompt tokens decoded with the first output token, for its leading-space context.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class DetokenizerState:
+    """Where one sequence's incremental decoding stands (offsets into all its tokens)."""
+
+    prefix_offset: int
+    read_offset: int
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text deltas; one instance per engine, state per sequence."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+
+    def start(self, num_prompt_tokens: int) -> DetokenizerState:
+        """State for a sequence whose output begins after ``num_prompt_tokens`` tokens."""
+        return DetokenizerState(
+            prefix_offset=max(0, num_prompt_tokens - _CONTEXT_TOKENS),
+            read_offset=num_prompt_tokens,
+        )
+
+    def step(
+        self,
+        state: DetokenizerState,
+        token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """The text the newest tokens of ``token_ids`` (prompt + output) add; may be "".
+
+        Advances ``state`` only when text was emitted, so held-back bytes are retried with
+        the next token.
+        """
+        kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            kwargs["spaces_between_special_tokens"] = False
+        prefix = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset],
+                                       **kwargs)
+        full = self.tokenizer.decode(token_ids[state.prefix_offset :], **kwargs)
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""
+        if not full.startswith(prefix):
+            # The window's start was re-tokenised differently (rare with SentencePiece's
+            # space merging); take the common prefix so no emitted text is repeated.
+            common = 0
+            for a, b in zip(prefix, full):
+                if a != b:
+                    break
+                common += 1
+            delta = full[common:]
+        else:
+            delta = full[len(prefix) :]
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(token_ids)
+        return delta
+
+    def flush(
+        self,
+        state: DetokenizerState,
+        token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """What is still held back when the sequence ends: bytes that never completed a
+        character decode as U+FFFD, exactly as a one-shot decode of the ids would."""
+        kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            kwargs["spaces_between_special_tokens"] = False
+        prefix = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset],
+                                       **kwargs)
+        full = self.tokenizer.decode(token_ids[state.prefix_offset :], **kwargs)
+        state.prefix_offset = state.read_offset = len(token_ids)
+        return full[len(prefix) :] if full.startswith(prefix) else ""
+
+
+def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the last ``new_chars`` characters.
+
+    :returns: (index where it starts, the stop string), or None.
+    """
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

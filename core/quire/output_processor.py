@@ -1,0 +1,165 @@
+"""From sampled tokens to what users see: text, logprobs, stopping, ``RequestOutput``.
+
+The engine owns one :class:`OutputProcessor`; it owns each request's output state (text
+so far, detokenizer offsets, logprobs). The scheduler's :class:`Sequence` holds the
+tokens; this module never schedules anything.
+
+Stopping rules, checked after each new token in this order (vLLM v1's: stop strings
+are found while detokenizing, before the token rules):
+
+=====================  ==================  ====================================
+rule                   finish_reason       stop_reason
+=====================  ==================  ====================================
+a ``stop`` string      "stop"              the string; text cut before it
+EOS (not ignore_eos)   "stop"              None
+a ``stop_token_ids``   "stop"              the token id
+``max_tokens``         "length"            None
+the context is full    "length"            None
+=====================  ==================  ====================================
+
+None of the "stop" rules applies before ``min_tokens`` tokens exist (the sampler also
+masks EOS and stop tokens until then). While a request streams, the last
+``len(longest stop string) - 1`` characters are held back, since they may turn out to
+begin a stop string; streamed text is therefore always a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from quire.detokenizer import DetokenizerState, IncrementalDetokenizer, find_stop
+from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from quire.sampling_params import SamplingParams
+from quire.sequence import Sequence
+
+
+@dataclass
+class SeqOutput:
+    """Output state of one sequence."""
+
+    seq: Sequence
+    detok: DetokenizerState
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestState:
+    """One request: its prompt and the output state of each of its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: list[SeqOutput] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.outputs) == self.params.n and all(
+            o.seq.is_finished for o in self.outputs)
+
+
+class OutputProcessor:
+    """Detokenizes, applies the stopping rules, and builds ``RequestOutput``."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def track(self, req: RequestState, seq: Sequence) -> SeqOutput:
+        """Start output state for ``seq`` (sample ``seq.index`` of ``req``)."""
+        out = SeqOutput(seq=seq, detok=self.detokenizer.start(len(req.prompt_token_ids)),
+                        logprobs=[] if req.params.logprobs is not None else None)
+        req.outputs.append(out)
+        req.outputs.sort(key=lambda o: o.seq.index)
+        return out
+
+    def append_token(self, out: SeqOutput, token: int,
+                     logprobs: PositionLogprobs | None = None) -> str | None:
+        """Add a sampled token; returns the finish reason when a stopping rule fires."""
+        seq, params = out.seq, out.seq.params
+        seq.output_token_ids.append(token)
+        if logprobs is not None and out.logprobs is not None:
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob += logprobs[token].logprob
+        decode = {"skip_special_tokens": params.skip_special_tokens,
+                  "spaces_between_special_tokens": params.spaces_between_special_tokens}
+        delta = self.detokenizer.step(out.detok, seq.token_ids, **decode)
+        out.text += delta
+        if params.stop and delta and seq.num_output_tokens >= params.min_tokens:
+            found = find_stop(out.text, len(delta), tuple(params.stop))
+            if found is not None:
+                start, stop = found
+                keep = start + len(stop) if params.include_stop_str_in_output else start
+                out.text = out.text[:keep]
+                seq.stop_reason = stop
+                return "stop"
+        reason = self._stop_reason(seq, token)
+        if reason is not None:  # the last bytes will never complete a character now
+            out.text += self.detokenizer.flush(out.detok, seq.token_ids, **decode)
+        return reason
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def token_logprobs(self, token: int, logprob: float, rank: int,
+                       top: list[tuple[int, float]]) -> PositionLogprobs:
+        """The chosen token and the top alternatives, each with its text and rank."""
+        entry: PositionLogprobs = {}
+        for i, (tid, lp) in enumerate(top, start=1):
+            entry[tid] = Logprob(lp, i, self.tokenizer.decode([tid]))
+        if token not in entry:
+            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+        return entry
+
+    def make_output(self, req: RequestState, num_cached_tokens: int) -> RequestOutput:
+        """The request as users see it now (cumulative text and ids)."""
+        completions = []
+        for out in req.outputs:
+            seq = out.seq
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=out.text if seq.is_finished else _visible(out.text, seq.params),
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(out.logprobs) if out.logprobs is not None else None,
+                cumulative_logprob=out.cumulative_logprob
+                if out.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            prompt_logprobs=list(req.prompt_logprobs)
+            if req.prompt_logprobs is not None else None,
+            num_cached_tokens=num_cached_tokens,
+        )
+
+
+def _visible(text: str, params: SamplingParams) -> str:
+    """Text safe to stream: without a tail that could still start a stop string."""
+    if not params.stop:
+        return text
+    hold = max(len(s) for s in params.stop) - 1
+    return text[: len(text) - hold] if hold > 0 else text
