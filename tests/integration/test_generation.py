@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quire import LLM, SamplingParams
-from tiny_models import hf_greedy, hf_model
+from tiny_models import ARCHS, hf_greedy, hf_model
 
 PROMPT = "Once upon a time there was a quiet village by the sea, where the fishermen told"
 
@@ -126,8 +126,11 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(llama):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_logprobs_agree_with_transformers(llama):
-    path, llm, ids = llama
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_agree_with_transformers(arch, tiny_checkpoint):
+    path = tiny_checkpoint(arch)
+    llm = LLM(str(path), device="cpu", block_size=4)
+    ids = llm.get_tokenizer().encode(PROMPT)
     model = hf_model(path)
     [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                              logprobs=3, prompt_logprobs=2))
@@ -190,6 +193,15 @@ def test_logprobs_above_the_engine_maximum_are_refused(llama):
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate(ids, SamplingParams(logprobs=21))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_progress_bar_does_not_change_results(llama, capsys):
+    _, llm, ids = llama
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm.generate([ids, ids[:5]], params)
+    shown = llm.generate([ids, ids[:5]], params, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
+    assert "requests" in capsys.readouterr().err
 
 
 def test_chat_without_a_template_names_the_option(llama):
