@@ -15,9 +15,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """
     try:
         if path.endswith(".gguf"):
-            from quire.models.gguf_hf_cache import hf_dir_for_gguf
+            from quire.models.gguf_hf_cache import NO_TOKENIZER, hf_dir_for_gguf
 
-            return AutoTokenizer.from_pretrained(hf_dir_for_gguf(path))
+            converted = hf_dir_for_gguf(path)
+            if (converted / NO_TOKENIZER).exists():
+                reason = (converted / NO_TOKENIZER).read_text().strip()
+                raise ValueError(f"the GGUF file has no usable tokenizer ({reason}); "
+                                 "pass tokenizer=<a tokenizer directory>")
+            return AutoTokenizer.from_pretrained(converted)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e

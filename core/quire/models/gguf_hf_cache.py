@@ -60,7 +60,16 @@ def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:
     return target
 
 
+#: Written instead of tokenizer files when the GGUF file's vocabulary cannot be converted.
+NO_TOKENIZER = "no_tokenizer.txt"
+
+
 def _convert(source: Path, out: Path) -> None:
     load_gguf_config(str(source)).save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    except (ValueError, OSError, KeyError) as exc:
+        # The weights are still usable with a tokenizer from elsewhere (tokenizer=...).
+        (out / NO_TOKENIZER).write_text(f"{type(exc).__name__}: {exc}\n")
+        return
     tokenizer.save_pretrained(out)
