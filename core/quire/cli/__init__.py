@@ -12,10 +12,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import common, generate, plugins
+from quire.cli import common, conformance, generate, plugins
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
-COMMANDS = (generate, plugins)
+COMMANDS = (generate, plugins, conformance)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ Vocabulary used below (all counts are per engine step):
 - ``T``: number of new tokens in the flattened batch (prefill chunks and decode tokens
   concatenated, sequence after sequence).
 - ``B``: number of sequences in the batch.
-- ``Hq`` / ``Hkv``: query / key-value heads on this rank (``Hq % Hkv == 0``, GQA).
+- ``Hq`` / ``Hkv``: query / key-value heads on this rank (``Hq % Hkv == 0``, GQA). Query
+  head ``h`` reads KV head ``h // (Hq // Hkv)`` (Hugging Face's ``repeat_interleave``).
 - ``D``: head size.
 - A *slot* is one token position in the cache: ``slot = block_id * block_size + offset``.
 

@@ -91,7 +91,11 @@ class Platform(ABC):
 
     @abstractmethod
     def make_attention_backend(self) -> AttentionBackend:
-        """A new attention backend for this platform."""
+        """A new attention backend for this platform.
+
+        Must work without the device present (falling back to default tuning), so the
+        conformance suite's kernels-only mode can run the kernels on host tensors.
+        """
 
     @abstractmethod
     def make_communicator(self, rank: int = 0, world_size: int = 1) -> Communicator:

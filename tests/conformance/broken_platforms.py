@@ -1,0 +1,176 @@
+"""Deliberately broken platforms, each with one bug a conformance check must catch.
+
+Each is the cpu platform with one part replaced. They live in a module of their own (not
+in the test file) so that spawned ranks can import them by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from quire.distributed import TorchDistributedCommunicator
+from quire.interfaces.platform import Availability
+from quire.platforms.cpu.attention import CpuAttentionBackend, CpuAttentionMetadata
+from quire.platforms.cpu.memory import CpuMemoryProfiler
+from quire.platforms.cpu.platform import CpuPlatform
+
+# -- attention backends: one bug each ------------------------------------------------------
+
+
+class NoCausalMask(CpuAttentionBackend):
+    """Lets a query see the step's later tokens (keeps only the sequence-end mask)."""
+
+    def build_metadata(self, batch):
+        md = super().build_metadata(batch)
+        groups = tuple(
+            dataclasses.replace(g, causal_mask=g.kv_valid[:, None, :, 0, 0].expand_as(
+                g.causal_mask))
+            for g in md.groups
+        )
+        return CpuAttentionMetadata(md.slot_mapping, groups)
+
+
+class WrongKvHead(CpuAttentionBackend):
+    """Query head h reads KV head (Hkv - 1 - h // G) instead of h // G."""
+
+    def attend(self, query, kv_cache, metadata, **kwargs):
+        return super().attend(query, kv_cache.flip(3), metadata, **kwargs)
+
+
+class IgnoresWindow(CpuAttentionBackend):
+    def attend(self, query, kv_cache, metadata, *, sliding_window=None, **kwargs):
+        return super().attend(query, kv_cache, metadata, **kwargs)
+
+
+class IgnoresSoftCap(CpuAttentionBackend):
+    def attend(self, query, kv_cache, metadata, *, logits_soft_cap=None, **kwargs):
+        return super().attend(query, kv_cache, metadata, **kwargs)
+
+
+class ReadsUnwrittenSlots(CpuAttentionBackend):
+    """Forgets that slots past a sequence's end hold garbage: weighs them by zero, and
+    0 * NaN is NaN."""
+
+    def build_metadata(self, batch):
+        md = super().build_metadata(batch)
+        groups = tuple(dataclasses.replace(g, kv_valid=torch.ones_like(g.kv_valid))
+                       for g in md.groups)
+        return CpuAttentionMetadata(md.slot_mapping, groups)
+
+
+class ShiftedWrite(CpuAttentionBackend):
+    """Writes every token one slot too far."""
+
+    def write_kv(self, key, value, kv_cache, metadata):
+        total = kv_cache.shape[1] * kv_cache.shape[2]
+        shifted = dataclasses.replace(metadata, slot_mapping=(metadata.slot_mapping + 1) % total)
+        super().write_kv(key, value, kv_cache, shifted)
+
+
+class SwappedKeysAndValues(CpuAttentionBackend):
+    def write_kv(self, key, value, kv_cache, metadata):
+        super().write_kv(value, key, kv_cache, metadata)
+
+
+class ClobberingWrite(CpuAttentionBackend):
+    """Writes the right slots, and the next slot too."""
+
+    def write_kv(self, key, value, kv_cache, metadata):
+        total = kv_cache.shape[1] * kv_cache.shape[2]
+        spill = dataclasses.replace(metadata, slot_mapping=(metadata.slot_mapping + 1) % total)
+        super().write_kv(key, value, kv_cache, spill)
+        super().write_kv(key, value, kv_cache, metadata)
+
+
+class WithBackend(CpuPlatform):
+    """The cpu platform with another backend class."""
+
+    backend_cls: type[CpuAttentionBackend] = CpuAttentionBackend
+
+    def make_attention_backend(self):
+        return self.backend_cls()
+
+
+def platform_with(backend_cls: type[CpuAttentionBackend]) -> CpuPlatform:
+    return type(f"CpuWith{backend_cls.__name__}", (WithBackend,),
+                {"backend_cls": backend_cls})()
+
+
+# -- platform contract ---------------------------------------------------------------------
+
+
+class ZeroBlockSize(CpuPlatform):
+    default_block_size = 0
+
+
+class AcceptsAnyDtype(CpuPlatform):
+    def check_dtype(self, dtype):
+        return None
+
+
+class AvailabilityIsABool(CpuPlatform):
+    def availability(self):
+        return True
+
+
+class Absent(CpuPlatform):
+    """Never available: what a vendor platform looks like without its hardware."""
+
+    name = "absent"
+
+    def availability(self):
+        return Availability.no("no absent device here")
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+class FreeAboveTotal(CpuMemoryProfiler):
+    def free_memory(self):
+        return self.total_memory() + 1
+
+
+class FlatPeak(CpuMemoryProfiler):
+    def peak_memory(self):
+        return 1 << 30
+
+
+class WithProfiler(CpuPlatform):
+    profiler_cls: type[CpuMemoryProfiler] = CpuMemoryProfiler
+
+    def make_memory_profiler(self, device_index=0):
+        return self.profiler_cls()
+
+
+class FreeAboveTotalPlatform(WithProfiler):
+    profiler_cls = FreeAboveTotal
+
+
+class FlatPeakPlatform(WithProfiler):
+    profiler_cls = FlatPeak
+
+
+# -- communicator --------------------------------------------------------------------------
+
+
+class DoublingAllReduce(TorchDistributedCommunicator):
+    def all_reduce(self, tensor):
+        return super().all_reduce(tensor) * 2
+
+
+class ReversedAllGather(TorchDistributedCommunicator):
+    def all_gather(self, tensor, dim=-1):
+        gathered = super().all_gather(tensor, dim)
+        return torch.cat(list(reversed(gathered.chunk(self.world_size, dim))), dim)
+
+
+class DoublingAllReducePlatform(CpuPlatform):
+    def make_communicator(self, rank=0, world_size=1):
+        return DoublingAllReduce(self.distributed_backend, rank, world_size)
+
+
+class ReversedAllGatherPlatform(CpuPlatform):
+    def make_communicator(self, rank=0, world_size=1):
+        return ReversedAllGather(self.distributed_backend, rank, world_size)

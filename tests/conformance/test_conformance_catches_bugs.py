@@ -1,0 +1,129 @@
+"""A conformance suite that cannot fail is worthless: each check against a platform with
+one deliberate bug (tests/conformance/broken_platforms.py) must report FAIL, saying why.
+
+Kernel checks run in float32 at one block size here, to stay fast; the bugs are far
+outside every dtype's tolerance (errors of order 1, or NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quire.conformance import ConformanceOptions, Outcome, run_conformance
+from quire.interfaces.platform import Platform
+
+import broken_platforms as broken
+
+QUICK = {"dtypes": (torch.float32,), "block_sizes": (16,)}
+
+
+def failures(platform: Platform, check: str, **options) -> list[str]:
+    report = run_conformance(platform, ConformanceOptions(checks=(check,), **options),
+                             expected_name="cpu")
+    assert report.exit_code() == (1 if report.failed else 0)
+    return [r.reason for r in report.results if r.outcome is Outcome.FAIL]
+
+
+@pytest.mark.parametrize(
+    ("platform", "why"),
+    [
+        (broken.ZeroBlockSize(), "default_block_size 0 is not an int >= 1"),
+        (broken.AcceptsAnyDtype(), "check_dtype accepts torch.float64"),
+        (broken.AvailabilityIsABool(), "availability() returned True, not an Availability"),
+        (broken.Absent(), "name 'absent' is not the requested 'cpu'"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Platform) else "",
+)
+def test_platform_contract_catches(platform: Platform, why: str) -> None:
+    [reason] = failures(platform, "platform")
+    assert why in reason
+
+
+@pytest.mark.parametrize(
+    ("backend", "why"),
+    [
+        (broken.ShiftedWrite, "reading the written values back"),
+        (broken.SwappedKeysAndValues, "reading the written values back"),
+        (broken.ClobberingWrite, "write_kv changed 14336 cache elements, expected 13568"),
+        (broken.WrongKvHead, "reading the written values back"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)
+def test_kv_write_catches(backend: type, why: str) -> None:
+    [reason] = failures(broken.platform_with(backend), "kv-write", **QUICK)
+    assert why in reason
+
+
+@pytest.mark.parametrize(
+    ("backend", "why"),
+    [
+        (broken.NoCausalMask, "prefill"),
+        (broken.WrongKvHead, "gqa"),
+        (broken.IgnoresWindow, "window"),
+        (broken.IgnoresSoftCap, "softcap"),
+        (broken.ReadsUnwrittenSlots, "non-finite"),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)
+def test_paged_attention_catches(backend: type, why: str) -> None:
+    [reason] = failures(broken.platform_with(backend), "attention", **QUICK)
+    assert why in reason and "max |err|" in reason
+
+
+def test_paged_attention_catches_a_missing_soft_cap_at_the_loosest_tolerance() -> None:
+    """bfloat16's tolerance still leaves the soft cap's effect far outside it."""
+    [reason] = failures(broken.platform_with(broken.IgnoresSoftCap), "attention",
+                        dtypes=(torch.bfloat16,), block_sizes=(16,))
+    assert "softcap" in reason
+
+
+@pytest.mark.parametrize(
+    ("platform", "why"),
+    [
+        (broken.FreeAboveTotalPlatform(), "readings violate 0 < free <= total"),
+        (broken.FlatPeakPlatform(), "the peak rose by 0 bytes after 67108864 bytes"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Platform) else "",
+)
+def test_memory_profiler_catches(platform: Platform, why: str) -> None:
+    [reason] = failures(platform, "memory")
+    assert why in reason
+
+
+def test_communicator_catches_at_world_size_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quire.conformance import collectives
+
+    # world size 1 only: the 2-rank half is the slow test below
+    monkeypatch.setattr(collectives, "device_count", lambda platform: 1)
+    report = run_conformance(broken.DoublingAllReducePlatform(),
+                             ConformanceOptions(checks=("communicator",)))
+    ws1, ws2 = report.results
+    assert ws1.outcome is Outcome.FAIL and "all_reduce differs" in ws1.reason
+    assert ws2.outcome is Outcome.NOT_RUN and "needs 2 'cpu' devices, found 1" in ws2.reason
+
+
+@pytest.mark.slow
+def test_communicator_catches_at_world_size_2() -> None:
+    """All-gather in the wrong rank order is invisible at world size 1."""
+    report = run_conformance(broken.ReversedAllGatherPlatform(),
+                             ConformanceOptions(checks=("communicator",)))
+    ws1, ws2 = report.results
+    assert ws1.outcome is Outcome.PASS
+    assert ws2.outcome is Outcome.FAIL
+    assert "rank 0: all_gather(dim=0) differs" in ws2.reason
+    assert "rank 1: all_gather(dim=-1) differs" in ws2.reason
+
+
+def test_end_to_end_catches_a_wrong_kv_head() -> None:
+    [reason] = failures(broken.platform_with(broken.WrongKvHead), "end-to-end")
+    assert "differs at token" in reason and "cpu gave" in reason
+
+
+def test_an_exception_in_a_check_is_a_failure_not_a_crash() -> None:
+    class Raising(broken.WithBackend):
+        def make_memory_profiler(self, device_index=0):
+            raise OSError("no /proc here")
+
+    [reason] = failures(Raising(), "memory")
+    assert reason == "raised OSError: no /proc here"
