@@ -64,6 +64,17 @@ class AttentionBatch:
         return int(self.slot_mapping.shape[0])
 
 
+def check_attention_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """What every :meth:`AttentionBackend.attend` checks first, in one place.
+
+    :raises ValueError: for a window below 1 or a soft cap that is not positive.
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+
+
 class AttentionBackend(ABC):
     """Paged attention for one platform. Stateless between steps; safe to share by layers.
 

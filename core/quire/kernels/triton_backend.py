@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
 
 #: Largest head size the kernels take; bigger ones would not fit a tile in registers.
 MAX_HEAD_SIZE = 256
@@ -204,10 +204,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        check_attention_options(sliding_window, logits_soft_cap)
         _check_cache(kv_cache, metadata.block_size)
         _check_device(query)
         hq, hkv = query.shape[1], kv_cache.shape[3]

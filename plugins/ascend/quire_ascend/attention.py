@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
 from quire.platforms.cpu.attention import CpuAttentionBackend
 
 #: Side of the compressed causal mask FIA takes in sparse modes 3 and 4 (fixed by CANN).
@@ -103,8 +103,7 @@ class AscendAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        check_attention_options(sliding_window, logits_soft_cap)
         if logits_soft_cap is not None:
             reference = CpuAttentionBackend()  # plain torch ops: runs on the NPU too
             return reference.attend(query, kv_cache, reference.build_metadata(metadata.batch),

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
 from quire.platforms.cpu.attention import CpuAttentionBackend, CpuAttentionMetadata
 
 
@@ -93,8 +93,7 @@ class GaudiAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        check_attention_options(sliding_window, logits_soft_cap)
         if logits_soft_cap is not None:
             return self._reference.attend(query, kv_cache, metadata.reference, scale=scale,
                                           sliding_window=sliding_window,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +163,7 @@ class IpexAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        check_attention_options(sliding_window, logits_soft_cap)
         needs = {VARLEN} if logits_soft_cap is None else {VARLEN, SOFTCAP}
         if not needs <= self._abilities and self._fallback is not None:
             return self._fallback.attend(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,7 @@ class CpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        check_attention_options(sliding_window, logits_soft_cap)
         out = query.new_empty(query.shape)
         for group in metadata.groups:
             rows = _attend_group(
