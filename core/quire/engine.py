@@ -216,8 +216,12 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; report every request that changed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; report every request that changed.
+
+        :param final_only: report only requests that finished (skips building the
+            cumulative outputs of running requests, which nobody reads offline).
+        """
         out = self.scheduler.schedule()
         if not out:
             if self.scheduler.has_unfinished():
@@ -248,8 +252,11 @@ class LLMEngine:
                 changed[req.request_id] = req
         outputs = []
         for rid, req in changed.items():
-            outputs.append(self.processor.make_output(req, req.outputs[0].seq.num_cached_tokens))
-            if req.finished:
+            finished = req.finished
+            if finished or not final_only:
+                outputs.append(self.processor.make_output(req,
+                                                          req.outputs[0].seq.num_cached_tokens))
+            if finished:
                 del self._requests[rid]
         return outputs
 

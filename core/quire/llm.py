@@ -55,7 +55,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order = self._add_requests(prompts, sampling_params)
         bar = _progress(len(order)) if use_tqdm else None
-        for out in self._run(order):
+        for out in self._run(order, final_only=True):
             if out.finished:
                 results[out.request_id] = out
                 if bar is not None:
@@ -130,11 +130,11 @@ class LLM:
             raise
         return order
 
-    def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+    def _run(self, request_ids: list[str], final_only: bool = False) -> Iterator[RequestOutput]:
         pending = set(request_ids)
         try:
             while pending:
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=final_only):
                     if out.request_id not in pending:
                         continue  # another caller's request on the same engine
                     if out.finished:
