@@ -54,12 +54,8 @@ class IncrementalDetokenizer:
         Advances ``state`` only when text was emitted, so held-back bytes are retried with
         the next token.
         """
-        kwargs = {"skip_special_tokens": skip_special_tokens}
-        if not spaces_between_special_tokens:
-            kwargs["spaces_between_special_tokens"] = False
-        prefix = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset],
-                                       **kwargs)
-        full = self.tokenizer.decode(token_ids[state.prefix_offset :], **kwargs)
+        prefix, full = self._decode_window(state, token_ids, skip_special_tokens,
+                                           spaces_between_special_tokens)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
         if not full.startswith(prefix):
@@ -77,6 +73,17 @@ class IncrementalDetokenizer:
         state.read_offset = len(token_ids)
         return delta
 
+    def _decode_window(self, state: DetokenizerState, token_ids: list[int],
+                       skip_special_tokens: bool,
+                       spaces_between_special_tokens: bool) -> tuple[str, str]:
+        """Text of the window without, and with, the tokens not yet emitted."""
+        kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            kwargs["spaces_between_special_tokens"] = False
+        start = state.prefix_offset
+        return (self.tokenizer.decode(token_ids[start : state.read_offset], **kwargs),
+                self.tokenizer.decode(token_ids[start:], **kwargs))
+
     def flush(
         self,
         state: DetokenizerState,
@@ -87,12 +94,8 @@ class IncrementalDetokenizer:
     ) -> str:
         """What is still held back when the sequence ends: bytes that never completed a
         character decode as U+FFFD, exactly as a one-shot decode of the ids would."""
-        kwargs = {"skip_special_tokens": skip_special_tokens}
-        if not spaces_between_special_tokens:
-            kwargs["spaces_between_special_tokens"] = False
-        prefix = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset],
-                                       **kwargs)
-        full = self.tokenizer.decode(token_ids[state.prefix_offset :], **kwargs)
+        prefix, full = self._decode_window(state, token_ids, skip_special_tokens,
+                                           spaces_between_special_tokens)
         state.prefix_offset = state.read_offset = len(token_ids)
         return full[len(prefix) :] if full.startswith(prefix) else ""
 
