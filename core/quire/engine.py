@@ -240,11 +240,9 @@ class LLMEngine:
                 req = self._requests[seq.request_id]
                 if seq.index == 0 and seq.num_output_tokens == 0 and req.params.n > 1:
                     self._fork(req, seq)  # before the parent can finish and free its pages
-                token = sampled.token_ids[row]
-                logprobs = None
-                if sampled.logprobs is not None and sampled.logprobs[row] is not None:
-                    lp = sampled.logprobs[row]
-                    logprobs = self.processor.token_logprobs(token, lp.logprob, lp.rank, lp.top)
+                token, lp = sampled.token_ids[row], sampled.logprobs[row]
+                logprobs = None if lp is None else self.processor.token_logprobs(
+                    token, lp.logprob, lp.rank, lp.top)
                 reason = self.processor.append_token(req.outputs[seq.index], token, logprobs)
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
