@@ -12,10 +12,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import common, conformance, generate, plugins
+from quire.cli import common, conformance, generate, models, plugins
+from quire.cli.config_file import add_config_option, apply_config_file
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
-COMMANDS = (generate, plugins, conformance)
+COMMANDS = (generate, models, plugins, conformance)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,16 +32,31 @@ def build_parser() -> argparse.ArgumentParser:
     # unset default from overwriting a value given before it.
     for subparser in subparsers.choices.values():
         common.add_global_options(subparser, default=argparse.SUPPRESS)
+        add_config_option(subparser)
+    parser.set_defaults(_commands=subparsers.choices)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser,
+               argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``, taking values from ``--config`` where the command line gives none.
+
+    :raises UsageError: for a bad config file; argparse's own errors exit as usual.
+    """
+    args = parser.parse_args(argv)
+    return apply_config_file(parser, args._commands[args.command], args, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``quire`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
     except SystemExit as exc:  # argparse printed help (0) or a usage error (2) already
         return exc.code if isinstance(exc.code, int) else 2
+    except common.UsageError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.run(args)
     except common.UsageError as exc:
