@@ -12,11 +12,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import common, conformance, generate, models, plugins
+from quire.cli import common, conformance, generate, models, plugins, serve
 from quire.cli.config_file import add_config_option, apply_config_file
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
-COMMANDS = (generate, models, plugins, conformance)
+COMMANDS = (generate, serve, models, plugins, conformance)
 
 
 def build_parser() -> argparse.ArgumentParser:

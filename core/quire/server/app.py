@@ -1,0 +1,221 @@
+"""The Starlette app: OpenAI-compatible routes over an :class:`AsyncEngine`.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``. Every error is
+answered in OpenAI's shape (see :mod:`quire.server.errors`). The app's lifespan starts the
+engine thread (if not started) and shuts it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from quire import __version__
+from quire.server.async_engine import AsyncEngine, EngineStopped, Overloaded, RequestStream
+from quire.server.errors import APIError, bad_request, from_value_error
+from quire.server.protocol import ParsedRequest, get, parse_chat, parse_completion
+from quire.server.responses import Shaper, usage
+
+#: Default request body limit: far above any prompt the context could hold as JSON.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+#: Seconds a client told "overloaded" should wait before trying again.
+RETRY_AFTER_S = 1
+
+
+class _Api:
+    """The route handlers; holds only what the app was created with."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
+                 max_body_bytes: int, chat_template: str | None) -> None:
+        self.engine = engine
+        self.model = served_model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    # -- request checks --------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counts bodies sent without a length too
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the body is larger than {self.max_body_bytes} bytes",
+                        code="request_too_large")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.model!r}", param="model", code="model_not_found")
+
+    async def submit(self, parsed: ParsedRequest) -> RequestStream:
+        try:
+            return await self.engine.add_request(parsed.token_ids, parsed.params,
+                                                 prompt=parsed.prompt)
+        except Overloaded as exc:
+            raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
+                           code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    # -- routes ----------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        card = {"id": self.model, "object": "model", "created": self.created,
+                "owned_by": "quire", "root": self.engine.model_path,
+                "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        parsed = parse_completion(body, self.engine.tokenizer)
+        return await self._generate(parsed, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        parsed = parse_chat(body, self.engine.tokenizer, self.chat_template)
+        return await self._generate(parsed, chat=True)
+
+    async def _generate(self, parsed: ParsedRequest, chat: bool) -> Response:
+        self.check_model(parsed.model)
+        stream = await self.submit(parsed)
+        shaper = Shaper(chat=chat, model=self.model, request_id=stream.request_id,
+                        top_logprobs=parsed.top_logprobs, decode=self.engine.tokenizer.decode,
+                        echo_prompt=parsed.prompt if parsed.echo else None)
+        if parsed.stream:
+            return StreamingResponse(_sse(stream, shaper, parsed.include_usage),
+                                     media_type="text/event-stream")
+        final = None
+        async for out in stream:
+            final = out
+        assert final is not None and final.finished
+        return JSONResponse(shaper.whole(final))
+
+    async def tokenize(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        tok = self.engine.tokenizer
+        if "messages" in body:
+            ids = parse_chat({**body, "model": self.model}, tok, self.chat_template).token_ids
+        else:
+            prompt = get(body, "prompt", str, nullable=False)
+            ids = tok.encode(prompt, add_special_tokens=get(body, "add_special_tokens",
+                                                            bool, True))
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
+                             "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        ids = get(body, "tokens", list, nullable=False)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise bad_request("tokens must be a list of token ids (integers >= 0)",
+                              param="tokens")
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.engine.is_running else 503)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+
+async def _sse(stream: RequestStream, shaper: Shaper,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; leaving early (client gone) aborts the request."""
+    final = None
+    try:
+        async for out in stream:
+            final = out
+            for chunk in shaper.chunks(out):
+                yield f"data: {json.dumps(chunk)}\n\n"
+    except (ValueError, RuntimeError, EngineStopped) as exc:  # the engine failed it midway
+        err = APIError(500, str(exc), type="server_error")
+        yield f"data: {json.dumps(err.body())}\n\n"
+    finally:
+        stream.abort()
+    if include_usage and final is not None:
+        yield f"data: {json.dumps(shaper.chunk([], usage(final)))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_template: str | None = None) -> Starlette:
+    """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
+
+    :param api_key: when set, ``/v1/*`` and the tokenizer routes need
+        ``Authorization: Bearer <api_key>``.
+    :param chat_template: a Jinja template used instead of the tokenizer's own.
+    """
+    api = _Api(async_engine, served_model_name, api_key, max_body_bytes, chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not async_engine.is_running:
+            async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return APIError(exc.status_code, str(exc.detail), code=None).response()
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {exc}", type="server_error").response()
+
+    routes = [
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/version", api.version, methods=["GET"]),
+    ]
+    handlers = {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers=handlers)  # type: ignore[arg-type]

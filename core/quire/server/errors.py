@@ -1,0 +1,41 @@
+"""API errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error answered to the client; ``status`` is the HTTP status code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A 400 naming the field: checks in quire start their message with the field name."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first.replace("_", "").isalnum() and first.islower() else None
+    return APIError(400, message, param=param)

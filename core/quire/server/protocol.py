@@ -1,0 +1,193 @@
+"""Request bodies of the OpenAI API -> prompt token ids and ``SamplingParams``.
+
+Every type is checked here, naming the field; range checks are ``SamplingParams``'s (its
+``ValueError`` starts with the field's name). Unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from quire.sampling_params import SamplingParams
+from quire.server.errors import APIError, bad_request, from_value_error
+
+#: Most choices per request (OpenAI's limit); more would only tie up the KV cache.
+MAX_N = 128
+_NUMBER = (int, float)
+
+
+@dataclass
+class ParsedRequest:
+    """What the routes need from a completions or chat body."""
+
+    model: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    #: Top alternatives per output token to show, or None for no logprobs.
+    top_logprobs: int | None
+    #: Completions only: put the prompt in front of the text.
+    echo: bool = False
+
+
+def get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...],
+        default: Any = None, *, nullable: bool = True) -> Any:
+    """``body[name]`` if of ``kinds`` (booleans are never numbers), else a 400 naming it."""
+    value = body.get(name, default)
+    if value is None and nullable:
+        return default
+    kinds_t = kinds if isinstance(kinds, tuple) else (kinds,)
+    is_bool = isinstance(value, bool)
+    if not isinstance(value, kinds_t) or (is_bool and bool not in kinds_t):
+        wanted = " or ".join(k.__name__ for k in kinds_t)
+        raise bad_request(f"{name} must be of type {wanted}, got {type(value).__name__}",
+                          param=name)
+    return value
+
+
+def parse_completion(body: Mapping[str, Any], tokenizer: Any) -> ParsedRequest:
+    """A ``/v1/completions`` body. :raises APIError: 400 naming the bad field."""
+    text, ids = _completion_prompt(body.get("prompt"), tokenizer)
+    logprobs = get(body, "logprobs", int)
+    echo = get(body, "echo", bool, False)
+    params = _sampling_params(body, default_max_tokens=16, logprobs=logprobs)
+    return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
+                         stream=get(body, "stream", bool, False),
+                         include_usage=_include_usage(body), top_logprobs=logprobs,
+                         echo=echo)
+
+
+def parse_chat(body: Mapping[str, Any], tokenizer: Any,
+               chat_template: str | None) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body. :raises APIError: 400 naming the bad field."""
+    messages = _messages(body.get("messages"))
+    want_logprobs = get(body, "logprobs", bool, False)
+    top = get(body, "top_logprobs", int)
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    top_logprobs = (top or 0) if want_logprobs else None
+    text = _render_chat(messages, tokenizer, chat_template)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    params = _sampling_params(body, default_max_tokens=None, logprobs=top_logprobs)
+    return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
+                         stream=get(body, "stream", bool, False),
+                         include_usage=_include_usage(body), top_logprobs=top_logprobs)
+
+
+# -- pieces ------------------------------------------------------------------------------
+def _model(body: Mapping[str, Any]) -> str:
+    return get(body, "model", str, "")
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    options = get(body, "stream_options", dict, {})
+    return bool(get(options, "include_usage", bool, False))
+
+
+def _sampling_params(body: Mapping[str, Any], *, default_max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    n = get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
+    max_tokens = default_max_tokens
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = get(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise bad_request(f"{name} must be an integer >= 1, got {value}", param=name)
+            max_tokens = value
+    stop = get(body, "stop", (str, list))
+    numbers = {name: get(body, name, _NUMBER, default) for name, default in (
+        ("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
+    try:
+        return SamplingParams(
+            n=n, max_tokens=max_tokens, stop=stop, seed=get(body, "seed", int),
+            top_k=get(body, "top_k", int, 0), min_tokens=get(body, "min_tokens", int, 0),
+            ignore_eos=get(body, "ignore_eos", bool, False),
+            stop_token_ids=get(body, "stop_token_ids", list),
+            include_stop_str_in_output=get(body, "include_stop_str_in_output", bool, False),
+            skip_special_tokens=get(body, "skip_special_tokens", bool, True),
+            logit_bias=_logit_bias(get(body, "logit_bias", dict)),
+            logprobs=logprobs, **numbers)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
+    """OpenAI's keys are token ids written as strings."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, _NUMBER):
+            raise bad_request(f"logit_bias[{key}] must be a number", param="logit_bias")
+        out[token] = value
+    return out
+
+
+def _completion_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
+    # A one-element batch is unwrapped; larger batches are not supported yet.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    if prompt is None:
+        raise bad_request("prompt is required", param="prompt")
+    raise bad_request("prompt must be a non-empty string or a list of token ids (batches "
+                      "of several prompts are not supported)", param="prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role",
+                              param="messages")
+        out.append({"role": msg["role"], "content": _content(msg.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):  # text parts only
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{i}].content parts must be text parts",
+                                  param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                      param="messages")
+
+
+def _render_chat(messages: list[dict[str, str]], tokenizer: Any,
+                 chat_template: str | None) -> str:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; start the server with one",
+                       param="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a Jinja error caused by the messages
+        raise bad_request(f"the chat template failed on these messages: {exc}",
+                          param="messages") from exc

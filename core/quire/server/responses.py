@@ -1,0 +1,129 @@
+"""``RequestOutput`` -> OpenAI response objects (whole answers and streamed chunks)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from quire.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _ranked(pos: PositionLogprobs, chosen: int, k: int,
+            decode: Any) -> tuple[tuple[str, float], list[tuple[str, float]]]:
+    def text(tid: int) -> str:
+        lp = pos[tid]
+        return lp.decoded_token if lp.decoded_token is not None else decode([tid])
+
+    top = sorted((t for t in pos if pos[t].rank is not None and pos[t].rank <= k),
+                 key=lambda t: pos[t].rank or 0)
+    return (text(chosen), pos[chosen].logprob), [(text(t), pos[t].logprob) for t in top]
+
+
+def completion_logprobs(c: CompletionOutput, start: int, k: int, decode: Any,
+                        offset: int) -> dict[str, Any]:
+    """OpenAI's legacy shape for tokens ``start:`` of ``c``."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        (tok, lp), top = _ranked(pos, tid, k, decode)
+        tokens.append(tok)
+        lps.append(lp)
+        tops.append(dict(top))
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, start: int, k: int, decode: Any) -> dict[str, Any]:
+    """OpenAI's chat shape for tokens ``start:`` of ``c``."""
+    content = []
+    for tid, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        (tok, lp), top = _ranked(pos, tid, k, decode)
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                         for t, v in top]})
+    return {"content": content}
+
+
+class Shaper:
+    """Builds one request's answer (``chat`` or not), whole or as stream chunks.
+
+    For streams it remembers how much text and how many tokens of each choice were sent.
+    """
+
+    def __init__(self, *, chat: bool, model: str, request_id: str, top_logprobs: int | None,
+                 decode: Any, echo_prompt: str | None = None) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.top_logprobs = top_logprobs
+        self.decode = decode
+        self.echo_prompt = echo_prompt
+        self._sent: dict[int, tuple[int, int, bool]] = {}  # index -> chars, tokens, done
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, c: CompletionOutput, start: int, offset: int) -> Any:
+        if self.top_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(c, start, self.top_logprobs, self.decode)
+        return completion_logprobs(c, start, self.top_logprobs, self.decode, offset)
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        choices = []
+        for c in out.outputs:
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": self._logprobs(c, 0, 0), "finish_reason": c.finish_reason}
+            else:
+                prefix = self.echo_prompt or ""
+                choice = {"index": c.index, "text": prefix + c.text,
+                          "logprobs": self._logprobs(c, 0, len(prefix)),
+                          "finish_reason": c.finish_reason}
+            choices.append(choice)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage(out)}
+
+    def chunks(self, out: RequestOutput) -> Iterator[dict[str, Any]]:
+        """The chunks that carry what changed in ``out`` since the last call."""
+        for c in out.outputs:
+            chars, tokens, done = self._sent.get(c.index, (0, 0, False))
+            if done:
+                continue
+            first = c.index not in self._sent
+            delta_text = c.text[chars:]
+            if self.echo_prompt and first:
+                delta_text = self.echo_prompt + delta_text
+            if not delta_text and not c.finish_reason and not first:
+                continue
+            self._sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+            logprobs = self._logprobs(c, tokens, chars)
+            if self.chat:
+                delta: dict[str, Any] = {"content": delta_text}
+                if first:
+                    delta["role"] = "assistant"
+                choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": c.index, "text": delta_text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+            yield self.chunk([choice])
+
+    def chunk(self, choices: list[dict[str, Any]],
+              usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {**self._head(obj), "choices": choices}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
