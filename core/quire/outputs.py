@@ -41,6 +41,44 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When things happened to one request, in ``time.monotonic()`` seconds (engine side).
+
+    Compare these with each other, not with wall-clock time. A field is None until its
+    event happened (an abort can come before any of them).
+    """
+
+    #: ``add_request`` was called.
+    arrival_time: float
+    #: The request first left the waiting queue (its first sample, for ``n > 1``).
+    first_scheduled_time: float | None = None
+    #: The step that sampled the first output token ended.
+    first_token_time: float | None = None
+    #: The step that sampled the newest output token ended.
+    last_token_time: float | None = None
+    #: The request finished (stopped, hit its length, or was aborted).
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds spent waiting before the first schedule."""
+        return _since(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return _since(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to finish."""
+        return _since(self.arrival_time, self.finished_time)
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
+
+
 @dataclass
 class RequestOutput:
     """One request's prompt and its outputs so far (``finished`` when all are done)."""
@@ -55,3 +93,5 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     #: Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    #: Timings so far; not part of the output's value (left out of ``==``).
+    metrics: RequestMetrics | None = field(default=None, compare=False)

@@ -15,6 +15,7 @@ sequence is admitted in a step that preempted.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,6 +193,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = start
             seq.num_cached_tokens = num_cached
+            if seq.first_scheduled_time is None:  # a preempted sequence keeps its first
+                seq.first_scheduled_time = time.monotonic()
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += num_cached
             seq.status = SequenceStatus.RUNNING

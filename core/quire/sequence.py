@@ -43,6 +43,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     #: Times this sequence lost its pages to preemption.
     num_preemptions: int = 0
+    #: ``time.monotonic()`` when the scheduler first admitted it (statistic).
+    first_scheduled_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

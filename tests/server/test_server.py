@@ -3,52 +3,21 @@ the official ``openai`` client. Every wait is bounded so a bug fails instead of 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.server.app import create_app
-from quire.server.async_engine import AsyncEngine
+from server_thread import serve_stepped, wait_idle
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 MODEL = "tiny"
 KEY = "secret"
-
-
-class Server:
-    """uvicorn serving ``app`` in a daemon thread on an ephemeral port."""
-
-    def __init__(self, app, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                log_level="warning"))
-        self.uv.install_signal_handlers = lambda: None  # signals belong to the main thread
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "no start"
-            time.sleep(0.02)
-        port = self.uv.servers[0].sockets[0].getsockname()[1]  # port 0: read it back
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stats(self):
-        fut = asyncio.run_coroutine_threadsafe(self.engine.stats(), self.engine.loop)
-        return fut.result(timeout=10)
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -57,31 +26,12 @@ def server(tiny_checkpoint):
     engine = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", max_model_len=128))
     # a test may slow each step down (seconds in step_delay[0]) to catch a request mid-run,
     # or, while `hold` is set, let one step run and hold the engine thread before the next
-    step_delay = [0.0]
-    hold = threading.Event()
-    steps_since_hold = [0]
-    fast_step = engine.step
-
-    def step(final_only: bool = False):
-        while hold.is_set() and steps_since_hold[0] >= 1:
-            time.sleep(0.005)
-        if hold.is_set():
-            steps_since_hold[0] += 1
-        time.sleep(step_delay[0])
-        return fast_step(final_only)
-
-    engine.step = step
-    aengine = AsyncEngine(engine, max_waiting_requests=8)
-    app = create_app(aengine, MODEL, api_key=KEY, max_body_bytes=20_000,
-                     chat_template=CHAT_TEMPLATE)
-    srv = Server(app, aengine)
-    srv.step_delay = step_delay
-    srv.hold = hold
-    srv.steps_since_hold = steps_since_hold
-    srv.block_manager = engine.block_manager
+    srv = serve_stepped(engine, lambda aengine: create_app(
+        aengine, MODEL, api_key=KEY, max_body_bytes=20_000, chat_template=CHAT_TEMPLATE),
+        max_waiting_requests=8)
     yield srv
     srv.stop()
-    assert not aengine._thread.is_alive()
+    assert not srv.engine._thread.is_alive()
 
 
 @pytest.fixture
@@ -91,17 +41,8 @@ def client(server):
 
 def http(server, method, path, **kw):
     headers = kw.pop("headers", {"Authorization": f"Bearer {KEY}"})
-    return httpx.request(method, server.url + path, headers=headers, timeout=30, **kw)
-
-
-def wait_idle(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.stats()
-        if stats.num_used_blocks == 0 and not stats.has_unfinished:
-            return stats
-        assert time.monotonic() < deadline, f"pages still held: {stats}"
-        time.sleep(0.05)
+    timeout = kw.pop("timeout", 30)
+    return httpx.request(method, server.url + path, headers=headers, timeout=timeout, **kw)
 
 
 def test_models_health_version(server, client):
@@ -167,6 +108,7 @@ def test_other_errors_and_server_keeps_answering(server, client):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = http(server, "POST", "/v1/completions", json={"model": MODEL, "prompt": [5] * 500})
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
     r = http(server, "POST", "/v1/completions", content=b"x" * 30_000)
     assert r.status_code == 413
     r = http(server, "GET", "/v1/models", headers={})
@@ -221,3 +163,115 @@ def test_overload_is_503_with_retry_after(server):
         engine.max_waiting_requests = saved
     assert r.status_code == 503 and r.headers["retry-after"]
     assert r.json()["error"]["code"] == "overloaded"
+
+
+def test_several_prompts_in_one_completions_request(server, client):
+    prompts = ["Once upon a time", "The weather", "A B C"]
+    # seeded sampling: each prompt's choices are the same alone or in the batch
+    args = dict(model=MODEL, max_tokens=4, n=2, seed=5, extra_body={"ignore_eos": True})
+    single = [client.completions.create(prompt=p, **args) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **args)
+    # prompt i's choices are numbered i*n .. i*n+n-1 (OpenAI's order)
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    by_index = {c.index: c.text for c in batch.choices}
+    for i, one in enumerate(single):
+        alone = {c.index: c.text for c in one.choices}
+        assert (by_index[2 * i], by_index[2 * i + 1]) == (alone[0], alone[1])
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    assert batch.usage.completion_tokens == 3 * 2 * 4
+    # token-id prompts and streaming of a batch: each choice's text comes out whole
+    ids = http(server, "POST", "/tokenize", json={"prompt": prompts[1]}).json()["tokens"]
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=[prompts[0], ids], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    greedy = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+              for p in prompts[:2]]
+    assert streamed == {0: greedy[0], 1: greedy[1]}
+    assert chunks[-1].usage.completion_tokens == 8
+    wait_idle(server)
+
+
+def test_echo_with_prompt_logprobs(server, client):
+    ids = http(server, "POST", "/tokenize", json={"prompt": "Once upon"}).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3, echo=True,
+                                    logprobs=2, temperature=0, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text.startswith("Once upon")
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3
+    # nothing predicts the first prompt token; every other position has a logprob <= 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    # the generated part equals the same request without echo
+    plain = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3,
+                                      logprobs=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs
+                                                         .token_logprobs, abs=1e-5)
+    # streamed: the first chunk carries the prompt and its logprobs
+    chunks = [c for c in client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=3, echo=True, logprobs=2, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "tiny", "prompt": "caf\xff\xfe"}',  # not UTF-8 at all
+    b'{"model": "tiny", "prompt": "bad \\ud800 surrogate"}',  # valid JSON, not Unicode
+    b'{"model": "tiny", "prompt": ["ok", 7]}',
+    b'{"model": "tiny", "prompt": []}',
+    b'{"model": "tiny", "prompt": "hi", "max_tokens": 1.5}',
+    b'{"model": "tiny", "prompt": "hi", "stream": "yes"}',
+    b'[1, 2, 3]',
+    b'',
+])
+def test_malformed_bodies_are_400_and_the_server_goes_on(server, client, body):
+    r = http(server, "POST", "/v1/completions", content=body,
+             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_chat_with_lone_surrogate_is_400(server):
+    r = http(server, "POST", "/v1/chat/completions",
+             content=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_one_access_line_per_request(server, client, caplog):
+    with caplog.at_level("INFO", logger="quire.access"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+        list(client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True,
+                                       extra_body={"ignore_eos": True}))
+        http(server, "POST", "/v1/completions", json={"model": "nope", "prompt": "x"})
+        deadline = time.monotonic() + 5  # the streamed line is written after the last byte
+        while len(caplog.records) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.name == "quire.access"]
+    assert len(lines) == 3, lines
+    assert '"POST /v1/completions" 200' in lines[0] and "completion_tokens=3" in lines[0]
+    assert "id=req-" in lines[0] and "latency=" in lines[0]
+    assert "completion_tokens=2" in lines[1]
+    assert " 404 " in lines[2]
+
+
+def test_non_streamed_request_aborted_when_client_leaves(server):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
+    server.step_delay[0] = 0.05  # 100 steps take >= 5 s: freed within 2 s means aborted
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            http(server, "POST", "/v1/completions", json=body, timeout=0.5)
+        wait_idle(server, timeout=2.0)
+    finally:
+        server.step_delay[0] = 0.0

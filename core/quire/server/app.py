@@ -1,13 +1,17 @@
 """The Starlette app: OpenAI-compatible routes over an :class:`AsyncEngine`.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``. Every error is
-answered in OpenAI's shape (see :mod:`quire.server.errors`). The app's lifespan starts the
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``, and Anthropic's
+``POST /v1/messages``. Every error is answered in OpenAI's shape (see
+:mod:`quire.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
+:mod:`quire.server.anthropic`). ``GET /metrics`` answers Prometheus text (see
+:mod:`quire.server.metrics`). The app's lifespan starts the
 engine thread (if not started) and shuts it down.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -17,13 +21,19 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from quire import __version__
+from quire.outputs import RequestOutput
+from quire.sampling_params import SamplingParams
+from quire.server import anthropic
+from quire.server.access_log import AccessLog
 from quire.server.async_engine import AsyncEngine, EngineStopped, Overloaded, RequestStream
 from quire.server.errors import APIError, bad_request, from_value_error
+from quire.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from quire.server.protocol import ParsedRequest, get, parse_chat, parse_completion
 from quire.server.responses import Shaper, usage
 
@@ -82,10 +92,11 @@ class _Api:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model!r}", param="model", code="model_not_found")
 
-    async def submit(self, parsed: ParsedRequest) -> RequestStream:
+    async def submit(self, token_ids: list[int], params: SamplingParams,
+                     prompt: str | None) -> RequestStream:
+        """One engine request; engine refusals become API errors."""
         try:
-            return await self.engine.add_request(parsed.token_ids, parsed.params,
-                                                 prompt=parsed.prompt)
+            return await self.engine.add_request(token_ids, params, prompt=prompt)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -94,6 +105,18 @@ class _Api:
             raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
         except ValueError as exc:
             raise from_value_error(exc) from exc
+
+    async def submit_all(self, parsed: ParsedRequest) -> list[RequestStream]:
+        """One engine request per prompt; all or none (a refusal aborts the others)."""
+        streams: list[RequestStream] = []
+        try:
+            for text, ids in parsed.prompts():
+                streams.append(await self.submit(ids, parsed.params, text))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
     # -- routes ----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -107,28 +130,61 @@ class _Api:
         self.check_auth(request)
         body = await self.read_json(request)
         parsed = parse_completion(body, self.engine.tokenizer)
-        return await self._generate(parsed, chat=False)
+        return await self._generate(request, parsed, chat=False)
 
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
         parsed = parse_chat(body, self.engine.tokenizer, self.chat_template)
-        return await self._generate(parsed, chat=True)
+        return await self._generate(request, parsed, chat=True)
 
-    async def _generate(self, parsed: ParsedRequest, chat: bool) -> Response:
+    async def _generate(self, request: Request, parsed: ParsedRequest,
+                        chat: bool) -> Response:
         self.check_model(parsed.model)
-        stream = await self.submit(parsed)
-        shaper = Shaper(chat=chat, model=self.model, request_id=stream.request_id,
-                        top_logprobs=parsed.top_logprobs, decode=self.engine.tokenizer.decode,
-                        echo_prompt=parsed.prompt if parsed.echo else None)
+        streams = await self.submit_all(parsed)
+        request_id = streams[0].request_id
+        request.state.request_id = request_id
+        decode = self.engine.tokenizer.decode
+        created = int(time.time())
+        shapers = [
+            Shaper(chat=chat, model=self.model, request_id=request_id,
+                   top_logprobs=parsed.top_logprobs, decode=decode, created=created,
+                   index_base=i * parsed.params.n,
+                   echo_prompt=_echo_text(text, ids, decode) if parsed.echo else None)
+            for i, (text, ids) in enumerate(parsed.prompts())]
         if parsed.stream:
-            return StreamingResponse(_sse(stream, shaper, parsed.include_usage),
+            return StreamingResponse(_sse(request, streams, shapers, parsed.include_usage),
                                      media_type="text/event-stream")
-        final = None
-        async for out in stream:
-            final = out
-        assert final is not None and final.finished
-        return JSONResponse(shaper.whole(final))
+        finals = await _collect(request, streams)
+        request.state.usage = usage(*finals)
+        body = shapers[0].whole(finals[0])
+        for shaper, final in zip(shapers[1:], finals[1:]):
+            body["choices"].extend(shaper.choices(final))
+        body["usage"] = request.state.usage
+        return JSONResponse(body)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API; its errors are answered in Anthropic's shape."""
+        try:
+            anthropic.check_api_key(request.headers, self.api_key)
+            parsed = anthropic.parse_messages(await self.read_json(request),
+                                              self.engine.tokenizer, self.chat_template)
+            self.check_model(parsed.model)
+            stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt)
+            request.state.request_id = stream.request_id
+            shaper = anthropic.MessageShaper(
+                model=self.model, request_id=stream.request_id,
+                input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens)
+            if parsed.stream:
+                return StreamingResponse(anthropic.events(stream, shaper, request.state),
+                                         media_type="text/event-stream")
+            [final] = await _collect(request, [stream])
+            request.state.usage = usage(final)
+            return JSONResponse(shaper.whole(final))
+        except APIError as exc:
+            return anthropic.error_response(exc)
+        except (ValueError, RuntimeError, EngineStopped) as exc:  # the engine failed it
+            return anthropic.error_response(APIError(500, str(exc), type="server_error"))
 
     async def tokenize(self, request: Request) -> Response:
         self.check_auth(request)
@@ -158,23 +214,101 @@ class _Api:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text; no API key, as in vLLM (scrapers seldom carry one)."""
+        try:
+            text = await self.engine.render_metrics()
+        except (EngineStopped, TimeoutError) as exc:
+            return Response(f"{exc}\n", status_code=503, media_type="text/plain")
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
-async def _sse(stream: RequestStream, shaper: Shaper,
-               include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; leaving early (client gone) aborts the request."""
-    final = None
-    try:
+
+def _echo_text(text: str | None, ids: list[int], decode: Any) -> str:
+    return text if text is not None else decode(ids)
+
+
+async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Every stream's final output; a client that hangs up aborts them all."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
         async for out in stream:
             final = out
-            for chunk in shaper.chunks(out):
+        assert final is not None and final.finished
+        return final
+
+    work = asyncio.gather(*(last(s) for s in streams))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():  # the client left: stop computing for nobody
+        work.cancel()
+        for stream in streams:
+            stream.abort()
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _sse(request: Request, streams: list[RequestStream], shapers: list[Shaper],
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; leaving early (client gone) aborts the requests."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in _merged(streams):
+            if out.finished:
+                finals[i] = out
+            for chunk in shapers[i].chunks(out):
                 yield f"data: {json.dumps(chunk)}\n\n"
     except (ValueError, RuntimeError, EngineStopped) as exc:  # the engine failed it midway
         err = APIError(500, str(exc), type="server_error")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
-        stream.abort()
-    if include_usage and final is not None:
-        yield f"data: {json.dumps(shaper.chunk([], usage(final)))}\n\n"
+        for stream in streams:
+            stream.abort()
+    done = [finals[i] for i in sorted(finals)]
+    request.state.usage = usage(*done)
+    if include_usage and done:
+        yield f"data: {json.dumps(shapers[0].chunk([], request.state.usage))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -211,11 +345,13 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
     ]
     handlers = {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AccessLog)],
                      exception_handlers=handlers)  # type: ignore[arg-type]

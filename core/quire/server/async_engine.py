@@ -3,8 +3,10 @@
 Ownership: the engine thread is the only thread that touches the ``LLMEngine`` (it is not
 thread-safe). The asyncio side talks to it through one thread-safe command queue (add,
 abort, call, stop) and hears back through one ``asyncio.Queue`` per request, filled with
-``loop.call_soon_threadsafe``. The per-request sinks are owned by the engine thread; the
-count of waiting requests is owned by the asyncio side.
+``loop.call_soon_threadsafe``. The per-request sinks and the Prometheus metrics are owned
+by the engine thread (it observes every output, aborted ones included, and renders the
+metrics for ``GET /metrics`` through a call); the count of waiting requests is owned by
+the asyncio side.
 
 A request added while others run joins the batch at the engine's next step; an abort is
 applied before the next step, so its pages are free by the time that step runs.
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 from quire.engine import LLMEngine
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
+from quire.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,6 +147,7 @@ class AsyncEngine:
         self._accepting = False
         self._in_flight: set[str] = set()  # asyncio side only, for shutdown
         self._next_id = 0
+        self._metrics = ServerMetrics(self.max_model_len)  # engine thread only
         self._thread = threading.Thread(target=self._run, name="quire-engine", daemon=True)
 
     # -- lifecycle (asyncio side) ----------------------------------------------------------
@@ -158,15 +162,19 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._accepting
 
-    async def shutdown(self, drain_timeout: float = 5.0, join_timeout: float = 10.0) -> None:
-        """Stop taking requests, give in-flight ones ``drain_timeout`` seconds to finish,
-        abort the rest, and join the engine thread."""
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests, give in-flight ones ``timeout`` seconds to finish, then
+        abort the rest: their streams end normally, with finish reason "abort"."""
         self._accepting = False
-        deadline = asyncio.get_running_loop().time() + drain_timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         while self._in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self._in_flight):
             self._commands.put(_Abort(rid))
+
+    async def shutdown(self, drain_timeout: float = 5.0, join_timeout: float = 10.0) -> None:
+        """:meth:`drain`, then stop and join the engine thread."""
+        await self.drain(drain_timeout)
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, join_timeout)
         if self._thread.is_alive():
@@ -222,6 +230,18 @@ class AsyncEngine:
         """Scheduler and KV-cache figures, read on the engine thread."""
         return await self.call(_read_stats)
 
+    async def render_metrics(self, timeout: float = 10.0) -> str:
+        """The Prometheus exposition text, rendered on the engine thread between steps.
+
+        :raises EngineStopped: when the engine thread is not running.
+        :raises TimeoutError: when no step boundary came within ``timeout`` seconds.
+        """
+        render = self.call(lambda engine: self._metrics.render(_read_stats(engine)))
+        try:
+            return await asyncio.wait_for(render, timeout)
+        except asyncio.TimeoutError as exc:  # not the builtin one before Python 3.11
+            raise TimeoutError(f"the engine thread did not answer within {timeout}s") from exc
+
     def num_waiting(self) -> int:
         """Requests accepted here that have not produced output yet (asyncio side)."""
         return self._num_waiting
@@ -240,12 +260,32 @@ class AsyncEngine:
             except Exception as exc:  # a bug in a step: fail every request, keep serving
                 logger.exception("engine step failed; failing %d requests", len(sinks))
                 for rid, add in list(sinks.items()):
-                    self._engine.abort_request(rid)
+                    self._abort(rid)
                     _deliver(add, RuntimeError(f"the engine failed: {exc}"))
                 sinks.clear()
         for rid, add in sinks.items():
-            self._engine.abort_request(rid)
+            self._abort(rid)
             _deliver(add, EngineStopped("the server is shutting down"))
+        self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
+        """Answer commands that came after the stop, so that no caller waits forever."""
+        stopped = EngineStopped("the engine thread has stopped")
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                _resolve(cmd.loop, cmd.accepted, None, stopped)
+            elif isinstance(cmd, _Call):
+                _resolve(cmd.loop, cmd.result, None, stopped)
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        out = self._engine.abort_request(request_id)
+        if out is not None:
+            self._metrics.observe(out)
+        return out
 
     def _drain(self, sinks: dict[str, _Add], block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -261,7 +301,7 @@ class AsyncEngine:
                 self._add(sinks, cmd)
             elif isinstance(cmd, _Abort):
                 add = sinks.pop(cmd.request_id, None)
-                out = self._engine.abort_request(cmd.request_id)
+                out = self._abort(cmd.request_id)
                 if add is not None and out is not None:
                     _deliver(add, out)
             elif isinstance(cmd, _Call):
@@ -282,6 +322,7 @@ class AsyncEngine:
 
     def _step(self, sinks: dict[str, _Add]) -> None:
         for out in self._engine.step():
+            self._metrics.observe(out)
             add = sinks.get(out.request_id)
             if add is None:
                 continue

@@ -33,9 +33,28 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def _known_params() -> frozenset[str]:
+    from dataclasses import fields
+
+    from quire.sampling_params import SamplingParams
+
+    return frozenset(f.name for f in fields(SamplingParams)) | {
+        "prompt", "messages", "max_completion_tokens", "top_logprobs"}
+
+
+#: Request fields a ValueError's message may start with.
+_PARAMS = _known_params()
+
+
 def from_value_error(exc: ValueError) -> APIError:
-    """A 400 naming the field: checks in quire start their message with the field name."""
+    """A 400 naming the field: quire's checks start their message with the field's name
+    (``SamplingParams``) or speak of "the prompt" (the engine's length and id checks)."""
     message = str(exc)
-    first = message.split(" ", 1)[0]
-    param = first if first.replace("_", "").isalnum() and first.islower() else None
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in _PARAMS:
+        param: str | None = first
+    elif message.startswith("the prompt"):
+        param = "prompt"
+    else:
+        param = None
     return APIError(400, message, param=param)

@@ -7,7 +7,7 @@ Every type is checked here, naming the field; range checks are ``SamplingParams`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from quire.sampling_params import SamplingParams
@@ -15,6 +15,8 @@ from quire.server.errors import APIError, bad_request, from_value_error
 
 #: Most choices per request (OpenAI's limit); more would only tie up the KV cache.
 MAX_N = 128
+#: Most prompts in one completions request; each becomes its own engine request.
+MAX_PROMPTS = 256
 _NUMBER = (int, float)
 
 
@@ -32,6 +34,13 @@ class ParsedRequest:
     top_logprobs: int | None
     #: Completions only: put the prompt in front of the text.
     echo: bool = False
+    #: Completions only: the prompts after the first, as (text or None, token ids); the
+    #: choices of prompt ``i`` are numbered from ``i * n``.
+    more_prompts: list[tuple[str | None, list[int]]] = field(default_factory=list)
+
+    def prompts(self) -> list[tuple[str | None, list[int]]]:
+        """Every prompt of the request, in order."""
+        return [(self.prompt, self.token_ids), *self.more_prompts]
 
 
 def get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...],
@@ -51,14 +60,17 @@ def get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...],
 
 def parse_completion(body: Mapping[str, Any], tokenizer: Any) -> ParsedRequest:
     """A ``/v1/completions`` body. :raises APIError: 400 naming the bad field."""
-    text, ids = _completion_prompt(body.get("prompt"), tokenizer)
+    prompts = _completion_prompts(body.get("prompt"), tokenizer)
     logprobs = get(body, "logprobs", int)
     echo = get(body, "echo", bool, False)
-    params = _sampling_params(body, default_max_tokens=16, logprobs=logprobs)
+    # the echoed prompt carries its logprobs too
+    params = _sampling_params(body, default_max_tokens=16, logprobs=logprobs,
+                              prompt_logprobs=logprobs if echo else None)
+    (text, ids), *more = prompts
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=logprobs,
-                         echo=echo)
+                         echo=echo, more_prompts=more)
 
 
 def parse_chat(body: Mapping[str, Any], tokenizer: Any,
@@ -70,7 +82,7 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Any,
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
-    text = _render_chat(messages, tokenizer, chat_template)
+    text = render_chat(messages, tokenizer, chat_template)
     ids = tokenizer.encode(text, add_special_tokens=False)
     params = _sampling_params(body, default_max_tokens=None, logprobs=top_logprobs)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
@@ -89,7 +101,8 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
 
 
 def _sampling_params(body: Mapping[str, Any], *, default_max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     n = get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
@@ -113,7 +126,7 @@ def _sampling_params(body: Mapping[str, Any], *, default_max_tokens: int | None,
             include_stop_str_in_output=get(body, "include_stop_str_in_output", bool, False),
             skip_special_tokens=get(body, "skip_special_tokens", bool, True),
             logit_bias=_logit_bias(get(body, "logit_bias", dict)),
-            logprobs=logprobs, **numbers)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **numbers)
     except ValueError as exc:
         raise from_value_error(exc) from exc
 
@@ -135,21 +148,46 @@ def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
     return out
 
 
-def _completion_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
-    # A one-element batch is unwrapped; larger batches are not supported yet.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
-        return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, list(prompt)
+def _completion_prompts(prompt: Any, tokenizer: Any) -> list[tuple[str | None, list[int]]]:
+    """OpenAI's four prompt forms: a string, a list of token ids, or a list of either."""
     if prompt is None:
         raise bad_request("prompt is required", param="prompt")
-    raise bad_request("prompt must be a non-empty string or a list of token ids (batches "
-                      "of several prompts are not supported)", param="prompt")
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [_one_prompt(prompt, tokenizer, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty "
+                          "list of either", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
+                          param="prompt")
+    return [_one_prompt(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(prompt: Any, tokenizer: Any, name: str) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request(f"{name} must not be empty", param="prompt")
+        return prompt, tokenizer.encode(check_text(prompt, name, "prompt"))
+    if _is_token_list(prompt):
+        return None, list(prompt)
+    raise bad_request(f"{name} must be a non-empty string or a non-empty list of token ids",
+                      param="prompt")
+
+
+def check_text(text: str, name: str, param: str) -> str:
+    """``text`` if it is valid Unicode; JSON may carry lone surrogates (``"\\ud800"``),
+    which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{name} is not valid Unicode text: {exc.reason} at position "
+                          f"{exc.start}", param=param) from None
+    return text
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -160,7 +198,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role",
                               param="messages")
-        out.append({"role": msg["role"], "content": _content(msg.get("content"), i)})
+        content = check_text(_content(msg.get("content"), i), f"messages[{i}].content",
+                             "messages")
+        out.append({"role": msg["role"], "content": content})
     return out
 
 
@@ -180,8 +220,10 @@ def _content(content: Any, i: int) -> str:
                       param="messages")
 
 
-def _render_chat(messages: list[dict[str, str]], tokenizer: Any,
-                 chat_template: str | None) -> str:
+def render_chat(messages: list[dict[str, str]], tokenizer: Any,
+                chat_template: str | None) -> str:
+    """The prompt text of ``messages`` (with the generation prompt), by ``chat_template``
+    or the tokenizer's own. :raises APIError: 400 when there is no template or it fails."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; start the server with one",
                        param="messages")

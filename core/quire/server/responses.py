@@ -9,9 +9,10 @@ from typing import Any
 from quire.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def usage(*outs: RequestOutput) -> dict[str, int]:
+    """Token counts summed over the outputs of one API request (one per prompt)."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -42,6 +43,30 @@ def completion_logprobs(c: CompletionOutput, start: int, k: int, decode: Any,
             "text_offset": offsets}
 
 
+def prompt_logprobs(out: RequestOutput, k: int, decode: Any) -> dict[str, Any]:
+    """The legacy shape for the prompt's tokens (``echo`` with ``logprobs``); nothing
+    predicts the first token, so its entries are None."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    positions = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, pos in zip(out.prompt_token_ids, positions):
+        if pos is None:
+            tok, lp, top = decode([tid]), None, None
+        else:
+            (tok, lp), ranked = _ranked(pos, tid, k, decode)
+            top = dict(ranked)
+        tokens.append(tok)
+        lps.append(lp)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _joined(first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
 def chat_logprobs(c: CompletionOutput, start: int, k: int, decode: Any) -> dict[str, Any]:
     """OpenAI's chat shape for tokens ``start:`` of ``c``."""
     content = []
@@ -60,40 +85,55 @@ class Shaper:
     """
 
     def __init__(self, *, chat: bool, model: str, request_id: str, top_logprobs: int | None,
-                 decode: Any, echo_prompt: str | None = None) -> None:
+                 decode: Any, echo_prompt: str | None = None, index_base: int = 0,
+                 created: int | None = None) -> None:
+        """:param index_base: added to each choice's index (the ``i * n`` of prompt ``i``
+            when one completions request carries several prompts).
+        :param echo_prompt: completions only: text put in front of each choice's text."""
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         self.top_logprobs = top_logprobs
         self.decode = decode
         self.echo_prompt = echo_prompt
+        self.index_base = index_base
         self._sent: dict[int, tuple[int, int, bool]] = {}  # index -> chars, tokens, done
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, c: CompletionOutput, start: int, offset: int) -> Any:
+    def _logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, offset: int,
+                  with_prompt: bool = False) -> Any:
         if self.top_logprobs is None:
             return None
         if self.chat:
             return chat_logprobs(c, start, self.top_logprobs, self.decode)
-        return completion_logprobs(c, start, self.top_logprobs, self.decode, offset)
+        generated = completion_logprobs(c, start, self.top_logprobs, self.decode, offset)
+        if with_prompt and self.echo_prompt is not None:
+            return _joined(prompt_logprobs(out, self.top_logprobs, self.decode), generated)
+        return generated
 
-    def whole(self, out: RequestOutput) -> dict[str, Any]:
+    def choices(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The whole answer's choices for ``out`` (a finished output)."""
         choices = []
         for c in out.outputs:
+            index = self.index_base + c.index
             if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": self._logprobs(c, 0, 0), "finish_reason": c.finish_reason}
+                choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": self._logprobs(out, c, 0, 0),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             else:
                 prefix = self.echo_prompt or ""
-                choice = {"index": c.index, "text": prefix + c.text,
-                          "logprobs": self._logprobs(c, 0, len(prefix)),
-                          "finish_reason": c.finish_reason}
+                choice = {"index": index, "text": prefix + c.text,
+                          "logprobs": self._logprobs(out, c, 0, len(prefix), True),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             choices.append(choice)
+        return choices
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage(out)}
+        return {**self._head(obj), "choices": self.choices(out), "usage": usage(out)}
 
     def chunks(self, out: RequestOutput) -> Iterator[dict[str, Any]]:
         """The chunks that carry what changed in ``out`` since the last call."""
@@ -108,15 +148,17 @@ class Shaper:
             if not delta_text and not c.finish_reason and not first:
                 continue
             self._sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
-            logprobs = self._logprobs(c, tokens, chars)
+            offset = chars + len(self.echo_prompt or "")
+            logprobs = self._logprobs(out, c, tokens, offset, with_prompt=first)
+            index = self.index_base + c.index
             if self.chat:
                 delta: dict[str, Any] = {"content": delta_text}
                 if first:
                     delta["role"] = "assistant"
-                choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                choice = {"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             else:
-                choice = {"index": c.index, "text": delta_text, "logprobs": logprobs,
+                choice = {"index": index, "text": delta_text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             yield self.chunk([choice])
 

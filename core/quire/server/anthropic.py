@@ -1,0 +1,247 @@
+"""Anthropic's Messages API (``POST /v1/messages``) over the same engine as the OpenAI
+routes: request bodies -> :class:`ParsedRequest`, ``RequestOutput`` -> Message objects and
+stream events, and :class:`APIError` -> Anthropic's error body.
+
+Types are checked with :func:`quire.server.protocol.get` (a 400 naming the field), ranges
+by ``SamplingParams``. Unknown fields are ignored, as on the OpenAI routes.
+
+Stream events, in the order Anthropic documents them (each ``event: TYPE`` + ``data:``)::
+
+    message_start -> content_block_start -> ping -> content_block_delta* ->
+    content_block_stop -> message_delta (stop_reason, usage) -> message_stop
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from quire.outputs import CompletionOutput, RequestOutput
+from quire.sampling_params import SamplingParams
+from quire.server.async_engine import EngineStopped, RequestStream
+from quire.server.errors import APIError, bad_request, from_value_error
+from quire.server.protocol import ParsedRequest, render_chat, get
+from quire.server.responses import usage
+
+_NUMBER = (int, float)
+_ROLES = ("user", "assistant")
+#: Anthropic's error type per HTTP status; see :func:`_error_type` for the rest.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large"}
+#: Errors the engine raises into a request's stream when it fails the request midway.
+_ENGINE_FAILURES = (ValueError, RuntimeError, EngineStopped)
+
+
+# -- requests ----------------------------------------------------------------------------
+def check_api_key(headers: Mapping[str, str], api_key: str | None) -> None:
+    """Anthropic clients send the key as ``x-api-key``; ``Authorization: Bearer`` (what
+    the OpenAI routes take) is accepted too. :raises APIError: 401."""
+    if api_key is None:
+        return
+    token = headers.get("x-api-key")
+    if token is None:
+        auth = headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise APIError(401, "invalid or missing API key (x-api-key: ... or "
+                            "Authorization: Bearer ...)", type="authentication_error")
+
+
+def parse_messages(body: Mapping[str, Any], tokenizer: Any,
+                   chat_template: str | None) -> ParsedRequest:
+    """A ``/v1/messages`` body. :raises APIError: 400 naming the bad field."""
+    model = _required(body, "model", str)
+    max_tokens = _required(body, "max_tokens", int)
+    chat = _turns(body.get("messages"))
+    system = _system(body.get("system"))
+    if system is not None:
+        chat.insert(0, {"role": "system", "content": system})
+    # A last assistant turn is a prefill: the answer continues it rather than following it.
+    prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else ""
+    text = render_chat(chat, tokenizer, chat_template) + prefill
+    return ParsedRequest(model=model, prompt=text,
+                         token_ids=tokenizer.encode(text, add_special_tokens=False),
+                         params=_sampling_params(body, max_tokens),
+                         stream=get(body, "stream", bool, False), include_usage=False,
+                         top_logprobs=None)
+
+
+def _required(body: Mapping[str, Any], name: str, kind: type) -> Any:
+    if body.get(name) is None:
+        raise bad_request(f"{name} is required", param=name)
+    return get(body, name, kind)
+
+
+def _turns(messages: Any) -> list[dict[str, str]]:
+    """``messages`` as chat-template turns; consecutive turns of one role become one, as
+    Anthropic combines them (templates often insist that roles alternate)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    turns: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}] must be an object with role 'user' or "
+                              f"'assistant', got role {role!r}",
+                              param=f"messages[{i}].role")
+        text = _text(msg.get("content"), f"messages[{i}].content")
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"] += "\n\n" + text
+        else:
+            turns.append({"role": role, "content": text})
+    return turns
+
+
+def _system(system: Any) -> str | None:
+    return None if system is None else _text(system, "system")
+
+
+def _text(content: Any, field: str) -> str:
+    """A string, or a list of text blocks joined; other block types are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{field} must be a string or a list of text blocks",
+                          param=field)
+    parts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"{field}[{j}] must be a text block {{\"type\": \"text\", "
+                              f"\"text\": ...}}; block type {kind!r} is not supported",
+                              param=f"{field}[{j}]")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+    temperature = get(body, "temperature", _NUMBER, 1.0)
+    if not 0 <= temperature <= 1:  # Anthropic's range; also refuses NaN
+        raise bad_request(f"temperature must be in [0, 1], got {temperature}",
+                          param="temperature")
+    stops = get(body, "stop_sequences", list, [])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop_sequences must be a list of non-empty strings",
+                          param="stop_sequences")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                              top_p=get(body, "top_p", _NUMBER, 1.0),
+                              top_k=get(body, "top_k", int, 0), stop=stops)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+
+
+# -- answers -----------------------------------------------------------------------------
+def stop_reason(c: CompletionOutput, max_tokens: int | None) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for the finished output ``c``."""
+    if c.finish_reason == "length":
+        hit_max = max_tokens is not None and len(c.token_ids) >= max_tokens
+        return ("max_tokens" if hit_max else "model_context_window_exceeded"), None
+    if isinstance(c.stop_reason, str):  # a stop string; a token id is a kind of EOS
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+class MessageShaper:
+    """Builds one request's Message, whole or as stream events (dicts whose ``type`` is
+    the event name); for streams it remembers how much text was sent."""
+
+    def __init__(self, *, model: str, request_id: str, input_tokens: int,
+                 max_tokens: int | None) -> None:
+        self.model = model
+        self.id = "msg_" + request_id
+        self.input_tokens = input_tokens
+        self.max_tokens = max_tokens
+        self._sent = 0
+
+    def _message(self, c: CompletionOutput | None) -> dict[str, Any]:
+        """The Message for the finished output ``c``, or the empty one a stream opens."""
+        content: list[dict[str, str]] = []
+        reason, sequence, output_tokens = None, None, 0
+        if c is not None:
+            content = [{"type": "text", "text": c.text}]
+            reason, sequence = stop_reason(c, self.max_tokens)
+            output_tokens = len(c.token_ids)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": self.input_tokens,
+                          "output_tokens": output_tokens}}
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        return self._message(out.outputs[0])
+
+    def start(self) -> list[dict[str, Any]]:
+        """The events before any text: known as soon as the request is accepted."""
+        return [{"type": "message_start", "message": self._message(None)},
+                {"type": "content_block_start", "index": 0,
+                 "content_block": {"type": "text", "text": ""}},
+                {"type": "ping"}]
+
+    def deltas(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The text that ``out`` adds to what was sent (streamed text only ever grows)."""
+        text = out.outputs[0].text[self._sent:]
+        self._sent += len(text)
+        if not text:
+            return []
+        return [{"type": "content_block_delta", "index": 0,
+                 "delta": {"type": "text_delta", "text": text}}]
+
+    def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
+        c = out.outputs[0]
+        reason, sequence = stop_reason(c, self.max_tokens)
+        return [{"type": "content_block_stop", "index": 0},
+                {"type": "message_delta",
+                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                 "usage": {"output_tokens": len(c.token_ids)}},
+                {"type": "message_stop"}]
+
+
+async def events(stream: RequestStream, shaper: MessageShaper,
+                 state: Any) -> AsyncIterator[str]:
+    """The SSE body; leaving early (client gone) aborts the request. Leaves the OpenAI
+    ``usage`` dict in ``state`` (the request's) for the access log."""
+    final = None
+    try:
+        for event in shaper.start():
+            yield _sse(event)
+        async for out in stream:
+            final = out
+            for event in shaper.deltas(out):
+                yield _sse(event)
+    except _ENGINE_FAILURES as exc:  # after the 200: only an error event can say so
+        failed = APIError(500, f"request {stream.request_id} failed: {exc}",
+                          type="server_error")
+        yield _sse(error_body(failed))
+    finally:
+        stream.abort()
+    if final is not None and final.finished:
+        state.usage = usage(final)
+        for event in shaper.finish(final):
+            yield _sse(event)
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+# -- errors ------------------------------------------------------------------------------
+def _error_type(exc: APIError) -> str:
+    if exc.code == "overloaded":
+        return "overloaded_error"
+    if exc.status >= 500:
+        return "api_error"
+    return _ERROR_TYPES.get(exc.status, "invalid_request_error")
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``; the message names the field."""
+    return {"type": "error", "error": {"type": _error_type(exc), "message": exc.message}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """``exc`` in Anthropic's shape, with its status and headers (``Retry-After``)."""
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
