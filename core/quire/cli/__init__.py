@@ -2,8 +2,10 @@
 
 To add a subcommand, write ``quire/cli/<name>.py`` with ``register(subparsers)`` that adds
 its parser and sets ``run`` (``(argparse.Namespace) -> int``) as a default, then list the
-module in :data:`COMMANDS`. Errors caused by the user's input are raised as
-:class:`~quire.cli.common.UsageError` and printed argparse-style, never as a traceback.
+module in :data:`COMMANDS`. A subcommand may have subcommands of its own (``quire bench
+throughput``); global options and ``--config`` then belong to the innermost ones.
+Errors caused by the user's input are raised as :class:`~quire.cli.common.UsageError`
+and printed argparse-style, never as a traceback.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import common, conformance, generate, models, plugins, serve
+from quire.cli import bench, common, conformance, generate, models, plugins, serve
 from quire.cli.config_file import add_config_option, apply_config_file
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
-COMMANDS = (generate, serve, models, plugins, conformance)
+COMMANDS = (generate, serve, bench, models, plugins, conformance)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,9 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
     # unset default from overwriting a value given before it.
     for subparser in subparsers.choices.values():
         common.add_global_options(subparser, default=argparse.SUPPRESS)
-        add_config_option(subparser)
+        nested = _subcommands(subparser)
+        for leaf in nested.choices.values() if nested else (subparser,):
+            if leaf is not subparser:
+                common.add_global_options(leaf, default=argparse.SUPPRESS)
+            add_config_option(leaf)
     parser.set_defaults(_commands=subparsers.choices)
     return parser
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    """``parser``'s own subcommands (``bench`` has ``throughput``, ...), or None."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    return None
+
+
+def _chosen_command(args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost parser the command line chose: the one whose flags it was given."""
+    command = args._commands[args.command]
+    nested = _subcommands(command)
+    return nested.choices[getattr(args, nested.dest)] if nested else command
 
 
 def parse_args(parser: argparse.ArgumentParser,
@@ -44,7 +65,7 @@ def parse_args(parser: argparse.ArgumentParser,
     :raises UsageError: for a bad config file; argparse's own errors exit as usual.
     """
     args = parser.parse_args(argv)
-    return apply_config_file(parser, args._commands[args.command], args, argv)
+    return apply_config_file(parser, _chosen_command(args), args, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

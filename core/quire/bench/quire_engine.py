@@ -1,0 +1,59 @@
+"""Quire's side of a measurement: building the engine, warming it up, KV page size.
+
+Every mode asks the same of a request: greedy decoding, ``ignore_eos`` and a fixed
+``max_tokens``, so each request makes exactly its output length and every engine does
+the same work.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from quire.config import EngineConfig
+from quire.engine import LLMEngine
+from quire.plugins.registry import PlatformRegistry
+from quire.sampling_params import SamplingParams
+
+# A short request run once before any timing: first calls allocate and compile lazily.
+_WARMUP_PROMPT_LEN = 8
+_WARMUP_OUTPUT_LEN = 4
+
+
+def greedy_params(output_len: int) -> SamplingParams:
+    """Exactly ``output_len`` tokens, greedily (EOS does not stop it)."""
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+
+
+def build_engine(config: EngineConfig, registry: PlatformRegistry) -> LLMEngine:
+    """An engine for ``config``, warmed up. Frees the previous engine's memory first
+    (call with no other engine alive when peaks are to be compared).
+
+    :raises ValueError, RuntimeError: as :class:`LLMEngine` does.
+    """
+    gc.collect()
+    engine = LLMEngine(config, registry)
+    warm_up(engine)
+    return engine
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Run one short request to completion."""
+    prompt = [t % engine.vocab_size for t in range(1, _WARMUP_PROMPT_LEN + 1)]
+    engine.add_request(prompt, greedy_params(_WARMUP_OUTPUT_LEN))
+    while engine.has_unfinished_requests():
+        engine.step(final_only=True)
+
+
+def kv_page_bytes(engine: LLMEngine) -> int:
+    """Bytes one KV page takes over all layers (K and V)."""
+    total = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    return total // engine.block_manager.num_blocks
+
+
+def describe(engine: LLMEngine) -> str:
+    """A one-line description of the engine for reports."""
+    cfg = engine.config
+    return (f"quire on {engine.platform.name}, {str(cfg.dtype).removeprefix('torch.')}, "
+            f"block_size={cfg.block_size}, kv_pages={engine.block_manager.num_blocks}, "
+            f"max_num_seqs={cfg.max_num_seqs}, "
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens}")

@@ -1,0 +1,468 @@
+"""``quire bench``: throughput, latency, serving load, option sweeps and KV memory.
+
+Each benchmark is a subcommand (``quire bench throughput`` ...); see docs/bench.md. This
+module only reads flags and puts the parts of :mod:`quire.bench` together; building the
+parser imports nothing heavy (the engine, httpx, matplotlib are imported when a
+benchmark runs).
+
+Exit status: 0; 1 when a peer failed (the other results are still printed and saved);
+2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+from quire.bench.peers.spec import PEERS
+from quire.bench.workloads import PRESETS, WorkloadSpec, preset
+from quire.cli.common import UsageError, open_registry
+from quire.cli.engine_options import add_engine_options, engine_config_from_args
+from quire.model_store import DEFAULT_MODEL
+
+#: Kept in step with quire.bench.sweep.SWEEPABLE (a test checks it), so that building the
+#: parser does not import the engine.
+SWEEP_OPTIONS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+_EXTRA_HINT = "pip install -e '.[bench]'"
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark throughput, latency, serving, options and KV memory",
+        description="Benchmarks on fixed, seeded workloads (W1..W5); see docs/bench.md.")
+    benches = parser.add_subparsers(title="benchmarks", dest="bench_command", required=True)
+    _register_offline(benches, "throughput", "W1", run_throughput,
+                      "offline throughput: every request at once, run to completion")
+    _register_offline(benches, "latency", "W2", run_latency,
+                      "one request at a time: time to first token, inter-token latency")
+    _register_serve(benches)
+    _register_sweep(benches)
+    _register_memory(benches)
+    _register_install_peer(benches)
+
+
+# -- flags ---------------------------------------------------------------------------------
+def _add_workload_options(parser: argparse.ArgumentParser, default: str,
+                          timed: bool = True) -> None:
+    group = parser.add_argument_group("workload")
+    names = ", ".join(f"{w.name} ({w.description})" for w in PRESETS.values())
+    group.add_argument("--workload", default=default, metavar="NAME",
+                       help=f"a preset: {names} (default: {default})")
+    group.add_argument("--num-requests", type=int, default=None, help="override: requests")
+    group.add_argument("--input-len", type=int, default=None,
+                       help="override: prompt tokens (after any shared prefix), fixed")
+    group.add_argument("--output-len", type=int, default=None,
+                       help="override: output tokens, fixed")
+    group.add_argument("--output", metavar="PATH", default=None,
+                       help="also write the results as JSON here")
+    if not timed:
+        return
+    group.add_argument("--repeats", type=int, default=3,
+                       help="runs to take the median of; each draws new text of the same "
+                       "shape (default: 3)")
+    group.add_argument("--warmup", type=int, default=0 if default == "W5" else 1,
+                       help="untimed runs first, on text of their own (default: 1; serve: 0)")
+
+
+def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workload: str,
+                      run: Any, help_text: str) -> None:
+    parser = benches.add_parser(name, help=help_text, description=help_text)
+    _add_workload_options(parser, workload)
+    parser.add_argument("--peer", action="append", dest="peers", default=[],
+                        choices=sorted(PEERS), help="also run the workload on this peer "
+                        "(repeatable); see quire bench install-peer")
+    parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="give up on a peer after this long (default: 3600)")
+    add_engine_options(parser)
+    parser.set_defaults(run=run)
+
+
+def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "serve", help="load a running OpenAI-compatible server",
+        description="Stream /v1/completions from a running server (ours or any other) at "
+        "--url, from --concurrency clients or at a Poisson --request-rate.")
+    _add_workload_options(parser, "W5")
+    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="clients sending one request after another (default: the "
+                      "workload's, W5: 120)")
+    load.add_argument("--request-rate", type=float, default=None, metavar="PER_S",
+                      help="Poisson arrivals per second instead of fixed clients")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                        help="goodput counts requests whose TTFT is at most this")
+    parser.add_argument("--slo-e2e", type=float, default=None, metavar="SECONDS",
+                        help="goodput counts requests whose end-to-end latency is at most this")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the model whose tokenizer sizes the prompts (a path or a "
+                        f"built-in name; default: {DEFAULT_MODEL})")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory instead")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the 'model' field sent (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None, help="sent as a bearer token")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="per-request HTTP timeout (default: 600)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.set_defaults(run=run_serve)
+
+
+def _register_sweep(benches: argparse._SubParsersAction[Any]) -> None:
+    # "resolve": the swept options replace the engine flags of the same name
+    parser = benches.add_parser(
+        "sweep", conflict_handler="resolve",
+        help="throughput over several values of one engine option",
+        description="Run one throughput workload once per value of one option and write a "
+        "table, and a PNG plot with --plot.")
+    _add_workload_options(parser, "W1")
+    add_engine_options(parser)
+    for option in SWEEP_OPTIONS:
+        flag = "--" + option.replace("_", "-")
+        parser.add_argument(flag, default=None, metavar="N[,N...]",
+                            help="one value, or several to sweep (comma-separated)")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="write a PNG of throughput and KV memory per value")
+    parser.set_defaults(run=run_sweep)
+
+
+def _register_memory(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "memory", help="paged vs contiguous KV allocation, simulated (no model run)",
+        description="How many sequences of a workload run at once in a fixed KV budget, "
+        "and how much of it is wasted, with paged KV (our BlockManager) and with "
+        "contiguous reservations.")
+    _add_workload_options(parser, "W3", timed=False)
+    parser.add_argument("--kv-memory", default="8192tok", metavar="BUDGET",
+                        help="tokens (8192tok) or bytes (2GiB, 500MB; needs the model's "
+                        "size per token, from --model) (default: 8192tok)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="what a contiguous max-length reservation holds")
+    parser.add_argument("--enable-prefix-caching", default="true", choices=["true", "false"],
+                        help="paged: share full prompt pages (default: true)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="only for a budget in bytes: the model whose KV size per "
+                        "token converts it")
+    parser.add_argument("--dtype", default="float32", help="KV dtype, for a budget in bytes")
+    parser.set_defaults(run=run_memory)
+
+
+def _register_install_peer(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "install-peer", help="install a peer engine into its own virtual environment",
+        description="Create <cache>/peers/NAME and pip-install the peer there (see "
+        "docs/bench.md); never into quire's environment.")
+    parser.add_argument("name", choices=sorted(PEERS))
+    parser.add_argument("--force", action="store_true",
+                        help="run the install steps even if the peer already imports")
+    parser.set_defaults(run=run_install_peer)
+
+
+# -- shared steps --------------------------------------------------------------------------
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    if getattr(args, "repeats", 1) < 1:
+        raise UsageError("--repeats: must be >= 1")
+    if getattr(args, "warmup", 0) < 0:
+        raise UsageError("--warmup: must be >= 0")
+    try:
+        return preset(args.workload).with_overrides(args.num_requests, args.input_len,
+                                                    args.output_len)
+    except ValueError as exc:
+        raise UsageError(f"--workload: {exc}") from exc
+
+
+def require(module: str, purpose: str) -> Any:
+    """Import an optional dependency. :raises UsageError: naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UsageError(f"{purpose} needs {module}, which is not installed: "
+                         f"{_EXTRA_HINT}") from None
+
+
+def _finish(args: argparse.Namespace, title: str, table: str, notes: list[str],
+            payload: dict[str, Any]) -> None:
+    from quire.bench.report import write_json
+
+    print(title)
+    print(table)
+    for note in notes:
+        print(note)
+    if args.output:
+        write_json(args.output, payload)
+        print(f"results written to {args.output}", file=sys.stderr)
+
+
+def _requests(spec: WorkloadSpec, tokenizer: Any, name: str,
+              args: argparse.Namespace) -> list[Any]:
+    """The passes to run: ``--warmup`` untimed ones (drawn apart, repeat -1, -2, ...),
+    then ``--repeats`` timed ones; drop the first ``args.warmup`` results."""
+    from quire.bench.corpus import Corpus, TokenizerSource
+    from quire.bench.workloads import build_requests
+
+    corpus = Corpus(TokenizerSource(tokenizer, name))
+    indices = [-1 - w for w in range(args.warmup)] + list(range(args.repeats))
+    try:
+        return [build_requests(spec, corpus, r) for r in indices]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _settings(spec: WorkloadSpec, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """What a JSON record says about how it was run."""
+    import dataclasses
+
+    return {"workload": dataclasses.asdict(spec), "repeats": args.repeats,
+            "warmup": args.warmup, **extra}
+
+
+def _check_fits(spec: WorkloadSpec, max_model_len: int) -> None:
+    if spec.max_total_len > max_model_len:
+        raise UsageError(f"workload {spec.name} reaches {spec.max_total_len} tokens per "
+                         f"sequence, more than max_model_len={max_model_len}; use "
+                         "--input-len/--output-len or a model with a longer context")
+
+
+# -- throughput and latency ----------------------------------------------------------------
+def run_throughput(args: argparse.Namespace) -> int:
+    from quire.bench import throughput
+    from quire.bench.report import THROUGHPUT_FIGURES
+
+    return _run_offline(args, "throughput", throughput.run_quire, THROUGHPUT_FIGURES)
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from quire.bench import latency
+    from quire.bench.report import LATENCY_FIGURES
+
+    return _run_offline(args, "latency", latency.run_quire, LATENCY_FIGURES)
+
+
+def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: Any) -> int:
+    import dataclasses
+    import gc
+
+    from quire.bench.quire_engine import build_engine, describe
+    from quire.bench.report import Column, comparison_table, record
+    from quire.model_store import resolve_model
+
+    spec = _workload(args)
+    config = engine_config_from_args(args)
+    _check_peers(args.peers)
+    try:
+        engine = build_engine(config, open_registry(args))
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    _check_fits(spec, engine.config.max_model_len)
+    runs = _requests(spec, engine.tokenizer, config.model, args)
+    figures_per_run = [run_quire(engine, requests).figures() for requests in runs]
+    columns = [Column("quire", describe(engine), figures_per_run[args.warmup:])]
+    del engine  # free its memory before any peer runs
+    gc.collect()
+    peer_columns, failures = _run_peers(args, mode, resolve_model(config.model), runs)
+    columns += peer_columns
+    title = (f"quire bench {mode}: {spec.name} ({spec.description}), median of "
+             f"{args.repeats}, model {config.model}")
+    notes = [f"{c.name}: {c.description}" for c in columns] + \
+        [f"{name}: FAILED: {error}" for name, error in failures.items()]
+    settings = _settings(spec, args, engine=dataclasses.asdict(config), peers=args.peers)
+    payload = record(mode, settings, columns, peer_errors=failures)
+    _finish(args, title, comparison_table(figures, columns), notes, payload)
+    return 1 if failures else 0
+
+
+def _check_peers(names: list[str]) -> None:
+    """Fail before the long part when a peer asked for is not installed."""
+    from quire.bench.peers.runner import PeerError, check_installed
+
+    needed = set(names) | ({"hf"} if "vllm" in names else set())  # hf converts for vllm
+    for name in sorted(needed):
+        try:
+            check_installed(PEERS[name])
+        except PeerError as exc:
+            raise UsageError(f"--peer {name}: {exc}") from exc
+
+
+def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
+               runs: list[Any]) -> tuple[list[Any], dict[str, str]]:
+    """Each peer's columns; a peer that fails is reported, not fatal."""
+    from quire.bench.peers.models import model_variants
+    from quire.bench.peers.runner import PeerError, measure
+    from quire.bench.report import Column
+
+    columns, failures = [], {}
+    options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
+    for name in dict.fromkeys(args.peers):
+        spec = PEERS[name]
+        try:
+            for column, path in model_variants(spec, model_path):
+                print(f"quire bench: running {column} on {path} ...", file=sys.stderr)
+                result = measure(spec, mode, column, path, runs, options, args.peer_timeout)
+                timed = result.runs[args.warmup:]
+                columns.append(Column(column, f"{result.description} (loaded in "
+                                      f"{result.load_s:.1f}s)",
+                                      [run.figures() for run in timed]))
+        except PeerError as exc:
+            print(f"quire bench: peer {name} failed: {exc}", file=sys.stderr)
+            failures[name] = str(exc)
+    return columns, failures
+
+
+# -- serve ---------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from quire.bench import serve
+    from quire.bench.report import SERVE_FIGURES, Column, comparison_table, record
+    from quire.bench.stats import SLO
+    from quire.model_store import resolve_model
+    from quire.tokenizer import load_tokenizer
+
+    require("httpx", "quire bench serve")
+    spec = _workload(args)
+    try:
+        slo = SLO(args.slo_ttft, args.slo_e2e)
+        concurrency = None if args.request_rate else \
+            args.concurrency or spec.concurrency or spec.num_requests
+        shape = serve.LoadShape(concurrency, args.request_rate, args.seed)
+        tokenizer_path = args.tokenizer or resolve_model(args.model)
+        tokenizer = load_tokenizer(tokenizer_path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    runs = _requests(spec, tokenizer, tokenizer_path, args)
+    try:
+        model, results = serve.run(args.url, runs, shape, args.served_model_name,
+                                   args.api_key, args.timeout)
+    except (RuntimeError, OSError) as exc:
+        raise UsageError(f"--url {args.url}: {exc}") from exc
+    column = Column("server", f"{args.url}, model {model!r}",
+                    [run.figures(slo) for run in results[args.warmup:]])
+    load = f"{shape.concurrency} clients" if shape.concurrency else \
+        f"Poisson {shape.request_rate}/s"
+    title = (f"quire bench serve: {spec.name} ({spec.description}), {load}, median of "
+             f"{args.repeats}, {args.url}")
+    settings = _settings(spec, args, url=args.url, model=model,
+                         load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo))
+    payload = record("serve", settings, [column])
+    _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
+    return 0
+
+
+# -- sweep ---------------------------------------------------------------------------------
+def _swept(args: argparse.Namespace) -> tuple[str, list[int], dict[str, int]]:
+    """The option with several values, its values, and the options with one value."""
+    from quire.bench.sweep import parse_values
+
+    lists = {}
+    for option in SWEEP_OPTIONS:
+        text = getattr(args, option)
+        if text is not None:
+            try:
+                lists[option] = parse_values(str(text))
+            except ValueError as exc:
+                raise UsageError(f"--{option.replace('_', '-')}: {exc}") from exc
+    swept = [o for o, values in lists.items() if len(values) > 1]
+    if len(swept) != 1:
+        flags = ", ".join("--" + o.replace("_", "-") for o in SWEEP_OPTIONS)
+        raise UsageError(f"give several comma-separated values to exactly one of {flags}")
+    fixed = {o: values[0] for o, values in lists.items() if len(values) == 1}
+    return swept[0], lists[swept[0]], fixed
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from quire.bench.report import THROUGHPUT_FIGURES, figure_rows, record
+    from quire.bench.sweep import plot
+    from quire.bench.sweep import run_sweep as sweep
+    from quire.model_store import resolve_model
+    from quire.tokenizer import load_tokenizer
+
+    spec = _workload(args)
+    param, values, fixed = _swept(args)
+    if args.plot:
+        require("matplotlib", "--plot")
+    base = argparse.Namespace(**{**vars(args), **{o: None for o in SWEEP_OPTIONS}, **fixed})
+    config = engine_config_from_args(base)
+    try:
+        tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if config.max_model_len:
+        _check_fits(spec, config.max_model_len)
+    runs = _requests(spec, tokenizer, config.model, args)
+    try:
+        points = sweep(config, param, values, runs, open_registry(args), args.warmup)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    flag = param.replace("_", "-")
+    title = (f"quire bench sweep: {flag} over {values}, {spec.name} ({spec.description}), "
+             f"median of {args.repeats}, model {config.model}")
+    table = figure_rows(THROUGHPUT_FIGURES, {str(p.value): p.figures for p in points}, flag)
+    if args.plot:
+        plot(points, param, args.plot, title=f"{spec.name}: throughput and KV memory per {flag}")
+    notes = [f"plot written to {args.plot}"] if args.plot else []
+    settings = _settings(spec, args, engine=dataclasses.asdict(config), swept=param,
+                         values=values)
+    payload = record("sweep", settings, points=[dataclasses.asdict(p) for p in points])
+    _finish(args, title, table, notes, payload)
+    return 0
+
+
+# -- memory --------------------------------------------------------------------------------
+def run_memory(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from quire.bench.corpus import ByteSource, Corpus
+    from quire.bench.memory import KVBudget, compare
+    from quire.bench.report import MEMORY_FIGURES, figure_rows, record
+    from quire.bench.workloads import build_requests
+
+    spec = _workload(args)
+    try:
+        budget = KVBudget.parse(args.kv_memory)
+        per_token = None if budget.bytes is None else _kv_bytes_per_token(args)
+        tokens = budget.to_tokens(per_token)
+        requests = build_requests(spec, Corpus(ByteSource()))
+        results = compare(requests, tokens, args.block_size, args.max_model_len,
+                          args.enable_prefix_caching == "true")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    title = (f"quire bench memory: {spec.name} ({spec.description}), KV budget "
+             f"{tokens} tokens, block size {args.block_size}, max_model_len "
+             f"{args.max_model_len}")
+    table = figure_rows(MEMORY_FIGURES, {r.policy: r.figures() for r in results}, "policy")
+    payload = record("memory", {"workload": dataclasses.asdict(spec),
+                                "kv_budget_tokens": tokens, "kv_bytes_per_token": per_token,
+                                "block_size": args.block_size,
+                                "max_model_len": args.max_model_len},
+                     policies=[dataclasses.asdict(r) for r in results])
+    _finish(args, title, table, [], payload)
+    return 0
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    from quire.bench.memory import kv_bytes_per_token
+    from quire.config import parse_dtype
+    from quire.model_store import resolve_model
+    from quire.models.loader import load_model_config
+
+    dtype = parse_dtype(args.dtype)
+    if dtype is None:
+        raise ValueError("--dtype: give a dtype name, not 'auto'")
+    return kv_bytes_per_token(load_model_config(resolve_model(args.model)), dtype.itemsize)
+
+
+# -- install-peer --------------------------------------------------------------------------
+def run_install_peer(args: argparse.Namespace) -> int:
+    from quire.bench.peers.install import install, is_installed
+
+    spec = PEERS[args.name]
+    if not args.force and is_installed(spec):
+        print(f"{spec.name} is already installed in {spec.venv()} (--force to reinstall)")
+        return 0
+    rc = install(spec)
+    print(f"{spec.name}: {'installed' if rc == 0 else f'failed (exit {rc})'}; log: {spec.log()}")
+    return rc
