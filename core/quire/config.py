@@ -84,6 +84,11 @@ class EngineConfig:
         default=None,
         metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
     )
+    compile: bool = field(
+        default=False,
+        metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
+                       "step, but minutes of compilation at the first start"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -106,7 +111,7 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
             if isinstance(kv, int) and kv <= 0:
                 raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

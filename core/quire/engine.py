@@ -19,9 +19,11 @@ import torch
 from quire.block_manager import BlockManager
 from quire.config import EngineConfig, ResolvedConfig
 from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.memory import MemoryProfiler
 from quire.interfaces.platform import Platform
 from quire.model_runner import ModelRunner
 from quire.model_store import resolve_model
+from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.output_processor import OutputProcessor, RequestState
@@ -55,6 +57,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None):
         registry = registry or PlatformRegistry()
         self.platform: Platform = registry.resolve(config.device)
+        self.platform.configure_process()
         model_path = resolve_model(config.model)
         self.model_config = load_model_config(model_path)
         self.config: ResolvedConfig = config.resolve(
@@ -73,6 +76,9 @@ class LLMEngine:
                                    config=self.model_config,
                                    extra_models=registry.model_specs())
         self.model.eval()
+        self.platform.prepare_model(self.model, compiled=config.compile)
+        if config.compile:
+            compile_model(self.model)
         backend = self.platform.make_attention_backend()
         self.kv_spec = KVCacheSpec.of(self.model)
         num_blocks = self._num_kv_blocks(backend)
@@ -115,7 +121,7 @@ class LLMEngine:
         requested = self.config.engine.kv_cache_memory
         activation_peak = 0
         if not isinstance(requested, int):  # a share of free memory: leave room to run
-            activation_peak = profiler.profile(lambda: self._profile_run(backend))
+            activation_peak = self._profile_activations(backend, profiler)
         budget = profiler.kv_budget(requested, activation_peak)
         num_blocks = profiler.num_kv_blocks(budget, self._bytes_per_block(backend))
         # Never more pages than max_num_seqs sequences of max_model_len tokens can hold:
@@ -124,9 +130,16 @@ class LLMEngine:
         most = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
         return min(num_blocks, most)
 
-    def _profile_run(self, backend: AttentionBackend) -> None:
-        """One forward of the largest step, on a throwaway cache, to measure activations."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+    def _profile_activations(self, backend: AttentionBackend, profiler: MemoryProfiler) -> int:
+        """Activation peak of the largest step; measured on the shorter forward the
+        profiler asks for (``profile_tokens``) and scaled up linearly."""
+        full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        run = profiler.profile_tokens(full)
+        peak = profiler.profile(lambda: self._profile_run(backend, run))
+        return -(-peak * full // run)
+
+    def _profile_run(self, backend: AttentionBackend, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` prompt tokens, on a throwaway cache."""
         bs = self.config.block_size
         num_blocks = -(-num_tokens // bs)
         spec = self.kv_spec

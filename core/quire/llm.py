@@ -22,7 +22,7 @@ class LLM:
     Keyword arguments are the engine options of :class:`~quire.config.EngineConfig`
     (vLLM's names): ``device``, ``dtype``, ``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-    ``max_model_len``, ``seed``, ``kv_cache_memory``.
+    ``max_model_len``, ``seed``, ``kv_cache_memory``, ``compile``.
     """
 
     def __init__(self, model: str, **engine_options: Any) -> None:

@@ -36,6 +36,15 @@ class MemoryProfiler(ABC):
         fn()
         return max(0, self.peak_memory() - before)
 
+    def profile_tokens(self, num_tokens: int) -> int:
+        """Tokens of the forward that :meth:`profile` measures for a ``num_tokens`` step.
+
+        The engine scales the measured peak by ``num_tokens / result``, so a platform
+        may return fewer only when its activations grow at most linearly with the
+        step's tokens. Default: ``num_tokens`` (measure the real size).
+        """
+        return num_tokens
+
     def kv_budget(self, kv_cache_memory: int | float | None, activation_peak: int = 0) -> int:
         """Bytes granted to the KV cache.
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
@@ -88,6 +89,26 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing). Host platforms need nothing."""
+
+    def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
+        """Adapt a loaded model to this platform, in place; called once by the engine
+        after the weights are loaded and before the KV cache is sized.
+
+        For example, install a ``LinearKernel`` (``quire.models.layers.linear``) on the
+        linear layers. Results must stay those of the unprepared model up to float
+        rounding. Default: nothing.
+
+        :param compiled: the engine will ``torch.compile`` the model next; leave out any
+            change the compiler cannot trace.
+        """
+
+    def configure_process(self) -> None:
+        """Process-wide tuning, called once by the engine before it builds the model.
+
+        For settings that belong to the process rather than to one backend object (the
+        cpu platform sets torch's thread count here). Must respect what the user set
+        explicitly. Default: nothing.
+        """
 
     @abstractmethod
     def make_attention_backend(self) -> AttentionBackend:

@@ -5,10 +5,10 @@ What llama.cpp's converter changed, and what this module undoes:
 - *Names*: ``token_embd``, ``blk.N.attn_q`` ... instead of ``model.embed_tokens``,
   ``model.layers.N.self_attn.q_proj`` ... (table :data:`BLOCK_NAMES`).
 - *Dimension order*: GGUF lists dimensions fastest-first (``[in, out]`` for a weight).
-  ``gguf.quants.dequantize`` already returns the row-major ``[out, in]`` array; the shape
-  is still checked against the reversed GGUF shape.
-- *Quantisation*: every tensor is dequantised to float32 (F16/BF16 too), with
-  ``gguf.quants.dequantize``, one tensor at a time.
+  Reading the bytes in order gives the row-major ``[out, in]`` tensor (the dims reversed).
+- *Quantisation*: every tensor is dequantised to float32 (F16/BF16 too), one tensor at
+  a time, by :mod:`quire.models.gguf_reader` (the same float32 operations as
+  ``gguf.quants``, whole tensors at once in torch; ``gguf.quants`` for other types).
 - *Q/K rows, llama architecture only*: for its interleaved rope kernel the converter
   reorders each head's rows of ``q_proj``/``k_proj`` (weights and biases) from
   rotate-half pairs ``(i, i + D/2)`` to adjacent pairs ``(2i, 2i + 1)``. Qwen2/Qwen3 use
@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+from quire.models.gguf_reader import dequantize, read_gguf_index
 
 #: GGUF ``general.architecture`` values this reader maps.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -76,10 +78,10 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face name known to quire")
 
 
-def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rows(rows: Any, num_heads: int) -> Any:
     """Undo llama.cpp's per-head q/k row interleave (see the module docs).
 
-    :param rows: [num_heads * D, ...] (a weight or a bias).
+    :param rows: [num_heads * D, ...] (a weight or a bias), numpy array or torch tensor.
     """
     head_pairs = rows.shape[0] // num_heads // 2
     return (
@@ -92,30 +94,26 @@ def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every weight in the file, one at a time.
 
+    F32 tensors come back as views of a copy-on-write map of the file; the model's
+    weight loaders copy them into their parameters, the one copy a weight needs.
+
     :raises ValueError: for an unsupported architecture or an unknown tensor name.
     """
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
-    arch = _architecture(reader, path)
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads)
-    for tensor in reader.tensors:
+    index = read_gguf_index(path)
+    arch = index.metadata.get("general.architecture")
+    _check_architecture(arch, path)
+    num_heads = int(index.metadata[f"{arch}.attention.head_count"])
+    num_kv_heads = int(index.metadata.get(f"{arch}.attention.head_count_kv") or num_heads)
+    for tensor in index.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
         name = hf_tensor_name(tensor.name)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # fastest-first -> row-major
-        data = dequantize(tensor.data, tensor.tensor_type)
-        if data.size != int(np.prod(shape)):
-            raise ValueError(f"GGUF tensor {tensor.name!r}: {data.shape} does not fit {shape}")
-        data = data.reshape(shape)
+        data = dequantize(tensor)
         if arch == "llama" and ".q_proj." in name:
             data = unpermute_rows(data, num_heads)
         elif arch == "llama" and ".k_proj." in name:
             data = unpermute_rows(data, num_kv_heads)
-        # a copy: unquantised tensors come back as read-only views of the memory map
-        yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+        yield name, data
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
@@ -171,12 +169,16 @@ def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:
 
 def _architecture(reader: Any, path: str) -> str:
     arch = _field(reader, "general.architecture")
+    _check_architecture(arch, path)
+    return arch
+
+
+def _check_architecture(arch: Any, path: str) -> None:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    return arch
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -8,7 +8,8 @@ to that shard. A model's ``load_weights`` therefore stays generic: it finds the 
 and calls its loader.
 
 ==============  ==========================================================================
-``linear``      column-/row-parallel linears; fused QKV and gate/up projections
+``linear``      column-/row-parallel linears; fused QKV and gate/up projections; the
+                ``LinearKernel`` a platform may install in place of ``F.linear``
 ``embedding``   vocabulary-parallel embedding and LM head
 ``norm``        RMSNorm, with the residual add folded in
 ``rotary``      rotary position embedding: inverse frequencies per rope type, cos/sin cache
@@ -18,6 +19,7 @@ and calls its loader.
 from quire.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from quire.models.layers.linear import (
     ColumnParallelLinear,
+    LinearKernel,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -28,6 +30,7 @@ from quire.models.layers.rotary import RotaryEmbedding, apply_rotary, get_rope
 
 __all__ = [
     "ColumnParallelLinear",
+    "LinearKernel",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

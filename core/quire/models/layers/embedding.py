@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
+from quire.models.layers.linear import LinearKernel, apply_linear
 
 
 class _VocabShard(nn.Module):
@@ -38,6 +39,8 @@ class _VocabShard(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False
         )
+        #: The LM head's matmul kernel (see ``LinearKernel``); unused by the embedding.
+        self.kernel: LinearKernel | None = None
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(
@@ -100,7 +103,7 @@ class ParallelLMHead(_VocabShard):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, dim] -> [N, num_embeddings] logits in the weight's dtype."""
-        logits = F.linear(hidden, self.weight)
+        logits = apply_linear(self.kernel, hidden, self.weight, None)
         if self.comm.world_size == 1:
             return logits
         logits = self.comm.all_gather(logits, dim=-1)

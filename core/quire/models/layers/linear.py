@@ -18,13 +18,36 @@ Every parameter carries ``weight_loader(param, loaded, shard_id=None)``, which t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
+
+
+class LinearKernel(Protocol):
+    """A platform's own ``F.linear(x, layer.weight, bias)`` for one loaded layer.
+
+    Installed as ``layer.kernel`` by ``Platform.prepare_model`` once the weights are
+    loaded (the cpu platform's holds a oneDNN-packed copy of the weight). It must compute
+    the same product as ``F.linear`` up to float rounding. ``None`` (the default) means
+    ``F.linear`` on ``layer.weight``.
+    """
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[..., in] -> [..., out]``; adds ``bias`` when given."""
+
+
+def apply_linear(
+    kernel: LinearKernel | None, x: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the layer's kernel when it has one."""
+    if kernel is None:
+        return F.linear(x, weight, bias)
+    return kernel(x, bias)
 
 
 def default_weight_loader(
@@ -84,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_rank = divide(output_size, comm.world_size, "output_size")
         self.gather_output = gather_output
+        self.kernel: LinearKernel | None = None
         self.weight = _empty_param(self.output_size_per_rank, input_size)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -94,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size_per_rank] (or output_size if gathered)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = apply_linear(self.kernel, x, self.weight, self.bias)
         if self.gather_output and self.comm.world_size > 1:
             y = self.comm.all_gather(y, dim=-1)
         return y
@@ -254,6 +278,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_rank = divide(input_size, comm.world_size, "input_size")
+        self.kernel: LinearKernel | None = None
         self.weight = _empty_param(output_size, self.input_size_per_rank)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -266,8 +291,8 @@ class RowParallelLinear(nn.Module):
         """[..., input_size_per_rank] -> [..., output_size], summed over ranks."""
         if self.comm.world_size == 1:
             # One fused op, so a single device matches a plain nn.Linear bit for bit.
-            return F.linear(x, self.weight, self.bias)
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+            return apply_linear(self.kernel, x, self.weight, self.bias)
+        y = self.comm.all_reduce(apply_linear(self.kernel, x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
     def weight_loader(

@@ -18,6 +18,8 @@ from pathlib import Path
 from quire.interfaces.memory import MemoryProfiler
 
 _GIB = 1 << 30
+#: Tokens of the start-up profiling forward on this platform (see ``profile_tokens``).
+PROFILE_TOKENS = 256
 
 
 class CpuMemoryProfiler(MemoryProfiler):
@@ -70,13 +72,24 @@ class CpuMemoryProfiler(MemoryProfiler):
         """``min(40% of free, 8 GiB)``.
 
         Why so modest: host RAM is shared with the OS and other processes, and what is
-        "available" now includes page cache that others may want back. The reference
-        attention also gathers pages into a dense copy per step, which a single profiled
-        step may not show at its worst. And CPU decoding is compute-bound long before the
-        cache is large: 8 GiB already holds ~65k tokens of a Llama-3-8B-sized model in
-        bfloat16. Users who want more pass ``kv_cache_memory`` explicitly.
+        "available" now includes page cache that others may want back. The attention
+        backends also gather pages into a dense copy per step, which a single profiled
+        step (a short one, see ``profile_tokens``) may not show at its worst. And CPU
+        decoding is compute-bound long before the cache is large: 8 GiB already holds
+        ~65k tokens of a Llama-3-8B-sized model in bfloat16. Users who want more pass ``kv_cache_memory`` explicitly.
         """
         return min(int(free * 0.4), 8 * _GIB)
+
+    def profile_tokens(self, num_tokens: int) -> int:
+        """At most :data:`PROFILE_TOKENS`, scaled up by the engine.
+
+        A full-size profiling forward (2048 tokens by default) costs as much as a whole
+        prompt batch, seconds on a few cores, at every start. The cpu backends' activations
+        grow linearly with the step's tokens (the SDPA backend keeps no ``[T, T]`` scores
+        for a fresh prompt), so a short forward scaled up bounds the long one; the default
+        budget's headroom (60% of free RAM) covers what the estimate misses.
+        """
+        return min(num_tokens, PROFILE_TOKENS)
 
     # -- peak ----------------------------------------------------------------------------
 

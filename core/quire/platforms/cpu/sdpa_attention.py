@@ -1,0 +1,322 @@
+"""The cpu platform's default attention: torch's fused ``scaled_dot_product_attention``.
+
+Same KV layout and the same :meth:`write_kv` as the reference
+(:class:`~quire.platforms.cpu.attention.CpuAttentionBackend`), which stays the oracle;
+this backend only attends faster. A step's rows form at most two groups, as in the
+reference (decode rows, then prefill rows), and each group is one SDPA call per layer:
+
+- *keys/values*: one ``index_select`` per tensor gathers each sequence's slots in
+  position order into ``[b, L, Hkv, D]`` (``L``: the group's longest sequence), read by
+  SDPA through a transposed view. Positions past a sequence's end gather its position-0
+  slot instead: always written, so never NaN, and masked out anyway. No unwritten slot
+  is ever read, which is what lets a poisoned cache pass.
+- *GQA without copying K/V*: the ``G = Hq / Hkv`` query heads of one KV head are folded
+  into SDPA's query-length axis, ``[b, Hkv, G * max_q, D]``, so every KV head is read
+  once for its whole group.
+- *masks*: additive float masks (0 or ``-inf``), built once per step for each sliding
+  window the layers ask for, then shared by every layer with that window.
+- *fresh prompt*: a lone prefill sequence with no cached prefix (a single-prompt step,
+  and the engine's start-up profiling forward) attends over the step's own keys and
+  values with ``is_causal`` and no mask, the fastest SDPA path.
+
+A logits soft cap has no SDPA form; those layers take the same gathered tensors through
+explicit matmuls and a softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from quire.interfaces.attention import AttentionBatch, check_attention_options
+from quire.platforms.cpu.attention import CpuAttentionBackend
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One group's indices, shared by every layer of the step."""
+
+    #: int64 [Tg]: the group's rows in the flat batch; None when they are all rows, in order.
+    token_idx: torch.Tensor | None
+    #: int64 [Tg]: those rows' cells in the padded ``[b * max_q]`` layout; None when the
+    #: group has no padding (every sequence has ``max_q`` new tokens).
+    padded_idx: torch.Tensor | None
+    #: int64 [b * L]: cache slot of key position ``j`` of each sequence, row-major.
+    key_slots: torch.Tensor
+    #: int64 [b, max_q]: position of each padded query row; padding rows repeat the last
+    #: real one, so no row is fully masked.
+    q_pos: torch.Tensor
+    num_seqs: int
+    max_q: int
+    key_len: int
+    #: (first row, rows) of the lone sequence when it has no cached prefix: its keys and
+    #: values are exactly this step's, so SDPA can run causal on them without a mask.
+    fresh_rows: tuple[int, int] | None
+    #: (sliding window, GQA group, dtype) -> additive mask [b, 1, G * max_q, L]; filled by
+    #: the first layer that asks, reused by the rest of the step.
+    masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CpuSdpaMetadata:
+    """One step's precomputed indices."""
+
+    #: int64 [T]: where each new token's K/V goes (the reference's ``write_kv`` reads it).
+    slot_mapping: torch.Tensor
+    #: The non-empty groups (decode first, then prefill); at most two.
+    groups: tuple[_Group, ...]
+
+
+class CpuSdpaAttentionBackend(CpuAttentionBackend):
+    """Paged attention through ``F.scaled_dot_product_attention``.
+
+    A subclass of the reference for its KV layout and ``write_kv``; ``build_metadata``
+    and ``attend`` are its own. Softmax runs inside SDPA (float32 accumulation for the
+    half types); GQA follows Hugging Face: query head ``h`` reads KV head ``h // G``.
+    """
+
+    name = "cpu-sdpa"
+
+    def build_metadata(self, batch: AttentionBatch) -> CpuSdpaMetadata:  # type: ignore[override]
+        """Split the batch into decode and prefill groups and build their indices.
+
+        :raises ValueError: as the reference's (too few block-table columns, or
+            ``query_lens`` that disagree with the number of tokens).
+        """
+        _check_batch(batch)
+        q_lens = batch.query_lens
+        seq_lens = batch.seq_lens.tolist()  # host tensors on this platform: no sync
+        groups = []
+        for members in (
+            [i for i, q in enumerate(q_lens) if q == 1],
+            [i for i, q in enumerate(q_lens) if q > 1],
+        ):
+            if members:
+                groups.append(_build_group(batch, members, seq_lens))
+        return CpuSdpaMetadata(slot_mapping=batch.slot_mapping.long(), groups=tuple(groups))
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Write then attend; a fresh prompt attends over ``key``/``value`` directly."""
+        self.write_kv(key, value, kv_cache, metadata)  # type: ignore[arg-type]
+        return self._attend(query, kv_cache, metadata, scale, sliding_window,
+                            logits_soft_cap, fresh=(key, value))
+
+    def attend(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        return self._attend(query, kv_cache, metadata, scale, sliding_window,
+                            logits_soft_cap, fresh=None)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuSdpaMetadata,
+        scale: float,
+        window: int | None,
+        cap: float | None,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        check_attention_options(window, cap)
+        groups = metadata.groups
+        if len(groups) == 1 and groups[0].token_idx is None:
+            return _attend_group(query, kv_cache, groups[0], scale, window, cap, fresh)
+        out = query.new_empty(query.shape)
+        for group in groups:
+            rows = _attend_group(query, kv_cache, group, scale, window, cap, fresh)
+            out.index_copy_(0, group.token_idx, rows)
+        return out
+
+
+def _check_batch(batch: AttentionBatch) -> None:
+    if sum(batch.query_lens) != batch.num_tokens:
+        raise ValueError(
+            f"query_lens sum to {sum(batch.query_lens)} but slot_mapping holds "
+            f"{batch.num_tokens} tokens"
+        )
+    n_blocks = -(-batch.max_seq_len // batch.block_size)
+    if n_blocks > batch.block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {batch.block_tables.shape[1]} columns but a sequence of "
+            f"{batch.max_seq_len} tokens needs {n_blocks} blocks of {batch.block_size}"
+        )
+
+
+def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int]) -> _Group:
+    """Indices for the sequences ``members`` (indices into the batch, ascending)."""
+    q_lens_host = [batch.query_lens[i] for i in members]
+    max_q = max(q_lens_host)
+    key_len = max(seq_lens[i] for i in members)
+    b = len(members)
+    device = batch.seq_lens.device
+    seq_idx = torch.tensor(members, dtype=torch.int64, device=device)
+    starts = batch.query_start_loc[seq_idx].long()  # [b]
+    q_lens = torch.tensor(q_lens_host, dtype=torch.int64, device=device)
+    lens = batch.seq_lens[seq_idx].long()  # [b]
+
+    # key position j of sequence s lives in slot table[s, j // bs] * bs + j % bs;
+    # past the end, position 0 stands in (written, so finite; the mask drops it)
+    bs = batch.block_size
+    j = torch.arange(key_len, device=device)
+    j = torch.where(j[None, :] < lens[:, None], j[None, :], 0)  # [b, L]
+    tables = batch.block_tables[seq_idx].long()
+    key_slots = torch.gather(tables, 1, j // bs) * bs + j % bs
+
+    r = torch.arange(max_q, device=device)
+    q_pos = (lens - q_lens)[:, None] + torch.minimum(r[None, :], q_lens[:, None] - 1)
+
+    flat_rows = starts[:, None] + r[None, :]  # [b, max_q]; past q_len: not real rows
+    padded_idx = None
+    if all(q == max_q for q in q_lens_host):
+        token_idx: torch.Tensor | None = flat_rows.reshape(-1)
+    else:
+        real = r[None, :] < q_lens[:, None]
+        token_idx = flat_rows[real]
+        padded_idx = torch.arange(b * max_q, device=device).view(b, max_q)[real]
+    if b == batch.num_seqs:
+        token_idx = None  # the group is the whole batch, already in flat order
+
+    fresh_rows = None
+    if b == 1 and q_lens_host[0] == seq_lens[members[0]]:
+        fresh_rows = (int(starts[0]), q_lens_host[0])
+    return _Group(
+        token_idx=token_idx,
+        padded_idx=padded_idx,
+        key_slots=key_slots.reshape(-1),
+        q_pos=q_pos,
+        num_seqs=b,
+        max_q=max_q,
+        key_len=key_len,
+        fresh_rows=fresh_rows,
+    )
+
+
+def _attend_group(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: _Group,
+    scale: float,
+    window: int | None,
+    cap: float | None,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One group's attention; returns its rows in flat order, ``[Tg, Hq, D]``."""
+    if window is not None and window >= group.key_len:
+        window = None  # wider than any sequence here: the causal mask alone decides
+    if fresh is not None and group.fresh_rows is not None and window is None and cap is None:
+        return _fresh_prompt(query, fresh, group.fresh_rows, scale)
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    b, max_q, length = group.num_seqs, group.max_q, group.key_len
+    g = query.shape[1] // hkv
+
+    q = _fold_queries(query, group, hkv)  # [b, Hkv, G * max_q, D]
+    slots = kv_cache.view(2, -1, hkv, d)
+    # [b, L, Hkv, D] copies, read as [b, Hkv, L, D] views
+    keys = slots[0].index_select(0, group.key_slots).view(b, length, hkv, d).transpose(1, 2)
+    values = slots[1].index_select(0, group.key_slots).view(b, length, hkv, d).transpose(1, 2)
+    mask = _mask(group, window, g, query.dtype)
+    if cap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        out = _capped_attention(q, keys, values, mask, scale, cap)
+    return _unfold_rows(out, group, g)
+
+
+def _fresh_prompt(
+    query: torch.Tensor,
+    fresh: tuple[torch.Tensor, torch.Tensor],
+    rows: tuple[int, int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal SDPA of one whole prompt over its own keys/values: ``[n, Hq, D]``."""
+    start, n = rows
+    q = query.narrow(0, start, n).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    k = fresh[0].narrow(0, start, n).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+    v = fresh[1].narrow(0, start, n).transpose(0, 1).unsqueeze(0)
+    g = q.shape[1] // k.shape[1]
+    if g > 1:  # is_causal cannot fold heads into rows; repeat K/V (n * Hq * D, small)
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _fold_queries(query: torch.Tensor, group: _Group, hkv: int) -> torch.Tensor:
+    """``[T, Hq, D]`` rows of the group -> ``[b, Hkv, G * max_q, D]``, rows ``(g, t)``."""
+    b, max_q = group.num_seqs, group.max_q
+    hq, d = query.shape[1], query.shape[2]
+    rows = query if group.token_idx is None else query.index_select(0, group.token_idx)
+    if group.padded_idx is not None:
+        padded = rows.new_zeros(b * max_q, hq, d)
+        rows = padded.index_copy_(0, group.padded_idx, rows)
+    if max_q == 1:
+        return rows.view(b, hkv, hq // hkv, d)  # a view: (g, t) order is just g
+    q = rows.view(b, max_q, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+    return q.reshape(b, hkv, hq // hkv * max_q, d)
+
+
+def _unfold_rows(out: torch.Tensor, group: _Group, g: int) -> torch.Tensor:
+    """``[b, Hkv, G * max_q, D]`` -> the group's ``[Tg, Hq, D]`` rows in flat order."""
+    b, hkv, _, d = out.shape
+    max_q = group.max_q
+    if max_q == 1:
+        return out.reshape(b, hkv * g, d)
+    rows = out.view(b, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(b * max_q, hkv * g, d)
+    return rows if group.padded_idx is None else rows.index_select(0, group.padded_idx)
+
+
+def _mask(group: _Group, window: int | None, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[b, 1, G * max_q, L]``: 0 where row may read key ``j``, else -inf.
+
+    Row at position ``p`` reads ``j <= p`` (which also keeps ``j`` inside the sequence)
+    and, with a window, ``j > p - window``. Built once per step and window.
+    """
+    key = (window, g, dtype)
+    mask = group.masks.get(key)
+    if mask is not None:
+        return mask
+    j = torch.arange(group.key_len, device=group.q_pos.device)
+    p = group.q_pos[:, :, None]  # [b, max_q, 1]
+    blocked = j[None, None, :] > p
+    if window is not None:
+        blocked |= j[None, None, :] <= p - window
+    b, max_q, length = group.num_seqs, group.max_q, group.key_len
+    mask = torch.zeros(b, 1, max_q, length, dtype=dtype, device=j.device)
+    mask.masked_fill_(blocked[:, None], float("-inf"))
+    if max_q > 1 and g > 1:  # rows are (g, t): repeat the [max_q, L] block per head
+        mask = mask.expand(b, g, max_q, length).reshape(b, 1, g * max_q, length)
+    group.masks[key] = mask
+    return mask
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """Soft-capped attention, ``cap * tanh(s / cap)`` before the mask; float32 scores."""
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
+    scores.div_(cap).tanh_().mul_(cap).add_(mask)
+    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)

@@ -1,0 +1,112 @@
+"""The cpu platform's packed linears: same products as ``F.linear``, installed on a model.
+
+Inputs are seeded N(0, 1), never zeros. Tolerance against ``F.linear`` (MKL) in float32:
+``rtol = atol = 1e-5`` per product (oneDNN and MKL's transposed-weight product sum in
+other orders: a few ulps of the sum, ~3e-7 relative seen); 1e-4 on a two-layer model's
+logits, where those differences pass through norms and softmax. One row takes the
+transposed-weight path, several rows the oneDNN one: both are covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from quire.distributed import TorchDistributedCommunicator
+from quire.model_runner import ModelRunner
+from quire.models.llama import LlamaForCausalLM
+from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available, \
+    pack_linear_weights
+from quire.platforms.cpu.platform import LINEAR_ENV, CpuPlatform
+from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
+from quire.sampling_params import SamplingParams
+from quire.scheduler import ScheduledSeq
+from quire.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows: int, with_bias: bool) -> None:
+    weight, x = _randn(96, 40, seed=1), _randn(rows, 40, seed=2)
+    bias = _randn(96, seed=3) if with_bias else None
+    got = PackedLinear(weight)(x, bias)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_keeps_leading_dimensions() -> None:
+    weight = _randn(24, 16, seed=4)
+    for x in (_randn(2, 5, 16, seed=5), _randn(1, 1, 16, seed=6), _randn(16, seed=7)):
+        got = PackedLinear(weight)(x, None)
+        assert got.shape == (*x.shape[:-1], 24)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_what_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        PackedLinear(_randn(8, 8).bfloat16())
+
+
+def _tiny_llama(tied: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=tied,
+                         attention_bias=True)
+    model = LlamaForCausalLM(config, TorchDistributedCommunicator("gloo", 0, 1))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+def _logits(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
+    backend = CpuSdpaAttentionBackend()
+    caches = [backend.allocate_kv_cache(4, 16, model.num_kv_heads, model.head_dim,
+                                        torch.float32, torch.device("cpu"))
+              for _ in range(model.num_layers)]
+    seq = Sequence(seq_id=0, request_id="r", prompt_token_ids=prompt,
+                   params=SamplingParams(max_tokens=1))
+    seq.block_table = [2, 0, 3]
+    runner = ModelRunner(model, backend, caches, 16, torch.device("cpu"))
+    return runner.execute([ScheduledSeq(seq, 0, len(prompt))]).logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_gives_the_same_logits(tied: bool) -> None:
+    model = _tiny_llama(tied)
+    prompt = [5, 17, 99, 3, 64, 120, 7, 7, 42, 11, 0, 127, 31, 8, 2, 9, 77, 13]
+    expected = _logits(model, prompt)
+    linears = 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert pack_linear_weights(model) == linears
+    torch.testing.assert_close(_logits(model, prompt), expected, rtol=1e-4, atol=1e-4)
+    # plain weights are released (meta, same shape) unless the embedding shares them
+    mlp = model.model.layers[0].mlp.down_proj
+    assert mlp.weight.device.type == "meta" and mlp.weight.shape == (64, 96)
+    head_weight = model.lm_head.weight
+    assert (head_weight.device.type == "cpu") == tied
+    assert model.model.embed_tokens.weight.device.type == "cpu"
+
+
+def test_the_platform_packs_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = CpuPlatform()
+    model = _tiny_llama(tied=False)
+    platform.prepare_model(model, compiled=True)  # Inductor cannot lower packed weights
+    assert model.lm_head.kernel is None
+    monkeypatch.setenv(LINEAR_ENV, "torch")
+    platform.prepare_model(model)
+    assert model.lm_head.kernel is None
+    monkeypatch.setenv(LINEAR_ENV, "onednn")
+    with pytest.raises(ValueError, match=LINEAR_ENV):
+        platform.prepare_model(model)
+    monkeypatch.delenv(LINEAR_ENV)
+    platform.prepare_model(model)
+    assert isinstance(model.lm_head.kernel, PackedLinear)

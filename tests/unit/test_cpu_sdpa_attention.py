@@ -1,0 +1,229 @@
+"""The cpu platform's SDPA attention against a dense float64 oracle and the reference.
+
+Inputs are random N(0, 1) from a seeded generator (never zeros); physical blocks are a
+random permutation with spare blocks, block-table padding holds random valid ids, and
+every slot no sequence has written holds NaN, so reading one shows in the output.
+
+Each case is a list of ``(cached prefix, new tokens)`` per sequence: decode rows (one
+new token), whole prompts (no prefix), chunks after a cached prefix (prefix-cache hits
+and chunked prefill), and all of them mixed in one step.
+
+Tolerances: float32 ``rtol = atol = 1e-5`` against float64 (SDPA accumulates in
+float32; the gap seen is ~1e-6). bfloat16 ``2e-2``: both sides see the same bf16
+inputs; the output is rounded to bf16 (relative step 2**-8) and SDPA keeps its running
+softmax sums in float32 but rounds probabilities to bf16 before multiplying values.
+Against the reference backend in float32: ``1e-5`` as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from quire.interfaces.attention import AttentionBatch
+from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.platforms.cpu.platform import CpuPlatform
+from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
+
+HEAD_SIZE = 16
+NUM_KV_HEADS = 3
+
+SHAPES = {
+    "decode": [(4, 1), (15, 1), (40, 1), (0, 1), (7, 1)],
+    "prompts": [(0, 5), (0, 23), (0, 1), (0, 9)],
+    "prefixed": [(9, 9), (16, 5), (3, 30), (1, 2)],
+    "mixed": [(0, 7), (5, 1), (13, 6), (16, 1), (0, 1), (2, 20), (30, 1), (0, 11)],
+    "one_prompt": [(0, 37)],
+    "one_chunk": [(21, 12)],
+    "prompt_and_decode": [(6, 1), (0, 19), (11, 1)],
+}
+FEATURES = {
+    "plain": (None, None),
+    "window": (5, None),
+    "wide_window": (1000, None),
+    "softcap": (None, 2.0),
+    "window+softcap": (6, 1.5),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Case:
+    batch: AttentionBatch
+    query: torch.Tensor  # [T, Hq, D]
+    key: torch.Tensor  # [T, Hkv, D]: the new tokens only
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # prefixes written, every other slot NaN
+    full_keys: list[torch.Tensor]  # per sequence [S, Hkv, D]: prefix + new
+    full_values: list[torch.Tensor]
+
+
+def make_case(seqs: list[tuple[int, int]], block_size: int, group: int, dtype: torch.dtype,
+              seed: int) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    seq_lens = [c + q for c, q in seqs]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 4
+    owners = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.randint(0, num_blocks, (len(seqs), max(blocks) + 2), generator=gen)
+    shape = CpuAttentionBackend().kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS,
+                                                 HEAD_SIZE)
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+    flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    keys, values, new_slots = [], [], []
+    for i, ((cached, _), seq_len, n) in enumerate(zip(seqs, seq_lens, blocks)):
+        tables[i, :n] = torch.tensor(owners[:n])
+        owners = owners[n:]
+        pos = torch.arange(seq_len)
+        slots = tables[i, pos // block_size] * block_size + pos % block_size
+        k, v = randn(seq_len, NUM_KV_HEADS, HEAD_SIZE), randn(seq_len, NUM_KV_HEADS, HEAD_SIZE)
+        flat[0, slots[:cached]], flat[1, slots[:cached]] = k[:cached], v[:cached]
+        keys.append(k)
+        values.append(v)
+        new_slots.append(slots[cached:])
+    query_lens = tuple(q for _, q in seqs)
+    batch = AttentionBatch(
+        slot_mapping=torch.cat(new_slots),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=tables.to(torch.int32),
+        block_size=block_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens=query_lens,
+    )
+    return Case(
+        batch=batch,
+        query=randn(sum(query_lens), NUM_KV_HEADS * group, HEAD_SIZE),
+        key=torch.cat([k[c:] for k, (c, _) in zip(keys, seqs)]),
+        value=torch.cat([v[c:] for v, (c, _) in zip(values, seqs)]),
+        kv_cache=kv_cache,
+        full_keys=keys,
+        full_values=values,
+    )
+
+
+def dense_float64(case: Case, scale: float, window: int | None,
+                  cap: float | None) -> torch.Tensor:
+    """One sequence at a time over contiguous K/V, float64, HF repeat_interleave GQA."""
+    outs = []
+    starts = case.batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(case.batch.seq_lens.tolist()):
+        q = case.query[starts[i]:starts[i + 1]].double()
+        g = q.shape[1] // NUM_KV_HEADS
+        k = case.full_keys[i].double().repeat_interleave(g, dim=1)
+        v = case.full_values[i].double().repeat_interleave(g, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
+        p = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
+        j = torch.arange(seq_len)[None, :]
+        allowed = j <= p
+        if window is not None:
+            allowed &= j > p - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def run(backend: CpuAttentionBackend, case: Case, scale: float, window: int | None,
+        cap: float | None, *, fused: bool = True) -> torch.Tensor:
+    """Through ``forward`` (write then attend, the model's call) or the two calls apart."""
+    cache = case.kv_cache.clone()
+    metadata = backend.build_metadata(case.batch)
+    if fused:
+        return backend.forward(case.query, case.key, case.value, cache, metadata,
+                               scale=scale, sliding_window=window, logits_soft_cap=cap)
+    backend.write_kv(case.key, case.value, cache, metadata)
+    return backend.attend(case.query, cache, metadata, scale=scale, sliding_window=window,
+                          logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_matches_dense_float64(group: int, block_size: int, shape: str, feature: str) -> None:
+    window, cap = FEATURES[feature]
+    case = make_case(SHAPES[shape], block_size, group, torch.float32,
+                     seed=block_size * 7 + group)
+    scale = HEAD_SIZE**-0.5
+    expected = dense_float64(case, scale, window, cap)
+    for fused in (True, False):
+        out = run(CpuSdpaAttentionBackend(), case, scale, window, cap, fused=fused)
+        assert out.shape == case.query.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["mixed", "prefixed", "one_prompt"])
+@pytest.mark.parametrize("feature", ["plain", "window+softcap"])
+def test_bfloat16_matches_dense(shape: str, feature: str) -> None:
+    window, cap = FEATURES[feature]
+    case = make_case(SHAPES[shape], 7, 3, torch.bfloat16, seed=11)
+    out = run(CpuSdpaAttentionBackend(), case, 0.3, window, cap)
+    assert out.dtype == torch.bfloat16
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), dense_float64(case, 0.3, window, cap),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("window", [None, 4])
+def test_matches_the_reference_backend(shape: str, window: int | None) -> None:
+    case = make_case(SHAPES[shape], 16, 3, torch.float32, seed=5)
+    ours = run(CpuSdpaAttentionBackend(), case, 0.25, window, None)
+    reference = run(CpuAttentionBackend(), case, 0.25, window, None)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_metadata_serves_layers_with_different_windows() -> None:
+    """One metadata, layers alternating windows (Qwen2-style): each mask is its own."""
+    backend = CpuSdpaAttentionBackend()
+    cases = [make_case(SHAPES["mixed"], 7, 3, torch.float32, seed=s) for s in (1, 1, 1)]
+    metadata = backend.build_metadata(cases[0].batch)
+    for case, window in zip(cases, (3, None, 3)):
+        cache = case.kv_cache.clone()
+        out = backend.forward(case.query, case.key, case.value, cache, metadata, scale=0.3,
+                              sliding_window=window)
+        torch.testing.assert_close(out.double(), dense_float64(case, 0.3, window, None),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_writes_exactly_what_the_reference_writes() -> None:
+    case = make_case(SHAPES["mixed"], 7, 3, torch.float32, seed=2)
+    ours, reference = case.kv_cache.clone(), case.kv_cache.clone()
+    sdpa = CpuSdpaAttentionBackend()
+    sdpa.write_kv(case.key, case.value, ours, sdpa.build_metadata(case.batch))
+    ref = CpuAttentionBackend()
+    ref.write_kv(case.key, case.value, reference, ref.build_metadata(case.batch))
+    assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))  # NaN == NaN
+
+
+def test_bad_inputs_are_refused() -> None:
+    case = make_case(SHAPES["decode"], 7, 1, torch.float32, seed=0)
+    backend = CpuSdpaAttentionBackend()
+    narrow = AttentionBatch(**{**case.batch.__dict__,
+                               "block_tables": case.batch.block_tables[:, :1]})
+    with pytest.raises(ValueError, match="needs 6 blocks"):
+        backend.build_metadata(narrow)
+    metadata = backend.build_metadata(case.batch)
+    with pytest.raises(ValueError):
+        backend.attend(case.query, case.kv_cache, metadata, scale=1.0, sliding_window=0)
+
+
+def test_the_platform_defaults_to_sdpa_and_can_pick_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert isinstance(CpuPlatform().make_attention_backend(), CpuSdpaAttentionBackend)
+    monkeypatch.setenv("QUIRE_CPU_ATTENTION", "reference")
+    backend = CpuPlatform().make_attention_backend()
+    assert type(backend) is CpuAttentionBackend
+    monkeypatch.setenv("QUIRE_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="QUIRE_CPU_ATTENTION"):
+        CpuPlatform().make_attention_backend()
