@@ -11,6 +11,12 @@ one after it, the same two for every layer.
 Shapes are left to Dynamo's automatic dynamism: the first step compiles for its exact
 token count, the first differing one recompiles with a symbolic count, and no later
 step compiles again.
+
+Measured on the cpu platform (2-core AMD EPYC, SmolLM2-135M float32, 1 thread, a shared
+host): no gain. Single-stream decode 67 ms/token against 59-63 eager, offline batch
+132 against 159 tokens/s (eager uses packed linears, which Inductor cannot lower, so a
+compiled model keeps ``F.linear``); a cold ``quire generate`` 54 s with an empty
+Inductor cache, 20 s with a warm one, against 12 s eager. Off by default.
 """
 
 from __future__ import annotations

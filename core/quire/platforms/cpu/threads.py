@@ -11,6 +11,10 @@ Precedence, first match wins:
 2. ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` set, or torch already not at its default
    (someone called ``torch.set_num_threads``): the user chose; nothing is changed.
 3. The cores available to the process (affinity, capped by the quota).
+
+How idle threads wait (spin or sleep) cannot be changed here: OpenMP reads
+``OMP_WAIT_POLICY`` when torch loads it; the ``quire`` command sets it first
+(:mod:`quire.cli.openmp`).
 """
 
 from __future__ import annotations
