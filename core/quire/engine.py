@@ -244,6 +244,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found no work it could run; this is a bug")
             return []
+        self.platform.begin_step(sum(s.num_tokens for s in out.scheduled))
         result = self.runner.execute(out.scheduled)
         self.scheduler.complete_step(out)
         changed: dict[str, RequestState] = {}

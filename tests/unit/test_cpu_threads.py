@@ -72,3 +72,43 @@ def test_the_platform_applies_it_at_engine_start(monkeypatch: pytest.MonkeyPatch
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_single_token_steps_run_on_one_thread() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        steps = threads.StepThreads(2)
+        steps.begin_step(1)
+        assert torch.get_num_threads() == 1
+        steps.begin_step(1)
+        assert torch.get_num_threads() == 1
+        steps.begin_step(2)
+        assert torch.get_num_threads() == 2
+        steps.begin_step(2048)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_platform_switches_per_step_only_with_its_own_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(threads, "choose_num_threads", lambda env, current: 2)
+        platform = CpuPlatform()
+        platform.begin_step(1)  # before configure_process: nothing to switch
+        platform.configure_process()
+        platform.begin_step(1)
+        assert torch.get_num_threads() == 1
+        platform.begin_step(64)
+        assert torch.get_num_threads() == 2
+
+        monkeypatch.setenv(THREADS_ENV, "2")  # the user's count holds for every step
+        platform = CpuPlatform()
+        platform.configure_process()
+        platform.begin_step(1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -4,12 +4,24 @@ torch's CPU kernels (and MKL and oneDNN under them) run on OpenMP threads that, 
 parallel region, spin for a while before they sleep (libgomp's default). When the host's
 cores are shared with other busy processes, a spinning thread holds a core that another
 thread of the next region is waiting for, and every region waits for a time slice.
-Measured on a 2-core host under a load average of ~3 (other processes' work), with 2
-threads: a single-stream decode step took 116-262 ms with the default and 51-67 ms with
-``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep at once; 1 thread: 56-65 ms), and a
-cold ``quire generate`` 27-35 s against 14 s. On an idle host the price is a wake-up per
-parallel region; not measured here (no idle host was available), expected to be small
-beside a step's matmuls.
+``OMP_WAIT_POLICY=PASSIVE`` makes idle threads sleep at once instead: each parallel
+region then pays a wake-up, which costs when the host is idle. Measured on a 2-core host
+(SmolLM2-135M float32, 2 threads, the offline batch W1 of 64 x 128 -> 128 tokens):
+
+==========================================  ==============  ==============
+                                            spin (default)  passive
+==========================================  ==============  ==============
+nothing else busy                           270 tokens/s    205 tokens/s
+one other process busy on one core          95 tokens/s     166 tokens/s
+a cold ``quire generate`` of 64 tokens,     49-51 s         14.5-18 s
+other agents' load average ~3
+==========================================  ==============  ==============
+
+A shared host is the common case for this engine's CPU users (and for its own
+benchmark host), and the loss there is the larger one, so the ``quire`` command loads
+OpenMP passive unless told otherwise: on a dedicated host, ``OMP_WAIT_POLICY=ACTIVE``
+(or any value) is left as given. Single-stream decode is unaffected either way: its
+single-token steps run on one thread (``quire.platforms.cpu.threads.StepThreads``).
 
 libgomp reads the variable once, when it is loaded (with torch), so this runs before the
 CLI imports anything that imports torch. The variable is removed again right after, so

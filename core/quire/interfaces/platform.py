@@ -102,6 +102,12 @@ class Platform(ABC):
             change the compiler cannot trace.
         """
 
+    def begin_step(self, num_tokens: int) -> None:
+        """Called by the engine before each step's forward, with the step's token count,
+        for tuning that depends on the step's size (the cpu platform runs single-token
+        steps on one thread). Must not change results. Default: nothing.
+        """
+
     def configure_process(self) -> None:
         """Process-wide tuning, called once by the engine before it builds the model.
 

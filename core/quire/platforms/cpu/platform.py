@@ -13,7 +13,7 @@ from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
-from quire.platforms.cpu.threads import configure_threads
+from quire.platforms.cpu.threads import THREADS_ENV, StepThreads, configure_threads
 
 #: Environment variable naming the attention backend: ``sdpa`` (default) or ``reference``.
 ATTENTION_ENV = "QUIRE_CPU_ATTENTION"
@@ -29,8 +29,9 @@ _BACKENDS: dict[str, type[CpuAttentionBackend]] = {
 class CpuPlatform(Platform):
     """Runs anywhere torch runs; the fallback for ``device="auto"`` (priority 0).
 
-    At engine start it sets torch's thread count to the cores the process may use
-    (:mod:`~quire.platforms.cpu.threads`); once the model is loaded, its float32 linears
+    At engine start it sets torch's thread count to the cores the process may use, and
+    runs single-token steps on one thread (:mod:`~quire.platforms.cpu.threads`); once
+    the model is loaded, its float32 linears
     move to weights packed for oneDNN and MKL (:mod:`~quire.platforms.cpu.packed_linear`).
     Tuning knobs, all environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION``
     (``sdpa`` | ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``).
@@ -45,11 +46,21 @@ class CpuPlatform(Platform):
     default_block_size = 16
     priority = 0
 
+    #: Per-step thread switching, set by configure_process; None before the engine
+    #: starts, or when the user set the thread count (then every step uses it).
+    _step_threads: StepThreads | None = None
+
     def availability(self) -> Availability:
         return Availability.yes()
 
     def configure_process(self) -> None:
-        configure_threads()
+        chosen = configure_threads()
+        user_set = chosen is None or THREADS_ENV in os.environ
+        self._step_threads = None if user_set or chosen < 2 else StepThreads(chosen)
+
+    def begin_step(self, num_tokens: int) -> None:
+        if self._step_threads is not None:
+            self._step_threads.begin_step(num_tokens)
 
     def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
         """Pack float32 linear weights unless ``QUIRE_CPU_LINEAR=torch`` or the model is
