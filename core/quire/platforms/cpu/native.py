@@ -1,0 +1,168 @@
+"""The cpu platform's native kernels: C sources in ``csrc/``, compiled on first use.
+
+Why C and not torch ops: paged decode attention in torch has to gather every
+sequence's keys and values into a padded copy and read that copy again, three passes
+over the KV data for one of useful work; on a memory-bound CPU that is most of the
+attention time. The kernel reads the pages in place.
+
+Why compiled at run time rather than shipped built: the core distribution stays pure
+Python (it installs anywhere torch does), and ``-march=native`` may use every vector
+unit of the host. The library is built with the system C compiler (``$CC``, else
+``cc``) into ``<cache>/kernels/`` under a name made of the source, the compiler, the
+flags and the host's CPU flags, so a changed source or another machine sharing the
+cache builds its own; a build takes ~1 s, and later processes only load it. There is
+no torch header in the build, hence no minute-long C++ compile: the library takes raw
+pointers through ``ctypes``.
+
+When no compiler is found, the build fails, or ``QUIRE_CPU_NATIVE=0`` is set, the
+platform logs why once and keeps the torch path; results agree either way to float32
+rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: ``0`` turns the native kernels off (torch ops only).
+NATIVE_ENV = "QUIRE_CPU_NATIVE"
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_BUILD_TIMEOUT_S = 120
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+class NativeKernels:
+    """The loaded library's entry points, with their argument checks."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._decode = library.quire_paged_decode_f32
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                 _i64, ctypes.c_float, _i64, _ptr]
+
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Attention of one query token per sequence over its pages.
+
+        :param query: float32 [B, Hq, D], each sequence's newest token.
+        :param kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
+        :param block_tables: int64 [B, max_blocks], contiguous rows.
+        :param seq_lens: int64 [B]: the query sits at position ``seq_lens[i] - 1`` and
+            reads positions ``0 .. seq_lens[i] - 1`` (the last ``window`` with a window).
+        :returns: [B, Hq, D], or None when the inputs are not what the kernel takes
+            (another dtype, device or layout) or it could not allocate scratch memory;
+            the caller then uses the torch path.
+        """
+        if not (query.dtype == kv_cache.dtype == torch.float32
+                and query.device.type == kv_cache.device.type == "cpu"
+                and kv_cache.dim() == 5 and kv_cache.is_contiguous()
+                and block_tables.dtype == seq_lens.dtype == torch.int64
+                and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
+            return None
+        query = query.contiguous()
+        b, hq, d = query.shape
+        _, num_blocks, block_size, hkv, dk = kv_cache.shape
+        if dk != d or hq % hkv or block_tables.shape[0] != b or seq_lens.shape[0] != b:
+            return None
+        out = torch.empty_like(query)
+        half = num_blocks * block_size * hkv * d * kv_cache.element_size()
+        base = kv_cache.data_ptr()
+        failed = self._decode(
+            query.data_ptr(), base, base + half, block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), b, hq, hkv, d, block_size,
+            scale, window or 0, out.data_ptr())
+        return None if failed else out
+
+
+def load_native_kernels(cache_root: Path | None = None) -> NativeKernels | None:
+    """Build (once per source, compiler and host) and load the kernels.
+
+    :param cache_root: where built libraries go; default ``<quire cache>/kernels``.
+    :returns: the kernels, or None (with the reason logged) when they are turned off,
+        no compiler is found, or the build or load fails.
+    """
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        logger.info("cpu platform: native kernels off (%s=0)", NATIVE_ENV)
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("cpu platform: no C compiler (%s) found; decode attention uses "
+                       "torch ops (slower). Install gcc, or set %s=0 to silence this.",
+                       os.environ.get("CC", "cc"), NATIVE_ENV)
+        return None
+    if cache_root is None:
+        from quire.model_store import cache_dir
+
+        cache_root = cache_dir() / "kernels"
+    try:
+        path = _build(compiler, cache_root)
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        logger.warning("cpu platform: native kernels unavailable (%s); decode attention "
+                       "uses torch ops", exc)
+        return None
+
+
+def _build(compiler: str, cache_root: Path) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
+                 platform.machine().encode(), _cpu_flags()):
+        key.update(part)
+        key.update(b"\0")
+    target = cache_root / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent process sees all or nothing.
+    with tempfile.TemporaryDirectory(dir=cache_root) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    logger.info("cpu platform: built native kernels %s", target)
+    return target
+
+
+def _compiler_version(compiler: str) -> bytes:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30,
+                              check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b""
+
+
+def _cpu_flags() -> bytes:
+    """The host's CPU feature flags (Linux); ``-march=native`` code may need them all."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()

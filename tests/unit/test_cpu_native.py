@@ -1,0 +1,133 @@
+"""The cpu platform's native C kernels: building, loading, refusing, and the decode kernel
+against a float64 oracle on random inputs.
+
+Tolerance: float32 ``rtol = atol = 1e-5`` against float64 (the kernel accumulates in
+float32 in another order than torch; the gap seen is ~5e-7).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quire.platforms.cpu import native as native_module
+from quire.platforms.cpu.native import NATIVE_ENV, NativeKernels, load_native_kernels
+
+HAVE_CC = shutil.which("cc") is not None
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    if not HAVE_CC:
+        pytest.skip("no C compiler on this host: the platform uses torch ops")
+    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "cc exists but the kernels did not build; see the log"
+    return loaded
+
+
+def _paged(seed: int, lens: list[int], hq: int, hkv: int, d: int, block_size: int):
+    """Random q and a paged cache holding each sequence's keys/values in shuffled
+    blocks; every slot no sequence owns is NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 5
+    order = torch.randperm(num_blocks, generator=gen)
+    cache = torch.full((2, num_blocks, block_size, hkv, d), float("nan"))
+    width = max(per_seq)
+    tables = order[torch.randint(0, num_blocks, (len(lens), width), generator=gen)]
+    keys, values, taken = [], [], 0
+    for i, n in enumerate(lens):
+        blocks = order[taken:taken + per_seq[i]]
+        taken += per_seq[i]
+        tables[i, :per_seq[i]] = blocks
+        k = torch.randn(n, hkv, d, generator=gen)
+        v = torch.randn(n, hkv, d, generator=gen)
+        for j in range(n):
+            cache[0, blocks[j // block_size], j % block_size] = k[j]
+            cache[1, blocks[j // block_size], j % block_size] = v[j]
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    return q, cache, tables.long(), torch.tensor(lens, dtype=torch.int64), keys, values
+
+
+def _dense(q, keys, values, scale, window):
+    out = []
+    for i in range(q.shape[0]):
+        k, v = keys[i].double(), values[i].double()
+        n = k.shape[0]
+        start = max(0, n - window) if window else 0
+        g = q.shape[1] // k.shape[1]
+        k = k[start:].repeat_interleave(g, dim=1)  # [n, Hq, D]
+        v = v[start:].repeat_interleave(g, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 1, 6, 10_000])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (9, 3, 64), (8, 2, 20), (2, 1, 5)])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_decode_matches_dense_float64(
+    kernels: NativeKernels, window: int | None, hq: int, hkv: int, d: int, block_size: int
+) -> None:
+    lens = [1, 17, 40, 3, 16, 29]
+    q, cache, tables, seq_lens, keys, values = _paged(block_size + hq, lens, hq, hkv, d,
+                                                      block_size)
+    out = kernels.paged_decode(q, cache, tables, seq_lens, 0.3, window)
+    assert out is not None and out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.3, window),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_a_row_of_a_wider_table(kernels: NativeKernels) -> None:
+    """Block tables as a column slice of a wider one (row stride > width)."""
+    q, cache, tables, seq_lens, keys, values = _paged(3, [5, 12], 4, 2, 8, 4)
+    wide = torch.cat([tables, torch.zeros_like(tables)], dim=1)[:, :tables.shape[1]]
+    assert not wide.is_contiguous()
+    out = kernels.paged_decode(q, cache, wide, seq_lens, 0.5, None)
+    assert out is not None
+    torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.5, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
+    q, cache, tables, seq_lens, _, _ = _paged(4, [5, 9], 4, 2, 8, 4)
+    assert kernels.paged_decode(q.bfloat16(), cache.bfloat16(), tables, seq_lens, 1.0,
+                                None) is None
+    assert kernels.paged_decode(q, cache, tables.int(), seq_lens, 1.0, None) is None
+    assert kernels.paged_decode(q, cache.transpose(1, 2), tables, seq_lens, 1.0,
+                                None) is None
+    assert kernels.paged_decode(q[:, :3], cache, tables, seq_lens, 1.0, None) is None
+
+
+def test_a_build_is_reused(tmp_path: Path) -> None:
+    if not HAVE_CC:
+        pytest.skip("no C compiler on this host")
+    first = load_native_kernels(tmp_path)
+    second = load_native_kernels(tmp_path)
+    assert first is not None and second is not None and first.path == second.path
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no leftovers
+
+
+def test_turned_off_or_without_a_compiler_it_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    with caplog.at_level(logging.INFO, logger=native_module.__name__):
+        assert load_native_kernels(tmp_path) is None
+    assert NATIVE_ENV in caplog.text
+    monkeypatch.delenv(NATIVE_ENV)
+    caplog.clear()
+    monkeypatch.setenv("CC", "no-such-compiler-quire")
+    assert load_native_kernels(tmp_path) is None
+    assert "no C compiler" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("CC", "false")  # found, but every build fails
+    assert load_native_kernels(tmp_path) is None
+    assert "native kernels unavailable" in caplog.text
+    assert list(tmp_path.iterdir()) == []
