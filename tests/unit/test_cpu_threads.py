@@ -91,12 +91,19 @@ def test_single_token_steps_run_on_one_thread() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_platform_switches_per_step_only_with_its_own_count(
+def test_the_platform_switches_per_step_only_with_passive_waiting_and_its_own_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = torch.get_num_threads()
     try:
         monkeypatch.setattr(threads, "choose_num_threads", lambda env, current: 2)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        platform = CpuPlatform()
+        platform.configure_process()
+        platform.begin_step(1)  # spinning threads (libgomp's default): keep both
+        assert torch.get_num_threads() == 2
+
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
         platform = CpuPlatform()
         platform.begin_step(1)  # before configure_process: nothing to switch
         platform.configure_process()

@@ -14,12 +14,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli.openmp import prefer_passive_waiting
-
-prefer_passive_waiting()  # before the imports below load torch (see quire.cli.openmp)
-
-from quire.cli import bench, common, conformance, generate, models, plugins, serve  # noqa: E402
-from quire.cli.config_file import add_config_option, apply_config_file  # noqa: E402
+from quire.cli import bench, common, conformance, generate, models, plugins, serve
+from quire.cli.config_file import add_config_option, apply_config_file
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
 COMMANDS = (generate, serve, bench, models, plugins, conformance)

@@ -11,30 +11,36 @@ from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.memory import CpuMemoryProfiler
+from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
-from quire.platforms.cpu.threads import THREADS_ENV, StepThreads, configure_threads
+from quire.platforms.cpu.threads import (
+    THREADS_ENV,
+    StepThreads,
+    configure_threads,
+    passive_waiting,
+)
 
 #: Environment variable naming the attention backend: ``sdpa`` (default) or ``reference``.
 ATTENTION_ENV = "QUIRE_CPU_ATTENTION"
 #: Environment variable naming the float32 matmul: ``packed`` (default: weights packed
 #: for oneDNN and MKL) or ``torch`` (plain ``F.linear``, the matmul Hugging Face runs).
 LINEAR_ENV = "QUIRE_CPU_LINEAR"
-_BACKENDS: dict[str, type[CpuAttentionBackend]] = {
-    "sdpa": CpuSdpaAttentionBackend,
-    "reference": CpuAttentionBackend,
-}
+_BACKENDS = ("sdpa", "reference")
 
 
 class CpuPlatform(Platform):
     """Runs anywhere torch runs; the fallback for ``device="auto"`` (priority 0).
 
-    At engine start it sets torch's thread count to the cores the process may use, and
-    runs single-token steps on one thread (:mod:`~quire.platforms.cpu.threads`); once
-    the model is loaded, its float32 linears
-    move to weights packed for oneDNN and MKL (:mod:`~quire.platforms.cpu.packed_linear`).
-    Tuning knobs, all environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION``
-    (``sdpa`` | ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``).
+    At engine start it sets torch's thread count to the cores the process may use
+    (:mod:`~quire.platforms.cpu.threads`; with ``OMP_WAIT_POLICY=PASSIVE``, single-token
+    steps run on one thread); once
+    the model is loaded, its float32 linears move to weights packed for oneDNN and MKL
+    (:mod:`~quire.platforms.cpu.packed_linear`); decode attention runs in C when a
+    compiler is at hand (:mod:`~quire.platforms.cpu.native`). Tuning knobs, all
+    environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
+    ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_NATIVE``
+    (``0`` for torch ops only).
     """
 
     name = "cpu"
@@ -49,6 +55,10 @@ class CpuPlatform(Platform):
     #: Per-step thread switching, set by configure_process; None before the engine
     #: starts, or when the user set the thread count (then every step uses it).
     _step_threads: StepThreads | None = None
+    #: The C kernels (:mod:`~quire.platforms.cpu.native`), built at the first backend
+    #: the platform makes; None when they could not be (the reason is logged).
+    _native: NativeKernels | None = None
+    _native_tried = False
 
     def availability(self) -> Availability:
         return Availability.yes()
@@ -56,7 +66,8 @@ class CpuPlatform(Platform):
     def configure_process(self) -> None:
         chosen = configure_threads()
         user_set = chosen is None or THREADS_ENV in os.environ
-        self._step_threads = None if user_set or chosen < 2 else StepThreads(chosen)
+        switch = not user_set and chosen >= 2 and passive_waiting(os.environ)
+        self._step_threads = StepThreads(chosen) if switch else None
 
     def begin_step(self, num_tokens: int) -> None:
         if self._step_threads is not None:
@@ -77,7 +88,13 @@ class CpuPlatform(Platform):
 
         :raises ValueError: naming the accepted values of ``QUIRE_CPU_ATTENTION``.
         """
-        return _BACKENDS[_env_choice(ATTENTION_ENV, "sdpa", tuple(_BACKENDS))]()
+        choice = _env_choice(ATTENTION_ENV, "sdpa", _BACKENDS)
+        if choice == "reference":
+            return CpuAttentionBackend()
+        if not self._native_tried:
+            self._native = load_native_kernels()
+            self._native_tried = True
+        return CpuSdpaAttentionBackend(native=self._native)
 
     def make_communicator(
         self, rank: int = 0, world_size: int = 1

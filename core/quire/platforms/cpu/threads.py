@@ -10,13 +10,28 @@ Precedence, first match wins:
 1. ``QUIRE_CPU_THREADS=N``: exactly ``N`` threads.
 2. ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` set, or torch already not at its default
    (someone called ``torch.set_num_threads``): the user chose; nothing is changed.
-3. The cores available to the process (affinity, capped by the quota); then, per step,
-   :class:`StepThreads` drops to one thread for single-token steps. A count the user
-   chose (1. or 2.) is used as is for every step.
+3. The cores available to the process (affinity, capped by the quota).
 
-How idle threads wait (spin or sleep) cannot be changed here: OpenMP reads
-``OMP_WAIT_POLICY`` when torch loads it; the ``quire`` command sets it first
-(:mod:`quire.cli.openmp`).
+How idle threads wait between parallel regions is OpenMP's ``OMP_WAIT_POLICY``, read
+once when torch loads libgomp, so it is the user's to set; Quire leaves libgomp's
+default (spin a little, then sleep). Measured on a 2-core host (SmolLM2-135M float32,
+2 threads, medians of one run each):
+
+=========================================  =============  ==========  ===============
+                                           default (spin) ``PASSIVE``  ``PASSIVE``, 1
+                                                                       thread at 1 token
+=========================================  =============  ==========  ===============
+idle host: 64-row decode step              251-265 ms     295-335 ms
+idle host: one stream, ms per token        41-45 ms       69 ms       57 ms
+one other busy process: 64-row step        737-1186 ms    473 ms
+one other busy process: ms per token       148-312 ms     66 ms
+=========================================  =============  ==========  ===============
+
+So on a host of its own (the case to be fast in) spinning wins by 15-40%, and on a host
+whose cores other busy processes share, ``OMP_WAIT_POLICY=PASSIVE`` is worth 1.6-4x.
+With a passive policy, a second thread woken for each small kernel of a single-token
+step costs more than it gives, so :class:`StepThreads` then runs those steps on one
+thread (when the count is this module's choice, not the user's).
 """
 
 from __future__ import annotations
@@ -81,15 +96,20 @@ def configure_threads() -> int | None:
     return wanted
 
 
-class StepThreads:
-    """One thread for single-token steps, ``threads`` for the rest.
+def passive_waiting(env: Mapping[str, str]) -> bool:
+    """Whether OpenMP threads sleep as soon as they are idle (``OMP_WAIT_POLICY``)."""
+    return env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
-    A step of one token (one sequence decoding) is a string of small kernels: its
-    matmuls are matrix-vector products on one thread either way (see
-    :mod:`~quire.platforms.cpu.packed_linear`), and waking a second thread for each
-    small kernel costs more than it saves. Measured on 2 cores, single-stream decode:
-    49-54 ms/token on one thread against 60-62 on two. Steps with more tokens get
-    every thread back. Switching is a flag write (~0.5 us).
+
+class StepThreads:
+    """One thread for single-token steps, ``threads`` for the rest (passive waiting).
+
+    A step of one token (one sequence decoding) is a string of small kernels; with
+    ``OMP_WAIT_POLICY=PASSIVE`` every one of them pays for waking the second thread,
+    which costs more than the thread gives: 57 ms/token on one thread against 69 on two
+    (2 cores). Steps with more tokens get every thread back. Switching is a flag write
+    (~0.5 us). With spinning threads (libgomp's default) two threads are faster
+    (41-45 ms), and this is not used.
     """
 
     def __init__(self, threads: int) -> None:
