@@ -4,7 +4,8 @@ Inputs are seeded N(0, 1), never zeros. Tolerance against ``F.linear`` (MKL) in 
 ``rtol = atol = 1e-5`` per product (oneDNN and MKL's transposed-weight product sum in
 other orders: a few ulps of the sum, ~3e-7 relative seen); 1e-4 on a two-layer model's
 logits, where those differences pass through norms and softmax. One row takes the
-transposed-weight path, several rows the oneDNN one: both are covered.
+transposed-weight path (cut in a block per thread), several rows the oneDNN one: both
+are covered.
 """
 
 from __future__ import annotations
@@ -40,6 +41,30 @@ def test_matches_f_linear(rows: int, with_bias: bool) -> None:
     got = PackedLinear(weight)(x, bias)
     assert got.shape == (rows, 96) and got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads,out_features,parts", [(3, 200, 3), (2, 131, 2), (4, 100, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_row_split_over_threads_matches_f_linear(
+    threads: int, out_features: int, parts: int, with_bias: bool
+) -> None:
+    """The one-row weight is cut into a block per thread (padded when the thread count
+    does not divide the outputs; not cut below 64 outputs a block); the product is the
+    same whatever the thread count when it runs."""
+    weight, x = _randn(out_features, 40, seed=8), _randn(1, 40, seed=9)
+    bias = _randn(out_features, seed=10) if with_bias else None
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        linear = PackedLinear(weight)
+        assert linear.split.shape[0] == parts
+        for running in (threads, 1):
+            torch.set_num_threads(running)
+            got = linear(x, bias)
+            assert got.shape == (1, out_features)
+            torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_keeps_leading_dimensions() -> None:

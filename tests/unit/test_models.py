@@ -465,8 +465,11 @@ def test_rope_tables_match_transformers(name: str) -> None:
         sin = torch.where(positions[:, None] < 16, short[1], long[1])
     else:
         cos, sin = _hf_table(config, positions)
-    assert _max_diff(rope.cos_sin_cache[:, :half], cos) <= 1e-6
-    assert _max_diff(rope.cos_sin_cache[:, half:], sin) <= 1e-6
+    ours_cos, ours_sin = (t[:, 0] for t in rope(positions, torch.float32))  # [P, D] each
+    assert _max_diff(ours_cos[:, :half], cos) <= 1e-6
+    assert torch.equal(ours_cos[:, half:], ours_cos[:, :half])  # cos | cos
+    assert _max_diff(ours_sin[:, half:], sin) <= 1e-6
+    assert torch.equal(ours_sin[:, :half], -ours_sin[:, half:])  # -sin | sin
     if name.startswith("yarn"):
         assert rope.max_position == 64  # covers original * factor
 
@@ -482,7 +485,8 @@ def test_rope_old_style_config_and_unknown_type() -> None:
     )
     rope = get_rope(old, 16)
     inv = 1.0 / (500.0 ** (torch.arange(0, 16, 2).float() / 16)) / 2.0
-    assert _max_diff(rope.cos_sin_cache[5, :8], torch.cos(5 * inv)) <= 1e-6
+    cos, _ = rope(torch.tensor([5]), torch.float32)
+    assert _max_diff(cos[0, 0, :8], torch.cos(5 * inv)) <= 1e-6
     bad = LlamaConfig(**_common(rope_parameters={"rope_type": "mystery", "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="mystery") as err:
         get_rope(bad, 16)

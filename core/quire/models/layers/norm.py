@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            # torch's fused kernel: one kernel instead of six, the same float32 operations
+            # in the same order (bit-identical here; tests/unit/test_models.py checks it)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)

@@ -82,18 +82,21 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, D/2]
         if long_inv_freq is not None and long_from is not None and long_from < max_position:
             freqs[long_from:] = positions[long_from:, None] * long_inv_freq.float()[None, :]
-        cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), -1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, D]: cos | sin
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        # [P, 2D]: cos | cos | -sin | sin, the full-width factors of apply_rotary
+        cache = torch.cat((cos, cos, -sin, sin), -1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's cos and sin, each [T, D/2] in ``dtype``, for :func:`apply_rotary`.
+        """This step's rotation factors for :func:`apply_rotary`, in ``dtype``: cos as
+        ``[T, 1, D]`` (the half-width cos twice) and sin as ``[T, 1, D]`` (``-sin | sin``).
 
         :param positions: int64 [T], each below ``max_position`` (not checked here: that
             would cost a device sync every step; the engine caps its context length).
         """
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype)
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         cos, sin = cos_sin.chunk(2, dim=-1)
         return cos, sin
 
@@ -102,15 +105,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, H, D] queries or keys by [T, D/2] cos/sin; returns a new tensor.
+    """Rotate [T, H, D] queries or keys by :meth:`RotaryEmbedding.forward`'s factors;
+    returns a new tensor.
 
-    Written as the two halves ``(x1 c - x2 s, x2 c + x1 s)``, which is bit-for-bit HF's
-    ``x * cos + rotate_half(x) * sin`` (negation is exact) without building the
-    duplicated cos/sin or the rotated copy.
+    ``x * cos + roll(x, D/2) * sin`` with ``sin = (-s | s)``: halves ``(x1 c + x2 (-s),
+    x2 c + x1 s)``, bit for bit HF's ``x * cos + rotate_half(x) * sin`` (its
+    ``rotate_half`` negates ``x2``; here ``s`` is negated in the table, and either
+    negation is exact). Four kernels; a decode step runs this once per layer, and
+    small kernels are what such a step is made of.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def get_rope(config: Any, head_size: int) -> RotaryEmbedding:

@@ -11,7 +11,12 @@ in]``). Measured on a 2-core AMD EPYC host (the figures behind the choices below
 - *one row* (a lone sequence decoding): the product is a matrix-vector one, bound by
   reading the weight. MKL reads a ``[in, out]`` (transposed) copy 1.5x faster than the
   ``[out, in]`` original, and without oneDNN's ~35 us call overhead, which a step of a
-  small model pays ~120 times.
+  small model pays ~120 times. But MKL runs a matrix-vector product on one thread, so
+  one core's share of the memory bandwidth bounds it (~21 GB/s of ~28 here). The
+  transposed copy is therefore cut into ``parts`` column blocks (one per thread at
+  packing, ``[parts, in, out / parts]``) and multiplied by one ``bmm``, which torch
+  spreads over its threads batch by batch: SmolLM2's 121 products of one decode step
+  took 34 ms with ``mm`` and ~21 ms split in two (2 threads).
 
 So each layer keeps both forms (:class:`PackedLinear`), and the original is released:
 it stays a parameter of the right shape on the ``meta`` device, so an accidental use
@@ -61,13 +66,26 @@ class PackedLinear:
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-        self.transposed = weight.t().contiguous()  # [in, out]
+        # [parts, in, out / parts], the last block zero-padded when parts does not divide
+        # out; parts = 1 is the plain transposed copy.
+        parts = max(1, min(torch.get_num_threads(), self.out_features // 64))
+        width = -(-self.out_features // parts)
+        split = weight.new_zeros(parts * width, self.in_features)
+        split[: self.out_features] = weight
+        self.split = split.view(parts, width, self.in_features).transpose(1, 2).contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # both operators take 2-D input
         if rows.shape[0] == 1:
-            y = (torch.mm(rows, self.transposed) if bias is None
-                 else torch.addmm(bias, rows, self.transposed))
+            parts = self.split.shape[0]
+            if parts == 1:
+                y = (torch.mm(rows, self.split[0]) if bias is None
+                     else torch.addmm(bias, rows, self.split[0]))
+            else:
+                y = torch.bmm(rows.expand(parts, 1, self.in_features), self.split)
+                y = y.view(1, -1)[:, : self.out_features]  # blocks are in column order
+                if bias is not None:
+                    y = y + bias
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
