@@ -59,6 +59,16 @@ def test_sweep_with_plot(capsys, tmp_path, tiny_path):
     assert out.splitlines()[1].startswith("block-size")
 
 
+def test_sweep_leaves_the_other_options_at_their_defaults(capsys, tmp_path, tiny_path):
+    """Only the swept option given: the others are EngineConfig's defaults (it used to
+    pass max_num_seqs=None and fail)."""
+    _, result = run_json(capsys, tmp_path, [
+        "bench", "sweep", "--model", tiny_path, *SMALL, "--repeats", "1",
+        "--max-num-batched-tokens", "64,128"])
+    assert [p["value"] for p in result["points"]] == [64, 128]
+    assert "max_num_seqs=256" in result["points"][0]["description"]
+
+
 def test_sweep_needs_one_list(capsys, tiny_path):
     assert main(["bench", "sweep", "--model", tiny_path, "--block-size", "16"]) == 2
     assert "exactly one of" in capsys.readouterr().err

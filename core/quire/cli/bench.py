@@ -374,6 +374,8 @@ def _swept(args: argparse.Namespace) -> tuple[str, list[int], dict[str, int]]:
 def run_sweep(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from quire.config import EngineConfig
+
     from quire.bench.report import THROUGHPUT_FIGURES, figure_rows, record
     from quire.bench.sweep import plot
     from quire.bench.sweep import run_sweep as sweep
@@ -384,7 +386,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     param, values, fixed = _swept(args)
     if args.plot:
         require("matplotlib", "--plot")
-    base = argparse.Namespace(**{**vars(args), **{o: None for o in SWEEP_OPTIONS}, **fixed})
+    # the swept option and any not given take EngineConfig's defaults (the sweep parser
+    # reads them as text, so args holds None or a string for each)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    base = argparse.Namespace(**{**vars(args), **{o: defaults[o] for o in SWEEP_OPTIONS},
+                                 **fixed})
     config = engine_config_from_args(base)
     try:
         tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
