@@ -34,8 +34,8 @@ class CpuPlatform(Platform):
 
     At engine start it sets torch's thread count to the cores the process may use
     (:mod:`~quire.platforms.cpu.threads`; with ``OMP_WAIT_POLICY=PASSIVE``, single-token
-    steps run on one thread); once
-    the model is loaded, its float32 linears move to weights packed for oneDNN and MKL
+    steps run on one thread); once the model is loaded, its float32 linears move to
+    weights packed for oneDNN and MKL
     (:mod:`~quire.platforms.cpu.packed_linear`); decode attention runs in C when a
     compiler is at hand (:mod:`~quire.platforms.cpu.native`). Tuning knobs, all
     environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
