@@ -19,6 +19,6 @@ def quire_platforms() -> list[PlatformSpec]:
             name=CpuPlatform.name,
             api_version=PLUGIN_API_VERSION,
             factory=CpuPlatform,
-            description="host CPU: reference attention in torch, gloo collectives",
+            description="host CPU: SDPA prefill, C paged decode (torch fallback), gloo collectives",
         )
     ]
