@@ -137,6 +137,28 @@ class FlatPeak(CpuMemoryProfiler):
         return 1 << 30
 
 
+class OverGrantsFraction(CpuMemoryProfiler):
+    """Treats every fraction as 0.9: off by far more than free memory moves."""
+
+    def kv_budget(self, kv_cache_memory, activation_peak=0):
+        if isinstance(kv_cache_memory, float):
+            kv_cache_memory = 0.9
+        return super().kv_budget(kv_cache_memory, activation_peak)
+
+
+class JitteryFree(CpuMemoryProfiler):
+    """Not a bug: free memory that swings by ~30 KiB between readings, as on a busy host
+    (each reading alternates higher and lower, so the one inside a call can be the top)."""
+
+    def __init__(self):
+        super().__init__()
+        self._calls = 0
+
+    def free_memory(self):
+        self._calls += 1
+        return super().free_memory() + (30 << 10) * (self._calls % 2)
+
+
 class WithProfiler(CpuPlatform):
     profiler_cls: type[CpuMemoryProfiler] = CpuMemoryProfiler
 
@@ -150,6 +172,14 @@ class FreeAboveTotalPlatform(WithProfiler):
 
 class FlatPeakPlatform(WithProfiler):
     profiler_cls = FlatPeak
+
+
+class OverGrantsFractionPlatform(WithProfiler):
+    profiler_cls = OverGrantsFraction
+
+
+class JitteryFreePlatform(WithProfiler):
+    profiler_cls = JitteryFree
 
 
 # -- communicator --------------------------------------------------------------------------

@@ -83,12 +83,18 @@ def test_paged_attention_catches_a_missing_soft_cap_at_the_loosest_tolerance() -
     [
         (broken.FreeAboveTotalPlatform(), "readings violate 0 < free <= total"),
         (broken.FlatPeakPlatform(), "the peak rose by 0 bytes after 67108864 bytes"),
+        (broken.OverGrantsFractionPlatform(), "kv_budget(0.5)="),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Platform) else "",
 )
 def test_memory_profiler_catches(platform: Platform, why: str) -> None:
     [reason] = failures(platform, "memory")
     assert why in reason
+
+
+def test_memory_check_tolerates_free_memory_moving_between_readings() -> None:
+    """A CI run once failed the cpu platform on 30 KiB of free memory that came and went."""
+    assert failures(broken.JitteryFreePlatform(), "memory") == []
 
 
 def test_communicator_catches_at_world_size_1(monkeypatch: pytest.MonkeyPatch) -> None:

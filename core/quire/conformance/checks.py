@@ -383,16 +383,26 @@ def _touched(size: int, ctx: CheckContext) -> torch.Tensor:
     return tensor
 
 
+def _with_most_free(profiler: MemoryProfiler, call: Callable[[], int],
+                    free: int) -> tuple[int, int]:
+    """``call()`` and the largest free-memory reading taken around it (and ``free``)."""
+    before = profiler.free_memory()
+    result = call()
+    return result, max(free, before, profiler.free_memory())
+
+
 def _budget_problems(profiler: MemoryProfiler, ctx: CheckContext, free: int) -> list[str]:
     problems = []
-    # Free memory moves (other processes); compare against the largest reading around.
-    default = profiler.kv_budget(None)
-    half = profiler.kv_budget(0.5)
-    most_free = max(free, profiler.free_memory())
-    if not 0 < default <= most_free:
-        problems.append(f"kv_budget(None)={default} is not within (0, free={most_free}]")
-    if not 0 < half <= most_free // 2 + 1:
-        problems.append(f"kv_budget(0.5)={half} exceeds half of free={most_free}")
+    # Free memory moves with other processes, also between the readings taken around a
+    # call and the one the call takes itself (a CI run failed on 30 KiB of that). So
+    # compare against the largest reading around each call, plus 1%: a platform that
+    # ignores the fraction or over-grants is off by far more than that.
+    default, free_default = _with_most_free(profiler, lambda: profiler.kv_budget(None), free)
+    half, free_half = _with_most_free(profiler, lambda: profiler.kv_budget(0.5), free)
+    if not 0 < default <= free_default + free_default // 100:
+        problems.append(f"kv_budget(None)={default} is not within (0, free={free_default}]")
+    if not 0 < half <= (free_half + free_half // 100) // 2 + 1:
+        problems.append(f"kv_budget(0.5)={half} exceeds half of free={free_half}")
     if profiler.kv_budget(_MIB) != _MIB:
         problems.append(f"kv_budget({_MIB}) did not grant exactly {_MIB} bytes")
     try:
