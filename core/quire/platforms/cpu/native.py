@@ -3,7 +3,10 @@
 Why C and not torch ops: paged decode attention in torch has to gather every
 sequence's keys and values into a padded copy and read that copy again, three passes
 over the KV data for one of useful work; on a memory-bound CPU that is most of the
-attention time. The kernel reads the pages in place.
+attention time. The kernel (``paged_decode.c``) reads the pages in place. And a
+one-row product over weights in a compact exact encoding (``compact_gemv.c``, see
+:mod:`~quire.platforms.cpu.compact`) has no torch operator: torch would have to expand
+the weight to float32 in memory first, which is the traffic it exists to avoid.
 
 Why compiled at run time rather than shipped built: the core distribution stays pure
 Python (it installs anywhere torch does), and ``-march=native`` may use every vector
@@ -33,11 +36,14 @@ from pathlib import Path
 
 import torch
 
+from quire.platforms.cpu.compact import CompactWeight
+
 logger = logging.getLogger(__name__)
 
 #: ``0`` turns the native kernels off (torch ops only).
 NATIVE_ENV = "QUIRE_CPU_NATIVE"
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_decode.c", "compact_gemv.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
@@ -54,6 +60,34 @@ class NativeKernels:
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                  _i64, ctypes.c_float, _i64, _ptr]
+        self._gemv = library.quire_compact_gemv
+        self._gemv.restype = ctypes.c_int
+        self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+                               _ptr]
+
+    def compact_linear(self, x: torch.Tensor, weight: CompactWeight,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for a few float32 rows and a :class:`CompactWeight` ``W``.
+
+        Reads the weight once for all rows (each row of ``W`` is used by every row of
+        ``x`` while it is in cache), so it pays off for a handful of rows.
+
+        :param x: float32 ``[rows, in_features]`` on the host.
+        :returns: float32 ``[rows, out_features]``, or None when the inputs are not what
+            the kernel takes (the caller then uses its other path).
+        """
+        if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+                and x.shape[1] == weight.in_features
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            return None
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+        failed = self._gemv(
+            weight.format_id, x.data_ptr(), x.shape[0], weight.in_features,
+            weight.out_features, weight.codes.data_ptr(), weight.scales.data_ptr(),
+            weight.offsets.data_ptr() if weight.offsets.numel() else None,
+            bias.data_ptr() if bias is not None else None, y.data_ptr())
+        return None if failed else y
 
     def paged_decode(
         self,
@@ -126,13 +160,12 @@ def load_native_kernels(cache_root: Path | None = None) -> NativeKernels | None:
 
 
 def _build(compiler: str, cache_root: Path) -> Path:
-    source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
                  platform.machine().encode(), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
-    target = cache_root / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = cache_root / f"quire_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -140,7 +173,7 @@ def _build(compiler: str, cache_root: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_root) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
             capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")

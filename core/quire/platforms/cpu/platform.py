@@ -36,8 +36,10 @@ class CpuPlatform(Platform):
     (:mod:`~quire.platforms.cpu.threads`; with ``OMP_WAIT_POLICY=PASSIVE``, single-token
     steps run on one thread); once the model is loaded, its float32 linears move to
     weights packed for oneDNN and MKL
-    (:mod:`~quire.platforms.cpu.packed_linear`); decode attention runs in C when a
-    compiler is at hand (:mod:`~quire.platforms.cpu.native`). Tuning knobs, all
+    (:mod:`~quire.platforms.cpu.packed_linear`); when a compiler is at hand
+    (:mod:`~quire.platforms.cpu.native`), decode attention runs in C, and so do
+    one-row products of weights with an exact compact encoding
+    (:mod:`~quire.platforms.cpu.compact`). Tuning knobs, all
     environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
     ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_NATIVE``
     (``0`` for torch ops only).
@@ -55,8 +57,9 @@ class CpuPlatform(Platform):
     #: Per-step thread switching, set by configure_process; None before the engine
     #: starts, or when the user set the thread count (then every step uses it).
     _step_threads: StepThreads | None = None
-    #: The C kernels (:mod:`~quire.platforms.cpu.native`), built at the first backend
-    #: the platform makes; None when they could not be (the reason is logged).
+    #: The C kernels (:mod:`~quire.platforms.cpu.native`), built when the model is
+    #: prepared or the first backend is made; None when they could not be (the reason
+    #: is logged).
     _native: NativeKernels | None = None
     _native_tried = False
 
@@ -81,7 +84,7 @@ class CpuPlatform(Platform):
         """
         choice = _env_choice(LINEAR_ENV, "packed", ("packed", "torch"))
         if choice == "packed" and not compiled:
-            pack_linear_weights(model)
+            pack_linear_weights(model, self._native_kernels())
 
     def make_attention_backend(self) -> CpuAttentionBackend:
         """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.
@@ -91,10 +94,13 @@ class CpuPlatform(Platform):
         choice = _env_choice(ATTENTION_ENV, "sdpa", _BACKENDS)
         if choice == "reference":
             return CpuAttentionBackend()
+        return CpuSdpaAttentionBackend(native=self._native_kernels())
+
+    def _native_kernels(self) -> NativeKernels | None:
         if not self._native_tried:
             self._native = load_native_kernels()
             self._native_tried = True
-        return CpuSdpaAttentionBackend(native=self._native)
+        return self._native
 
     def make_communicator(
         self, rank: int = 0, world_size: int = 1

@@ -1,0 +1,169 @@
+"""Float32 weights kept in a smaller encoding that gives every one of them back exactly.
+
+A lone decoding sequence streams the whole model from memory for each token, so its
+speed is bytes of weights per token. Many float32 weights carry far fewer bits of
+information than 32: those dequantised from a GGUF file (Q4_0, Q4_1, Q8_0: a few bits
+and a scale per block of 32) and those upcast from a bf16 checkpoint. :func:`encode`
+finds, for a 2-D float32 weight, the smallest of the encodings below that reproduces
+**every** weight exactly (bit for bit, except that -0.0 may come back as +0.0, which
+adds the same nothing to any sum), and checks that by decoding it with the float32
+operations the C kernel uses (``csrc/compact_gemv.c``); when no encoding passes, the
+layer keeps plain float32. Products over an encoding are therefore float32 products of the very
+same weights, with only the order of the sums changed: this is not quantisation.
+
+Encodings (32 weights per block along the input dimension, which must divide by 32):
+
+- ``a4``: ``w = d * q + m``, ``q`` in 0..15, a float32 ``d`` and ``m`` per block
+  (0.75 bytes a weight). Q4_1 and Q4_0 blocks are of this form.
+- ``s8``: ``w = d * q``, ``q`` in -128..127, a float32 ``d`` per block (1.125 bytes a
+  weight). Q8_0 blocks are.
+- ``bf16``: the weight's upper 16 bits (2 bytes a weight): any bf16 checkpoint.
+
+The scale ``d`` is looked for among the values a quantiser would have stored, rounded to
+float16 (what GGUF's legacy formats store); blocks of other quantisers (for example
+importance-weighted ones that do not keep the block's extremes) fail the check and the
+layer stays float32: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+#: Encodings in the order they are tried (smallest first); the index is the kernel's id.
+FORMATS = ("a4", "s8", "bf16")
+
+
+@dataclass(frozen=True)
+class CompactWeight:
+    """A ``[out_features, in_features]`` float32 weight in one encoding.
+
+    ``codes``: uint8 ``[out, in / 2]`` (a4), int8 ``[out, in]`` (s8) or int16
+    ``[out, in]`` bf16 bits; ``scales`` and ``offsets``: float32 ``[out, in / 32]``
+    (``offsets`` a4 only, else an empty tensor).
+    """
+
+    format: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def format_id(self) -> int:
+        return FORMATS.index(self.format)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def decode(self) -> torch.Tensor:
+        """The float32 weight, by the kernel's operations (``d * q`` then ``+ m``)."""
+        shape = (self.out_features, self.in_features)
+        if self.format == "bf16":
+            return self.codes.view(torch.bfloat16).float().view(shape)
+        if self.format == "a4":
+            q = _unpack_nibbles(self.codes.view(self.out_features, -1, BLOCK // 2))
+        else:
+            q = self.codes.view(self.out_features, -1, BLOCK)
+        w = self.scales.unsqueeze(-1) * q.float()
+        if self.format == "a4":
+            w = w + self.offsets.unsqueeze(-1)
+        return w.view(shape)
+
+
+def encode(weight: torch.Tensor, formats: tuple[str, ...] = FORMATS) -> CompactWeight | None:
+    """The first of ``formats`` that gives ``weight`` back bit for bit, or None.
+
+    :param weight: float32 ``[out, in]`` on the host.
+    """
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    out_features, in_features = weight.shape
+    if in_features % BLOCK or weight.numel() == 0 or not torch.isfinite(weight).all():
+        return None
+    weight = weight.detach().contiguous()
+    for fmt in formats:
+        found = _ENCODERS[fmt](weight)
+        if found is None:
+            continue
+        candidate = CompactWeight(fmt, *found, out_features, in_features)
+        # The proof: decoding is the float32 arithmetic the kernel does; anything not
+        # reproduced exactly is not accepted. Equal as numbers: a -0.0 weight (Q4_0's
+        # code 8 under a negative scale) may come back +0.0, which changes no sum.
+        if torch.equal(candidate.decode(), weight):
+            return candidate
+    return None
+
+
+# -- encoders: a guess per block; encode() checks it ---------------------------------------
+
+
+def _encode_bf16(weight: torch.Tensor):
+    bits = weight.view(torch.int32)
+    if bool((bits & 0xFFFF).any()):
+        return None
+    codes = (bits >> 16).to(torch.int16)
+    return codes, torch.empty(0), torch.empty(0)
+
+
+def _encode_s8(weight: torch.Tensor):
+    blocks = weight.view(weight.shape[0], -1, BLOCK)
+    # Q8_0: d = amax / 127 rounded to float16; the block's largest magnitude is +-127 d.
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    if not _few_bits(d, 16):
+        return None
+    q = torch.round(blocks / d.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    if bool((q.abs() > 128).any()):
+        return None
+    q = q.clamp(-128, 127).to(torch.int8)
+    return q.view(weight.shape), d, torch.empty(0)
+
+
+def _encode_a4(weight: torch.Tensor):
+    blocks = weight.view(weight.shape[0], -1, BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    # Q4_1: m is the block's minimum (q = 0), its maximum is q = 15.
+    d1, m1 = ((hi - lo) / 15).half().float(), lo
+    # Q4_0: w = d (q - 8); the largest magnitude is q = 0, so d = -it / 8 and m = -8 d.
+    signed_max = torch.where(hi.abs() >= lo.abs(), hi, lo)
+    d0 = (-signed_max / 8).half().float()
+    q1, ok1 = _nibbles_for(blocks, d1, m1)
+    q0, ok0 = _nibbles_for(blocks, d0, -8 * d0)
+    use0 = ~ok1 & ok0
+    if not bool((ok1 | ok0).all()):
+        return None
+    d = torch.where(use0, d0, d1)
+    m = torch.where(use0, -8 * d0, m1)
+    q = torch.where(use0.unsqueeze(-1), q0, q1)
+    if not _few_bits(d, 20):
+        return None
+    packed = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).to(torch.uint8)
+    return packed.view(weight.shape[0], -1), d, m.contiguous()
+
+
+def _nibbles_for(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """q in 0..15 nearest to (w - m) / d, and whether d * q + m is w for a whole block."""
+    safe = torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)
+    q = torch.round((blocks - m.unsqueeze(-1)) / safe).clamp(0, 15)
+    q = torch.where((d == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    rebuilt = d.unsqueeze(-1) * q + m.unsqueeze(-1)
+    ok = (rebuilt == blocks).all(-1)
+    return q.to(torch.int32), ok
+
+
+def _few_bits(d: torch.Tensor, bits: int) -> bool:
+    """Whether every scale has at most ``bits`` significant bits, so d * q is exact."""
+    mantissa = d.view(torch.int32) & 0x7FFFFF
+    return not bool((mantissa & ((1 << (24 - bits)) - 1)).any())
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.cat((low, high), dim=-1).to(torch.int32)
+
+
+_ENCODERS = {"a4": _encode_a4, "s8": _encode_s8, "bf16": _encode_bf16}

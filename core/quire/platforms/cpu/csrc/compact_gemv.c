@@ -1,0 +1,231 @@
+/*
+ * One-row products y = W x on weights kept in a compact, exact encoding (cpu platform).
+ *
+ * A decode step of one sequence reads every weight once and does two flops with it, so
+ * its time is the time to stream the weights from memory. Many float32 weights are
+ * exactly representable in fewer bits: those dequantised from a GGUF file (Q4_0, Q4_1,
+ * Q8_0) and those upcast from a bf16 or f16 checkpoint. quire/platforms/cpu/compact.py
+ * finds such an encoding for a layer and checks that decoding it gives back every
+ * float32 weight bit for bit; these kernels stream the encoding and rebuild each weight
+ * in registers with the same float32 operations, so the product is the float32 one,
+ * with only the order of the sums different (as between any two GEMM libraries).
+ *
+ * Encodings, for W of N rows by K columns (K a multiple of 32), 32 weights per block:
+ * - a4 (affine 4-bit): w = d * q + m, q in 0..15; per block a float32 scale d and
+ *   offset m. Nibbles: row-major [N, K / 2] bytes, byte j of a block holds weight j in
+ *   its low nibble and weight j + 16 in its high one. d * q is exact (d has at most 20
+ *   significant bits, checked at encoding), so one rounding happens, at the + m,
+ *   whether or not the compiler fuses it into an FMA.
+ * - s8 (scaled 8-bit): w = d * q, q in -128..127, d a float32 per block; exact (d has at
+ *   most 16 significant bits).
+ * - bf16: the upper half of the float32 bits.
+ *
+ * Work is split over output rows with OpenMP (the libgomp torch loaded, so torch's
+ * thread count). Each dot product keeps 4 x 8 partial sums, added in a fixed order.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+/* Bytes are widened to int32 before any other operation: GCC scalarises a direct
+ * byte-to-float conversion and byte shifts (AVX2 has neither); widened, each is one
+ * vpmovzxbd, and the nibble split is a 32-bit and/shift. */
+static inline v8i32 widen(v8u8 c) {
+    return __builtin_convertvector(c, v8i32);
+}
+
+static inline v8f i8tof(v8i8 c) {
+    return __builtin_convertvector(__builtin_convertvector(c, v8i32), v8f);
+}
+
+static inline v8f loadf(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8u8 loadu8(const uint8_t *p) {
+    v8u8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum4(v8f a0, v8f a1, v8f a2, v8f a3) {
+    v8f s = (a0 + a1) + (a2 + a3);
+    float t[8];
+    memcpy(t, &s, sizeof t);
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* x86 with AVX2: intrinsics, because GCC's generic vectors load widened bytes one at a
+ * time (measured 2x slower than these). The portable versions below are the reference
+ * for what each computes. */
+
+static inline float hsum256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    v8f s;
+    __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    memcpy(&s, &t, sizeof s);
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+static float dot_a4(const float *x, const uint8_t *q, const float *d, const float *m,
+                    int64_t blocks) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256 vd = _mm256_broadcast_ss(d + b), vm = _mm256_broadcast_ss(m + b);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i lo = _mm_and_si128(raw, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        const float *xb = x + 32 * b;
+        /* d * q is exact, so the FMA rounds once, at + m, as d * q + m does */
+        const __m256 w0 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
+        const __m256 w1 = _mm256_fmadd_ps(
+            vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
+        const __m256 w2 = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
+        const __m256 w3 = _mm256_fmadd_ps(
+            vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb), w0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w1, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w2, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w3, a3);
+    }
+    return hsum256(a0, a1, a2, a3);
+}
+
+static inline __m256 s8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static float dot_s8(const float *x, const int8_t *q, const float *d, int64_t blocks) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256 vd = _mm256_broadcast_ss(d + b);
+        const int8_t *p = q + 32 * b;
+        const float *xb = x + 32 * b;
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb), _mm256_mul_ps(vd, s8x8(p)), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), _mm256_mul_ps(vd, s8x8(p + 8)), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_mul_ps(vd, s8x8(p + 16)), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_mul_ps(vd, s8x8(p + 24)), a3);
+    }
+    return hsum256(a0, a1, a2, a3);
+}
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static float dot_bf16(const float *x, const uint16_t *w, int64_t blocks) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *p = w + 32 * b;
+        const float *xb = x + 32 * b;
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb), bf16x8(p), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), bf16x8(p + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), bf16x8(p + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), bf16x8(p + 24), a3);
+    }
+    return hsum256(a0, a1, a2, a3);
+}
+
+#else /* portable: GCC/Clang generic vectors */
+
+static float dot_a4(const float *x, const uint8_t *q, const float *d, const float *m,
+                    int64_t blocks) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const v8f vd = {d[b], d[b], d[b], d[b], d[b], d[b], d[b], d[b]};
+        const v8f vm = {m[b], m[b], m[b], m[b], m[b], m[b], m[b], m[b]};
+        const uint8_t *p = q + 16 * b;
+        const float *xb = x + 32 * b;
+        const v8i32 c0 = widen(loadu8(p)), c1 = widen(loadu8(p + 8));
+        const v8f w0 = vd * __builtin_convertvector(c0 & 15, v8f) + vm;
+        const v8f w1 = vd * __builtin_convertvector(c1 & 15, v8f) + vm;
+        const v8f w2 = vd * __builtin_convertvector(c0 >> 4, v8f) + vm;
+        const v8f w3 = vd * __builtin_convertvector(c1 >> 4, v8f) + vm;
+        a0 += loadf(xb) * w0;
+        a1 += loadf(xb + 8) * w1;
+        a2 += loadf(xb + 16) * w2;
+        a3 += loadf(xb + 24) * w3;
+    }
+    return hsum4(a0, a1, a2, a3);
+}
+
+static float dot_s8(const float *x, const int8_t *q, const float *d, int64_t blocks) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const v8f vd = {d[b], d[b], d[b], d[b], d[b], d[b], d[b], d[b]};
+        const int8_t *p = q + 32 * b;
+        const float *xb = x + 32 * b;
+        v8i8 c0, c1, c2, c3;
+        memcpy(&c0, p, 8);
+        memcpy(&c1, p + 8, 8);
+        memcpy(&c2, p + 16, 8);
+        memcpy(&c3, p + 24, 8);
+        a0 += loadf(xb) * (vd * i8tof(c0));
+        a1 += loadf(xb + 8) * (vd * i8tof(c1));
+        a2 += loadf(xb + 16) * (vd * i8tof(c2));
+        a3 += loadf(xb + 24) * (vd * i8tof(c3));
+    }
+    return hsum4(a0, a1, a2, a3);
+}
+
+static inline v8f bf16x8(const uint16_t *p) {
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    v8u32 bits = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float dot_bf16(const float *x, const uint16_t *w, int64_t blocks) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *p = w + 32 * b;
+        const float *xb = x + 32 * b;
+        a0 += loadf(xb) * bf16x8(p);
+        a1 += loadf(xb + 8) * bf16x8(p + 8);
+        a2 += loadf(xb + 16) * bf16x8(p + 16);
+        a3 += loadf(xb + 24) * bf16x8(p + 24);
+    }
+    return hsum4(a0, a1, a2, a3);
+}
+
+#endif
+
+/* y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) for r < rows. x is [rows, K], y is
+ * [rows, N], both contiguous; bias may be NULL. Returns 0, or 1 for an unknown format. */
+int quire_compact_gemv(int32_t format, const float *x, int64_t rows, int64_t k, int64_t n,
+                       const void *codes, const float *scales, const float *offsets,
+                       const float *bias, float *y) {
+    if (format < 0 || format > 2 || k % 32 != 0)
+        return 1;
+    const int64_t blocks = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * k;
+            float v;
+            if (format == 0)
+                v = dot_a4(xr, (const uint8_t *)codes + j * (k / 2), scales + j * blocks,
+                           offsets + j * blocks, blocks);
+            else if (format == 1)
+                v = dot_s8(xr, (const int8_t *)codes + j * k, scales + j * blocks, blocks);
+            else
+                v = dot_bf16(xr, (const uint16_t *)codes + j * k, blocks);
+            y[r * n + j] = bias ? v + bias[j] : v;
+        }
+    }
+    return 0;
+}
