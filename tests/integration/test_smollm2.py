@@ -38,6 +38,23 @@ def test_greedy_32_tokens_match_transformers(llm, reference):
                                                  skip_special_tokens=True)
 
 
+def test_single_stream_greedy_matches_transformers(llm, reference):
+    """One sequence at a time: decode steps of one row, which on the cpu platform run on
+    the weights' exact compact encoding (Q4_1 and Q8_0 here), not the float32 copy."""
+    from quire.platforms.cpu.packed_linear import PackedLinear
+
+    kernels = [m.kernel for m in llm.engine.model.modules()
+               if isinstance(getattr(m, "kernel", None), PackedLinear)]
+    if kernels and kernels[0].native is not None:
+        assert all(k.compact is not None for k in kernels), "every SmolLM2 weight encodes"
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for text in PROMPTS[:3]:
+        ids = tok.encode(text)
+        [out] = llm.generate(text, params)
+        assert out.outputs[0].token_ids == hf_greedy(reference, ids, 32), text
+
+
 def test_chat_prompt_stops_at_the_model_eos_like_transformers(llm, reference):
     tok = llm.get_tokenizer()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
