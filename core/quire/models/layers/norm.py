@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
+
+
+class NormKernel(Protocol):
+    """A platform's own :meth:`RMSNorm.forward` for one loaded norm.
+
+    Installed as ``norm.kernel`` by ``Platform.prepare_model``; it must compute what the
+    module computes up to float rounding, and may return None for inputs it does not
+    take (the module then runs its torch operations).
+    """
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Same arguments and results as :meth:`RMSNorm.forward`, or None."""
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +36,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.kernel: NormKernel | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -33,6 +50,10 @@ class RMSNorm(nn.Module):
             sublayers, computed as the same single add, so folding it here changes no
             bit of the result.
         """
+        if self.kernel is not None:
+            done = self.kernel(x, residual)
+            if done is not None:
+                return done
         if residual is not None:
             x = residual + x
             return self._norm(x), x

@@ -40,7 +40,9 @@ FORMATS = ("a4", "s8", "bf16")
 class CompactWeight:
     """A ``[out_features, in_features]`` float32 weight in one encoding.
 
-    ``codes``: uint8 ``[out, in / 2]`` (a4), int8 ``[out, in]`` (s8) or int16
+    ``codes``: uint8 ``[out, in / 2]`` (a4: per block of 32, eight little-endian 16-bit
+    lanes, lane ``j`` holding the codes of weights ``j``, ``j + 8``, ``j + 16``, ``j + 24``
+    in its nibbles 0..3, the order the kernel unpacks), int8 ``[out, in]`` (s8) or int16
     ``[out, in]`` bf16 bits; ``scales`` and ``offsets``: float32 ``[out, in / 32]``
     (``offsets`` a4 only, else an empty tensor).
     """
@@ -141,7 +143,10 @@ def _encode_a4(weight: torch.Tensor):
     q = torch.where(use0.unsqueeze(-1), q0, q1)
     if not _few_bits(d, 20):
         return None
-    packed = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).to(torch.uint8)
+    quarters = q.view(*q.shape[:-1], 4, BLOCK // 4)  # [.., 4, 8]: weights 8i + j
+    lanes = (quarters[..., 0, :] | (quarters[..., 1, :] << 4) | (quarters[..., 2, :] << 8)
+             | (quarters[..., 3, :] << 12))
+    packed = lanes.to(torch.int16).contiguous().view(torch.uint8)  # little-endian lanes
     return packed.view(weight.shape[0], -1), d, m.contiguous()
 
 
@@ -162,8 +167,9 @@ def _few_bits(d: torch.Tensor, bits: int) -> bool:
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    low, high = packed & 0x0F, packed >> 4
-    return torch.cat((low, high), dim=-1).to(torch.int32)
+    """``[.., 16]`` bytes of a4 blocks -> ``[.., 32]`` codes in weight order."""
+    lanes = packed.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [.., 8]
+    return torch.cat([(lanes >> shift) & 0x0F for shift in (0, 4, 8, 12)], dim=-1)
 
 
 _ENCODERS = {"a4": _encode_a4, "s8": _encode_s8, "bf16": _encode_bf16}

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 #: ``0`` turns the native kernels off (torch ops only).
 NATIVE_ENV = "QUIRE_CPU_NATIVE"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_decode.c", "compact_gemv.c"))
+CSRC = Path(__file__).with_name("csrc")
+#: Compiled together into one library; HEADERS only count towards its cache key.
+SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c"))
+HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
@@ -64,6 +66,40 @@ class NativeKernels:
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                _ptr]
+        self._norm = library.quire_rms_norm_f32
+        self._norm.restype = ctypes.c_int
+        self._norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _ptr]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """``weight * (h / sqrt(mean(h^2) + eps))`` over the last dimension, where
+        ``h = residual + x`` when a residual is given (else ``x``).
+
+        :returns: the normalised tensor, and with ``residual`` also ``h`` (the new
+            residual stream), as :class:`quire.models.layers.norm.RMSNorm` does; None when
+            the inputs are not float32 host tensors of matching shapes.
+        """
+        n = weight.shape[-1] if weight.dim() == 1 else -1
+        if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+                and weight.device.type == "cpu" and x.shape[-1] == n
+                and weight.is_contiguous()
+                and (residual is None or (residual.shape == x.shape
+                                          and residual.dtype == torch.float32
+                                          and residual.device.type == "cpu"))):
+            return None
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        new_residual = None
+        if residual is not None:
+            residual = residual.contiguous()
+            new_residual = torch.empty_like(x)
+        failed = self._norm(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+            eps, x.numel() // n, n, out.data_ptr(),
+            None if new_residual is None else new_residual.data_ptr())
+        if failed:
+            return None
+        return out if residual is None else (out, new_residual)
 
     def compact_linear(self, x: torch.Tensor, weight: CompactWeight,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -161,7 +197,7 @@ def load_native_kernels(cache_root: Path | None = None) -> NativeKernels | None:
 
 def _build(compiler: str, cache_root: Path) -> Path:
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
                  platform.machine().encode(), _cpu_flags()):
         key.update(part)
         key.update(b"\0")

@@ -12,6 +12,7 @@ from quire.interfaces.platform import Availability, Platform
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
@@ -77,14 +78,20 @@ class CpuPlatform(Platform):
             self._step_threads.begin_step(num_tokens)
 
     def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
-        """Pack float32 linear weights unless ``QUIRE_CPU_LINEAR=torch`` or the model is
-        to be compiled (Inductor cannot lower oneDNN's packed weights).
+        """Pack float32 linear weights (unless ``QUIRE_CPU_LINEAR=torch``) and, with the
+        native kernels, run float32 RMSNorms in C; neither when the model is to be
+        compiled (Inductor cannot lower oneDNN's packed weights or a ``ctypes`` call).
 
         :raises ValueError: naming the accepted values of ``QUIRE_CPU_LINEAR``.
         """
         choice = _env_choice(LINEAR_ENV, "packed", ("packed", "torch"))
-        if choice == "packed" and not compiled:
-            pack_linear_weights(model, self._native_kernels())
+        if compiled:  # Inductor traces neither oneDNN's packed weights nor ctypes calls
+            return
+        native = self._native_kernels()
+        if choice == "packed":
+            pack_linear_weights(model, native)
+        if native is not None:
+            install_norm_kernels(model, native)
 
     def make_attention_backend(self) -> CpuAttentionBackend:
         """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.

@@ -1,0 +1,107 @@
+/*
+ * Shared by the cpu platform's C kernels (built into one library by
+ * quire/platforms/cpu/native.py): small vector helpers, and the functions one kernel
+ * file offers another.
+ */
+#ifndef QUIRE_CPU_KERNELS_H
+#define QUIRE_CPU_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Lanes summed as a tree (GCC and Clang turn this into shuffles). */
+static inline float hsum(v8f a) {
+    float t[8];
+    memcpy(t, &a, sizeof t);
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Four independent partial sums: one chain of dependent FMAs would wait on the FMA
+ * latency at every step, and a score is one short dot product. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+    if (n >= 32) {
+        v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        for (; i + 32 <= n; i += 32) {
+            s0 += load8(a + i) * load8(b + i);
+            s1 += load8(a + i + 8) * load8(b + i + 8);
+            s2 += load8(a + i + 16) * load8(b + i + 16);
+            s3 += load8(a + i + 24) * load8(b + i + 24);
+        }
+        total = hsum((s0 + s1) + (s2 + s3));
+    }
+    if (i + 8 <= n) {
+        v8f s = {0};
+        for (; i + 8 <= n; i += 8) s += load8(a + i) * load8(b + i);
+        total += hsum(s);
+    }
+    for (; i < n; ++i) total += a[i] * b[i];
+    return total;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* e^x for 8 lanes, x <= 88: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
+ * to degree 6 (truncation error below 1.3e-7 relative, about one float32 ulp, as expf),
+ * times 2^n built in the exponent bits; below -87 (where 2^n would be subnormal) the
+ * result is 0, which is what a softmax weight that small contributes anyway. expf
+ * itself is not vectorised without -ffast-math, and one call per score was a third of
+ * the kernel's time. */
+static inline v8f exp8(v8f x) {
+    const v8i under = (v8i)(x < -87.0f);                     /* all ones: flushes to 0 */
+    x = (v8f)(((v8i)x & ~under) | ((v8i)((v8f){0} - 87.0f) & under));
+    const v8f t = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(t, v8i);                 /* truncates toward 0 */
+    n += (v8i)(__builtin_convertvector(n, v8f) > t);         /* -1 where that was up: floor */
+    const v8f nf = __builtin_convertvector(n, v8f);
+    const v8f r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+    v8f p = r * (1.0f / 720) + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i bits = (n + 127) << 23;
+    return (v8f)((v8i)(p * (v8f)bits) & ~under);
+}
+
+/* The first float of position pos's row (all KV heads) in one half of the cache. */
+static inline const float *slot_row(const float *half, const int64_t *table, int64_t pos,
+                                    int64_t block_size, int64_t row) {
+    return half + (table[pos / block_size] * block_size + pos % block_size) * row;
+}
+
+/* Ask for the row PREFETCH_AHEAD positions on: pages are scattered, and the hardware
+ * prefetcher stops at each page's end (measured: 10-18% faster with 2 threads). */
+#define PREFETCH_AHEAD 6
+static inline void prefetch_row(const float *row_start, int64_t row) {
+    const char *p = (const char *)row_start;
+    for (int64_t c = 0; c < row * (int64_t)sizeof(float); c += 64) __builtin_prefetch(p + c);
+}
+
+/* out[i] += w * v[i] */
+static inline void axpy(float *out, float w, const float *v, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] += w * v[i];
+}
+
+/* paged_decode.c: attention of query heads [h_begin, h_end) of one sequence. */
+void quire_attend_heads(const float *q, const float *k_cache, const float *v_cache,
+                        const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
+                        int64_t h_end, int64_t groups, int64_t row, int64_t d,
+                        int64_t block_size, float scale, float *scores, float *out);
+
+/* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */
+float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
+                        const float *scales, const float *offsets, int64_t j);
+
+#endif
