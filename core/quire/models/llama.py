@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +205,26 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class DecoderLayerKernel(Protocol):
+    """A platform's own :meth:`LlamaDecoderLayer.forward` for one loaded layer.
+
+    Installed as ``layer.kernel`` by ``Platform.prepare_model`` (the cpu platform's runs
+    one-token steps of a lone sequence in one C call). It must compute what the layer
+    computes up to float rounding, writing this step's keys and values to the cache as
+    the attention backend would, and returns None for a step it does not take (the
+    layer then runs as written).
+    """
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Same arguments and results as :meth:`LlamaDecoderLayer.forward`, or None."""
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream.
 
@@ -224,6 +244,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, variant, comm)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.kernel: DecoderLayerKernel | None = None
 
     def forward(
         self,
@@ -233,6 +254,10 @@ class LlamaDecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:returns: (this layer's MLP output, the residual stream before adding it)."""
+        if self.kernel is not None:
+            done = self.kernel(hidden, residual, rotary, ctx)
+            if done is not None:
+                return done
         if residual is None:  # first layer: the stream is the embeddings
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -44,13 +44,31 @@ logger = logging.getLogger(__name__)
 NATIVE_ENV = "QUIRE_CPU_NATIVE"
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled together into one library; HEADERS only count towards its cache key.
-SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c"))
+SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c",
+                                         "decode_layer.c"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
+
+
+class LinearArgs(ctypes.Structure):
+    """``struct quire_linear`` of ``csrc/decode_layer.c``: a compact weight's pointers.
+
+    Holds raw pointers: whoever builds one keeps the tensors it points into alive.
+    """
+
+    _fields_ = [("format", ctypes.c_int32), ("out_features", _i64), ("in_features", _i64),
+                ("codes", _ptr), ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr)]
+
+    @classmethod
+    def of(cls, weight: CompactWeight, bias: torch.Tensor | None) -> LinearArgs:
+        return cls(weight.format_id, weight.out_features, weight.in_features,
+                   weight.codes.data_ptr(), weight.scales.data_ptr(),
+                   weight.offsets.data_ptr() if weight.offsets.numel() else None,
+                   bias.data_ptr() if bias is not None else None)
 
 
 class NativeKernels:
@@ -66,6 +84,13 @@ class NativeKernels:
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                _ptr]
+        self.decode_layer_f32 = library.quire_decode_layer_f32
+        self.decode_layer_f32.restype = ctypes.c_int
+        linear = ctypes.POINTER(LinearArgs)
+        self.decode_layer_f32.argtypes = [
+            _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, linear, linear, linear, linear,
+            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+            ctypes.c_float, _ptr, _ptr]
         self._norm = library.quire_rms_norm_f32
         self._norm.restype = ctypes.c_int
         self._norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _ptr]

@@ -12,6 +12,7 @@ from quire.interfaces.platform import Availability, Platform
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
@@ -92,6 +93,7 @@ class CpuPlatform(Platform):
             pack_linear_weights(model, native)
         if native is not None:
             install_norm_kernels(model, native)
+            install_fused_decode(model, native)  # needs the packed layers' compact copies
 
     def make_attention_backend(self) -> CpuAttentionBackend:
         """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.

@@ -104,4 +104,7 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
                         const float *scales, const float *offsets, int64_t j);
 
+/* rms_norm.c: out = weight * (h / sqrt(mean(h^2) + eps)) for one row of n. */
+void quire_rms_norm_row(const float *h, const float *weight, float eps, int64_t n, float *out);
+
 #endif

@@ -13,6 +13,23 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
+void quire_rms_norm_row(const float *h, const float *weight, float eps, int64_t n, float *out) {
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++)
+            part[j] += h[i + j] * h[i + j];
+    float ss = ((part[0] + part[4]) + (part[2] + part[6])) +
+               ((part[1] + part[5]) + (part[3] + part[7]));
+    for (; i < n; i++)
+        ss += h[i] * h[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++)
+        out[i] = weight[i] * (h[i] * inv);
+}
+
 int quire_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps,
                        int64_t rows, int64_t n, float *out, float *residual_out) {
     if (n <= 0 || (residual != 0 && residual_out == 0))
@@ -28,19 +45,7 @@ int quire_rms_norm_f32(const float *x, const float *residual, const float *weigh
                 ro[i] = rr[i] + xr[i];
             h = ro;
         }
-        float part[8] = {0};
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int j = 0; j < 8; j++)
-                part[j] += h[i + j] * h[i + j];
-        float ss = ((part[0] + part[4]) + (part[2] + part[6])) +
-                   ((part[1] + part[5]) + (part[3] + part[7]));
-        for (; i < n; i++)
-            ss += h[i] * h[i];
-        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        float *o = out + r * n;
-        for (i = 0; i < n; i++)
-            o[i] = weight[i] * (h[i] * inv);
+        quire_rms_norm_row(h, weight, eps, n, out + r * n);
     }
     return 0;
 }

@@ -1,0 +1,142 @@
+"""A Llama-family decoder layer in one C call for the one-token steps of a lone sequence.
+
+A lone decoding sequence is the latency case (``quire bench latency``, a chat on a
+laptop). Its decoder layer run op by op is ~20 torch operators and C calls for one row;
+on SmolLM2-135M their dispatch was about half of each layer's time once the weights
+streamed from their compact encoding. :class:`FusedDecodeLayer` hands the whole layer
+to ``csrc/decode_layer.c`` (norm, QKV, rotary, KV write, paged attention, output
+projection, norm, gated MLP) when:
+
+- the step is one token of one sequence, on :class:`CpuSdpaAttentionBackend`'s
+  metadata, with a float32 contiguous KV cache;
+- the layer is :class:`~quire.models.llama.LlamaDecoderLayer` without q/k norms, on
+  one device (no all-reduce), with plain :class:`RMSNorm` s;
+- all four linears have a compact encoding (:mod:`~quire.platforms.cpu.compact`):
+  GGUF Q4_0/Q4_1/Q8_0 weights and bf16 checkpoints; float32 checkpoints keep the
+  op-by-op path, whose one-row products on float32 weights are already ``bmm`` s.
+
+Anything else (a batch, a prompt, another layer type) returns None and the layer runs
+as written. Results agree with that path to float32 rounding (sums in other orders).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quire.models.context import ForwardContext
+from quire.models.layers.norm import RMSNorm
+from quire.platforms.cpu.native import LinearArgs, NativeKernels
+from quire.platforms.cpu.packed_linear import PackedLinear
+from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
+
+if TYPE_CHECKING:
+    from quire.models.llama import LlamaDecoderLayer
+
+logger = logging.getLogger(__name__)
+
+
+class FusedDecodeLayer:
+    """One layer's :class:`~quire.models.llama.DecoderLayerKernel`: the C path for
+    one-token steps of one sequence."""
+
+    def __init__(self, native: NativeKernels, layer: LlamaDecoderLayer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.native = native
+        self.layer_idx = attn.layer_idx
+        self.hq, self.hkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = float(attn.scale)
+        self.window = attn.sliding_window or 0
+        self.hidden = layer.input_layernorm.weight.shape[0]
+        self.norm_in = layer.input_layernorm.weight.detach()
+        self.norm_post = layer.post_attention_layernorm.weight.detach()
+        self.eps = float(layer.input_layernorm.eps)
+        if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
+            raise ValueError("the two norms of a layer differ in eps")  # never in HF configs
+        # ctypes structs pointing into the PackedLinear's compact tensors and the biases,
+        # which live as long as the model
+        self.linears = [
+            LinearArgs.of(module.kernel.compact, _bias(module))
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        self._refs = [ctypes.byref(args) for args in self.linears]
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = ctx.metadata
+        if hidden.shape[0] != 1 or not isinstance(meta, CpuSdpaMetadata) or len(meta.groups) != 1:
+            return None
+        group = meta.groups[0]
+        if group.decode_tables is None or group.num_seqs != 1:
+            return None
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        cos, sin = rotary
+        if not (kv_cache.dtype == hidden.dtype == torch.float32 and kv_cache.is_contiguous()
+                and cos.dtype == torch.float32 and cos.stride(-1) == sin.stride(-1) == 1):
+            return None
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        new_residual = torch.empty_like(hidden)
+        half = kv_cache[0].numel() * kv_cache.element_size()
+        base = kv_cache.data_ptr()
+        qkv, o, gate_up, down = self._refs
+        failed = self.native.decode_layer_f32(
+            hidden.data_ptr(), None if residual is None else residual.contiguous().data_ptr(),
+            self.hidden, self.norm_in.data_ptr(), self.norm_post.data_ptr(), self.eps,
+            qkv, o, gate_up, down, cos.data_ptr(), sin.data_ptr(), base, base + half,
+            int(meta.slot_mapping[0]), group.decode_tables.data_ptr(), int(group.lens[0]),
+            kv_cache.shape[2], self.window, self.hq, self.hkv, self.d, self.scale,
+            out.data_ptr(), new_residual.data_ptr())
+        if failed:
+            return None
+        return out, new_residual
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return None if bias is None else bias.detach()
+
+
+def _qualifies(layer: nn.Module) -> bool:
+    # imported here: quire.models.llama pulls in torch._dynamo (and with it triton),
+    # which platform discovery must not import
+    from quire.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if type(layer) is not LlamaDecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.q_norm is not None:
+        return False
+    if attn.o_proj.comm.world_size != 1:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(isinstance(m.kernel, PackedLinear) and m.kernel.compact is not None
+               and (m.bias is None or m.bias.dtype == torch.float32) for m in linears)
+
+
+def install_fused_decode(model: nn.Module, native: NativeKernels) -> int:
+    """Give every qualifying decoder layer of ``model`` a :class:`FusedDecodeLayer`
+    (after :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
+
+    :returns: how many layers got one.
+    """
+    installed = 0
+    for module in model.modules():
+        if _qualifies(module):
+            module.kernel = FusedDecodeLayer(native, module)
+            installed += 1
+    logger.info("cpu platform: %d decoder layers run one-token steps in one C call",
+                installed)
+    return installed

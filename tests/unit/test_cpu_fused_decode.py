@@ -1,0 +1,169 @@
+"""The fused C decoder layer (quire/platforms/cpu/fused_decode.py) against the same
+model run op by op.
+
+A tiny Llama whose weights are rounded to bf16 (so every linear has a compact copy)
+is prepared twice: with the native kernels (fused layers) and without (packed linears,
+torch norms and attention). A prompt is prefilled, then tokens are decoded one at a
+time; every decode step's logits must agree within ``rtol = atol = 1e-4`` (float32
+sums in other orders, through two layers and the LM head, as in
+test_cpu_packed_linear.py), and the KV caches the two wrote must agree too. Steps the
+kernel does not take (a prompt, two sequences) must fall back, not fail.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from quire.distributed import TorchDistributedCommunicator
+from quire.model_runner import ModelRunner
+from quire.models.llama import LlamaForCausalLM
+from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
+from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native_norm import install_norm_kernels
+from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
+from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
+from quire.sampling_params import SamplingParams
+from quire.scheduler import ScheduledSeq
+from quire.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+BLOCK = 4
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this host: the platform uses torch ops")
+    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "cc exists but the kernels did not build; see the log"
+    return loaded
+
+
+def _model(config) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, TorchDistributedCommunicator("gloo", 0, 1))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_((torch.randn(param.shape, generator=gen) * 0.2).bfloat16().float())
+    return model.eval()
+
+
+class Counting:
+    """Wraps the C entry point to count the calls that went through it."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+class Run:
+    """One model, its caches and runner; sequences decode greedily step by step."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.backend = CpuSdpaAttentionBackend()
+        self.caches = [self.backend.allocate_kv_cache(32, BLOCK, model.num_kv_heads,
+                                                      model.head_dim, torch.float32,
+                                                      torch.device("cpu"))
+                       for _ in range(model.num_layers)]
+        self.runner = ModelRunner(model, self.backend, self.caches, BLOCK, torch.device("cpu"))
+
+    def step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        return self.runner.execute(scheduled).logits
+
+
+def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:
+    seq = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=list(prompt),
+                   params=SamplingParams(max_tokens=64))
+    seq.block_table = list(blocks)
+    return seq
+
+
+def _pair(config, kernels: NativeKernels):
+    fused, plain = _model(config), _model(config)
+    pack_linear_weights(fused, kernels)
+    install_norm_kernels(fused, kernels)
+    assert install_fused_decode(fused, kernels) == config.num_hidden_layers
+    pack_linear_weights(plain)  # no native kernels: torch norms, split float32 products
+    counter = Counting(kernels.decode_layer_f32)
+    for layer in fused.model.layers:
+        assert isinstance(layer.kernel, FusedDecodeLayer)
+        layer.kernel.native = _Proxy(kernels, counter)
+    return Run(fused), Run(plain), counter
+
+
+class _Proxy:
+    def __init__(self, kernels: NativeKernels, counter: Counting) -> None:
+        self._kernels, self.decode_layer_f32 = kernels, counter
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+
+CONFIGS = {
+    "llama": LlamaConfig(**COMMON),
+    "llama-biases": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    "qwen2-qkv-bias": Qwen2Config(**COMMON),
+    "mistral-window-5": MistralConfig(**COMMON, sliding_window=5),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str) -> None:
+    fused, plain, counter = _pair(CONFIGS[name], kernels)
+    prompt = [5, 17, 90, 3, 64, 11, 7]
+    seqs = [_seq(0, prompt, [9, 2, 30, 4, 17, 6]), _seq(0, prompt, [9, 2, 30, 4, 17, 6])]
+    for run, seq in zip((fused, plain), seqs):
+        run.step([ScheduledSeq(seq, 0, len(prompt))])
+    assert counter.calls == 0  # a prompt is not a one-token step
+    for n in range(12):  # past a page boundary and the window
+        start = seqs[0].num_tokens
+        token = (7 * n + 3) % 96
+        got, want = [], []
+        for run, seq, out in zip((fused, plain), seqs, (got, want)):
+            seq.output_token_ids.append(token)
+            out.append(run.step([ScheduledSeq(seq, start, 1)]))
+        assert counter.calls == 2 * (n + 1)  # both layers, every step
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    table = seqs[0].block_table
+    for a, b in zip(fused.caches, plain.caches):  # every written slot, keys and values
+        for pos in range(seqs[0].num_tokens):
+            block, offset = table[pos // BLOCK], pos % BLOCK
+            torch.testing.assert_close(a[:, block, offset], b[:, block, offset],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_two_sequences_fall_back_to_the_op_by_op_path(kernels: NativeKernels) -> None:
+    fused, plain, counter = _pair(CONFIGS["llama"], kernels)
+    prompts = ([3, 4, 5, 6, 7], [40, 41, 42])
+    results = []
+    for run in (fused, plain):
+        a, b = _seq(0, prompts[0], [1, 2, 3]), _seq(1, prompts[1], [4, 5, 6])
+        run.step([ScheduledSeq(a, 0, 5), ScheduledSeq(b, 0, 3)])
+        a.output_token_ids.append(8)
+        b.output_token_ids.append(9)
+        results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 3, 1)]))
+    assert counter.calls == 0
+    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
+
+
+def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> None:
+    model = _model(CONFIGS["llama"])
+    pack_linear_weights(model)  # without native kernels: no compact copies
+    assert install_fused_decode(model, kernels) == 0
+    unrounded = LlamaForCausalLM(CONFIGS["llama"], TorchDistributedCommunicator("gloo", 0, 1))
+    with torch.no_grad():
+        for param in unrounded.parameters():
+            param.normal_()  # full float32 mantissas: no exact compact encoding
+    pack_linear_weights(unrounded, kernels)
+    assert install_fused_decode(unrounded, kernels) == 0
+    assert all(layer.kernel is None for layer in unrounded.model.layers)
