@@ -85,7 +85,9 @@ def encode(weight: torch.Tensor, formats: tuple[str, ...] = FORMATS) -> CompactW
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     out_features, in_features = weight.shape
-    if in_features % BLOCK or weight.numel() == 0 or not torch.isfinite(weight).all():
+    # NaN and infinities need no test of their own: no encoding rebuilds them (NaN
+    # compares unequal to itself), so the proof below refuses them.
+    if in_features % BLOCK or weight.numel() == 0:
         return None
     weight = weight.detach().contiguous()
     for fmt in formats:
@@ -127,20 +129,22 @@ def _encode_s8(weight: torch.Tensor):
 
 def _encode_a4(weight: torch.Tensor):
     blocks = weight.view(weight.shape[0], -1, BLOCK)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    lo, hi = torch.aminmax(blocks, dim=-1)
     # Q4_1: m is the block's minimum (q = 0), its maximum is q = 15.
-    d1, m1 = ((hi - lo) / 15).half().float(), lo
-    # Q4_0: w = d (q - 8); the largest magnitude is q = 0, so d = -it / 8 and m = -8 d.
-    signed_max = torch.where(hi.abs() >= lo.abs(), hi, lo)
-    d0 = (-signed_max / 8).half().float()
-    q1, ok1 = _nibbles_for(blocks, d1, m1)
-    q0, ok0 = _nibbles_for(blocks, d0, -8 * d0)
-    use0 = ~ok1 & ok0
-    if not bool((ok1 | ok0).all()):
-        return None
-    d = torch.where(use0, d0, d1)
-    m = torch.where(use0, -8 * d0, m1)
-    q = torch.where(use0.unsqueeze(-1), q0, q1)
+    d = ((hi - lo) / 15).half().float()
+    m = lo
+    q, ok = _nibbles_for(blocks, d, m)
+    if not bool(ok.all()):
+        # Q4_0: w = d (q - 8); the largest magnitude is q = 0, so d = -it / 8, m = -8 d.
+        signed_max = torch.where(hi.abs() >= lo.abs(), hi, lo)
+        d0 = (-signed_max / 8).half().float()
+        q0, ok0 = _nibbles_for(blocks, d0, -8 * d0)
+        if not bool((ok | ok0).all()):
+            return None
+        use0 = ~ok & ok0
+        d = torch.where(use0, d0, d)
+        m = torch.where(use0, -8 * d0, m)
+        q = torch.where(use0.unsqueeze(-1), q0, q)
     if not _few_bits(d, 20):
         return None
     quarters = q.view(*q.shape[:-1], 4, BLOCK // 4)  # [.., 4, 8]: weights 8i + j
@@ -151,12 +155,13 @@ def _encode_a4(weight: torch.Tensor):
 
 
 def _nibbles_for(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
-    """q in 0..15 nearest to (w - m) / d, and whether d * q + m is w for a whole block."""
-    safe = torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)
-    q = torch.round((blocks - m.unsqueeze(-1)) / safe).clamp(0, 15)
-    q = torch.where((d == 0).unsqueeze(-1), torch.zeros_like(q), q)
-    rebuilt = d.unsqueeze(-1) * q + m.unsqueeze(-1)
-    ok = (rebuilt == blocks).all(-1)
+    """q in 0..15 nearest to (w - m) / d, and whether d * q + m is w for a whole block.
+
+    A zero d is divided by 1 instead: the block then passes only if it is all m.
+    """
+    m = m.unsqueeze(-1)
+    q = (blocks - m).div_(torch.where(d == 0, 1.0, d).unsqueeze(-1)).round_().clamp_(0, 15)
+    ok = (q * d.unsqueeze(-1)).add_(m).eq_(blocks).all(-1)
     return q.to(torch.int32), ok
 
 
