@@ -183,12 +183,15 @@ def test_packed_linear_runs_one_row_on_the_compact_copy(kernels: NativeKernels,
     weight = _weight("a4", 200, 96, seed=9)
     bias = torch.randn(200) if with_bias else None
     linear = PackedLinear(weight, kernels)
-    assert linear.compact is not None and linear.split is None  # no float32 copy for it
-    for rows in (1, 3, 64):  # 1: compact kernel; more: oneDNN on the packed weight
+    assert linear.compact is not None and linear.split is None  # no per-thread copy for it
+    assert (linear.panels is not None) == kernels.has_panel_gemm
+    for rows in (1, 3, 64, 300):  # 1: compact; up to 256: panels (with AVX2); oneDNN
         x = torch.randn(2, rows, 96)
         expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
         scale = expected.abs().max()  # relative to the output's scale, as above
         torch.testing.assert_close(linear(x, bias).double() / scale, expected / scale,
                                    rtol=1e-5, atol=1e-5)
     plain = PackedLinear(torch.randn(200, 96), kernels)
-    assert plain.compact is None and plain.split is not None
+    assert plain.compact is None
+    # one row of a weight without encoding: the panel kernel, else the per-thread copy
+    assert (plain.panels is not None) != (plain.split is not None)

@@ -45,7 +45,7 @@ NATIVE_ENV = "QUIRE_CPU_NATIVE"
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled together into one library; HEADERS only count towards its cache key.
 SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c",
-                                         "decode_layer.c"))
+                                         "decode_layer.c", "panel_gemm.c"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
@@ -91,9 +91,42 @@ class NativeKernels:
             _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, linear, linear, linear, linear,
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_float, _ptr, _ptr]
+        self._panel = library.quire_panel_gemm_f32
+        self._panel.restype = ctypes.c_int
+        self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        #: whether this build has the panel GEMM (it needs AVX2 and FMA)
+        self.has_panel_gemm = bool(library.quire_panel_gemm_available())
         self._norm = library.quire_rms_norm_f32
         self._norm.restype = ctypes.c_int
         self._norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _ptr]
+
+    @staticmethod
+    def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+        """A float32 ``[N, K]`` weight as the panels :meth:`panel_linear` reads:
+        ``[ceil(N / 16), K, 16]``, panel ``p`` holding columns ``16p .. 16p + 15`` (zero
+        past N)."""
+        n, k = weight.shape
+        panels = -(-n // 16)
+        padded = weight.new_zeros(panels * 16, k)
+        padded[:n] = weight
+        return padded.view(panels, 16, k).transpose(1, 2).contiguous()
+
+    def panel_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for float32 ``x`` ``[rows, K]`` and ``W`` packed by
+        :meth:`pack_panels`; None when the build has no panel kernel or the inputs do
+        not fit it."""
+        if not (self.has_panel_gemm and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.dim() == 2 and panels.dim() == 3 and x.shape[1] == panels.shape[1]
+                and panels.shape[0] * 16 >= out_features
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+            return None
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        failed = self._panel(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
+                             out_features, None if bias is None else bias.data_ptr(),
+                             y.data_ptr())
+        return None if failed else y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):

@@ -55,6 +55,11 @@ PACK_FOR_ROWS = 64
 #: for all rows of x but rebuilds it per block of 32, so its cost grows with rows while
 #: oneDNN's packed float32 product is flat at first.
 COMPACT_MAX_ROWS = 1
+#: Largest product that runs on the panel kernel (``csrc/panel_gemm.c``); taller ones
+#: go to oneDNN. Measured against oneDNN (GFLOP/s, SmolLM2's shapes): 4 rows 94-114 vs
+#: 33-55, 16 rows 84-152 vs 52-107, 64 rows 111-136 vs 101-119, 256 rows 134-136 vs
+#: 120-131, 2048 rows 126-140 vs 132-149.
+PANEL_MAX_ROWS = 256
 _LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
@@ -83,8 +88,13 @@ class PackedLinear:
         #: the weight in an exact compact encoding, for products of a few rows; None
         #: when there are no native kernels or no encoding reproduces the weight.
         self.compact: CompactWeight | None = encode(weight) if native is not None else None
+        #: the weight in column panels for the native panel kernel (products of up to
+        #: PANEL_MAX_ROWS rows); without that kernel, a copy cut per thread for one row.
+        self.panels: torch.Tensor | None = None
         self.split: torch.Tensor | None = None
-        if self.compact is None:
+        if native is not None and native.has_panel_gemm:
+            self.panels = native.pack_panels(weight)
+        elif self.compact is None:
             self.split = self._split(weight)
 
     def _split(self, weight: torch.Tensor) -> torch.Tensor:
@@ -101,6 +111,8 @@ class PackedLinear:
         y = None
         if self.compact is not None and rows.shape[0] <= COMPACT_MAX_ROWS:
             y = self.native.compact_linear(rows, self.compact, bias)
+        if y is None and self.panels is not None and rows.shape[0] <= PANEL_MAX_ROWS:
+            y = self.native.panel_linear(rows, self.panels, self.out_features, bias)
         if y is None and rows.shape[0] == 1 and self.split is not None:
             y = self._split_product(rows, bias)
         if y is None:

@@ -1,0 +1,81 @@
+"""The panel GEMM (csrc/panel_gemm.c) for products of a few rows, against float64.
+
+Tolerance: float32 ``rtol = atol = 1e-5`` relative to the output's largest magnitude
+(one float32 sum along K per output, in order; ~1e-7 seen). Inputs are seeded
+N(0, 1), never zeros. Shapes cover every row tile (1-6 rows and tails past 6), column
+counts that are not a multiple of the 16-wide panel, and K below the 4-way unroll of
+the one-row tile.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.packed_linear import PANEL_MAX_ROWS, PackedLinear, onednn_available
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this host: the platform uses torch ops")
+    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "cc exists but the kernels did not build; see the log"
+    if not loaded.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: the panel kernel is not built")
+    return loaded
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().clamp_min(1e-30)
+    torch.testing.assert_close(got.double() / scale, expected / scale, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(1, 1), (16, 3), (17, 8), (100, 37), (48, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(kernels: NativeKernels, rows: int, out_features: int,
+                         in_features: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    panels = kernels.pack_panels(weight)
+    assert panels.shape == (-(-out_features // 16), in_features, 16)
+    got = kernels.panel_linear(x, panels, out_features, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    _close(got, F.linear(x.double(), weight.double(),
+                         None if bias is None else bias.double()))
+
+
+def test_declines_what_it_does_not_take(kernels: NativeKernels) -> None:
+    weight = torch.randn(20, 8)
+    panels = kernels.pack_panels(weight)
+    assert kernels.panel_linear(torch.randn(2, 8).double(), panels, 20, None) is None
+    assert kernels.panel_linear(torch.randn(2, 9), panels, 20, None) is None
+    assert kernels.panel_linear(torch.randn(2, 8), panels, 33, None) is None  # 2 panels
+    assert kernels.panel_linear(torch.randn(2, 8), panels, 20, torch.randn(20).double()) is None
+    strided = torch.randn(2, 16)[:, ::2]  # made contiguous, not refused
+    _close(kernels.panel_linear(strided, panels, 20, None),
+           F.linear(strided.double(), weight.double()))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+def test_packed_linear_routes_by_rows(kernels: NativeKernels, monkeypatch) -> None:
+    """Up to PANEL_MAX_ROWS rows on the panels, more on oneDNN; same products."""
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    linear = PackedLinear(weight, kernels)
+    assert linear.panels is not None and linear.split is None
+    calls = []
+    real = kernels.panel_linear
+    monkeypatch.setattr(kernels, "panel_linear",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, 5, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 24)
+        _close(linear(x, bias), F.linear(x.double(), weight.double(), bias.double()))
+    assert calls == [1, 5, PANEL_MAX_ROWS]
