@@ -37,7 +37,41 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
     const int64_t heads = h_end - h_begin;
     float maxes[heads];
     for (int64_t h = 0; h < heads; ++h) maxes[h] = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if (d % 8 == 0) {
+        /* four positions at a time: one 8-wide partial sum per position and head, the
+         * four reduced together, each query vector loaded once for the four */
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = slot_row(k_cache, table, start + j, block_size, row);
+            const float *k1 = slot_row(k_cache, table, start + j + 1, block_size, row);
+            const float *k2 = slot_row(k_cache, table, start + j + 2, block_size, row);
+            const float *k3 = slot_row(k_cache, table, start + j + 3, block_size, row);
+            for (int64_t t = 4; t < 8; ++t)
+                if (j + t + PREFETCH_AHEAD < n)
+                    prefetch_row(slot_row(k_cache, table, start + j + t + PREFETCH_AHEAD,
+                                          block_size, row), row);
+            for (int64_t h = 0; h < heads; ++h) {
+                const int64_t head = h_begin + h;
+                const float *qh = q + head * d;
+                const int64_t kv = (head / groups) * d;
+                v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t i = 0; i < d; i += 8) {
+                    const v8f qv = load8(qh + i);
+                    a0 += qv * load8(k0 + kv + i);
+                    a1 += qv * load8(k1 + kv + i);
+                    a2 += qv * load8(k2 + kv + i);
+                    a3 += qv * load8(k3 + kv + i);
+                }
+                float *sc = scores + h * n + j;
+                sum4(a0, a1, a2, a3, sc);
+                for (int t = 0; t < 4; ++t) {
+                    sc[t] *= scale;
+                    if (sc[t] > maxes[h]) maxes[h] = sc[t];
+                }
+            }
+        }
+    }
+    for (; j < n; ++j) {
         const float *k = slot_row(k_cache, table, start + j, block_size, row);
         if (j + PREFETCH_AHEAD < n)
             prefetch_row(slot_row(k_cache, table, start + j + PREFETCH_AHEAD, block_size, row), row);
@@ -52,7 +86,7 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
     for (int64_t h = 0; h < heads; ++h) {
         float *sg = scores + h * n;
         v8f acc = {0};
-        int64_t j = 0;
+        j = 0;
         for (; j + 8 <= n; j += 8) {
             const v8f e = exp8(load8(sg + j) - maxes[h]);
             memcpy(sg + j, &e, sizeof e);
@@ -66,7 +100,33 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
         sums[h] = total;
     }
     memset(out + h_begin * d, 0, sizeof(float) * heads * d);
-    for (int64_t j = 0; j < n; ++j) {
+    j = 0;
+    if (d % 8 == 0) {
+        /* four positions at a time: each output vector loaded and stored once for four */
+        for (; j + 4 <= n; j += 4) {
+            const float *v0 = slot_row(v_cache, table, start + j, block_size, row);
+            const float *v1 = slot_row(v_cache, table, start + j + 1, block_size, row);
+            const float *v2 = slot_row(v_cache, table, start + j + 2, block_size, row);
+            const float *v3 = slot_row(v_cache, table, start + j + 3, block_size, row);
+            for (int64_t t = 4; t < 8; ++t)
+                if (j + t + PREFETCH_AHEAD < n)
+                    prefetch_row(slot_row(v_cache, table, start + j + t + PREFETCH_AHEAD,
+                                          block_size, row), row);
+            for (int64_t h = 0; h < heads; ++h) {
+                const int64_t head = h_begin + h;
+                const int64_t kv = (head / groups) * d;
+                const float *p = scores + h * n + j;
+                const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+                float *oh = out + head * d;
+                for (int64_t i = 0; i < d; i += 8) {
+                    const v8f o = load8(oh + i) + ((p0 * load8(v0 + kv + i) + p1 * load8(v1 + kv + i)) +
+                                                   (p2 * load8(v2 + kv + i) + p3 * load8(v3 + kv + i)));
+                    memcpy(oh + i, &o, sizeof o);
+                }
+            }
+        }
+    }
+    for (; j < n; ++j) {
         const float *v = slot_row(v_cache, table, start + j, block_size, row);
         if (j + PREFETCH_AHEAD < n)
             prefetch_row(slot_row(v_cache, table, start + j + PREFETCH_AHEAD, block_size, row), row);
