@@ -167,3 +167,23 @@ def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> No
     pack_linear_weights(unrounded, kernels)
     assert install_fused_decode(unrounded, kernels) == 0
     assert all(layer.kernel is None for layer in unrounded.model.layers)
+
+
+def test_the_platform_installs_it_unless_compact_copies_are_off(
+    monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels
+) -> None:
+    from quire.platforms.cpu.platform import COMPACT_ENV, CpuPlatform
+
+    platform = CpuPlatform()
+    monkeypatch.setattr(platform, "_native_kernels", lambda: kernels)
+    model = _model(CONFIGS["llama"])
+    platform.prepare_model(model)
+    assert all(isinstance(layer.kernel, FusedDecodeLayer) for layer in model.model.layers)
+    monkeypatch.setenv(COMPACT_ENV, "0")
+    model = _model(CONFIGS["llama"])
+    platform.prepare_model(model)
+    assert all(layer.kernel is None for layer in model.model.layers)
+    assert model.lm_head.kernel.compact is None and model.lm_head.kernel.panels is not None
+    monkeypatch.setenv(COMPACT_ENV, "yes")
+    with pytest.raises(ValueError, match=COMPACT_ENV):
+        platform.prepare_model(_model(CONFIGS["llama"]))

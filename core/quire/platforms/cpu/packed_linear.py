@@ -77,7 +77,8 @@ def onednn_available() -> bool:
 class PackedLinear:
     """``F.linear(x, weight, bias)`` for a float32 ``weight`` kept in two layouts."""
 
-    def __init__(self, weight: torch.Tensor, native: NativeKernels | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, native: NativeKernels | None = None,
+                 compact: bool = True) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"need a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
         weight = weight.detach()
@@ -87,7 +88,8 @@ class PackedLinear:
         self.native = native
         #: the weight in an exact compact encoding, for products of a few rows; None
         #: when there are no native kernels or no encoding reproduces the weight.
-        self.compact: CompactWeight | None = encode(weight) if native is not None else None
+        self.compact: CompactWeight | None = (
+            encode(weight) if native is not None and compact else None)
         #: the weight in column panels for the native panel kernel (products of up to
         #: PANEL_MAX_ROWS rows); without that kernel, a copy cut per thread for one row.
         self.panels: torch.Tensor | None = None
@@ -129,30 +131,32 @@ class PackedLinear:
         return y if bias is None else y + bias
 
 
-def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None) -> int:
+def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
+                        compact: bool = True) -> int:
     """Give every float32 linear layer of ``model`` a :class:`PackedLinear` kernel.
 
     :param native: the C kernels; with them, layers with an exact compact encoding run
-        one-row products on it.
+        one-row products on it (unless ``compact`` is False), and products of up to
+        :data:`PANEL_MAX_ROWS` rows run on the panel kernel.
     :returns: how many layers were packed (0 when oneDNN is missing).
     """
     if not onednn_available():
         logger.info("cpu platform: no oneDNN in this torch build; linears stay on F.linear")
         return 0
     shared = _shared_parameters(model)
-    packed = compact = 0
+    packed = encoded = 0
     for module in model.modules():
         if not isinstance(module, _LAYERS) or module.weight.dtype != torch.float32:
             continue
         if module.weight.device.type != "cpu":
             continue
-        module.kernel = PackedLinear(module.weight, native)
-        compact += module.kernel.compact is not None
+        module.kernel = PackedLinear(module.weight, native, compact)
+        encoded += module.kernel.compact is not None
         if id(module.weight) not in shared:
             _release(module)
         packed += 1
     logger.info("cpu platform: %d linear layers run on packed weights, %d of them with an "
-                "exact compact copy for one-row products", packed, compact)
+                "exact compact copy for one-row products", packed, encoded)
     return packed
 
 

@@ -28,6 +28,9 @@ ATTENTION_ENV = "QUIRE_CPU_ATTENTION"
 #: Environment variable naming the float32 matmul: ``packed`` (default: weights packed
 #: for oneDNN and MKL) or ``torch`` (plain ``F.linear``, the matmul Hugging Face runs).
 LINEAR_ENV = "QUIRE_CPU_LINEAR"
+#: ``0`` keeps every weight in float32 only: no compact copies (and so no fused decode
+#: layers); for comparing, or for memory's sake when one-row steps do not matter.
+COMPACT_ENV = "QUIRE_CPU_COMPACT"
 _BACKENDS = ("sdpa", "reference")
 
 
@@ -43,8 +46,8 @@ class CpuPlatform(Platform):
     one-row products of weights with an exact compact encoding
     (:mod:`~quire.platforms.cpu.compact`). Tuning knobs, all
     environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
-    ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_NATIVE``
-    (``0`` for torch ops only).
+    ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_COMPACT``
+    (``0``: float32 weights only), ``QUIRE_CPU_NATIVE`` (``0`` for torch ops only).
     """
 
     name = "cpu"
@@ -89,8 +92,9 @@ class CpuPlatform(Platform):
         if compiled:  # Inductor traces neither oneDNN's packed weights nor ctypes calls
             return
         native = self._native_kernels()
+        compact = _env_choice(COMPACT_ENV, "1", ("1", "0")) == "1"
         if choice == "packed":
-            pack_linear_weights(model, native)
+            pack_linear_weights(model, native, compact=compact)
         if native is not None:
             install_norm_kernels(model, native)
             install_fused_decode(model, native)  # needs the packed layers' compact copies
