@@ -23,12 +23,20 @@ it stays a parameter of the right shape on the ``meta`` device, so an accidental
 fails loudly, unless another module shares it (a tied embedding). The model's float32
 weights then take twice their plain size.
 
-*A few rows, compact weights*: when the native kernels are loaded and the weight has an
-exact compact encoding (:mod:`~quire.platforms.cpu.compact`: weights dequantised from
-GGUF's Q4_0/Q4_1/Q8_0, or upcast from bf16), products of up to
-:data:`COMPACT_MAX_ROWS` rows stream that encoding instead of the split copy (which is
-then not built): 0.75 bytes a weight instead of 4 for Q4_1. SmolLM2-135M's 121 one-row
-products of a decode step took 13.5 ms this way against ~33 ms split.
+With the native kernels (:mod:`~quire.platforms.cpu.native`, built when a C compiler
+is at hand), the second form is different and the routing finer:
+
+- *1 to* :data:`PANEL_MAX_ROWS` *rows*: the weight packed in 16-column panels for a
+  register-blocked kernel (``csrc/panel_gemm.c``), which beat oneDNN from 1 to 256 rows
+  here (inside a 64-row decode step 114-155 GFLOP/s against 73-112). It replaces the
+  per-thread copy, so memory is unchanged; it needs AVX2 and FMA, and hosts without
+  them keep the per-thread copy.
+- *one row, compact weights*: when the weight has an exact compact encoding
+  (:mod:`~quire.platforms.cpu.compact`: weights dequantised from GGUF's Q4_0/Q4_1/Q8_0,
+  or upcast from bf16), a one-row product streams that encoding instead: 0.75 bytes a
+  weight instead of 4 for Q4_1. SmolLM2-135M's 121 one-row products of a decode step
+  took 13.5 ms this way against ~33 ms on float32.
+- taller products (prompts) stay on oneDNN.
 
 Exactness: oneDNN and MKL sum in other orders than ``F.linear``; results differ by
 float32 rounding (about 1e-6 relative), the same order as MKL's own differences between
@@ -75,7 +83,8 @@ def onednn_available() -> bool:
 
 
 class PackedLinear:
-    """``F.linear(x, weight, bias)`` for a float32 ``weight`` kept in two layouts."""
+    """``F.linear(x, weight, bias)`` for a float32 ``weight`` kept in the layouts above,
+    each product going to the fastest one for its number of rows."""
 
     def __init__(self, weight: torch.Tensor, native: NativeKernels | None = None,
                  compact: bool = True) -> None:
