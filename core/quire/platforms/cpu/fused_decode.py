@@ -54,9 +54,7 @@ class FusedDecodeLayer:
         self.hidden = layer.input_layernorm.weight.shape[0]
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
-        self.eps = float(layer.input_layernorm.eps)
-        if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
-            raise ValueError("the two norms of a layer differ in eps")  # never in HF configs
+        self.eps = float(layer.input_layernorm.eps)  # both norms' (_qualifies checks)
         # ctypes structs pointing into the PackedLinear's compact tensors and the biases,
         # which live as long as the model
         self.linears = [
@@ -81,16 +79,19 @@ class FusedDecodeLayer:
         kv_cache = ctx.kv_caches[self.layer_idx]
         cos, sin = rotary
         if not (kv_cache.dtype == hidden.dtype == torch.float32 and kv_cache.is_contiguous()
+                and kv_cache.shape[3:] == (self.hkv, self.d)
                 and cos.dtype == torch.float32 and cos.stride(-1) == sin.stride(-1) == 1):
             return None
+        # kept in variables: a temporary's pointer would dangle once it is collected
         hidden = hidden.contiguous()
+        residual = None if residual is None else residual.contiguous()
         out = torch.empty_like(hidden)
         new_residual = torch.empty_like(hidden)
         half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
         qkv, o, gate_up, down = self._refs
         failed = self.native.decode_layer_f32(
-            hidden.data_ptr(), None if residual is None else residual.contiguous().data_ptr(),
+            hidden.data_ptr(), None if residual is None else residual.data_ptr(),
             self.hidden, self.norm_in.data_ptr(), self.norm_post.data_ptr(), self.eps,
             qkv, o, gate_up, down, cos.data_ptr(), sin.data_ptr(), base, base + half,
             int(meta.slot_mapping[0]), group.decode_tables.data_ptr(), int(group.lens[0]),
@@ -120,6 +121,8 @@ def _qualifies(layer: nn.Module) -> bool:
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        return False
+    if norms[0].eps != norms[1].eps:  # the kernel takes one eps; HF configs have one
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return all(isinstance(m.kernel, PackedLinear) and m.kernel.compact is not None

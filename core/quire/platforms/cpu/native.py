@@ -84,6 +84,8 @@ class NativeKernels:
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
                                _ptr]
+        # Raw: quire/platforms/cpu/fused_decode.py builds its arguments once per layer and
+        # calls it every step, where a checking wrapper would cost more than the call.
         self.decode_layer_f32 = library.quire_decode_layer_f32
         self.decode_layer_f32.restype = ctypes.c_int
         linear = ctypes.POINTER(LinearArgs)
@@ -128,8 +130,10 @@ class NativeKernels:
                              y.data_ptr())
         return None if failed else y
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """``weight * (h / sqrt(mean(h^2) + eps))`` over the last dimension, where
         ``h = residual + x`` when a residual is given (else ``x``).
 
