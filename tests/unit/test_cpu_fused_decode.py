@@ -12,7 +12,6 @@ kernel does not take (a prompt, two sequences) must fall back, not fail.
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from quire.distributed import TorchDistributedCommunicator
 from quire.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
-from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
@@ -35,15 +34,6 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built with
 BLOCK = 4
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "cc exists but the kernels did not build; see the log"
-    return loaded
 
 
 def _model(config) -> LlamaForCausalLM:

@@ -20,15 +20,6 @@ from quire.platforms.cpu.native import NATIVE_ENV, NativeKernels, load_native_ke
 HAVE_CC = shutil.which("cc") is not None
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    if not HAVE_CC:
-        pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "cc exists but the kernels did not build; see the log"
-    return loaded
-
-
 def _paged(seed: int, lens: list[int], hq: int, hkv: int, d: int, block_size: int):
     """Random q and a paged cache holding each sequence's keys/values in shuffled
     blocks; every slot no sequence owns is NaN."""

@@ -8,23 +8,13 @@ with a scale, never zeros.
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 
 from quire.models.layers.norm import RMSNorm
-from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.native_norm import NativeRMSNorm, install_norm_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "cc exists but the kernels did not build; see the log"
-    return loaded
 
 
 def _oracle(x, weight, eps, residual=None):

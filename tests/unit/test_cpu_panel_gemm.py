@@ -9,25 +9,19 @@ the one-row tile.
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.packed_linear import PANEL_MAX_ROWS, PackedLinear, onednn_available
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "cc exists but the kernels did not build; see the log"
-    if not loaded.has_panel_gemm:
+@pytest.fixture(autouse=True)
+def _needs_panel_kernel(kernels: NativeKernels) -> None:
+    if not kernels.has_panel_gemm:
         pytest.skip("this host has no AVX2/FMA: the panel kernel is not built")
-    return loaded
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -27,6 +27,17 @@
 
 #include "cpu_kernels.h"
 
+/* The rows of positions pos .. pos + 3 in one half of the cache, and a prefetch of the
+ * rows of the next four positions PREFETCH_AHEAD on (those before end). */
+static inline void rows4(const float *half, const int64_t *table, int64_t pos, int64_t end,
+                         int64_t block_size, int64_t row, const float *out[4]) {
+    for (int t = 0; t < 4; ++t)
+        out[t] = slot_row(half, table, pos + t, block_size, row);
+    for (int64_t t = 4; t < 8; ++t)
+        if (pos + t + PREFETCH_AHEAD < end)
+            prefetch_row(slot_row(half, table, pos + t + PREFETCH_AHEAD, block_size, row), row);
+}
+
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
  * (h_end - h_begin) * n floats. */
@@ -42,14 +53,9 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
         /* four positions at a time: one 8-wide partial sum per position and head, the
          * four reduced together, each query vector loaded once for the four */
         for (; j + 4 <= n; j += 4) {
-            const float *k0 = slot_row(k_cache, table, start + j, block_size, row);
-            const float *k1 = slot_row(k_cache, table, start + j + 1, block_size, row);
-            const float *k2 = slot_row(k_cache, table, start + j + 2, block_size, row);
-            const float *k3 = slot_row(k_cache, table, start + j + 3, block_size, row);
-            for (int64_t t = 4; t < 8; ++t)
-                if (j + t + PREFETCH_AHEAD < n)
-                    prefetch_row(slot_row(k_cache, table, start + j + t + PREFETCH_AHEAD,
-                                          block_size, row), row);
+            const float *ks[4];
+            rows4(k_cache, table, start + j, start + n, block_size, row, ks);
+            const float *k0 = ks[0], *k1 = ks[1], *k2 = ks[2], *k3 = ks[3];
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t head = h_begin + h;
                 const float *qh = q + head * d;
@@ -104,14 +110,9 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
     if (d % 8 == 0) {
         /* four positions at a time: each output vector loaded and stored once for four */
         for (; j + 4 <= n; j += 4) {
-            const float *v0 = slot_row(v_cache, table, start + j, block_size, row);
-            const float *v1 = slot_row(v_cache, table, start + j + 1, block_size, row);
-            const float *v2 = slot_row(v_cache, table, start + j + 2, block_size, row);
-            const float *v3 = slot_row(v_cache, table, start + j + 3, block_size, row);
-            for (int64_t t = 4; t < 8; ++t)
-                if (j + t + PREFETCH_AHEAD < n)
-                    prefetch_row(slot_row(v_cache, table, start + j + t + PREFETCH_AHEAD,
-                                          block_size, row), row);
+            const float *vs[4];
+            rows4(v_cache, table, start + j, start + n, block_size, row, vs);
+            const float *v0 = vs[0], *v1 = vs[1], *v2 = vs[2], *v3 = vs[3];
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t head = h_begin + h;
                 const int64_t kv = (head / groups) * d;
