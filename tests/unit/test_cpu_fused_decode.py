@@ -3,11 +3,13 @@ model run op by op.
 
 A tiny Llama whose weights are rounded to bf16 (so every linear has a compact copy)
 is prepared twice: with the native kernels (fused layers) and without (packed linears,
-torch norms and attention). A prompt is prefilled, then tokens are decoded one at a
+torch norms and attention). Prompts are prefilled, then tokens are decoded one at a
 time; every decode step's logits must agree within ``rtol = atol = 1e-4`` (float32
 sums in other orders, through two layers and the LM head, as in
-test_cpu_packed_linear.py), and the KV caches the two wrote must agree too. Steps the
-kernel does not take (a prompt, two sequences) must fall back, not fail.
+test_cpu_packed_linear.py), and the KV caches the two wrote must agree too. Both C
+entry points are covered: one sequence on compact weights (``decode_layer_f32``), and
+one or many sequences on float32 panels (``decode_batch_f32``). Steps the kernel does
+not take (a prompt, a mixed step) must fall back, not fail.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from quire.distributed import TorchDistributedCommunicator
 from quire.model_runner import ModelRunner
-from quire.models.llama import LlamaForCausalLM
+from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
 from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
@@ -36,8 +38,8 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-def _model(config) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, TorchDistributedCommunicator("gloo", 0, 1))
+def _model(config, cls=LlamaForCausalLM) -> LlamaForCausalLM:
+    model = cls(config, TorchDistributedCommunicator("gloo", 0, 1))
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for param in model.parameters():
@@ -61,7 +63,7 @@ class Run:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.backend = CpuSdpaAttentionBackend()
-        self.caches = [self.backend.allocate_kv_cache(32, BLOCK, model.num_kv_heads,
+        self.caches = [self.backend.allocate_kv_cache(64, BLOCK, model.num_kv_heads,
                                                       model.head_dim, torch.float32,
                                                       torch.device("cpu"))
                        for _ in range(model.num_layers)]
@@ -78,25 +80,38 @@ def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:
     return seq
 
 
-def _pair(config, kernels: NativeKernels):
+def _pair(config, kernels: NativeKernels, compact: bool = True):
+    """(fused run, op-by-op run, counter of the single-sequence kernel's calls, counter
+    of the batch kernel's calls); without ``compact`` the fused layers keep only panels."""
     fused, plain = _model(config), _model(config)
-    pack_linear_weights(fused, kernels)
+    pack_linear_weights(fused, kernels, compact=compact)
     install_norm_kernels(fused, kernels)
     assert install_fused_decode(fused, kernels) == config.num_hidden_layers
     pack_linear_weights(plain)  # no native kernels: torch norms, split float32 products
-    counter = Counting(kernels.decode_layer_f32)
+    single = Counting(kernels.decode_layer_f32)
+    batch = Counting(kernels.decode_batch_f32)
     for layer in fused.model.layers:
         assert isinstance(layer.kernel, FusedDecodeLayer)
-        layer.kernel.native = _Proxy(kernels, counter)
-    return Run(fused), Run(plain), counter
+        layer.kernel.native = _Proxy(kernels, single, batch)
+    return Run(fused), Run(plain), single, batch
 
 
 class _Proxy:
-    def __init__(self, kernels: NativeKernels, counter: Counting) -> None:
-        self._kernels, self.decode_layer_f32 = kernels, counter
+    def __init__(self, kernels: NativeKernels, single: Counting, batch: Counting) -> None:
+        self._kernels, self.decode_layer_f32, self.decode_batch_f32 = kernels, single, batch
 
     def __getattr__(self, name):
         return getattr(self._kernels, name)
+
+
+def _assert_same_caches(fused: Run, plain: Run, seqs: list[Sequence]) -> None:
+    """Every slot the sequences wrote, keys and values, in every layer."""
+    for a, b in zip(fused.caches, plain.caches):
+        for seq in seqs:
+            for pos in range(seq.num_tokens):
+                block, offset = seq.block_table[pos // BLOCK], pos % BLOCK
+                torch.testing.assert_close(a[:, block, offset], b[:, block, offset],
+                                           rtol=1e-5, atol=1e-5)
 
 
 CONFIGS = {
@@ -107,14 +122,19 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "panels"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str) -> None:
-    fused, plain, counter = _pair(CONFIGS[name], kernels)
+def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str,
+                                                     compact: bool) -> None:
+    if not compact and not kernels.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: no panels")
+    fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
+    taken = single if compact else batch
     prompt = [5, 17, 90, 3, 64, 11, 7]
     seqs = [_seq(0, prompt, [9, 2, 30, 4, 17, 6]), _seq(0, prompt, [9, 2, 30, 4, 17, 6])]
     for run, seq in zip((fused, plain), seqs):
         run.step([ScheduledSeq(seq, 0, len(prompt))])
-    assert counter.calls == 0  # a prompt is not a one-token step
+    assert single.calls == batch.calls == 0  # a prompt is not a decode step
     for n in range(12):  # past a page boundary and the window
         start = seqs[0].num_tokens
         token = (7 * n + 3) % 96
@@ -122,41 +142,78 @@ def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, nam
         for run, seq, out in zip((fused, plain), seqs, (got, want)):
             seq.output_token_ids.append(token)
             out.append(run.step([ScheduledSeq(seq, start, 1)]))
-        assert counter.calls == 2 * (n + 1)  # both layers, every step
+        assert taken.calls == 2 * (n + 1)  # both layers, every step
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
-    table = seqs[0].block_table
-    for a, b in zip(fused.caches, plain.caches):  # every written slot, keys and values
-        for pos in range(seqs[0].num_tokens):
-            block, offset = table[pos // BLOCK], pos % BLOCK
-            torch.testing.assert_close(a[:, block, offset], b[:, block, offset],
-                                       rtol=1e-5, atol=1e-5)
+    assert single.calls + batch.calls == taken.calls
+    _assert_same_caches(fused, plain, seqs[:1])
 
 
-def test_two_sequences_fall_back_to_the_op_by_op_path(kernels: NativeKernels) -> None:
-    fused, plain, counter = _pair(CONFIGS["llama"], kernels)
-    prompts = ([3, 4, 5, 6, 7], [40, 41, 42])
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "panels"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str,
+                                                       compact: bool) -> None:
+    """Seven sequences of different lengths (more rows than one 6-row tile of the panel
+    kernel), on scattered pages, through the batch kernel, compact copies or not."""
+    if not kernels.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: no panels")
+    fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
+    gen = torch.Generator().manual_seed(5)
+    pages = torch.randperm(64, generator=gen).tolist()
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (1, 9, 4, 6, 2, 13, 5)]
+    tables = [pages[8 * i: 8 * i + 8] for i in range(len(prompts))]
+    runs = []
+    for run in (fused, plain):
+        seqs = [_seq(i, p, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+        run.step([ScheduledSeq(seq, 0, len(seq.prompt_token_ids)) for seq in seqs])
+        runs.append(seqs)
+    assert single.calls == batch.calls == 0
+    for n in range(10):
+        got = []
+        for run, seqs in zip((fused, plain), runs):
+            scheduled = []
+            for i, seq in enumerate(seqs):
+                seq.output_token_ids.append((5 * n + 3 * i + 1) % 96)
+                scheduled.append(ScheduledSeq(seq, seq.num_tokens - 1, 1))
+            got.append(run.step(scheduled))
+        assert batch.calls == 2 * (n + 1) and single.calls == 0
+        torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+    _assert_same_caches(fused, plain, runs[0])
+
+
+def test_a_mixed_step_falls_back_to_the_op_by_op_path(kernels: NativeKernels) -> None:
+    """A decode row beside a prompt: not a pure decode step, so no kernel call."""
+    fused, plain, single, batch = _pair(CONFIGS["llama"], kernels)
     results = []
     for run in (fused, plain):
-        a, b = _seq(0, prompts[0], [1, 2, 3]), _seq(1, prompts[1], [4, 5, 6])
-        run.step([ScheduledSeq(a, 0, 5), ScheduledSeq(b, 0, 3)])
+        a, b = _seq(0, [3, 4, 5, 6, 7], [1, 2, 3]), _seq(1, [40, 41, 42], [4, 5, 6])
+        run.step([ScheduledSeq(a, 0, 5)])
         a.output_token_ids.append(8)
-        b.output_token_ids.append(9)
-        results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 3, 1)]))
-    assert counter.calls == 0
+        results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 0, 3)]))
+    assert single.calls == batch.calls == 0
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
 
 
 def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> None:
     model = _model(CONFIGS["llama"])
-    pack_linear_weights(model)  # without native kernels: no compact copies
+    pack_linear_weights(model)  # without native kernels: no compact copies, no panels
     assert install_fused_decode(model, kernels) == 0
+    qwen3 = _model(Qwen3Config(**COMMON, head_dim=16), Qwen3ForCausalLM)  # q/k norms: not in the kernel
+    pack_linear_weights(qwen3, kernels)
+    assert install_fused_decode(qwen3, kernels) == 0
+    assert all(layer.kernel is None for layer in qwen3.model.layers)
+
+
+def test_float32_weights_qualify_on_panels_only(kernels: NativeKernels) -> None:
+    if not kernels.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: no panels")
     unrounded = LlamaForCausalLM(CONFIGS["llama"], TorchDistributedCommunicator("gloo", 0, 1))
     with torch.no_grad():
         for param in unrounded.parameters():
             param.normal_()  # full float32 mantissas: no exact compact encoding
     pack_linear_weights(unrounded, kernels)
-    assert install_fused_decode(unrounded, kernels) == 0
-    assert all(layer.kernel is None for layer in unrounded.model.layers)
+    assert install_fused_decode(unrounded, kernels) == 2
+    for layer in unrounded.model.layers:
+        assert layer.kernel._compact is None and layer.kernel._panels is not None
 
 
 def test_the_platform_installs_it_unless_compact_copies_are_off(
@@ -172,7 +229,11 @@ def test_the_platform_installs_it_unless_compact_copies_are_off(
     monkeypatch.setenv(COMPACT_ENV, "0")
     model = _model(CONFIGS["llama"])
     platform.prepare_model(model)
-    assert all(layer.kernel is None for layer in model.model.layers)
+    if kernels.has_panel_gemm:  # still fused, on the panels alone
+        assert all(layer.kernel._compact is None and layer.kernel._panels is not None
+                   for layer in model.model.layers)
+    else:
+        assert all(layer.kernel is None for layer in model.model.layers)
     assert model.lm_head.kernel.compact is None and model.lm_head.kernel.panels is not None
     monkeypatch.setenv(COMPACT_ENV, "yes")
     with pytest.raises(ValueError, match=COMPACT_ENV):

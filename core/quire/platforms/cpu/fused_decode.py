@@ -1,22 +1,29 @@
-"""A Llama-family decoder layer in one C call for the one-token steps of a lone sequence.
+"""A Llama-family decoder layer in one C call for decode steps.
 
-A lone decoding sequence is the latency case (``quire bench latency``, a chat on a
-laptop). Its decoder layer run op by op is ~20 torch operators and C calls for one row;
-on SmolLM2-135M their dispatch was about half of each layer's time once the weights
-streamed from their compact encoding. :class:`FusedDecodeLayer` hands the whole layer
-to ``csrc/decode_layer.c`` (norm, QKV, rotary, KV write, paged attention, output
-projection, norm, gated MLP) when:
+A decode step's layer, run op by op, is ~20 torch operators and C calls. For a lone
+sequence (``quire bench latency``, a chat on a laptop) on SmolLM2-135M their dispatch
+was about half of each layer's time once the weights streamed from their compact
+encoding; for a batch of 64 (W1) the small operators (KV writes by ``index_copy``,
+SiLU and products, the rotary's roll) and the Python around them took ~40 ms of a
+~220 ms step. :class:`FusedDecodeLayer` hands the whole layer (norm, QKV, rotary, KV
+write, paged attention, output projection, norm, gated MLP) to ``csrc/decode_layer.c``
+when:
 
-- the step is one token of one sequence, on :class:`CpuSdpaAttentionBackend`'s
-  metadata, with a float32 contiguous KV cache;
+- every row of the step is the one new token of its own sequence (a pure decode step),
+  on :class:`CpuSdpaAttentionBackend`'s metadata, with a float32 contiguous KV cache;
 - the layer is :class:`~quire.models.llama.LlamaDecoderLayer` without q/k norms, on
   one device (no all-reduce), with plain :class:`RMSNorm` s;
-- all four linears have a compact encoding (:mod:`~quire.platforms.cpu.compact`):
-  GGUF Q4_0/Q4_1/Q8_0 weights and bf16 checkpoints; float32 checkpoints keep the
-  op-by-op path, whose one-row products on float32 weights are already ``bmm`` s.
+- and its four linears are :class:`~quire.platforms.cpu.packed_linear.PackedLinear` s
+  that either all have a compact encoding (:mod:`~quire.platforms.cpu.compact`:
+  GGUF Q4_0/Q4_1/Q8_0 weights and bf16 checkpoints) or all keep float32 panels (the
+  native panel kernel, AVX2 hosts).
 
-Anything else (a batch, a prompt, another layer type) returns None and the layer runs
-as written. Results agree with that path to float32 rounding (sums in other orders).
+A lone sequence on compact weights runs ``quire_decode_layer_f32`` (weights streamed
+from their encoding, one row); every other qualifying step runs
+``quire_decode_batch_f32`` on the panels, which covers float32 checkpoints and batches.
+Anything else (a prompt, a mixed step, another layer type) returns None and the layer
+runs as written. Results agree with that path to float32 rounding (the same kernels for
+products, norms and attention; the SiLU and rotary in C instead of torch).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from torch import nn
 
 from quire.models.context import ForwardContext
 from quire.models.layers.norm import RMSNorm
-from quire.platforms.cpu.native import LinearArgs, NativeKernels
+from quire.platforms.cpu.native import LinearArgs, NativeKernels, PanelArgs
 from quire.platforms.cpu.packed_linear import PackedLinear
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
@@ -42,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 class FusedDecodeLayer:
     """One layer's :class:`~quire.models.llama.DecoderLayerKernel`: the C path for
-    one-token steps of one sequence."""
+    decode steps."""
 
     def __init__(self, native: NativeKernels, layer: LlamaDecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -55,13 +62,20 @@ class FusedDecodeLayer:
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps = float(layer.input_layernorm.eps)  # both norms' (_qualifies checks)
-        # ctypes structs pointing into the PackedLinear's compact tensors and the biases,
-        # which live as long as the model
-        self.linears = [
-            LinearArgs.of(module.kernel.compact, _bias(module))
-            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ]
-        self._refs = [ctypes.byref(args) for args in self.linears]
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kernels = [module.kernel for module in modules]
+        # ctypes structs pointing into the PackedLinears' tensors and the biases, which
+        # live as long as the model; byref()s made once, not per call
+        self._compact = None
+        if all(k.compact is not None for k in kernels):
+            self._compact_args = [LinearArgs.of(k.compact, _bias(m))
+                                  for k, m in zip(kernels, modules)]
+            self._compact = [ctypes.byref(args) for args in self._compact_args]
+        self._panels = None
+        if all(k.panels is not None for k in kernels):
+            self._panel_args = [PanelArgs.of(k.panels, k.out_features, _bias(m))
+                                for k, m in zip(kernels, modules)]
+            self._panels = [ctypes.byref(args) for args in self._panel_args]
 
     def __call__(
         self,
@@ -71,16 +85,24 @@ class FusedDecodeLayer:
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = ctx.metadata
-        if hidden.shape[0] != 1 or not isinstance(meta, CpuSdpaMetadata) or len(meta.groups) != 1:
+        rows = hidden.shape[0]
+        if not isinstance(meta, CpuSdpaMetadata) or len(meta.groups) != 1:
             return None
         group = meta.groups[0]
-        if group.decode_tables is None or group.num_seqs != 1:
+        # a pure decode step: one group of decode rows, all rows in order
+        if group.decode_tables is None or group.num_seqs != rows or group.token_idx is not None:
             return None
         kv_cache = ctx.kv_caches[self.layer_idx]
         cos, sin = rotary
         if not (kv_cache.dtype == hidden.dtype == torch.float32 and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)
-                and cos.dtype == torch.float32 and cos.stride(-1) == sin.stride(-1) == 1):
+                and cos.dtype == sin.dtype == torch.float32
+                and cos.shape[0] == sin.shape[0] == rows
+                and cos.shape[-1] == sin.shape[-1] == self.d == cos.numel() // rows
+                and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)):
+            return None
+        use_compact = rows == 1 and self._compact is not None
+        if not use_compact and self._panels is None:
             return None
         # kept in variables: a temporary's pointer would dangle once it is collected
         hidden = hidden.contiguous()
@@ -89,14 +111,29 @@ class FusedDecodeLayer:
         new_residual = torch.empty_like(hidden)
         half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
-        qkv, o, gate_up, down = self._refs
-        failed = self.native.decode_layer_f32(
-            hidden.data_ptr(), None if residual is None else residual.data_ptr(),
-            self.hidden, self.norm_in.data_ptr(), self.norm_post.data_ptr(), self.eps,
-            qkv, o, gate_up, down, cos.data_ptr(), sin.data_ptr(), base, base + half,
-            int(meta.slot_mapping[0]), group.decode_tables.data_ptr(), int(group.lens[0]),
-            kv_cache.shape[2], self.window, self.hq, self.hkv, self.d, self.scale,
-            out.data_ptr(), new_residual.data_ptr())
+        residual_ptr = None if residual is None else residual.data_ptr()
+        if use_compact:
+            qkv, o, gate_up, down = self._compact
+            failed = self.native.decode_layer_f32(
+                hidden.data_ptr(), residual_ptr, self.hidden, self.norm_in.data_ptr(),
+                self.norm_post.data_ptr(), self.eps, qkv, o, gate_up, down, cos.data_ptr(),
+                sin.data_ptr(), base, base + half, int(meta.slot_mapping[0]),
+                group.decode_tables.data_ptr(), int(group.lens[0]), kv_cache.shape[2],
+                self.window, self.hq, self.hkv, self.d, self.scale, out.data_ptr(),
+                new_residual.data_ptr())
+        else:
+            qkv, o, gate_up, down = self._panels
+            tables, lens, slots = group.decode_tables, group.lens, meta.slot_mapping
+            if not (tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
+                    and lens.dtype == slots.dtype == tables.dtype == torch.int64):
+                return None
+            failed = self.native.decode_batch_f32(
+                rows, hidden.data_ptr(), residual_ptr, self.hidden, self.norm_in.data_ptr(),
+                self.norm_post.data_ptr(), self.eps, qkv, o, gate_up, down, cos.data_ptr(),
+                sin.data_ptr(), cos.stride(0), base, base + half, slots.data_ptr(),
+                tables.data_ptr(), tables.stride(0), lens.data_ptr(), kv_cache.shape[2],
+                self.window, self.hq, self.hkv, self.d, self.scale, out.data_ptr(),
+                new_residual.data_ptr())
         if failed:
             return None
         return out, new_residual
@@ -125,8 +162,11 @@ def _qualifies(layer: nn.Module) -> bool:
     if norms[0].eps != norms[1].eps:  # the kernel takes one eps; HF configs have one
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(isinstance(m.kernel, PackedLinear) and m.kernel.compact is not None
-               and (m.bias is None or m.bias.dtype == torch.float32) for m in linears)
+    if not all(isinstance(m.kernel, PackedLinear)
+               and (m.bias is None or m.bias.dtype == torch.float32) for m in linears):
+        return False
+    return (all(m.kernel.compact is not None for m in linears)
+            or all(m.kernel.panels is not None for m in linears))
 
 
 def install_fused_decode(model: nn.Module, native: NativeKernels) -> int:
@@ -140,6 +180,5 @@ def install_fused_decode(model: nn.Module, native: NativeKernels) -> int:
         if _qualifies(module):
             module.kernel = FusedDecodeLayer(native, module)
             installed += 1
-    logger.info("cpu platform: %d decoder layers run one-token steps in one C call",
-                installed)
+    logger.info("cpu platform: %d decoder layers run decode steps in one C call", installed)
     return installed

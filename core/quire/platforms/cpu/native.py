@@ -71,6 +71,20 @@ class LinearArgs(ctypes.Structure):
                    bias.data_ptr() if bias is not None else None)
 
 
+class PanelArgs(ctypes.Structure):
+    """``struct quire_panels`` of ``csrc/decode_layer.c``: a float32 weight packed by
+    :meth:`NativeKernels.pack_panels`. Holds raw pointers, as :class:`LinearArgs` does."""
+
+    _fields_ = [("out_features", _i64), ("in_features", _i64), ("panels", _ptr),
+                ("bias", _ptr)]
+
+    @classmethod
+    def of(cls, panels: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None) -> PanelArgs:
+        return cls(out_features, panels.shape[1], panels.data_ptr(),
+                   bias.data_ptr() if bias is not None else None)
+
+
 class NativeKernels:
     """The loaded library's entry points, with their argument checks."""
 
@@ -93,6 +107,14 @@ class NativeKernels:
             _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, linear, linear, linear, linear,
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_float, _ptr, _ptr]
+        # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
+        self.decode_batch_f32 = library.quire_decode_batch_f32
+        self.decode_batch_f32.restype = ctypes.c_int
+        panel = ctypes.POINTER(PanelArgs)
+        self.decode_batch_f32.argtypes = [
+            _i64, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, panel, panel, panel, panel,
+            _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+            _i64, ctypes.c_float, _ptr, _ptr]
         self._panel = library.quire_panel_gemm_f32
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]

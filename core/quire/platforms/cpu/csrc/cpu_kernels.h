@@ -119,6 +119,11 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
                         const float *scales, const float *offsets, int64_t j);
 
+/* panel_gemm.c: y = x W^T (+ bias) for x [m, k] and W in 16-column panels, panels split
+ * over the team; call inside a parallel region (it ends in the omp for's barrier). */
+void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+                           const float *bias, float *y);
+
 /* rms_norm.c: out = weight * (h / sqrt(mean(h^2) + eps)) for one row of n. */
 void quire_rms_norm_row(const float *h, const float *weight, float eps, int64_t n, float *out);
 

@@ -22,6 +22,7 @@
  * path to float32 rounding. quire/platforms/cpu/fused_decode.py decides which layers
  * qualify (compact weights, no q/k norms, one device).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
@@ -131,5 +132,121 @@ int quire_decode_layer_f32(
         gemv_team(down, act, out);
     }
     free(scratch);
+    return 0;
+}
+
+/* A linear layer's float32 weight in 16-column panels (NativeKernels.pack_panels). */
+struct quire_panels {
+    int64_t out_features, in_features;
+    const float *panels, *bias; /* bias may be NULL */
+};
+
+/* Scratch of the calling thread's batched layers, kept between calls (grown, never
+ * shrunk): a fresh allocation of a few MB is an mmap and its page faults every layer. */
+static __thread float *batch_scratch;
+static __thread size_t batch_scratch_floats;
+
+static float *scratch_for(size_t floats) {
+    if (floats > batch_scratch_floats) {
+        float *grown = realloc(batch_scratch, floats * sizeof(float));
+        if (grown == NULL)
+            return NULL;
+        batch_scratch = grown;
+        batch_scratch_floats = floats;
+    }
+    return batch_scratch;
+}
+
+/*
+ * The same layer for a decode batch: `rows` sequences, one new token each, row r of x
+ * belonging to sequence r. Products run on float32 panels (panel_gemm.c's kernel, all
+ * rows at once), so this serves float32 checkpoints and any number of rows; attention
+ * is per sequence over the team (paged_decode.c's quire_attend_heads, as
+ * quire_paged_decode_f32 runs it).
+ *
+ * x, residual (NULL on the first layer), out, residual_out: [rows, hidden]. cos and sin:
+ * row r's rotary factors at cos + r * rot_stride. slots: [rows] cache slots of the new
+ * keys and values. tables: [rows, table_stride] block tables; seq_lens: [rows], counting
+ * this token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
+ */
+int quire_decode_batch_f32(
+    int64_t rows, const float *x, const float *residual, int64_t hidden, const float *norm_in,
+    const float *norm_post, float eps, const struct quire_panels *qkv,
+    const struct quire_panels *o, const struct quire_panels *gate_up,
+    const struct quire_panels *down, const float *cos, const float *sin, int64_t rot_stride,
+    float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
+    int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
+    int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
+    const int64_t inter = gate_up->out_features / 2, qkv_n = qkv->out_features;
+    if (rows <= 0 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 ||
+        qkv->in_features != hidden || qkv_n != (hq + 2 * hkv) * d ||
+        o->in_features != hq * d || o->out_features != hidden ||
+        gate_up->in_features != hidden || gate_up->out_features % 2 ||
+        down->in_features != inter || down->out_features != hidden)
+        return 1;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < rows; s++) {
+        if (seq_lens[s] < 1)
+            return 1;
+        const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
+        if (n > longest)
+            longest = n;
+    }
+    const int64_t row = hkv * d; /* floats per cache slot */
+    const int64_t threads = omp_get_max_threads();
+    const int64_t per_row = hidden + qkv_n + hq * d + hidden + 2 * inter + inter;
+    float *scratch = scratch_for((size_t)(rows * per_row + threads * hq * longest));
+    if (scratch == NULL)
+        return 2;
+    float *normed = scratch, *qkv_out = normed + rows * hidden;
+    float *attn = qkv_out + rows * qkv_n, *o_out = attn + rows * hq * d;
+    float *gu = o_out + rows * hidden, *act = gu + rows * 2 * inter;
+    float *scores = act + rows * inter;
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * hidden;
+            float *h = residual_out + r * hidden;
+            for (int64_t i = 0; i < hidden; i++)
+                h[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
+            quire_rms_norm_row(h, norm_in, eps, hidden, normed + r * hidden);
+        }
+        quire_panel_gemm_team(normed, rows, hidden, qkv->panels, qkv_n, qkv->bias, qkv_out);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *qr = qkv_out + r * qkv_n;
+            rotate(qr, hq + hkv, d, cos + r * rot_stride, sin + r * rot_stride);
+            memcpy(k_cache + slots[r] * row, qr + hq * d, sizeof(float) * row);
+            memcpy(v_cache + slots[r] * row, qr + (hq + hkv) * d, sizeof(float) * row);
+        }
+        float *my_scores = scores + omp_get_thread_num() * hq * longest;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < rows; s++) {
+            const int64_t len = seq_lens[s];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            quire_attend_heads(qkv_out + s * qkv_n, k_cache, v_cache, tables + s * table_stride,
+                               start, len - start, 0, hq, hq / hkv, row, d, block_size, scale,
+                               my_scores, attn + s * hq * d);
+        }
+        quire_panel_gemm_team(attn, rows, hq * d, o->panels, hidden, o->bias, o_out);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *h = residual_out + r * hidden;
+            for (int64_t i = 0; i < hidden; i++)
+                h[i] += o_out[r * hidden + i];
+            quire_rms_norm_row(h, norm_post, eps, hidden, normed + r * hidden);
+        }
+        quire_panel_gemm_team(normed, rows, hidden, gate_up->panels, 2 * inter, gate_up->bias,
+                              gu);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+                act[r * inter + i] = g / (1.0f + expf(-g)) * u;
+            }
+        quire_panel_gemm_team(act, rows, inter, down->panels, hidden, down->bias, out);
+    }
     return 0;
 }

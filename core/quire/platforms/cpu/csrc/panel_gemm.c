@@ -80,10 +80,10 @@ static void tile1(const float *a, const float *b, int64_t k, float *out) {
 
 int quire_panel_gemm_available(void) { return 1; }
 
-int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
-                         const float *bias, float *y) {
+void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+                           const float *bias, float *y) {
     const int64_t num_panels = (n + 15) / 16;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {
         const float *b = panels + p * k * 16;
         const int64_t cols = n - 16 * p < 16 ? n - 16 * p : 16;
@@ -106,12 +106,32 @@ int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *pane
             }
         }
     }
+}
+
+int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+                         const float *bias, float *y) {
+#pragma omp parallel
+    quire_panel_gemm_team(x, m, k, panels, n, bias, y);
     return 0;
 }
 
 #else
 
 int quire_panel_gemm_available(void) { return 0; }
+
+/* Plain loops, for quire_decode_batch_f32's sake only: without the kernel no linear
+ * keeps panels (quire/platforms/cpu/packed_linear.py), so nothing calls this. */
+void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+                           const float *bias, float *y) {
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++)
+                acc += x[r * k + i] * panels[((j / 16) * k + i) * 16 + j % 16];
+            y[r * n + j] = bias ? acc + bias[j] : acc;
+        }
+}
 
 int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
                          const float *bias, float *y) {
