@@ -14,11 +14,8 @@ not take (a prompt, a mixed step) must fall back, not fail.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
 from quire.distributed import TorchDistributedCommunicator
 from quire.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
@@ -30,6 +27,7 @@ from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
 from quire.scheduler import ScheduledSeq
 from quire.sequence import Sequence
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 

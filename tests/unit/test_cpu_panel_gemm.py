@@ -2,20 +2,18 @@
 
 Tolerance: float32 ``rtol = atol = 1e-5`` relative to the output's largest magnitude
 (one float32 sum along K per output, in order; ~1e-7 seen). Inputs are seeded
-N(0, 1), never zeros. Shapes cover every row tile (1-6 rows and tails past 6), column
-counts that are not a multiple of the 16-wide panel, and K below the 4-way unroll of
+N(0, 1), never zeros. Shapes cover every row tile (1-6 rows and tails past 6, rows read
+in place and, from 128 rows on, packed first), column counts that are not a multiple of the 16-wide panel, and K below the 4-way unroll of
 the one-row tile.
 """
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
 from quire.platforms.cpu.native import NativeKernels
-from quire.platforms.cpu.packed_linear import PANEL_MAX_ROWS, PackedLinear, onednn_available
+from quire.platforms.cpu.packed_linear import PackedLinear
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +27,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got.double() / scale, expected / scale, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 127, 128, 131, 300, 1031])
 @pytest.mark.parametrize(("out_features", "in_features"),
                          [(1, 1), (16, 3), (17, 8), (100, 37), (48, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -59,17 +57,19 @@ def test_declines_what_it_does_not_take(kernels: NativeKernels) -> None:
            F.linear(strided.double(), weight.double()))
 
 
-@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 def test_packed_linear_routes_by_rows(kernels: NativeKernels, monkeypatch) -> None:
-    """Up to PANEL_MAX_ROWS rows on the panels, more on oneDNN; same products."""
+    """Every product on the panels, read in place or packed; no oneDNN copy kept."""
+    _needs_panel_kernel(kernels)
     weight, bias = torch.randn(40, 24), torch.randn(40)
     linear = PackedLinear(weight, kernels)
-    assert linear.panels is not None and linear.split is None
+    assert linear.panels is not None and linear.split is None and linear.packed is None
     calls = []
     real = kernels.panel_linear
     monkeypatch.setattr(kernels, "panel_linear",
                         lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    for rows in (1, 5, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+    for rows in (1, 5, 256, 2049):
         x = torch.randn(rows, 24)
         _close(linear(x, bias), F.linear(x.double(), weight.double(), bias.double()))
-    assert calls == [1, 5, PANEL_MAX_ROWS]
+    assert calls == [1, 5, 256, 2049]
+    with pytest.raises(ValueError, match="float32 host input"):
+        linear(torch.randn(3, 24).double(), bias)

@@ -24,19 +24,21 @@ fails loudly, unless another module shares it (a tied embedding). The model's fl
 weights then take twice their plain size.
 
 With the native kernels (:mod:`~quire.platforms.cpu.native`, built when a C compiler
-is at hand), the second form is different and the routing finer:
+is at hand) and AVX2, the forms and the routing are different:
 
-- *1 to* :data:`PANEL_MAX_ROWS` *rows*: the weight packed in 16-column panels for a
-  register-blocked kernel (``csrc/panel_gemm.c``), which beat oneDNN from 1 to 256 rows
-  here (inside a 64-row decode step 114-155 GFLOP/s against 73-112). It replaces the
-  per-thread copy, so memory is unchanged; it needs AVX2 and FMA, and hosts without
-  them keep the per-thread copy.
+- *every product* runs on the weight packed in 16-column panels for a register-blocked
+  kernel (``csrc/panel_gemm.c``), and the oneDNN copy is not kept, so the model's
+  float32 weights take their plain size once. Measured in place on SmolLM2 (2 cores):
+  inside a 64-row decode step 114-155 GFLOP/s against oneDNN's 73-112; a 2048-row
+  prompt step (rows packed first, 512 at a time) 3.05 s against 3.58 s on oneDNN,
+  alternating the two in one process.
 - *one row, compact weights*: when the weight has an exact compact encoding
   (:mod:`~quire.platforms.cpu.compact`: weights dequantised from GGUF's Q4_0/Q4_1/Q8_0,
   or upcast from bf16), a one-row product streams that encoding instead: 0.75 bytes a
   weight instead of 4 for Q4_1. SmolLM2-135M's 121 one-row products of a decode step
   took 13.5 ms this way against ~33 ms on float32.
-- taller products (prompts) stay on oneDNN.
+
+Hosts without AVX2 and FMA (or without the native kernels) keep the two forms above.
 
 Exactness: oneDNN and MKL sum in other orders than ``F.linear``; results differ by
 float32 rounding (about 1e-6 relative), the same order as MKL's own differences between
@@ -56,18 +58,13 @@ from quire.platforms.cpu.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
-#: Rows the packed layout is tuned for: a decode batch. Measured: a 64-row layout is ~10%
-#: faster than a 1-row one from 64 to 2048 rows.
+#: Rows oneDNN's packed layout is tuned for: a decode batch. Measured: a 64-row layout is
+#: ~10% faster than a 1-row one from 64 to 2048 rows.
 PACK_FOR_ROWS = 64
 #: Largest product that runs on compact weights. The kernel reads each weight row once
 #: for all rows of x but rebuilds it per block of 32, so its cost grows with rows while
-#: oneDNN's packed float32 product is flat at first.
+#: the panel kernel's is flat at first.
 COMPACT_MAX_ROWS = 1
-#: Largest product that runs on the panel kernel (``csrc/panel_gemm.c``); taller ones
-#: go to oneDNN. Measured against oneDNN (GFLOP/s, SmolLM2's shapes): 4 rows 94-114 vs
-#: 33-55, 16 rows 84-152 vs 52-107, 64 rows 111-136 vs 101-119, 256 rows 134-136 vs
-#: 120-131, 2048 rows 126-140 vs 132-149.
-PANEL_MAX_ROWS = 256
 _LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
@@ -93,20 +90,24 @@ class PackedLinear:
         weight = weight.detach()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         self.native = native
-        #: the weight in an exact compact encoding, for products of a few rows; None
-        #: when there are no native kernels or no encoding reproduces the weight.
+        #: the weight in an exact compact encoding, for one-row products; None when
+        #: there are no native kernels or no encoding reproduces the weight.
         self.compact: CompactWeight | None = (
             encode(weight) if native is not None and compact else None)
-        #: the weight in column panels for the native panel kernel (products of up to
-        #: PANEL_MAX_ROWS rows); without that kernel, a copy cut per thread for one row.
+        #: the weight in column panels for the native panel kernel, which then runs
+        #: every other product; None without that kernel.
         self.panels: torch.Tensor | None = None
+        #: without panels: oneDNN's packed copy, and for one row (when there is no
+        #: compact copy either) a copy cut per thread.
+        self.packed: torch.Tensor | None = None
         self.split: torch.Tensor | None = None
         if native is not None and native.has_panel_gemm:
             self.panels = native.pack_panels(weight)
-        elif self.compact is None:
-            self.split = self._split(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+            if self.compact is None:
+                self.split = self._split(weight)
 
     def _split(self, weight: torch.Tensor) -> torch.Tensor:
         # [parts, in, out / parts], the last block zero-padded when parts does not divide
@@ -122,8 +123,12 @@ class PackedLinear:
         y = None
         if self.compact is not None and rows.shape[0] <= COMPACT_MAX_ROWS:
             y = self.native.compact_linear(rows, self.compact, bias)
-        if y is None and self.panels is not None and rows.shape[0] <= PANEL_MAX_ROWS:
+        if y is None and self.panels is not None:
             y = self.native.panel_linear(rows, self.panels, self.out_features, bias)
+            if y is None:  # only for inputs the model never makes
+                raise ValueError(
+                    f"cpu packed linear: need float32 host input of width {self.in_features}"
+                    f" and a float32 bias, got {x.dtype} {tuple(x.shape)} on {x.device}")
         if y is None and rows.shape[0] == 1 and self.split is not None:
             y = self._split_product(rows, bias)
         if y is None:
@@ -145,11 +150,12 @@ def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
     """Give every float32 linear layer of ``model`` a :class:`PackedLinear` kernel.
 
     :param native: the C kernels; with them, layers with an exact compact encoding run
-        one-row products on it (unless ``compact`` is False), and products of up to
-        :data:`PANEL_MAX_ROWS` rows run on the panel kernel.
-    :returns: how many layers were packed (0 when oneDNN is missing).
+        one-row products on it (unless ``compact`` is False), and with the panel kernel
+        every other product runs on it.
+    :returns: how many layers were packed (0 when there is neither oneDNN nor the
+        panel kernel).
     """
-    if not onednn_available():
+    if not onednn_available() and not (native is not None and native.has_panel_gemm):
         logger.info("cpu platform: no oneDNN in this torch build; linears stay on F.linear")
         return 0
     shared = _shared_parameters(model)
