@@ -59,9 +59,9 @@ class Counting:
 class Run:
     """One model, its caches and runner; sequences decode greedily step by step."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         self.backend = CpuSdpaAttentionBackend()
-        self.caches = [self.backend.allocate_kv_cache(64, BLOCK, model.num_kv_heads,
+        self.caches = [self.backend.allocate_kv_cache(num_blocks, BLOCK, model.num_kv_heads,
                                                       model.head_dim, torch.float32,
                                                       torch.device("cpu"))
                        for _ in range(model.num_layers)]
@@ -78,9 +78,10 @@ def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:
     return seq
 
 
-def _pair(config, kernels: NativeKernels, compact: bool = True):
+def _pair(config, kernels: NativeKernels, compact: bool = True, num_blocks: int = 64):
     """(fused run, op-by-op run, counter of the single-sequence kernel's calls, counter
-    of the batch kernel's calls); without ``compact`` the fused layers keep only panels."""
+    of the batch kernel's calls); without ``compact`` the fused layers keep only panels.
+    The fused layers' halves (prompts, mixed steps) are counted in ``Run.halves``."""
     fused, plain = _model(config), _model(config)
     pack_linear_weights(fused, kernels, compact=compact)
     install_norm_kernels(fused, kernels)
@@ -88,15 +89,20 @@ def _pair(config, kernels: NativeKernels, compact: bool = True):
     pack_linear_weights(plain)  # no native kernels: torch norms, split float32 products
     single = Counting(kernels.decode_layer_f32)
     batch = Counting(kernels.decode_batch_f32)
+    halves = Counting(kernels.layer_front_f32)
     for layer in fused.model.layers:
         assert isinstance(layer.kernel, FusedDecodeLayer)
-        layer.kernel.native = _Proxy(kernels, single, batch)
-    return Run(fused), Run(plain), single, batch
+        layer.kernel.native = _Proxy(kernels, single, batch, halves)
+    run = Run(fused, num_blocks)
+    run.halves = halves
+    return run, Run(plain, num_blocks), single, batch
 
 
 class _Proxy:
-    def __init__(self, kernels: NativeKernels, single: Counting, batch: Counting) -> None:
+    def __init__(self, kernels: NativeKernels, single: Counting, batch: Counting,
+                 halves: Counting) -> None:
         self._kernels, self.decode_layer_f32, self.decode_batch_f32 = kernels, single, batch
+        self.layer_front_f32 = halves
 
     def __getattr__(self, name):
         return getattr(self._kernels, name)
@@ -130,9 +136,12 @@ def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, nam
     taken = single if compact else batch
     prompt = [5, 17, 90, 3, 64, 11, 7]
     seqs = [_seq(0, prompt, [9, 2, 30, 4, 17, 6]), _seq(0, prompt, [9, 2, 30, 4, 17, 6])]
-    for run, seq in zip((fused, plain), seqs):
-        run.step([ScheduledSeq(seq, 0, len(prompt))])
-    assert single.calls == batch.calls == 0  # a prompt is not a decode step
+    prompt_logits = [run.step([ScheduledSeq(seq, 0, len(prompt))])
+                     for run, seq in zip((fused, plain), seqs)]
+    assert single.calls == batch.calls == 0  # a prompt is not a decode step...
+    if kernels.has_panel_gemm:  # ...it runs the layer's halves around the backend
+        assert fused.halves.calls == 2
+    torch.testing.assert_close(prompt_logits[0], prompt_logits[1], rtol=1e-4, atol=1e-4)
     for n in range(12):  # past a page boundary and the window
         start = seqs[0].num_tokens
         token = (7 * n + 3) % 96
@@ -159,12 +168,14 @@ def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, n
     pages = torch.randperm(64, generator=gen).tolist()
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (1, 9, 4, 6, 2, 13, 5)]
     tables = [pages[8 * i: 8 * i + 8] for i in range(len(prompts))]
-    runs = []
+    runs, prompt_logits = [], []
     for run in (fused, plain):
         seqs = [_seq(i, p, t) for i, (p, t) in enumerate(zip(prompts, tables))]
-        run.step([ScheduledSeq(seq, 0, len(seq.prompt_token_ids)) for seq in seqs])
+        prompt_logits.append(
+            run.step([ScheduledSeq(seq, 0, len(seq.prompt_token_ids)) for seq in seqs]))
         runs.append(seqs)
-    assert single.calls == batch.calls == 0
+    assert single.calls == batch.calls == 0 and fused.halves.calls == 2
+    torch.testing.assert_close(prompt_logits[0], prompt_logits[1], rtol=1e-4, atol=1e-4)
     for n in range(10):
         got = []
         for run, seqs in zip((fused, plain), runs):
@@ -178,8 +189,26 @@ def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, n
     _assert_same_caches(fused, plain, runs[0])
 
 
-def test_a_mixed_step_falls_back_to_the_op_by_op_path(kernels: NativeKernels) -> None:
-    """A decode row beside a prompt: not a pure decode step, so no kernel call."""
+def test_a_long_prompt_crosses_the_halves_row_blocks(kernels: NativeKernels) -> None:
+    """600 prompt rows: the halves take 256 rows at a time (BLOCK_ROWS), each block with
+    its own rows' rotary factors, residual and outputs."""
+    if not kernels.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: no panels")
+    config = LlamaConfig(**{**COMMON, "max_position_embeddings": 1024})
+    fused, plain, _, _ = _pair(config, kernels, num_blocks=160)
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 96, (600,), generator=gen).tolist()
+    pages = torch.randperm(160, generator=gen)[:151].tolist()
+    seqs = [_seq(0, prompt, pages), _seq(0, prompt, pages)]
+    got = [run.step([ScheduledSeq(seq, 0, len(prompt))]) for run, seq in zip((fused, plain), seqs)]
+    assert fused.halves.calls == 2
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+    _assert_same_caches(fused, plain, seqs[:1])
+
+
+def test_a_mixed_step_runs_the_halves_around_the_backend(kernels: NativeKernels) -> None:
+    """A decode row beside a prompt: not a pure decode step, so no whole-layer call;
+    with panels, the layer's halves in C and the backend's attention between them."""
     fused, plain, single, batch = _pair(CONFIGS["llama"], kernels)
     results = []
     for run in (fused, plain):
@@ -188,6 +217,7 @@ def test_a_mixed_step_falls_back_to_the_op_by_op_path(kernels: NativeKernels) ->
         a.output_token_ids.append(8)
         results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 0, 3)]))
     assert single.calls == batch.calls == 0
+    assert fused.halves.calls == (4 if kernels.has_panel_gemm else 0)
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
 
 

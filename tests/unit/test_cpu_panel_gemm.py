@@ -59,7 +59,6 @@ def test_declines_what_it_does_not_take(kernels: NativeKernels) -> None:
 
 def test_packed_linear_routes_by_rows(kernels: NativeKernels, monkeypatch) -> None:
     """Every product on the panels, read in place or packed; no oneDNN copy kept."""
-    _needs_panel_kernel(kernels)
     weight, bias = torch.randn(40, 24), torch.randn(40)
     linear = PackedLinear(weight, kernels)
     assert linear.panels is not None and linear.split is None and linear.packed is None

@@ -115,6 +115,15 @@ class NativeKernels:
             _i64, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, panel, panel, panel, panel,
             _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
             _i64, ctypes.c_float, _ptr, _ptr]
+        self.layer_front_f32 = library.quire_layer_front_f32
+        self.layer_front_f32.restype = ctypes.c_int
+        self.layer_front_f32.argtypes = [
+            _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_float, panel, _ptr, _ptr, _i64, _i64, _i64,
+            _i64, _ptr, _ptr]
+        self.layer_back_f32 = library.quire_layer_back_f32
+        self.layer_back_f32.restype = ctypes.c_int
+        self.layer_back_f32.argtypes = [
+            _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, panel, panel, panel, _ptr]
         self._panel = library.quire_panel_gemm_f32
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]

@@ -159,33 +159,180 @@ struct quire_panels {
     const float *panels, *bias; /* bias may be NULL */
 };
 
-/* Scratch of the calling thread's batched layers, kept between calls (grown, never
- * shrunk): a fresh allocation of a few MB is an mmap and its page faults every layer. */
-static __thread float *batch_scratch;
-static __thread size_t batch_scratch_floats;
+/* Scratch of the calling thread's layers, kept between calls (grown, never shrunk): a
+ * fresh allocation of a few MB is an mmap and its page faults every layer. */
+static __thread float *layer_scratch;
+static __thread size_t layer_scratch_floats;
 
 static float *scratch_for(size_t floats) {
-    if (floats > batch_scratch_floats) {
-        float *grown = realloc(batch_scratch, floats * sizeof(float));
+    if (floats > layer_scratch_floats) {
+        float *grown = realloc(layer_scratch, floats * sizeof(float));
         if (grown == NULL)
             return NULL;
-        batch_scratch = grown;
-        batch_scratch_floats = floats;
+        layer_scratch = grown;
+        layer_scratch_floats = floats;
     }
-    return batch_scratch;
+    return layer_scratch;
+}
+
+/* Rows a layer's halves take at a time: bounds their scratch whatever the step's size
+ * (a 2048-token prompt chunk), and keeps a block's activations in cache. */
+#define BLOCK_ROWS 256
+
+static int panels_fit(int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                      const struct quire_panels *qkv, const struct quire_panels *o,
+                      const struct quire_panels *gate_up, const struct quire_panels *down) {
+    const int64_t inter = gate_up->out_features / 2;
+    return hidden > 0 && hq > 0 && hkv > 0 && hq % hkv == 0 && d > 0 && d % 2 == 0 &&
+           qkv->in_features == hidden && qkv->out_features == (hq + 2 * hkv) * d &&
+           o->in_features == hq * d && o->out_features == hidden &&
+           gate_up->in_features == hidden && gate_up->out_features % 2 == 0 &&
+           down->in_features == inter && down->out_features == hidden;
+}
+
+/* The widest input of the layer's products: how wide a row of packed rows gets. */
+static int64_t widest_input(int64_t hidden, const struct quire_panels *o,
+                            const struct quire_panels *down) {
+    const int64_t w = hidden > o->in_features ? hidden : o->in_features;
+    return w > down->in_features ? w : down->in_features;
+}
+
+/* Scratch floats per row of front_team and back_team: normed, o_out, gate_up, act, and
+ * the rows packed for a product (quire_panel_gemm_packed_team), which needs
+ * packed_extra floats more in all (its last tile is rounded up to 6 rows). */
+static int64_t half_scratch_per_row(int64_t hidden, int64_t inter, int64_t widest) {
+    return 2 * hidden + 3 * inter + widest;
+}
+
+static int64_t packed_extra(int64_t widest) { return 6 * widest; }
+
+/* y = x W^T (+ bias) over the team, the rows packed first when there are enough. */
+static void product(const float *x, int64_t m, const struct quire_panels *w, float *y,
+                    float *packed) {
+    if (m >= QUIRE_PACK_MIN_ROWS)
+        quire_panel_gemm_packed_team(x, m, w->in_features, w->panels, w->out_features,
+                                     w->bias, y, packed);
+    else
+        quire_panel_gemm_team(x, m, w->in_features, w->panels, w->out_features, w->bias, y);
+}
+
+/* The layer up to attention, for rows [0, rows): residual_out = residual + x (x alone
+ * on the first layer), qkv_out = W_qkv rms_norm(residual_out) (+ bias), its q and k
+ * heads rotated in place. normed: rows * hidden floats of scratch; packed: room for the
+ * rows packed (see product). Team function. */
+static void front_team(int64_t rows, const float *x, const float *residual, int64_t hidden,
+                       const float *norm_in, float eps, const struct quire_panels *qkv,
+                       const float *cos, const float *sin, int64_t rot_stride,
+                       int64_t rot_heads, int64_t d, float *normed, float *packed,
+                       float *qkv_out, float *residual_out) {
+    const int64_t qkv_n = qkv->out_features;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden;
+        float *h = residual_out + r * hidden;
+        for (int64_t i = 0; i < hidden; i++)
+            h[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
+        quire_rms_norm_row(h, norm_in, eps, hidden, normed + r * hidden);
+    }
+    product(normed, rows, qkv, qkv_out, packed);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        rotate(qkv_out + r * qkv_n, rot_heads, d, cos + r * rot_stride, sin + r * rot_stride);
+}
+
+/* The layer after attention, for rows [0, rows): residual += W_o attn (+ bias), then
+ * out = W_down (silu(W_gate a) * W_up a) with a = rms_norm(residual). scratch:
+ * rows * half_scratch_per_row floats. Team function. */
+static void back_team(int64_t rows, const float *attn, int64_t hidden, float *residual,
+                      const float *norm_post, float eps, const struct quire_panels *o,
+                      const struct quire_panels *gate_up, const struct quire_panels *down,
+                      float *scratch, float *out) {
+    const int64_t inter = gate_up->out_features / 2;
+    float *o_out = scratch, *normed = o_out + rows * hidden, *gu = normed + rows * hidden;
+    float *act = gu + rows * 2 * inter, *packed = act + rows * inter;
+    product(attn, rows, o, o_out, packed);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = residual + r * hidden;
+        for (int64_t i = 0; i < hidden; i++)
+            h[i] += o_out[r * hidden + i];
+        quire_rms_norm_row(h, norm_post, eps, hidden, normed + r * hidden);
+    }
+    product(normed, rows, gate_up, gu, packed);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+    product(act, rows, down, out, packed);
 }
 
 /*
- * The same layer for a decode batch: `rows` sequences, one new token each, row r of x
- * belonging to sequence r. Products run on float32 panels (panel_gemm.c's kernel, all
- * rows at once), so this serves float32 checkpoints and any number of rows; attention
- * is per sequence over the team (paged_decode.c's quire_attend_heads, as
- * quire_paged_decode_f32 runs it).
+ * The layer's two halves for a step whose attention runs elsewhere (the attention
+ * backend, for prompts and mixed steps): quire_layer_front_f32 before it,
+ * quire_layer_back_f32 after. Products on float32 panels; rows taken BLOCK_ROWS at a
+ * time. front: x, residual (NULL on the first layer), residual_out: [rows, hidden];
+ * qkv_out: [rows, (hq + 2 hkv) d], q and k rotated; cos and sin: row r's rotary factors
+ * at cos + r * rot_stride. back: attn [rows, hq d]; residual [rows, hidden] is updated
+ * in place; out [rows, hidden]. Return 0; 1 when the shapes disagree; 2 when scratch
+ * memory is short.
+ */
+int quire_layer_front_f32(int64_t rows, const float *x, const float *residual, int64_t hidden,
+                          const float *norm_in, float eps, const struct quire_panels *qkv,
+                          const float *cos, const float *sin, int64_t rot_stride, int64_t hq,
+                          int64_t hkv, int64_t d, float *qkv_out, float *residual_out) {
+    if (rows <= 0 || hidden <= 0 || hq <= 0 || hkv <= 0 || d <= 0 || d % 2 ||
+        qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d)
+        return 1;
+    const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS, qkv_n = qkv->out_features;
+    float *normed = scratch_for((size_t)((block + 6) * 2 * hidden));
+    if (normed == NULL)
+        return 2;
+    float *packed = normed + block * hidden;
+#pragma omp parallel
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        const int64_t n = rows - r0 < block ? rows - r0 : block;
+        front_team(n, x + r0 * hidden, residual ? residual + r0 * hidden : NULL, hidden,
+                   norm_in, eps, qkv, cos + r0 * rot_stride, sin + r0 * rot_stride,
+                   rot_stride, hq + hkv, d, normed, packed, qkv_out + r0 * qkv_n,
+                   residual_out + r0 * hidden);
+    }
+    return 0;
+}
+
+int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float *residual,
+                         const float *norm_post, float eps, const struct quire_panels *o,
+                         const struct quire_panels *gate_up, const struct quire_panels *down,
+                         float *out) {
+    const int64_t inter = gate_up->out_features / 2;
+    if (rows <= 0 || hidden <= 0 || o->out_features != hidden ||
+        gate_up->in_features != hidden || gate_up->out_features % 2 ||
+        down->in_features != inter || down->out_features != hidden)
+        return 1;
+    const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
+    const int64_t widest = widest_input(hidden, o, down);
+    float *scratch = scratch_for((size_t)(block * half_scratch_per_row(hidden, inter, widest) +
+                                          packed_extra(widest)));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        const int64_t n = rows - r0 < block ? rows - r0 : block;
+        back_team(n, attn + r0 * o->in_features, hidden, residual + r0 * hidden, norm_post,
+                  eps, o, gate_up, down, scratch, out + r0 * hidden);
+    }
+    return 0;
+}
+
+/*
+ * The whole layer for a decode batch: `rows` sequences, one new token each, row r of x
+ * belonging to sequence r: front, this step's keys and values written to the cache,
+ * attention per sequence over the team (paged_decode.c's quire_attend_heads, as
+ * quire_paged_decode_f32 runs it), back; one parallel region. Products on float32
+ * panels, so this serves float32 checkpoints and any number of rows.
  *
- * x, residual (NULL on the first layer), out, residual_out: [rows, hidden]. cos and sin:
- * row r's rotary factors at cos + r * rot_stride. slots: [rows] cache slots of the new
- * keys and values. tables: [rows, table_stride] block tables; seq_lens: [rows], counting
- * this token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
+ * Arguments as the halves', plus: k_cache and v_cache, the layer's two halves of
+ * [num_blocks * block_size, hkv, d]; slots: [rows] cache slots of the new keys and
+ * values; tables: [rows, table_stride] block tables; seq_lens: [rows], counting this
+ * token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
  */
 int quire_decode_batch_f32(
     int64_t rows, const float *x, const float *residual, int64_t hidden, const float *norm_in,
@@ -195,12 +342,7 @@ int quire_decode_batch_f32(
     float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
-    const int64_t inter = gate_up->out_features / 2, qkv_n = qkv->out_features;
-    if (rows <= 0 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 ||
-        qkv->in_features != hidden || qkv_n != (hq + 2 * hkv) * d ||
-        o->in_features != hq * d || o->out_features != hidden ||
-        gate_up->in_features != hidden || gate_up->out_features % 2 ||
-        down->in_features != inter || down->out_features != hidden)
+    if (rows <= 0 || !panels_fit(hidden, hq, hkv, d, qkv, o, gate_up, down))
         return 1;
     int64_t longest = 0;
     for (int64_t s = 0; s < rows; s++) {
@@ -210,34 +352,28 @@ int quire_decode_batch_f32(
         if (n > longest)
             longest = n;
     }
+    const int64_t inter = gate_up->out_features / 2, qkv_n = qkv->out_features;
     const int64_t row = hkv * d; /* floats per cache slot */
     const int64_t threads = omp_get_max_threads();
-    const int64_t per_row = hidden + qkv_n + hq * d + hidden + 2 * inter + inter;
-    float *scratch = scratch_for((size_t)(rows * per_row + threads * hq * longest));
+    const int64_t widest = widest_input(hidden, o, down);
+    const int64_t per_row = qkv_n + hq * d + half_scratch_per_row(hidden, inter, widest);
+    float *scratch = scratch_for((size_t)(rows * per_row + packed_extra(widest) +
+                                          threads * hq * longest));
     if (scratch == NULL)
         return 2;
-    float *normed = scratch, *qkv_out = normed + rows * hidden;
-    float *attn = qkv_out + rows * qkv_n, *o_out = attn + rows * hq * d;
-    float *gu = o_out + rows * hidden, *act = gu + rows * 2 * inter;
-    float *scores = act + rows * inter;
+    float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
+    float *scores = halves + rows * half_scratch_per_row(hidden, inter, widest) +
+                    packed_extra(widest);
 
 #pragma omp parallel
     {
+        front_team(rows, x, residual, hidden, norm_in, eps, qkv, cos, sin, rot_stride,
+                   hq + hkv, d, halves, halves + rows * hidden, qkv_out, residual_out);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const float *xr = x + r * hidden;
-            float *h = residual_out + r * hidden;
-            for (int64_t i = 0; i < hidden; i++)
-                h[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
-            quire_rms_norm_row(h, norm_in, eps, hidden, normed + r * hidden);
-        }
-        quire_panel_gemm_team(normed, rows, hidden, qkv->panels, qkv_n, qkv->bias, qkv_out);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *qr = qkv_out + r * qkv_n;
-            rotate(qr, hq + hkv, d, cos + r * rot_stride, sin + r * rot_stride);
-            memcpy(k_cache + slots[r] * row, qr + hq * d, sizeof(float) * row);
-            memcpy(v_cache + slots[r] * row, qr + (hq + hkv) * d, sizeof(float) * row);
+            const float *kv = qkv_out + r * qkv_n + hq * d;
+            memcpy(k_cache + slots[r] * row, kv, sizeof(float) * row);
+            memcpy(v_cache + slots[r] * row, kv + row, sizeof(float) * row);
         }
         float *my_scores = scores + omp_get_thread_num() * hq * longest;
 #pragma omp for schedule(dynamic, 1)
@@ -248,20 +384,8 @@ int quire_decode_batch_f32(
                                start, len - start, 0, hq, hq / hkv, row, d, block_size, scale,
                                my_scores, attn + s * hq * d);
         }
-        quire_panel_gemm_team(attn, rows, hq * d, o->panels, hidden, o->bias, o_out);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *h = residual_out + r * hidden;
-            for (int64_t i = 0; i < hidden; i++)
-                h[i] += o_out[r * hidden + i];
-            quire_rms_norm_row(h, norm_post, eps, hidden, normed + r * hidden);
-        }
-        quire_panel_gemm_team(normed, rows, hidden, gate_up->panels, 2 * inter, gate_up->bias,
-                              gu);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
-        quire_panel_gemm_team(act, rows, inter, down->panels, hidden, down->bias, out);
+        back_team(rows, attn, hidden, residual_out, norm_post, eps, o, gate_up, down, halves,
+                  out);
     }
     return 0;
 }

@@ -17,7 +17,10 @@
  * Without AVX2 and FMA the entry point returns 1 and the caller keeps oneDNN.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -117,14 +120,11 @@ static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
     }
 }
 
-/* Products of PACK_MIN_ROWS rows or more (prompts) pack the rows first: measured at 512
- * and 2048 rows on SmolLM2's shapes, 5-10% faster than reading them in place, and
- * 15-20% faster than oneDNN. Below that (decode batches, whose weights stream from
- * DRAM) packing measured no gain. */
-#define PACK_MIN_ROWS 128
+/* Products of QUIRE_PACK_MIN_ROWS rows or more (prompts) pack the rows first (see
+ * cpu_kernels.h). */
 
-static void packed_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
-                        const float *bias, float *y, float *packed) {
+void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
+                                  int64_t n, const float *bias, float *y, float *packed) {
     const int64_t num_panels = (n + 15) / 16;
     pack_rows(x, m, k, packed); /* its omp for ends in a barrier */
 #pragma omp for schedule(static)
@@ -196,7 +196,7 @@ int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *pane
                          const float *bias, float *y) {
     const int64_t block = m < PACK_BLOCK_ROWS ? m : PACK_BLOCK_ROWS;
     const size_t need = (size_t)((block + TILE_ROWS - 1) / TILE_ROWS) * TILE_ROWS * (size_t)k;
-    if (m >= PACK_MIN_ROWS && need > packed_floats) {
+    if (m >= QUIRE_PACK_MIN_ROWS && need > packed_floats) {
         float *grown = realloc(packed_rows, need * sizeof(float));
         if (grown != NULL) {
             packed_rows = grown;
@@ -204,11 +204,12 @@ int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *pane
         }
     }
     float *packed = packed_rows; /* read here: each thread of the team has its own */
-    if (m >= PACK_MIN_ROWS && need <= packed_floats) {
+    if (m >= QUIRE_PACK_MIN_ROWS && need <= packed_floats) {
 #pragma omp parallel
         for (int64_t r0 = 0; r0 < m; r0 += block) {
             const int64_t rows = m - r0 < block ? m - r0 : block;
-            packed_team(x + r0 * k, rows, k, panels, n, bias, y + r0 * n, packed);
+            quire_panel_gemm_packed_team(x + r0 * k, rows, k, panels, n, bias, y + r0 * n,
+                                         packed);
         }
         return 0;
     }
@@ -221,7 +222,13 @@ int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *pane
 
 int quire_panel_gemm_available(void) { return 0; }
 
-/* Plain loops, for quire_decode_batch_f32's sake only: without the kernel no linear
+void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
+                                  int64_t n, const float *bias, float *y, float *packed) {
+    (void)packed;
+    quire_panel_gemm_team(x, m, k, panels, n, bias, y);
+}
+
+/* Plain loops, for decode_layer.c's sake only: without the kernel no linear
  * keeps panels (quire/platforms/cpu/packed_linear.py), so nothing calls this. */
 void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
                            const float *bias, float *y) {
