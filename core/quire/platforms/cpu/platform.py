@@ -40,11 +40,13 @@ class CpuPlatform(Platform):
     At engine start it sets torch's thread count to the cores the process may use
     (:mod:`~quire.platforms.cpu.threads`; with ``OMP_WAIT_POLICY=PASSIVE``, single-token
     steps run on one thread); once the model is loaded, its float32 linears move to
-    weights packed for oneDNN and MKL
-    (:mod:`~quire.platforms.cpu.packed_linear`); when a compiler is at hand
-    (:mod:`~quire.platforms.cpu.native`), decode attention runs in C, and so do
-    one-row products of weights with an exact compact encoding
-    (:mod:`~quire.platforms.cpu.compact`). Tuning knobs, all
+    weights packed once (:mod:`~quire.platforms.cpu.packed_linear`): in panels for the
+    C panel kernel when a compiler is at hand (:mod:`~quire.platforms.cpu.native`) on
+    an AVX2 host, else for oneDNN and MKL. With the C kernels, decode attention,
+    RMSNorm and Llama-family decoder layers run in C too
+    (:mod:`~quire.platforms.cpu.fused_decode`), and one-row products of weights with an
+    exact compact encoding (:mod:`~quire.platforms.cpu.compact`) stream that
+    encoding. Tuning knobs, all
     environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
     ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_COMPACT``
     (``0``: float32 weights only), ``QUIRE_CPU_NATIVE`` (``0`` for torch ops only).
@@ -97,7 +99,7 @@ class CpuPlatform(Platform):
             pack_linear_weights(model, native, compact=compact)
         if native is not None:
             install_norm_kernels(model, native)
-            install_fused_decode(model, native)  # needs the packed layers' compact copies
+            install_fused_decode(model, native)  # needs the packed layers' panels or copies
 
     def make_attention_backend(self) -> CpuAttentionBackend:
         """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.
