@@ -6,10 +6,12 @@ is prepared twice: with the native kernels (fused layers) and without (packed li
 torch norms and attention). Prompts are prefilled, then tokens are decoded one at a
 time; every decode step's logits must agree within ``rtol = atol = 1e-4`` (float32
 sums in other orders, through two layers and the LM head, as in
-test_cpu_packed_linear.py), and the KV caches the two wrote must agree too. Both C
-entry points are covered: one sequence on compact weights (``decode_layer_f32``), and
-one or many sequences on float32 panels (``decode_batch_f32``). Steps the kernel does
-not take (a prompt, a mixed step) must fall back, not fail.
+test_cpu_packed_linear.py), and the KV caches the two wrote must agree too. Every C
+path is covered: a decode step of one sequence on compact weights
+(``decode_layer_f32``), of one or many sequences on float32 panels
+(``decode_batch_f32``), and prompts and mixed steps through the layer's halves around
+the attention backend (``layer_front_f32``/``layer_back_f32``), whose logits are
+compared too. Layers that do not qualify must keep the op-by-op path.
 """
 
 from __future__ import annotations
