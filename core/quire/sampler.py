@@ -13,7 +13,7 @@ One call runs, for every row with that row's own parameters:
 | min-p, top-k, top-p | the rest | drop tokens (vLLM v1 order) |
 | sample | the rest | exponential race: ``argmax(probs / Exponential(1))`` |
 
-The parts live in :mod:`quire.sampling`. The sampler owns three pieces of state: the
+The parts live in :mod:`quire.sampling` (the argmax too: :mod:`quire.sampling.argmax`). The sampler owns three pieces of state: the
 cached :class:`~quire.sampling.batch.BatchParams` of the last composition, the token
 counts inside it, and the generators (:class:`~quire.sampling.noise.NoiseSource`).
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quire.sampling.argmax import row_argmax
 from quire.sampling.batch import BatchParams, RandomRows, batch_key
 from quire.sampling.filters import apply_min_p, apply_top_k_top_p
 from quire.sampling.logprobs import TokenLogprobs, compute_prompt_logprobs, \
@@ -126,12 +127,12 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, batch: BatchParams) -> torch.Tensor:
         if batch.random is None:
-            return logits.argmax(dim=-1)
+            return row_argmax(logits)
         sampled = self._sample_random(logits, batch.random)
         if batch.greedy_rows is None:
             return sampled
         tokens = torch.empty(batch.num_rows, dtype=torch.long, device=logits.device)
-        tokens[batch.greedy_rows] = logits[batch.greedy_rows].argmax(dim=-1)
+        tokens[batch.greedy_rows] = row_argmax(logits[batch.greedy_rows])
         tokens[batch.random.rows] = sampled
         return tokens
 
@@ -144,7 +145,7 @@ class Sampler:
         probs = x.softmax(dim=-1)
         noise = self._noise.exponential(probs.shape[0], probs.shape[1], probs.device,
                                         rnd.seeded, rnd.unseeded)
-        return probs.div_(noise).argmax(dim=-1)
+        return row_argmax(probs.div_(noise))
 
     @staticmethod
     def _logprobs(batch: BatchParams, raw: torch.Tensor | None,
