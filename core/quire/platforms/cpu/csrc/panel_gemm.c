@@ -29,18 +29,21 @@
 
 #define TILE_ROWS 6
 
-/* out[r * 16 + c] = sum_k a[r * lda + k] * b[k * 16 + c] for r < MR (a compile-time
- * constant at each call, so the unused accumulators fold away). */
-static inline __attribute__((always_inline)) void tile(int MR, const float *a, int64_t lda,
-                                                       const float *b, int64_t k, float *out) {
+/* out[r * 16 + c] = sum_k a[r * rs + k * ks] * b[k * 16 + c] for r < MR: rows read in
+ * place (rs = the row length, ks = 1) or packed by pack_rows (rs = 1, ks = 6). MR and ks
+ * are compile-time constants at each call, so the unused accumulators fold away and
+ * each layout gets its own loop. */
+static inline __attribute__((always_inline)) void tile(int MR, const float *a, int64_t rs,
+                                                       int64_t ks, const float *b, int64_t k,
+                                                       float *out) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t i = 0; i < k; i++, b += 16) {
+    for (int64_t i = 0; i < k; i++, b += 16, a += ks) {
         const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         __m256 x;
 #define ROW(R, C0, C1)                                                                     \
     if (MR > R) {                                                                          \
-        x = _mm256_broadcast_ss(a + R * lda + i);                                          \
+        x = _mm256_broadcast_ss(a + R * rs);                                               \
         C0 = _mm256_fmadd_ps(x, b0, C0);                                                   \
         C1 = _mm256_fmadd_ps(x, b1, C1);                                                   \
     }
@@ -83,31 +86,6 @@ static void tile1(const float *a, const float *b, int64_t k, float *out) {
     _mm256_storeu_ps(out + 8, hi);
 }
 
-/* The tile again, on rows packed by pack_rows: a tile's six values for one position
- * of K are adjacent, one stream instead of six rows k apart. Same sums in the same
- * order as tile(). */
-static inline __attribute__((always_inline)) void packed_tile(int MR, const float *a,
-                                                              const float *b, int64_t k,
-                                                              float *out) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t i = 0; i < k; i++, b += 16, a += TILE_ROWS) {
-        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        __m256 x;
-#define ROW(R, C0, C1)                                                                     \
-    if (MR > R) {                                                                          \
-        x = _mm256_broadcast_ss(a + R);                                                    \
-        C0 = _mm256_fmadd_ps(x, b0, C0);                                                   \
-        C1 = _mm256_fmadd_ps(x, b1, C1);                                                   \
-    }
-        ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21)
-        ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
-#undef ROW
-    }
-    const __m256 rows[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-    memcpy(out, rows, sizeof(float) * 16 * MR);
-}
-
 /* x [m, k] as row tiles [ceil(m / 6)][k][6], zero past m; tiles over the team. */
 static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
@@ -115,10 +93,12 @@ static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
     for (int64_t t = 0; t < tiles; t++) {
         float *dst = packed + t * TILE_ROWS * k;
         const int64_t rows = m - t * TILE_ROWS < TILE_ROWS ? m - t * TILE_ROWS : TILE_ROWS;
-        for (int64_t r = 0; r < TILE_ROWS; r++) {
+        for (int64_t r = 0; r < rows; r++) {
             const float *src = x + (t * TILE_ROWS + r) * k;
-            for (int64_t i = 0; i < k; i++) dst[i * TILE_ROWS + r] = r < rows ? src[i] : 0.0f;
+            for (int64_t i = 0; i < k; i++) dst[i * TILE_ROWS + r] = src[i];
         }
+        for (int64_t r = rows; r < TILE_ROWS; r++) /* the last tile's missing rows */
+            for (int64_t i = 0; i < k; i++) dst[i * TILE_ROWS + r] = 0.0f;
     }
 }
 
@@ -138,12 +118,12 @@ void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const fl
             const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
             const float *a = packed + r0 * k; /* tile r0 / 6 */
             switch (mr) {
-            case 6: packed_tile(6, a, b, k, out); break;
-            case 5: packed_tile(5, a, b, k, out); break;
-            case 4: packed_tile(4, a, b, k, out); break;
-            case 3: packed_tile(3, a, b, k, out); break;
-            case 2: packed_tile(2, a, b, k, out); break;
-            default: packed_tile(1, a, b, k, out); break;
+            case 6: tile(6, a, 1, TILE_ROWS, b, k, out); break;
+            case 5: tile(5, a, 1, TILE_ROWS, b, k, out); break;
+            case 4: tile(4, a, 1, TILE_ROWS, b, k, out); break;
+            case 3: tile(3, a, 1, TILE_ROWS, b, k, out); break;
+            case 2: tile(2, a, 1, TILE_ROWS, b, k, out); break;
+            default: tile(1, a, 1, TILE_ROWS, b, k, out); break;
             }
             for (int64_t r = 0; r < mr; r++) {
                 float *dst = y + (r0 + r) * n + 16 * p;
@@ -168,11 +148,11 @@ void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *pa
             const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
             const float *a = x + r0 * k;
             switch (mr) {
-            case 6: tile(6, a, k, b, k, out); break;
-            case 5: tile(5, a, k, b, k, out); break;
-            case 4: tile(4, a, k, b, k, out); break;
-            case 3: tile(3, a, k, b, k, out); break;
-            case 2: tile(2, a, k, b, k, out); break;
+            case 6: tile(6, a, k, 1, b, k, out); break;
+            case 5: tile(5, a, k, 1, b, k, out); break;
+            case 4: tile(4, a, k, 1, b, k, out); break;
+            case 3: tile(3, a, k, 1, b, k, out); break;
+            case 2: tile(2, a, k, 1, b, k, out); break;
             default: tile1(a, b, k, out); break;
             }
             for (int64_t r = 0; r < mr; r++) {
