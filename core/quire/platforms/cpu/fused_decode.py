@@ -53,8 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 class FusedDecodeLayer:
-    """One layer's :class:`~quire.models.llama.DecoderLayerKernel`: the C path for
-    decode steps."""
+    """One layer's :class:`~quire.models.llama.DecoderLayerKernel`: the whole layer in C
+    for decode steps, its halves in C around the attention backend for the rest."""
 
     def __init__(self, native: NativeKernels, layer: LlamaDecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -91,7 +91,7 @@ class FusedDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = hidden.shape[0]
         cos, sin = rotary
-        if not (hidden.dtype == cos.dtype == sin.dtype == torch.float32
+        if not (rows > 0 and hidden.dtype == cos.dtype == sin.dtype == torch.float32
                 and cos.shape[0] == sin.shape[0] == rows
                 and cos.shape[-1] == sin.shape[-1] == self.d == cos.numel() // rows
                 and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)):
