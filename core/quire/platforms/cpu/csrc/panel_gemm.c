@@ -102,13 +102,15 @@ static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
     }
 }
 
-/* Products of QUIRE_PACK_MIN_ROWS rows or more (prompts) pack the rows first (see
- * cpu_kernels.h). */
-
-void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
-                                  int64_t n, const float *bias, float *y, float *packed) {
+/* y = a W^T (+ bias) for the rows of a, read in place (packed = 0: x, rows k apart) or
+ * packed by pack_rows (packed = 1), panels over the team. `packed` is a constant at
+ * each call, so each layout gets its own inlined loops. */
+static inline __attribute__((always_inline)) void panel_pass(int packed, const float *a0,
+                                                             int64_t m, int64_t k,
+                                                             const float *panels, int64_t n,
+                                                             const float *bias, float *y) {
     const int64_t num_panels = (n + 15) / 16;
-    pack_rows(x, m, k, packed); /* its omp for ends in a barrier */
+    const int64_t rs = packed ? 1 : k, ks = packed ? TILE_ROWS : 1;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {
         const float *b = panels + p * k * 16;
@@ -116,14 +118,17 @@ void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const fl
         float out[TILE_ROWS * 16];
         for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
             const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
-            const float *a = packed + r0 * k; /* tile r0 / 6 */
+            const float *a = a0 + r0 * k; /* row r0, or packed tile r0 / 6 */
             switch (mr) {
-            case 6: tile(6, a, 1, TILE_ROWS, b, k, out); break;
-            case 5: tile(5, a, 1, TILE_ROWS, b, k, out); break;
-            case 4: tile(4, a, 1, TILE_ROWS, b, k, out); break;
-            case 3: tile(3, a, 1, TILE_ROWS, b, k, out); break;
-            case 2: tile(2, a, 1, TILE_ROWS, b, k, out); break;
-            default: tile(1, a, 1, TILE_ROWS, b, k, out); break;
+            case 6: tile(6, a, rs, ks, b, k, out); break;
+            case 5: tile(5, a, rs, ks, b, k, out); break;
+            case 4: tile(4, a, rs, ks, b, k, out); break;
+            case 3: tile(3, a, rs, ks, b, k, out); break;
+            case 2: tile(2, a, rs, ks, b, k, out); break;
+            default:
+                if (packed) tile(1, a, rs, ks, b, k, out);
+                else tile1(a, b, k, out);
+                break;
             }
             for (int64_t r = 0; r < mr; r++) {
                 float *dst = y + (r0 + r) * n + 16 * p;
@@ -134,34 +139,17 @@ void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const fl
     }
 }
 
+void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
+                                  int64_t n, const float *bias, float *y, float *packed) {
+    pack_rows(x, m, k, packed); /* its omp for ends in a barrier */
+    panel_pass(1, packed, m, k, panels, n, bias, y);
+}
+
 int quire_panel_gemm_available(void) { return 1; }
 
 void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
                            const float *bias, float *y) {
-    const int64_t num_panels = (n + 15) / 16;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const float *b = panels + p * k * 16;
-        const int64_t cols = n - 16 * p < 16 ? n - 16 * p : 16;
-        float out[TILE_ROWS * 16];
-        for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
-            const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
-            const float *a = x + r0 * k;
-            switch (mr) {
-            case 6: tile(6, a, k, 1, b, k, out); break;
-            case 5: tile(5, a, k, 1, b, k, out); break;
-            case 4: tile(4, a, k, 1, b, k, out); break;
-            case 3: tile(3, a, k, 1, b, k, out); break;
-            case 2: tile(2, a, k, 1, b, k, out); break;
-            default: tile1(a, b, k, out); break;
-            }
-            for (int64_t r = 0; r < mr; r++) {
-                float *dst = y + (r0 + r) * n + 16 * p;
-                for (int64_t c = 0; c < cols; c++)
-                    dst[c] = bias ? out[r * 16 + c] + bias[16 * p + c] : out[r * 16 + c];
-            }
-        }
-    }
+    panel_pass(0, x, m, k, panels, n, bias, y);
 }
 
 /* Rows packed at a time: bounds the packed copy (512 x K floats, 3 MB for K = 1536)
