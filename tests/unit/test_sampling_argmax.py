@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from quire.sampling.argmax import CHUNK, row_argmax
 
 
