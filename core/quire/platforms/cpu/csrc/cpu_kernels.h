@@ -7,6 +7,7 @@
 #define QUIRE_CPU_KERNELS_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -118,6 +119,12 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
 /* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
                         const float *scales, const float *offsets, int64_t j);
+
+/* panel_gemm.c: the calling thread's scratch, at least `floats` long (NULL when it cannot
+ * grow). Shared by the entry points, none of which calls another, so a call may use it
+ * whole; call it before a parallel region and pass the pointer in (each thread of the
+ * team has its own). */
+float *quire_thread_scratch(size_t floats);
 
 /* panel_gemm.c: y = x W^T (+ bias) for x [m, k] and W in 16-column panels, panels split
  * over the team; call inside a parallel region (it ends in the omp for's barrier). */

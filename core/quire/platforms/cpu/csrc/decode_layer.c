@@ -159,22 +159,6 @@ struct quire_panels {
     const float *panels, *bias; /* bias may be NULL */
 };
 
-/* Scratch of the calling thread's layers, kept between calls (grown, never shrunk): a
- * fresh allocation of a few MB is an mmap and its page faults every layer. */
-static __thread float *layer_scratch;
-static __thread size_t layer_scratch_floats;
-
-static float *scratch_for(size_t floats) {
-    if (floats > layer_scratch_floats) {
-        float *grown = realloc(layer_scratch, floats * sizeof(float));
-        if (grown == NULL)
-            return NULL;
-        layer_scratch = grown;
-        layer_scratch_floats = floats;
-    }
-    return layer_scratch;
-}
-
 /* Rows a layer's halves take at a time: bounds their scratch whatever the step's size
  * (a 2048-token prompt chunk), and keeps a block's activations in cache. */
 #define BLOCK_ROWS 256
@@ -283,7 +267,7 @@ int quire_layer_front_f32(int64_t rows, const float *x, const float *residual, i
         qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d)
         return 1;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS, qkv_n = qkv->out_features;
-    float *normed = scratch_for((size_t)((block + 6) * 2 * hidden));
+    float *normed = quire_thread_scratch((size_t)((block + 6) * 2 * hidden));
     if (normed == NULL)
         return 2;
     float *packed = normed + block * hidden;
@@ -309,8 +293,8 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
         return 1;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
     const int64_t widest = widest_input(hidden, o, down);
-    float *scratch = scratch_for((size_t)(block * half_scratch_per_row(hidden, inter, widest) +
-                                          packed_extra(widest)));
+    float *scratch = quire_thread_scratch(
+        (size_t)(block * half_scratch_per_row(hidden, inter, widest) + packed_extra(widest)));
     if (scratch == NULL)
         return 2;
 #pragma omp parallel
@@ -357,8 +341,8 @@ int quire_decode_batch_f32(
     const int64_t threads = omp_get_max_threads();
     const int64_t widest = widest_input(hidden, o, down);
     const int64_t per_row = qkv_n + hq * d + half_scratch_per_row(hidden, inter, widest);
-    float *scratch = scratch_for((size_t)(rows * per_row + packed_extra(widest) +
-                                          threads * hq * longest));
+    float *scratch = quire_thread_scratch(
+        (size_t)(rows * per_row + packed_extra(widest) + threads * hq * longest));
     if (scratch == NULL)
         return 2;
     float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
