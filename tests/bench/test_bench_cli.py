@@ -106,6 +106,27 @@ def test_missing_peer_names_its_install_command(capsys, tmp_path, monkeypatch, t
     assert "quire bench install-peer llamacpp" in capsys.readouterr().err
 
 
+def test_hf_peer_follows_quires_device_and_dtype(capsys, tmp_path, monkeypatch, tiny_path):
+    """The hf peer is asked to run where Quire ran, at its dtype (no peer process here)."""
+    from quire.bench.peers import runner
+
+    jobs = []
+
+    def fake_worker(spec, job, timeout_s=None):
+        jobs.append(job)
+        return {"engine": "fake", "runs": [
+            {"elapsed_s": 1.0, "num_requests": 3, "prompt_tokens": 36, "output_tokens": 12,
+             "peak_rss_bytes": None} for _ in job["runs"]]}
+
+    monkeypatch.setattr(runner, "check_installed", lambda spec: tmp_path)
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    argv = ["bench", "throughput", "--model", tiny_path, *SMALL, "--dtype", "bfloat16",
+            "--peer", "hf"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert [j["options"]["device"] for j in jobs] == ["cpu"]
+    assert [j["options"]["dtype"] for j in jobs] == ["bfloat16"]
+
+
 class _Server:
     """Our server in a thread on an ephemeral port (as tests/server does)."""
 

@@ -93,3 +93,7 @@ def test_hf_worker_runs_the_tiny_model(tiny_path, tiny_corpus):
     timings = latency.runs[0].requests
     assert [t.output_tokens for t in timings] == [4, 4, 4]
     assert all(len(t.itl_s) == 3 and t.ttft_s > 0 for t in timings)
+    # it runs at the dtype it is given (Quire's), on the device given
+    half = measure(PEERS["hf"], "throughput", "hf", tiny_path, runs[:1],
+                   options={"device": "cpu", "dtype": "bfloat16"}, timeout_s=600)
+    assert "bfloat16" in half.description and half.runs[0].output_tokens == 12

@@ -259,9 +259,13 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
     runs = _requests(spec, engine.tokenizer, config.model, args)
     figures_per_run = [run_quire(engine, requests).figures() for requests in runs]
     columns = [Column("quire", describe(engine), figures_per_run[args.warmup:])]
+    # the hf peer runs where Quire ran, at its dtype (the CPU builds of vLLM and llama.cpp
+    # cannot follow)
+    where = {"device": engine.platform.device_type,
+             "dtype": str(engine.config.dtype).removeprefix("torch.")}
     del engine  # free its memory before any peer runs
     gc.collect()
-    peer_columns, failures = _run_peers(args, mode, resolve_model(config.model), runs)
+    peer_columns, failures = _run_peers(args, mode, resolve_model(config.model), runs, where)
     columns += peer_columns
     title = (f"quire bench {mode}: {spec.name} ({spec.description}), median of "
              f"{args.repeats}, model {config.model}")
@@ -286,14 +290,19 @@ def _check_peers(names: list[str]) -> None:
 
 
 def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
-               runs: list[Any]) -> tuple[list[Any], dict[str, str]]:
-    """Each peer's columns; a peer that fails is reported, not fatal."""
+               runs: list[Any], where: dict[str, str] | None = None
+               ) -> tuple[list[Any], dict[str, str]]:
+    """Each peer's columns; a peer that fails is reported, not fatal.
+
+    ``where``: the device type and dtype Quire ran at, for the peers that can follow.
+    """
     from quire.bench.peers.models import model_variants
     from quire.bench.peers.runner import PeerError, measure
     from quire.bench.report import Column
 
     columns, failures = [], {}
-    options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
+    options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+               **(where or {})}
     for name in dict.fromkeys(args.peers):
         spec = PEERS[name]
         try:

@@ -1,7 +1,8 @@
 """Hugging Face transformers as a benchmark peer (run in the ``hf`` virtual environment).
 
 Throughput: ``generate`` on left-padded batches of at most ``max_batch_size`` requests,
-in request order, float32, greedy. A batch runs until its longest output is done
+in request order, greedy, on the job's ``device`` at its ``dtype`` (the device type and
+dtype Quire ran at; default cpu and float32). A batch runs until its longest output is done
 (static batching), so only each request's own ``output_len`` tokens are counted; the
 extra steps are part of the measured time, as they are for any user of ``generate``.
 ``min_new_tokens`` equal to ``max_new_tokens`` keeps EOS from ending a sequence early.
@@ -31,12 +32,25 @@ from worker_io import Job, log, main, throughput_result
 
 def _load(job: Job) -> tuple[Any, float]:
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    options = job.get("options", {})
+    dtype = getattr(torch, options.get("dtype") or "float32")
+    device = torch.device(options.get("device") or "cpu")
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).to(device)
     model.eval()
-    threads = job.get("options", {}).get("threads")
+    if device.type == "cuda":
+        # float32 means float32 here, as in Quire's kernels: no TF32 products
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    threads = options.get("threads")
     if threads:
         torch.set_num_threads(int(threads))
     return model, time.perf_counter() - start
+
+
+def _synchronize(model: Any) -> None:
+    """Wait for the model's device, so that a host clock read after it sees the work done."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def _pad_id(model: Any) -> int:
@@ -55,8 +69,9 @@ def _generate(model: Any, prompts: list[list[int]], new_tokens: int,
     """Greedy continuation of left-padded ``prompts``; returns only the new tokens."""
     width = max(len(p) for p in prompts)
     pad = _pad_id(model)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          pad_token_id=pad, streamer=streamer, temperature=None, top_p=None,
@@ -66,8 +81,11 @@ def _generate(model: Any, prompts: list[list[int]], new_tokens: int,
 
 def _engine(model: Any, batch: int | None = None) -> str:
     shape = f", batches of {batch}" if batch else ""
+    where = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    dtype = str(model.dtype).removeprefix("torch.")
     return f"transformers {transformers.__version__}, torch {torch.__version__}, " \
-           f"float32, {torch.get_num_threads()} threads{shape}"
+           f"{dtype}, {where}{shape}"
 
 
 def throughput(job: Job) -> dict[str, Any]:
@@ -85,6 +103,7 @@ def throughput(job: Job) -> dict[str, Any]:
             out = _generate(model, [q["prompt_token_ids"] for q in chunk],
                             max(q["output_len"] for q in chunk))
             made += sum(min(q["output_len"], out.shape[1]) for q in chunk)
+        _synchronize(model)
         elapsed = time.perf_counter() - start
         runs.append(throughput_result(elapsed, requests, made, peak_rss_bytes()))
         log(f"run {r + 1}/{len(job['runs'])}: {elapsed:.2f}s")

@@ -46,7 +46,8 @@ PEERS: dict[str, PeerSpec] = {
     p.name: p for p in (
         PeerSpec(
             name="hf",
-            description="Hugging Face transformers generate(), float32, left-padded batches",
+            description="Hugging Face transformers generate(), left-padded batches, on "
+                        "Quire's device at its dtype",
             install_steps=(("install", "torch==2.13.0", "transformers", "gguf", "accelerate",
                             "sentencepiece", "protobuf"),),
             worker=_HERE / "hf_worker.py", model_format="hf"),
