@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The cuda platform on a real NVIDIA GPU, in one call of the workplace's device tool:
+# the conformance suite in full mode, then `quire bench` W1 and W2 with the hf peer on
+# the same GPU. Everything is logged to $OUT/log.txt; the bench JSON lands in $OUT.
+#
+# Prepared here (the device machine has no network and starts bare):
+#   pip wheel --no-deps --no-build-isolation . plugins/cuda -w .whl
+#   pip download --no-deps ... gguf starlette uvicorn -d .whl   (see the device README)
+#   .devdata/smol: SmolLM2-135M-Instruct's config and tokenizer files (no weights: the
+#   GGUF is over the tool's 64 MiB limit, so the benchmark runs random weights of the
+#   same shapes; with ignore_eos and fixed lengths the work is the same).
+# Run with: device run, carry [".whl", ".devdata"], command "bash scripts/device_cuda_check.sh".
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1 QUIRE_CACHE_DIR=/tmp/qcache
+step() { echo; echo "== $1 ($(date +%T))"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+step "install (wheels, no network)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+quire() { python3 -m quire.cli "$@"; }
+quire plugins
+
+step "conformance, full mode"
+timeout 240 python3 -m quire.cli conformance --device cuda --require-available
+echo "conformance exit: $?"
+
+step "random-weight SmolLM2-135M-shaped checkpoint"
+python3 - <<'EOF'
+import shutil, torch, transformers
+from pathlib import Path
+torch.manual_seed(0)
+cfg = transformers.AutoConfig.from_pretrained(".devdata/smol")
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+model.save_pretrained("/tmp/smol")
+for f in Path(".devdata/smol").iterdir():
+    if f.name != "config.json":
+        shutil.copy(f, "/tmp/smol")
+print("saved", sum(p.numel() for p in model.parameters()), "parameters")
+EOF
+
+# The hf peer's "venv": the image's own Python, which has torch and transformers.
+mkdir -p /tmp/qcache/peers/hf/bin
+printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/qcache/peers/hf/bin/python
+chmod +x /tmp/qcache/peers/hf/bin/python
+
+bench() {  # name, then quire bench arguments
+  local name=$1; shift
+  step "bench $name"
+  timeout 150 python3 -m quire.cli bench "$@" --model /tmp/smol --device cuda \
+    --kv-cache-memory 16GiB --peer hf --output "$OUT/$name.json"
+  echo "bench $name exit: $?"
+}
+bench w1_bf16 throughput --workload W1 --dtype bfloat16
+bench w2_bf16 latency --workload W2 --dtype bfloat16
+bench w1_f32 throughput --workload W1 --dtype float32
+nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv
+step "done"
