@@ -9,8 +9,12 @@
 #   .devdata/smol: SmolLM2-135M-Instruct's config and tokenizer files (no weights: the
 #   GGUF is over the tool's 64 MiB limit, so the benchmark runs random weights of the
 #   same shapes; with ignore_eos and fixed lengths the work is the same).
-# Run with: device run, carry [".whl", ".devdata"], command "bash scripts/device_cuda_check.sh".
+# Run with: device run, carry [".whl", ".devdata"], command
+#   bash scripts/device_cuda_check.sh [conformance] [bench] [profile]
+# (default: conformance bench; profile: scripts/profile_steps.py on W1's and W2's shapes).
 set -u
+parts=${*:-conformance bench}
+wants() { [[ " $parts " == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -29,9 +33,11 @@ export PYTHONPATH=/tmp/site
 quire() { python3 -m quire.cli "$@"; }
 quire plugins
 
-step "conformance, full mode"
-timeout 240 python3 -m quire.cli conformance --device cuda --require-available
-echo "conformance exit: $?"
+if wants conformance; then
+  step "conformance, full mode"
+  timeout 240 python3 -m quire.cli conformance --device cuda --require-available
+  echo "conformance exit: $?"
+fi
 
 step "random-weight SmolLM2-135M-shaped checkpoint"
 python3 - <<'EOF'
@@ -59,8 +65,18 @@ bench() {  # name, then quire bench arguments
     --kv-cache-memory 16GiB --peer hf --output "$OUT/$name.json"
   echo "bench $name exit: $?"
 }
-bench w1_bf16 throughput --workload W1 --dtype bfloat16
-bench w2_bf16 latency --workload W2 --dtype bfloat16
-bench w1_f32 throughput --workload W1 --dtype float32
+if wants bench; then
+  bench w1_bf16 throughput --workload W1 --dtype bfloat16
+  bench w2_bf16 latency --workload W2 --dtype bfloat16
+  bench w1_f32 throughput --workload W1 --dtype float32
+fi
+if wants profile; then
+  for batch in 1 64; do
+    step "profile: $batch sequences, bfloat16"
+    timeout 120 python3 scripts/profile_steps.py --model /tmp/smol --device cuda \
+      --dtype bfloat16 --kv-cache-memory 16GiB --batch $batch --prompt-len 128 --steps 20 \
+      --top 12 2>&1 | grep -v "^USDT\|STAGE:" | tee "$OUT/profile_b$batch.txt"
+  done
+fi
 nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv
 step "done"
