@@ -125,7 +125,14 @@ CONFIGS = {
     "llama-biases": LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
     "qwen2-qkv-bias": Qwen2Config(**COMMON),
     "mistral-window-5": MistralConfig(**COMMON, sliding_window=5),
+    # SiLU runs eight lanes at a time: 100 leaves a tail of four
+    "llama-inter-100": LlamaConfig(**{**COMMON, "intermediate_size": 100}),
 }
+
+
+def _skip_unless_compact_fits(name: str, compact: bool) -> None:
+    if compact and CONFIGS[name].intermediate_size % 32:
+        pytest.skip("compact weights need the down projection's inputs in blocks of 32")
 
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "panels"])
@@ -134,6 +141,7 @@ def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, nam
                                                      compact: bool) -> None:
     if not compact and not kernels.has_panel_gemm:
         pytest.skip("this host has no AVX2/FMA: no panels")
+    _skip_unless_compact_fits(name, compact)
     fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
     taken = single if compact else batch
     prompt = [5, 17, 90, 3, 64, 11, 7]
@@ -165,6 +173,7 @@ def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, n
     kernel), on scattered pages, through the batch kernel, compact copies or not."""
     if not kernels.has_panel_gemm:
         pytest.skip("this host has no AVX2/FMA: no panels")
+    _skip_unless_compact_fits(name, compact)
     fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
     gen = torch.Generator().manual_seed(5)
     pages = torch.randperm(64, generator=gen).tolist()

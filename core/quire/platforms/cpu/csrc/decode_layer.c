@@ -135,17 +135,23 @@ int quire_decode_layer_f32(
                 residual_out[i] += o_out[i];
             quire_rms_norm_row(residual_out, norm_post, eps, hidden, normed);
         }
+        /* eight gate/up pairs at a time, so that SiLU takes them on eight lanes */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < inter; i++) {
-            float g = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
-                                        gate_up->scales, gate_up->offsets, i);
-            float u = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
-                                        gate_up->scales, gate_up->offsets, inter + i);
-            if (gate_up->bias) {
-                g += gate_up->bias[i];
-                u += gate_up->bias[inter + i];
+        for (int64_t i0 = 0; i0 < inter; i0 += 8) {
+            const int64_t n8 = inter - i0 < 8 ? inter - i0 : 8;
+            float g[8], u[8];
+            for (int64_t k = 0; k < n8; k++) {
+                const int64_t i = i0 + k;
+                g[k] = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
+                                         gate_up->scales, gate_up->offsets, i);
+                u[k] = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
+                                         gate_up->scales, gate_up->offsets, inter + i);
+                if (gate_up->bias) {
+                    g[k] += gate_up->bias[i];
+                    u[k] += gate_up->bias[inter + i];
+                }
             }
-            act[i] = g / (1.0f + expf(-g)) * u;
+            silu_mul(g, u, n8, act + i0);
         }
         gemv_team(down, act, out);
     }
