@@ -169,15 +169,27 @@ struct quire_panels {
  * (a 2048-token prompt chunk), and keeps a block's activations in cache. */
 #define BLOCK_ROWS 256
 
+/* Whether the shapes fit the layer's front half (up to attention)... */
+static int front_fits(int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                      const struct quire_panels *qkv) {
+    return hidden > 0 && hq > 0 && hkv > 0 && d > 0 && d % 2 == 0 &&
+           qkv->in_features == hidden && qkv->out_features == (hq + 2 * hkv) * d;
+}
+
+/* ...its back half (after attention)... */
+static int back_fits(int64_t hidden, const struct quire_panels *o,
+                     const struct quire_panels *gate_up, const struct quire_panels *down) {
+    return hidden > 0 && o->out_features == hidden && gate_up->in_features == hidden &&
+           gate_up->out_features % 2 == 0 && down->in_features == gate_up->out_features / 2 &&
+           down->out_features == hidden;
+}
+
+/* ...and the whole layer, attention between them included. */
 static int panels_fit(int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                       const struct quire_panels *qkv, const struct quire_panels *o,
                       const struct quire_panels *gate_up, const struct quire_panels *down) {
-    const int64_t inter = gate_up->out_features / 2;
-    return hidden > 0 && hq > 0 && hkv > 0 && hq % hkv == 0 && d > 0 && d % 2 == 0 &&
-           qkv->in_features == hidden && qkv->out_features == (hq + 2 * hkv) * d &&
-           o->in_features == hq * d && o->out_features == hidden &&
-           gate_up->in_features == hidden && gate_up->out_features % 2 == 0 &&
-           down->in_features == inter && down->out_features == hidden;
+    return front_fits(hidden, hq, hkv, d, qkv) && back_fits(hidden, o, gate_up, down) &&
+           hq % hkv == 0 && o->in_features == hq * d;
 }
 
 /* The widest input of the layer's products: how wide a row of packed rows gets. */
@@ -269,8 +281,7 @@ int quire_layer_front_f32(int64_t rows, const float *x, const float *residual, i
                           const float *norm_in, float eps, const struct quire_panels *qkv,
                           const float *cos, const float *sin, int64_t rot_stride, int64_t hq,
                           int64_t hkv, int64_t d, float *qkv_out, float *residual_out) {
-    if (rows <= 0 || hidden <= 0 || hq <= 0 || hkv <= 0 || d <= 0 || d % 2 ||
-        qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d)
+    if (rows <= 0 || !front_fits(hidden, hq, hkv, d, qkv))
         return 1;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS, qkv_n = qkv->out_features;
     float *normed = quire_thread_scratch((size_t)((block + 6) * 2 * hidden));
@@ -292,11 +303,9 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
                          const float *norm_post, float eps, const struct quire_panels *o,
                          const struct quire_panels *gate_up, const struct quire_panels *down,
                          float *out) {
-    const int64_t inter = gate_up->out_features / 2;
-    if (rows <= 0 || hidden <= 0 || o->out_features != hidden ||
-        gate_up->in_features != hidden || gate_up->out_features % 2 ||
-        down->in_features != inter || down->out_features != hidden)
+    if (rows <= 0 || !back_fits(hidden, o, gate_up, down))
         return 1;
+    const int64_t inter = gate_up->out_features / 2;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
     const int64_t widest = widest_input(hidden, o, down);
     float *scratch = quire_thread_scratch(
