@@ -12,11 +12,15 @@ Shapes are left to Dynamo's automatic dynamism: the first step compiles for its 
 token count, the first differing one recompiles with a symbolic count, and no later
 step compiles again.
 
-Measured on the cpu platform (2-core AMD EPYC, SmolLM2-135M float32, 1 thread, a shared
-host): no gain. Single-stream decode 67 ms/token against 59-63 eager, offline batch
-132 against 159 tokens/s (eager uses packed linears, which Inductor cannot lower, so a
-compiled model keeps ``F.linear``); a cold ``quire generate`` 54 s with an empty
-Inductor cache, 20 s with a warm one, against 12 s eager. Off by default.
+Measured on the cpu platform (2-core AMD EPYC, SmolLM2-135M float32): a loss, so off by
+default. The platform's C kernels (panel products, whole decode layers) are ``ctypes``
+calls and packed weights, which Inductor cannot trace, so a compiled model runs
+``F.linear`` and torch operators instead. On 2026-11-30 (commit ``2b54b11``,
+``docs/results/2026-11-30-d/``): ``quire bench latency --workload W2 --compile true``
+ITL p50 52.5 ms against 9.3 ms eager; ``quire bench throughput --workload W1 --compile
+true --repeats 1`` 298 total tokens/s against ~498 eager; ``quire generate --compile
+true`` 15.0 s wall with a warm Inductor cache, against 8.6-9.3 s eager. (Before the C
+kernels, with oneDNN products: 67 against 59-63 ms/token, 132 against 159 tokens/s.)
 """
 
 from __future__ import annotations
