@@ -87,7 +87,8 @@ class EngineConfig:
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
-                       "step, but minutes of compilation at the first start"),
+                       "step, but minutes of compilation at the first start; on the cpu "
+                       "platform it replaces the C kernels and is slower"),
     )
 
     def __post_init__(self) -> None:
