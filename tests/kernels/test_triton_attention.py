@@ -24,13 +24,12 @@ small; bigger ones are marked slow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from paged_cases import PagedCase, make_paged_case  # noqa: E402
 from quire.interfaces.attention import AttentionBatch  # noqa: E402
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
 from quire.platforms.cpu.attention import CpuAttentionBackend  # noqa: E402
@@ -56,15 +55,6 @@ SPLIT = TritonAttentionConfig(
 )
 
 
-@dataclass
-class Case:
-    batch: AttentionBatch
-    query: torch.Tensor  # [T, Hq, D]
-    key: torch.Tensor  # [T, Hkv, D], the new tokens only
-    value: torch.Tensor
-    kv_cache: torch.Tensor  # cached prefixes written, every other slot NaN
-
-
 def make_case(
     seqs: list[tuple[int, int]],
     block_size: int,
@@ -73,50 +63,12 @@ def make_case(
     dtype: torch.dtype,
     num_kv_heads: int = 2,
     seed: int = 0,
-) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+) -> PagedCase:
+    """Unwritten slots hold NaN: a kernel that reads one shows it."""
+    return make_paged_case(seqs, block_size, group, dtype, num_kv_heads=num_kv_heads,
+                           head_size=head_size, seed=seed)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    seq_lens = [c + q for c, q in seqs]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2  # spare pages nobody owns
-    owners = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(blocks_per_seq) + 1  # a padding column everywhere
-    block_tables = torch.randint(0, num_blocks, (len(seqs), width), generator=gen)
-
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    keys, values, new_slots = [], [], []
-    for i, ((cached, _), seq_len, n) in enumerate(zip(seqs, seq_lens, blocks_per_seq, strict=True)):
-        block_tables[i, :n] = torch.tensor(owners[:n])
-        owners = owners[n:]
-        pos = torch.arange(seq_len)
-        slots = block_tables[i, pos // block_size] * block_size + pos % block_size
-        k, v = randn(seq_len, num_kv_heads, head_size), randn(seq_len, num_kv_heads, head_size)
-        flat[0, slots[:cached]], flat[1, slots[:cached]] = k[:cached], v[:cached]
-        keys.append(k[cached:])
-        values.append(v[cached:])
-        new_slots.append(slots[cached:])
-
-    query_lens = tuple(q for _, q in seqs)
-    batch = AttentionBatch(
-        slot_mapping=torch.cat(new_slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=block_tables.to(torch.int32),
-        block_size=block_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens=query_lens,
-    )
-    query = randn(sum(query_lens), num_kv_heads * group, head_size)
-    return Case(batch, query, torch.cat(keys), torch.cat(values), kv_cache)
-
-
-def run(backend, case: Case, scale: float, window: int | None, cap: float | None):
+def run(backend, case: PagedCase, scale: float, window: int | None, cap: float | None):
     """(output, cache after the write) of one forward on a private copy of the cache."""
     kv_cache = case.kv_cache.clone()
     metadata = backend.build_metadata(case.batch)
@@ -126,7 +78,7 @@ def run(backend, case: Case, scale: float, window: int | None, cap: float | None
 
 
 def check_against_reference(
-    case: Case,
+    case: PagedCase,
     config: TritonAttentionConfig = SMALL,
     feature: str = "plain",
     scale: float | None = None,

@@ -11,11 +11,11 @@ cast of the output to bf16 (relative step 2**-8) plus float32 accumulation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
-
+from paged_cases import PagedCase, make_paged_case
 from quire.interfaces.attention import AttentionBatch
 from quire.platforms.cpu.attention import CpuAttentionBackend
 
@@ -28,17 +28,6 @@ DECODE_ONLY = [(4, 1), (15, 1), (31, 1), (0, 1)]
 PREFILL_ONLY = [(0, 5), (0, 17), (9, 9)]
 
 
-@dataclass
-class Case:
-    batch: AttentionBatch
-    query: torch.Tensor  # [T, Hq, D]
-    key: torch.Tensor  # [T, Hkv, D], the new tokens only
-    value: torch.Tensor
-    kv_cache: torch.Tensor  # prefixes already written, the rest random garbage
-    full_keys: list[torch.Tensor]  # per sequence [S, Hkv, D], prefix + new
-    full_values: list[torch.Tensor]
-
-
 def make_case(
     seqs: list[tuple[int, int]],
     block_size: int,
@@ -46,61 +35,20 @@ def make_case(
     dtype: torch.dtype,
     seed: int = 0,
     layout_seed: int | None = None,
-) -> Case:
-    """Random K/V/queries from ``seed``; block placement from ``layout_seed`` (or ``seed``)."""
-    gen = torch.Generator().manual_seed(seed)
-    layout_gen = torch.Generator().manual_seed(seed if layout_seed is None else layout_seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    seq_lens = [c + q for c, q in seqs]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
-    width = max(blocks_per_seq) + 1  # at least one padding column everywhere
-    owners = torch.randperm(num_blocks, generator=layout_gen).tolist()
-    block_tables = torch.randint(0, num_blocks, (len(seqs), width), generator=layout_gen)
-
-    backend = CpuAttentionBackend()
-    kv_cache = randn(*backend.kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE))
-    flat_cache = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
-    full_keys, full_values, new_slots = [], [], []
-    for i, ((cached, _), seq_len, n) in enumerate(zip(seqs, seq_lens, blocks_per_seq)):
-        block_tables[i, :n] = torch.tensor(owners[:n])
-        owners = owners[n:]
-        pos = torch.arange(seq_len)
-        slots = block_tables[i, pos // block_size] * block_size + pos % block_size
-        k, v = randn(seq_len, NUM_KV_HEADS, HEAD_SIZE), randn(seq_len, NUM_KV_HEADS, HEAD_SIZE)
-        flat_cache[0, slots[:cached]] = k[:cached]
-        flat_cache[1, slots[:cached]] = v[:cached]
-        full_keys.append(k)
-        full_values.append(v)
-        new_slots.append(slots[cached:])
-
-    query_lens = tuple(q for _, q in seqs)
-    batch = AttentionBatch(
-        slot_mapping=torch.cat(new_slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=block_tables.to(torch.int32),
-        block_size=block_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens=query_lens,
-    )
-    return Case(
-        batch=batch,
-        query=randn(sum(query_lens), NUM_KV_HEADS * group, HEAD_SIZE),
-        key=torch.cat([k[c:] for k, (c, _) in zip(full_keys, seqs)]),
-        value=torch.cat([v[c:] for v, (c, _) in zip(full_values, seqs)]),
-        kv_cache=kv_cache,
-        full_keys=full_keys,
-        full_values=full_values,
-    )
+) -> PagedCase:
+    """Random K/V/queries from ``seed``; block placement from ``layout_seed`` (or ``seed``);
+    unwritten slots hold random garbage (see the module doc)."""
+    case = make_paged_case(seqs, block_size, group, dtype, num_kv_heads=NUM_KV_HEADS,
+                           head_size=HEAD_SIZE, seed=seed, layout_seed=layout_seed,
+                           unwritten="random")
+    num_blocks = case.kv_cache.shape[1]
+    assert case.kv_cache.shape == CpuAttentionBackend().kv_cache_shape(
+        num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    return case
 
 
 def naive_attention(
-    case: Case, scale: float, window: int | None, soft_cap: float | None
+    case: PagedCase, scale: float, window: int | None, soft_cap: float | None
 ) -> torch.Tensor:
     """One sequence at a time over contiguous K/V, float64, HF repeat_interleave GQA."""
     outs = []
@@ -133,7 +81,7 @@ FEATURES = {
 
 
 def run_backend(
-    case: Case, scale: float, window: int | None, soft_cap: float | None
+    case: PagedCase, scale: float, window: int | None, soft_cap: float | None
 ) -> torch.Tensor:
     backend = CpuAttentionBackend()
     metadata = backend.build_metadata(case.batch)

@@ -21,11 +21,9 @@ without a soft cap and must meet the same tolerances.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-
+from paged_cases import PagedCase, make_paged_case
 from quire.interfaces.attention import AttentionBatch
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
@@ -69,67 +67,13 @@ def backend(request: pytest.FixtureRequest) -> CpuSdpaAttentionBackend:
     return CpuSdpaAttentionBackend(native=request.getfixturevalue("native"))
 
 
-@dataclass
-class Case:
-    batch: AttentionBatch
-    query: torch.Tensor  # [T, Hq, D]
-    key: torch.Tensor  # [T, Hkv, D]: the new tokens only
-    value: torch.Tensor
-    kv_cache: torch.Tensor  # prefixes written, every other slot NaN
-    full_keys: list[torch.Tensor]  # per sequence [S, Hkv, D]: prefix + new
-    full_values: list[torch.Tensor]
-
-
 def make_case(seqs: list[tuple[int, int]], block_size: int, group: int, dtype: torch.dtype,
-              seed: int) -> Case:
-    gen = torch.Generator().manual_seed(seed)
+              seed: int) -> PagedCase:
+    """Unwritten slots hold NaN: a backend that reads one shows it."""
+    return make_paged_case(seqs, block_size, group, dtype, num_kv_heads=NUM_KV_HEADS,
+                           head_size=HEAD_SIZE, seed=seed)
 
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    seq_lens = [c + q for c, q in seqs]
-    blocks = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks) + 4
-    owners = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.randint(0, num_blocks, (len(seqs), max(blocks) + 2), generator=gen)
-    shape = CpuAttentionBackend().kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS,
-                                                 HEAD_SIZE)
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
-    flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
-    keys, values, new_slots = [], [], []
-    for i, ((cached, _), seq_len, n) in enumerate(zip(seqs, seq_lens, blocks)):
-        tables[i, :n] = torch.tensor(owners[:n])
-        owners = owners[n:]
-        pos = torch.arange(seq_len)
-        slots = tables[i, pos // block_size] * block_size + pos % block_size
-        k, v = randn(seq_len, NUM_KV_HEADS, HEAD_SIZE), randn(seq_len, NUM_KV_HEADS, HEAD_SIZE)
-        flat[0, slots[:cached]], flat[1, slots[:cached]] = k[:cached], v[:cached]
-        keys.append(k)
-        values.append(v)
-        new_slots.append(slots[cached:])
-    query_lens = tuple(q for _, q in seqs)
-    batch = AttentionBatch(
-        slot_mapping=torch.cat(new_slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=tables.to(torch.int32),
-        block_size=block_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens=query_lens,
-    )
-    return Case(
-        batch=batch,
-        query=randn(sum(query_lens), NUM_KV_HEADS * group, HEAD_SIZE),
-        key=torch.cat([k[c:] for k, (c, _) in zip(keys, seqs)]),
-        value=torch.cat([v[c:] for v, (c, _) in zip(values, seqs)]),
-        kv_cache=kv_cache,
-        full_keys=keys,
-        full_values=values,
-    )
-
-
-def dense_float64(case: Case, scale: float, window: int | None,
+def dense_float64(case: PagedCase, scale: float, window: int | None,
                   cap: float | None) -> torch.Tensor:
     """One sequence at a time over contiguous K/V, float64, HF repeat_interleave GQA."""
     outs = []
@@ -152,7 +96,7 @@ def dense_float64(case: Case, scale: float, window: int | None,
     return torch.cat(outs)
 
 
-def run(backend: CpuAttentionBackend, case: Case, scale: float, window: int | None,
+def run(backend: CpuAttentionBackend, case: PagedCase, scale: float, window: int | None,
         cap: float | None, *, fused: bool = True) -> torch.Tensor:
     """Through ``forward`` (write then attend, the model's call) or the two calls apart."""
     cache = case.kv_cache.clone()
