@@ -13,9 +13,10 @@ One call runs, for every row with that row's own parameters:
 | min-p, top-k, top-p | the rest | drop tokens (vLLM v1 order) |
 | sample | the rest | exponential race: ``argmax(probs / Exponential(1))`` |
 
-The parts live in :mod:`quire.sampling` (the argmax too: :mod:`quire.sampling.argmax`). The sampler owns three pieces of state: the
-cached :class:`~quire.sampling.batch.BatchParams` of the last composition, the token
-counts inside it, and the generators (:class:`~quire.sampling.noise.NoiseSource`).
+The parts live in :mod:`quire.sampling` (the argmax too: :mod:`quire.sampling.argmax`).
+The sampler owns three pieces of state: the cached
+:class:`~quire.sampling.batch.BatchParams` of the last composition, the token counts
+inside it, and the generators (:class:`~quire.sampling.noise.NoiseSource`).
 """
 
 from __future__ import annotations
