@@ -98,17 +98,3 @@ class IncrementalDetokenizer:
                                            spaces_between_special_tokens)
         state.prefix_offset = state.read_offset = len(token_ids)
         return full[len(prefix) :] if full.startswith(prefix) else ""
-
-
-def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest stop string that ends inside the last ``new_chars`` characters.
-
-    :returns: (index where it starts, the stop string), or None.
-    """
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
