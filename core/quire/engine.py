@@ -27,7 +27,7 @@ from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.output_processor import OutputProcessor, RequestState
-from quire.outputs import RequestOutput
+from quire.outputs import RequestOutput, RequestOutputKind
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
@@ -49,6 +49,22 @@ class KVCacheSpec:
     @classmethod
     def of(cls, model: CausalLM) -> "KVCacheSpec":
         return cls(model.num_layers, model.num_kv_heads, model.head_dim)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine reports of its state between two steps: the one message the
+    server (metrics, health, tests) reads instead of the scheduler's attributes."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    has_unfinished: bool
 
 
 class LLMEngine:
@@ -225,11 +241,26 @@ class LLMEngine:
             if not out.seq.is_finished:
                 self.scheduler.abort(out.seq)
             self.sampler.release(out.seq.seq_id)
+        for index in range(len(req.outputs), req.params.n):  # samples not forked yet
+            seq = self._new_sequence(request_id, req.prompt_token_ids, req.params, index)
+            self.scheduler.abort(seq)
+            self.processor.track(req, seq)
         req.finished_time = time.monotonic()
         return self.processor.make_output(req, req.outputs[0].seq.num_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the scheduler's queues and the KV pool; call between steps."""
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_usage=bm.usage, num_used_blocks=bm.num_used_blocks, num_blocks=bm.num_blocks,
+            num_preemptions=sched.stats.num_preemptions,
+            prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
+            has_unfinished=self.has_unfinished_requests(),
+        )
 
     # -- the step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -237,7 +268,8 @@ class LLMEngine:
         """Schedule, run one forward, sample; report every request that changed.
 
         :param final_only: report only requests that finished (skips building the
-            cumulative outputs of running requests, which nobody reads offline).
+            cumulative outputs of running requests, which nobody reads offline), whatever
+            each request's ``output_kind``.
         """
         out = self.scheduler.schedule()
         if not out:
@@ -263,7 +295,8 @@ class LLMEngine:
                 token, lp = sampled.token_ids[row], sampled.logprobs[row]
                 logprobs = None if lp is None else self.processor.token_logprobs(
                     token, lp.logprob, lp.rank, lp.top)
-                reason = self.processor.append_token(req.outputs[seq.index], token, logprobs)
+                reason = self.processor.append_token(req, req.outputs[seq.index], token,
+                                                     logprobs)
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
                     self.sampler.release(seq.seq_id)
@@ -273,7 +306,8 @@ class LLMEngine:
             finished = req.finished
             if finished:
                 req.finished_time = time.monotonic()
-            if finished or not final_only:
+            if finished or not (final_only or
+                                req.params.output_kind is RequestOutputKind.FINAL_ONLY):
                 outputs.append(self.processor.make_output(req,
                                                           req.outputs[0].seq.num_cached_tokens))
             if finished:

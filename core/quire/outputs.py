@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a running request carries (vLLM's names).
+
+    ``CUMULATIVE``: everything so far (the offline API's default). ``DELTA``: only what is
+    new since the request's previous output: text, token ids and logprobs of that step,
+    prompt logprobs in the first output only; a sample with nothing new is left out until
+    it finishes. Streams need only that, and it keeps what a slow reader's queue holds
+    proportional to what it has not read. ``FINAL_ONLY``: one output, when it finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -23,7 +39,8 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request. Text and ids are cumulative."""
+    """One generated sequence of a request. Text, ids and logprobs are cumulative, or
+    what is new since the previous output for ``RequestOutputKind.DELTA``."""
 
     index: int
     text: str
@@ -39,6 +56,18 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: CompletionOutput) -> None:
+        """Append ``delta`` (the same sample's next ``DELTA`` output) in place."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
 
 
 @dataclass(frozen=True)
@@ -95,3 +124,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     #: Timings so far; not part of the output's value (left out of ``==``).
     metrics: RequestMetrics | None = field(default=None, compare=False)
+
+    def add(self, delta: RequestOutput) -> None:
+        """Merge ``delta`` (this request's next ``DELTA`` output) into this one in place,
+        so that a run of deltas adds up to the cumulative output."""
+        own = {c.index: c for c in self.outputs}
+        for c in delta.outputs:
+            if c.index in own:
+                own[c.index].add(c)
+            else:
+                self.outputs.append(CompletionOutput(
+                    c.index, c.text, list(c.token_ids),
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.cumulative_logprob, c.finish_reason, c.stop_reason))
+        self.outputs.sort(key=lambda c: c.index)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.metrics = delta.metrics

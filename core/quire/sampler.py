@@ -140,6 +140,9 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
         x = logits if rnd.all_rows else logits[rnd.rows]
         x.div_(rnd.temperature)
+        # an extreme (valid) repetition penalty can push a logit to +inf, and softmax of
+        # a row holding +inf is NaN; the largest finite value keeps that token the likeliest
+        x.clamp_(max=torch.finfo(x.dtype).max)
         if rnd.log_min_p is not None:
             apply_min_p(x, rnd.log_min_p)
         x = apply_top_k_top_p(x, rnd.top_k, rnd.top_k_max, rnd.top_p)

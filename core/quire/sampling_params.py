@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from quire.outputs import RequestOutputKind
+
 logger = logging.getLogger(__name__)
 
 #: Temperatures in (0, MIN_TEMPERATURE) are raised to it, as vLLM does: below it the
@@ -25,6 +27,12 @@ LOGIT_BIAS_LIMIT = 100.0
 DEFAULT_MAX_LOGPROBS = 20
 # torch.Generator.manual_seed takes a 64-bit value; child seeds are seed + index.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+#: The sampler computes in float32: its largest finite value and smallest normal one.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+#: Integer fields whose value has no useful meaning past this (they become int64 tensors
+#: or counts of tokens); larger values are refused rather than overflow.
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -39,6 +47,11 @@ class SamplingParams:
       ``top_p``/``top_k``/``min_p`` are reset to "off" and ``n`` must be 1 (vLLM).
       Values in (0, 0.01) are raised to 0.01 with a warning (vLLM). Range [0, 2]
       (current vLLM and OpenAI; older vLLM releases accepted any value >= 0).
+    * ``top_p`` in (0, 1.18e-38) (float32's smallest normal value) is raised to it:
+      in the sampler's float32 it would be 0, which keeps nothing; at that value only the
+      most likely token is kept, i.e. the choice is greedy.
+    * ``repetition_penalty`` must be in float32's normal range [1.18e-38, 3.4e38], so
+      that it is neither 0 nor infinite where the sampler uses it.
     * ``top_k``: 0 or -1 both mean off (vLLM accepts both); stored as 0.
     * ``seed``: -1 means no seed (vLLM). Sequence ``i`` of a seeded request with
       ``n > 1`` samples with seed ``seed + i`` (vLLM's parallel sampling), see
@@ -105,6 +118,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     #: Token id -> value added to its logit, in [-100, 100].
     logit_bias: Mapping[int, float] | None = field(default=None)
+    #: What each output of a running request carries: everything so far, only what is
+    #: new (streams), or nothing until it finishes.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -119,8 +135,9 @@ class SamplingParams:
         self.presence_penalty = _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _float("frequency_penalty", self.frequency_penalty,
                                         -2.0, 2.0)
-        rp = _float("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
-                    "(0, inf)", lo_open=True, hi_open=True)
+        rp = _float("repetition_penalty", self.repetition_penalty, FLOAT32_TINY,
+                    FLOAT32_MAX, "(0, inf) and within float32's normal range "
+                    "[1.18e-38, 3.4e38]")
         self.repetition_penalty = rp
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
@@ -132,9 +149,10 @@ class SamplingParams:
                            MIN_TEMPERATURE)
             t = MIN_TEMPERATURE
         self.temperature = t
-        self.top_p = _float("top_p", self.top_p, 0.0, 1.0, "(0, 1]", lo_open=True)
+        self.top_p = max(_float("top_p", self.top_p, 0.0, 1.0, "(0, 1]", lo_open=True),
+                         FLOAT32_TINY)
         top_k = self.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k <= INT64_MAX:
             raise ValueError(f"top_k must be 0 or -1 (off) or an integer >= 1, got {top_k!r}")
         self.top_k = max(top_k, 0)
         self.min_p = _float("min_p", self.min_p, 0.0, 1.0)
@@ -150,8 +168,8 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
-        self.min_tokens = _int("min_tokens", self.min_tokens, lo=0)
+            self.max_tokens = _int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
@@ -171,7 +189,8 @@ class SamplingParams:
             self.stop_token_ids = ()
         else:
             ids = tuple(ids) if not isinstance(ids, tuple) else ids
-            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
+                   for t in ids):
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), "
                                  f"got {ids!r}")
             self.stop_token_ids = tuple(dict.fromkeys(ids))
@@ -180,13 +199,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < -1):
+                                      or not -1 <= value <= INT64_MAX):
                 raise ValueError(f"{name} must be None, an integer >= 0, or -1 (whole "
                                  f"vocabulary), got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}")
 
     # -- what the engine asks --------------------------------------------------------------
     def check_against(self, *, vocab_size: int,
@@ -250,6 +272,10 @@ def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
 def _float(name: str, value: object, lo: float, hi: float, shown: str | None = None, *,
            lo_open: bool = False, hi_open: bool = False) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            value = float(value)  # an int past float's range (JSON allows 1e400 as int)
+        except OverflowError:
+            value = math.inf if value > 0 else -math.inf
         # Comparisons are False for NaN, so NaN is refused too.
         above = value > lo if lo_open else value >= lo
         below = value < hi if hi_open else value <= hi
