@@ -12,6 +12,7 @@ import glob
 import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     names); without safetensors, ``pytorch_model*.bin`` (loaded ``weights_only``).
 
     :raises FileNotFoundError: when the directory holds no weight files.
+    :raises ValueError: for a weight file that resolves outside the directory.
     """
     if is_gguf(path):
         yield from iter_gguf_weights(path)
@@ -110,17 +112,43 @@ def load_model(
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    return [f for f in files if not os.path.basename(f).startswith("consolidated")]
+        return _indexed_files(path, index)
+    names = _globbed_names(path, "*.safetensors")
+    return _inside(path, [n for n in names if not n.startswith("consolidated")])
 
 
 def _bin_files(path: str) -> list[str]:
     index = os.path.join(path, "pytorch_model.bin.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
-    return sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+        return _indexed_files(path, index)
+    return _inside(path, _globbed_names(path, "pytorch_model*.bin"))
+
+
+def _indexed_files(path: str, index: str) -> list[str]:
+    """The weight files an index json's ``weight_map`` names, checked by :func:`_inside`."""
+    with open(index) as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    return _inside(path, names)
+
+
+def _globbed_names(path: str, pattern: str) -> list[str]:
+    return sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, pattern)))
+
+
+def _inside(path: str, names: Iterable[str]) -> list[str]:
+    """``path/name`` for each of ``names``, each checked to name a file inside ``path``.
+
+    A checkpoint may be untrusted: its index may name ``../x`` or ``/x``. The check is on
+    the names, not on where links lead: a weight file linked to another disk (or the
+    Hugging Face cache's ``blobs``) is the owner's arrangement, not the checkpoint's.
+
+    :raises ValueError: naming the file and the directory, for a name that leaves it.
+    """
+    files = []
+    for name in names:
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(f"{path}: the weight file name {name!r} points outside the "
+                             f"checkpoint directory")
+        files.append(os.path.join(path, name))
+    return files
