@@ -14,12 +14,13 @@ from quire.server.async_engine import AsyncEngine
 
 
 class Server:
-    """uvicorn serving ``app`` in a daemon thread on an ephemeral port."""
+    """uvicorn serving ``app`` in a daemon thread on an ephemeral port; ``config_kw`` are
+    further ``uvicorn.Config`` options (``http``, ``limit_concurrency``, ...)."""
 
-    def __init__(self, app: Any, engine: AsyncEngine | None = None) -> None:
+    def __init__(self, app: Any, engine: AsyncEngine | None = None, **config_kw: Any) -> None:
         self.engine = engine
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                log_level="warning"))
+                                                log_level="warning", **config_kw))
         self.uv.install_signal_handlers = lambda: None  # signals belong to the main thread
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()

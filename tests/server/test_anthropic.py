@@ -12,6 +12,7 @@ import pytest
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.server.app import create_app
+from quire.server.limits import ServerLimits
 from server_thread import serve_stepped, wait_idle
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
@@ -29,7 +30,8 @@ def server(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
     engine = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", max_model_len=128))
     srv = serve_stepped(engine, lambda aengine: create_app(
-        aengine, MODEL, api_key=KEY, max_body_bytes=20_000, chat_template=CHAT_TEMPLATE),
+        aengine, MODEL, api_key=KEY, limits=ServerLimits(max_body_bytes=20_000),
+        chat_template=CHAT_TEMPLATE),
         max_waiting_requests=8)
     yield srv
     srv.stop()

@@ -14,9 +14,8 @@ import httpx
 import pytest
 from prometheus_text import parse, value
 from quire.config import EngineConfig
-from quire.engine import LLMEngine
+from quire.engine import EngineStats, LLMEngine
 from quire.sampling_params import SamplingParams
-from quire.scheduler import SchedulerStats
 from quire.server.app import create_app
 from quire.server.async_engine import AsyncEngine, _Stop
 from server_thread import Server
@@ -218,8 +217,9 @@ def test_dead_engine_thread_is_503():
     fake = SimpleNamespace(
         tokenizer=object(), has_unfinished_requests=lambda: False,
         config=SimpleNamespace(max_model_len=16, engine=SimpleNamespace(model="fake")),
-        scheduler=SimpleNamespace(running=[], waiting=[], stats=SchedulerStats()),
-        block_manager=SimpleNamespace(usage=0.0, num_used_blocks=0, num_blocks=4))
+        stats=lambda: EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
+                                  num_used_blocks=0, num_blocks=4, num_preemptions=0,
+                                  prefix_queries=0, prefix_hits=0, has_unfinished=False))
     aengine = AsyncEngine(fake)  # type: ignore[arg-type]
     app = create_app(aengine, MODEL)
     assert TestClient(app).get("/metrics").status_code == 503  # never started

@@ -12,6 +12,7 @@ import pytest
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.server.app import create_app
+from quire.server.limits import ServerLimits
 from server_thread import serve_stepped, wait_idle
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
@@ -27,7 +28,8 @@ def server(tiny_checkpoint):
     # a test may slow each step down (seconds in step_delay[0]) to catch a request mid-run,
     # or, while `hold` is set, let one step run and hold the engine thread before the next
     srv = serve_stepped(engine, lambda aengine: create_app(
-        aengine, MODEL, api_key=KEY, max_body_bytes=20_000, chat_template=CHAT_TEMPLATE),
+        aengine, MODEL, api_key=KEY, limits=ServerLimits(max_body_bytes=20_000),
+            chat_template=CHAT_TEMPLATE),
         max_waiting_requests=8)
     yield srv
     srv.stop()

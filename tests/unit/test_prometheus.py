@@ -9,7 +9,7 @@ import re
 import pytest
 
 from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from quire.server.async_engine import EngineStats
+from quire.engine import EngineStats
 from quire.server.metrics import ServerMetrics, finish_reason, token_buckets
 from quire.server.prometheus import CONTENT_TYPE, Registry
 from prometheus_text import buckets, parse, value
@@ -156,9 +156,10 @@ def stats(**kw) -> EngineStats:
 
 def test_server_metrics_follow_a_request_token_by_token():
     m = ServerMetrics(max_model_len=128)
+    # the server's outputs are deltas: one new token each
     m.observe(output("a", 1, first=101.0))
-    m.observe(output("a", 2, first=101.0, last=101.25))
-    m.observe(output("a", 3, first=101.0, last=101.75, finished=101.75, reason="length"))
+    m.observe(output("a", 1, first=101.0, last=101.25))
+    m.observe(output("a", 1, first=101.0, last=101.75, finished=101.75, reason="length"))
     samples, types, _ = parse(m.render(stats()))
     assert value(samples, "quire:prompt_tokens_total") == 7
     assert value(samples, "quire:generation_tokens_total") == 3
@@ -181,9 +182,10 @@ def test_server_metrics_count_aborts_before_and_after_the_first_token():
     m = ServerMetrics(max_model_len=128)
     # aborted while waiting: never scheduled, no token, prompt never computed
     m.observe(output("w", 0, scheduled=None, first=None, finished=100.2, reason="abort"))
-    # aborted mid-run: the abort output repeats the last token time, adding no latency
+    # aborted mid-run: the abort output adds no token and repeats the last token time,
+    # adding no latency
     m.observe(output("r", 1, first=101.0))
-    m.observe(output("r", 1, first=101.0, finished=102.0, reason="abort"))
+    m.observe(output("r", 0, first=101.0, last=101.0, finished=102.0, reason="abort"))
     samples, _, _ = parse(m.render(stats()))
     assert value(samples, "quire:request_success_total", finished_reason="abort") == 2
     assert value(samples, "quire:e2e_request_latency_seconds_count") == 2

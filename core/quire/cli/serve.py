@@ -5,18 +5,52 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quire.cli.common import UsageError, open_registry
 from quire.cli.engine_options import add_engine_options, engine_config_from_args
+from quire.server.limits import (
+    MIN_DEFAULT_PROMPT_BYTES,
+    PROMPT_BYTES_PER_TOKEN,
+    ServerLimits,
+    flag,
+)
 
 if TYPE_CHECKING:
     from quire.server.async_engine import AsyncEngine
+
+#: ``--api-key`` when neither the flag nor ``--config`` gives one (vLLM reads VLLM_API_KEY):
+#: a key in the environment is not shown by ``ps`` as a command line is.
+API_KEY_ENV = "QUIRE_API_KEY"
+
+#: The help of each ``ServerLimits`` field's flag; the flag's name and default come from
+#: the field.
+_LIMIT_HELP: dict[str, str] = {
+    "max_body_bytes": "largest request body, in bytes; a larger one gets HTTP 413",
+    "max_prompt_bytes": f"largest prompt text of one request, in UTF-8 bytes (default: "
+                        f"{PROMPT_BYTES_PER_TOKEN} per token of the context, at least "
+                        f"{MIN_DEFAULT_PROMPT_BYTES})",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_string_chars": "longest stop string, in characters; streams hold back "
+                             "that many",
+    "max_sequences_per_request": "most sequences per request: prompts times n",
+    "max_stream_backlog": "most outputs a stream may queue unread; beyond it the client "
+                          "is disconnected and its request aborted",
+    "header_timeout_s": "seconds a client may take to send a request's headers, from the "
+                        "connection's opening or the request's first byte; then the "
+                        "connection is closed",
+    "body_timeout_s": "seconds a client may take to send a request's body, once its "
+                      "headers are in",
+    "stream_send_timeout_s": "seconds a stream may wait for the client to take one event "
+                             "before it is cut",
+}
 
 
 def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
@@ -26,7 +60,9 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                             f"${API_KEY_ENV}; prefer it or --config to this flag, which "
+                             "'ps' shows to every user)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests queued beyond this get HTTP 503")
     parser.add_argument("--served-model-name", default=None,
@@ -40,8 +76,65 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight requests may run on "
                              "before they are aborted")
+    parser.add_argument("--limit-concurrency", type=int, default=512, metavar="N",
+                        help="most open connections (or requests in progress) before new "
+                             "requests get HTTP 503; 0: no cap. 512 holds the waiting queue, "
+                             "the running batch and idle keep-alive clients, well within the "
+                             "usual limit of 1024 open files (default: %(default)s)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="how long an idle keep-alive connection is kept open "
+                             "(default: %(default)s)")
+    _add_limit_options(parser)
     add_engine_options(parser)
     parser.set_defaults(run=run)
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``ServerLimits`` field, its default the field's."""
+    defaults = ServerLimits()
+    for field in dataclasses.fields(ServerLimits):
+        default = getattr(defaults, field.name)
+        seconds = field.name.endswith("_s")
+        shown = "" if default is None else " (default: %(default)s)"
+        parser.add_argument(flag(field.name), type=float if seconds else int, default=default,
+                            metavar="SECONDS" if seconds else "N",
+                            help=_LIMIT_HELP[field.name] + shown)
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """:raises UsageError: naming the flag whose value ``ServerLimits`` rejected."""
+    values = {f.name: getattr(args, _dest(f.name)) for f in dataclasses.fields(ServerLimits)}
+    try:
+        return ServerLimits(**values)
+    except ValueError as exc:
+        name, _, reason = str(exc).partition(" ")  # its messages begin with the field
+        if name in values:
+            raise UsageError(f"{flag(name)}: {reason}") from exc
+        raise UsageError(str(exc)) from exc
+
+
+def api_key_from(args: argparse.Namespace,
+                 environ: Mapping[str, str] | None = None) -> str | None:
+    """``--api-key`` (from the command line or ``--config``), else ``$QUIRE_API_KEY``."""
+    if args.api_key is not None:
+        return str(args.api_key)
+    environ = os.environ if environ is None else environ
+    return environ.get(API_KEY_ENV) or None
+
+
+def connection_options(args: argparse.Namespace, limits: ServerLimits) -> dict[str, Any]:
+    """The ``uvicorn.Config`` options that bound connections: the header deadline, the
+    cap on connections, the keep-alive time."""
+    from quire.server.http_protocol import http_protocol_class
+
+    return {"http": http_protocol_class(limits.header_timeout_s),
+            "limit_concurrency": args.limit_concurrency or None,
+            "timeout_keep_alive": args.timeout_keep_alive}
+
+
+def _dest(name: str) -> str:
+    """The ``args`` attribute of limit ``name``'s flag."""
+    return flag(name)[2:].replace("-", "_")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,21 +144,26 @@ def run(args: argparse.Namespace) -> int:
     from quire.server.app import create_app
     from quire.server.async_engine import AsyncEngine
 
-    _configure_logging(args.log_level)
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout: must be >= 0")
     if args.max_waiting_requests < 1:
         raise UsageError("--max-waiting-requests: must be >= 1")
+    if args.limit_concurrency < 0:
+        raise UsageError("--limit-concurrency: must be >= 0 (0: no cap)")
+    if not args.timeout_keep_alive > 0:
+        raise UsageError("--timeout-keep-alive: must be > 0")
+    limits = limits_from_args(args)
+    _configure_logging(args.log_level)
     template = Path(args.chat_template).read_text() if args.chat_template else None
     config = engine_config_from_args(args)
     try:
         engine = LLMEngine(config, open_registry(args))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    app = create_app(async_engine,
-                     args.served_model_name or args.model, api_key=args.api_key,
-                     chat_template=template)
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
+                               max_stream_backlog=limits.max_stream_backlog)
+    app = create_app(async_engine, args.served_model_name or args.model,
+                     api_key=api_key_from(args), limits=limits, chat_template=template)
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
     # the app's lifespan shutdown (which joins the engine thread) and returns; its own
     # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
@@ -73,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     # access log is off.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            **connection_options(args, limits))
     _graceful_server_class()(config, async_engine, args.shutdown_timeout).run()
     return 0
 

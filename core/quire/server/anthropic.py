@@ -24,8 +24,7 @@ from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.server.async_engine import EngineStopped, RequestStream
 from quire.server.errors import APIError, bad_request, from_value_error
-from quire.server.protocol import ParsedRequest, render_chat, get
-from quire.server.responses import usage
+from quire.server.protocol import ParsedRequest, RequestBounds, check_text, get, render_chat
 
 _NUMBER = (int, float)
 _ROLES = ("user", "assistant")
@@ -51,23 +50,25 @@ def check_api_key(headers: Mapping[str, str], api_key: str | None) -> None:
                             "Authorization: Bearer ...)", type="authentication_error")
 
 
-def parse_messages(body: Mapping[str, Any], tokenizer: Any,
-                   chat_template: str | None) -> ParsedRequest:
-    """A ``/v1/messages`` body. :raises APIError: 400 naming the bad field."""
+def parse_messages(body: Mapping[str, Any], chat_template: str | None,
+                   bounds: RequestBounds, *, tokenizer: Any) -> ParsedRequest:
+    """A ``/v1/messages`` body; blocking (it renders and tokenizes the prompt), checked
+    cheapest first. :raises APIError: 400 naming the bad field."""
     model = _required(body, "model", str)
     max_tokens = _required(body, "max_tokens", int)
     chat = _turns(body.get("messages"))
     system = _system(body.get("system"))
     if system is not None:
         chat.insert(0, {"role": "system", "content": system})
+    bounds.check_prompt_bytes(sum(len(t["content"].encode("utf-8")) for t in chat))
+    params = _sampling_params(body, max_tokens, bounds)
     # A last assistant turn is a prefill: the answer continues it rather than following it.
     prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else ""
     text = render_chat(chat, tokenizer, chat_template) + prefill
     return ParsedRequest(model=model, prompt=text,
                          token_ids=tokenizer.encode(text, add_special_tokens=False),
-                         params=_sampling_params(body, max_tokens),
-                         stream=get(body, "stream", bool, False), include_usage=False,
-                         top_logprobs=None)
+                         params=params, stream=get(body, "stream", bool, False),
+                         include_usage=False, top_logprobs=None)
 
 
 def _required(body: Mapping[str, Any], name: str, kind: type) -> Any:
@@ -103,7 +104,7 @@ def _system(system: Any) -> str | None:
 def _text(content: Any, field: str) -> str:
     """A string, or a list of text blocks joined; other block types are refused."""
     if isinstance(content, str):
-        return content
+        return check_text(content, field, field)
     if not isinstance(content, list):
         raise bad_request(f"{field} must be a string or a list of text blocks",
                           param=field)
@@ -115,10 +116,11 @@ def _text(content: Any, field: str) -> str:
                               f"\"text\": ...}}; block type {kind!r} is not supported",
                               param=f"{field}[{j}]")
         parts.append(block["text"])
-    return "".join(parts)
+    return check_text("".join(parts), field, field)
 
 
-def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling_params(body: Mapping[str, Any], max_tokens: int,
+                     bounds: RequestBounds) -> SamplingParams:
     temperature = get(body, "temperature", _NUMBER, 1.0)
     if not 0 <= temperature <= 1:  # Anthropic's range; also refuses NaN
         raise bad_request(f"temperature must be in [0, 1], got {temperature}",
@@ -127,6 +129,7 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams
     if not all(isinstance(s, str) and s for s in stops):
         raise bad_request("stop_sequences must be a list of non-empty strings",
                           param="stop_sequences")
+    bounds.check_stops(stops, "stop_sequences")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=get(body, "top_p", _NUMBER, 1.0),
@@ -136,10 +139,13 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams
 
 
 # -- answers -----------------------------------------------------------------------------
-def stop_reason(c: CompletionOutput, max_tokens: int | None) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for the finished output ``c``."""
+def stop_reason(c: CompletionOutput, max_tokens: int | None,
+                num_tokens: int | None = None) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for the finished output ``c``
+    of ``num_tokens`` tokens (``len(c.token_ids)`` unless ``c`` is a delta)."""
     if c.finish_reason == "length":
-        hit_max = max_tokens is not None and len(c.token_ids) >= max_tokens
+        num_tokens = len(c.token_ids) if num_tokens is None else num_tokens
+        hit_max = max_tokens is not None and num_tokens >= max_tokens
         return ("max_tokens" if hit_max else "model_context_window_exceeded"), None
     if isinstance(c.stop_reason, str):  # a stop string; a token id is a kind of EOS
         return "stop_sequence", c.stop_reason
@@ -148,7 +154,7 @@ def stop_reason(c: CompletionOutput, max_tokens: int | None) -> tuple[str, str |
 
 class MessageShaper:
     """Builds one request's Message, whole or as stream events (dicts whose ``type`` is
-    the event name); for streams it remembers how much text was sent."""
+    the event name); for streams it counts the tokens sent."""
 
     def __init__(self, *, model: str, request_id: str, input_tokens: int,
                  max_tokens: int | None) -> None:
@@ -156,7 +162,8 @@ class MessageShaper:
         self.id = "msg_" + request_id
         self.input_tokens = input_tokens
         self.max_tokens = max_tokens
-        self._sent = 0
+        #: Tokens streamed so far.
+        self.output_tokens = 0
 
     def _message(self, c: CompletionOutput | None) -> dict[str, Any]:
         """The Message for the finished output ``c``, or the empty one a stream opens."""
@@ -182,22 +189,30 @@ class MessageShaper:
                 {"type": "ping"}]
 
     def deltas(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The text that ``out`` adds to what was sent (streamed text only ever grows)."""
-        text = out.outputs[0].text[self._sent:]
-        self._sent += len(text)
-        if not text:
+        """The events for ``out``, a ``DELTA`` output (the text and tokens of one step)."""
+        if not out.outputs:
+            return []
+        c = out.outputs[0]
+        self.output_tokens += len(c.token_ids)
+        if not c.text:
             return []
         return [{"type": "content_block_delta", "index": 0,
-                 "delta": {"type": "text_delta", "text": text}}]
+                 "delta": {"type": "text_delta", "text": c.text}}]
 
     def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
-        c = out.outputs[0]
-        reason, sequence = stop_reason(c, self.max_tokens)
+        """The closing events; ``out`` is the last ``DELTA`` output."""
+        reason, sequence = stop_reason(out.outputs[0], self.max_tokens,
+                                       self.output_tokens)
         return [{"type": "content_block_stop", "index": 0},
                 {"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                 "usage": {"output_tokens": len(c.token_ids)}},
+                 "usage": {"output_tokens": self.output_tokens}},
                 {"type": "message_stop"}]
+
+    def usage(self) -> dict[str, int]:
+        """The streamed request's token counts, in OpenAI's shape (for the access log)."""
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens,
+                "total_tokens": self.input_tokens + self.output_tokens}
 
 
 async def events(stream: RequestStream, shaper: MessageShaper,
@@ -218,8 +233,8 @@ async def events(stream: RequestStream, shaper: MessageShaper,
         yield _sse(error_body(failed))
     finally:
         stream.abort()
+    state.usage = shaper.usage()
     if final is not None and final.finished:
-        state.usage = usage(final)
         for event in shaper.finish(final):
             yield _sse(event)
 

@@ -4,9 +4,14 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``, and Anthropic's
 ``POST /v1/messages``. Every error is answered in OpenAI's shape (see
 :mod:`quire.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
-:mod:`quire.server.anthropic`). ``GET /metrics`` answers Prometheus text (see
-:mod:`quire.server.metrics`). The app's lifespan starts the
-engine thread (if not started) and shuts it down.
+:mod:`quire.server.anthropic`); a fault of ours is a 500 in the same shapes, and the
+connection stays usable (:class:`~quire.server.errors.ErrorShield`). ``GET /metrics``
+answers Prometheus text (see :mod:`quire.server.metrics`).
+
+A request is checked cheapest first: the API key, the body's size and arrival time, the
+model name, then (on a worker thread, :mod:`quire.server.tokenizer_pool`) JSON, types,
+limits and sampling parameters, and only then the chat template and tokenization. The
+app's lifespan starts the engine thread (if not started) and shuts it down.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from quire import __version__
@@ -32,27 +37,46 @@ from quire.sampling_params import SamplingParams
 from quire.server import anthropic
 from quire.server.access_log import AccessLog
 from quire.server.async_engine import AsyncEngine, EngineStopped, Overloaded, RequestStream
-from quire.server.errors import APIError, bad_request, from_value_error
+from quire.server.errors import APIError, ErrorShield, bad_request, from_value_error
+from quire.server.event_stream import EventStream
+from quire.server.limits import ServerLimits
 from quire.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
-from quire.server.protocol import ParsedRequest, get, parse_chat, parse_completion
+from quire.server.protocol import (
+    RequestBounds,
+    ParsedRequest,
+    get,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from quire.server.request_body import parse_json
 from quire.server.responses import Shaper, usage
+from quire.server.tokenizer_pool import TokenizerPool
 
-#: Default request body limit: far above any prompt the context could hold as JSON.
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 #: Seconds a client told "overloaded" should wait before trying again.
 RETRY_AFTER_S = 1
+#: The routes that answer errors in Anthropic's shape.
+_ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 
 class _Api:
     """The route handlers; holds only what the app was created with."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
-                 max_body_bytes: int, chat_template: str | None) -> None:
+                 limits: ServerLimits, chat_template: str | None) -> None:
         self.engine = engine
         self.model = served_model_name
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.bounds = RequestBounds(
+            max_prompt_bytes=limits.prompt_bytes(engine.max_model_len),
+            max_stop_strings=limits.max_stop_strings,
+            max_stop_string_chars=limits.max_stop_string_chars,
+            max_sequences=limits.max_sequences_per_request,
+            max_prompts=min(limits.max_sequences_per_request, engine.max_waiting_requests))
         self.chat_template = chat_template
+        self.pool = TokenizerPool(engine.tokenizer)
         self.created = int(time.time())
 
     # -- request checks --------------------------------------------------------------------
@@ -66,37 +90,50 @@ class _Api:
                            type="authentication_error", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object: at most ``max_body_bytes`` (413), arrived within
+        ``body_timeout_s`` (408), parsed off the event loop (400 naming what is wrong)."""
+        limit = self.limits.max_body_bytes
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        if length is not None and length.isdigit() and int(length) > limit:
             raise self._too_large()
+        try:
+            raw = await asyncio.wait_for(self._read_body(request, limit),
+                                         self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                                f"{self.limits.body_timeout_s:g}s (--body-timeout)",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        return await self.pool.run(lambda tokenizer: parse_json(raw))
+
+    async def _read_body(self, request: Request, limit: int) -> bytes:
         chunks, size = [], 0
         async for chunk in request.stream():  # counts bodies sent without a length too
             size += len(chunk)
-            if size > self.max_body_bytes:
+            if size > limit:
                 raise self._too_large()
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object")
-        return body
+        return b"".join(chunks)
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"the body is larger than {self.max_body_bytes} bytes",
-                        code="request_too_large")
+        return APIError(413, f"the body is larger than {self.limits.max_body_bytes} bytes "
+                             f"(--max-body-bytes)", code="request_too_large",
+                        headers={"Connection": "close"})
 
-    def check_model(self, name: str) -> None:
+    def check_model(self, body: dict[str, Any], required: bool = False) -> None:
+        """The model name first: no work for a model this server does not serve."""
+        if required and body.get("model") is None:
+            raise bad_request("model is required", param="model")
+        name = get(body, "model", str, "")
         if name != self.model:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model!r}", param="model", code="model_not_found")
 
     async def submit(self, token_ids: list[int], params: SamplingParams,
-                     prompt: str | None) -> RequestStream:
+                     prompt: str | None, abandoned: asyncio.Event) -> RequestStream:
         """One engine request; engine refusals become API errors."""
         try:
-            return await self.engine.add_request(token_ids, params, prompt=prompt)
+            return await self.engine.add_request(token_ids, params, prompt=prompt,
+                                                 on_overflow=abandoned.set)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -106,12 +143,13 @@ class _Api:
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
-    async def submit_all(self, parsed: ParsedRequest) -> list[RequestStream]:
+    async def submit_all(self, parsed: ParsedRequest,
+                         abandoned: asyncio.Event) -> list[RequestStream]:
         """One engine request per prompt; all or none (a refusal aborts the others)."""
         streams: list[RequestStream] = []
         try:
             for text, ids in parsed.prompts():
-                streams.append(await self.submit(ids, parsed.params, text))
+                streams.append(await self.submit(ids, parsed.params, text, abandoned))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -129,19 +167,21 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        parsed = parse_completion(body, self.engine.tokenizer)
+        self.check_model(body)
+        parsed = await self.pool.run(parse_completion, body, self.bounds)
         return await self._generate(request, parsed, chat=False)
 
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        parsed = parse_chat(body, self.engine.tokenizer, self.chat_template)
+        self.check_model(body)
+        parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds)
         return await self._generate(request, parsed, chat=True)
 
     async def _generate(self, request: Request, parsed: ParsedRequest,
                         chat: bool) -> Response:
-        self.check_model(parsed.model)
-        streams = await self.submit_all(parsed)
+        abandoned = asyncio.Event()
+        streams = await self.submit_all(parsed, abandoned)
         request_id = streams[0].request_id
         request.state.request_id = request_id
         decode = self.engine.tokenizer.decode
@@ -153,8 +193,9 @@ class _Api:
                    echo_prompt=_echo_text(text, ids, decode) if parsed.echo else None)
             for i, (text, ids) in enumerate(parsed.prompts())]
         if parsed.stream:
-            return StreamingResponse(_sse(request, streams, shapers, parsed.include_usage),
-                                     media_type="text/event-stream")
+            return EventStream(_sse(request, streams, shapers, parsed.include_usage),
+                               send_timeout=self.limits.stream_send_timeout_s,
+                               abandoned=abandoned)
         finals = await _collect(request, streams)
         request.state.usage = usage(*finals)
         body = shapers[0].whole(finals[0])
@@ -164,49 +205,39 @@ class _Api:
         return JSONResponse(body)
 
     async def messages(self, request: Request) -> Response:
-        """Anthropic's Messages API; its errors are answered in Anthropic's shape."""
-        try:
-            anthropic.check_api_key(request.headers, self.api_key)
-            parsed = anthropic.parse_messages(await self.read_json(request),
-                                              self.engine.tokenizer, self.chat_template)
-            self.check_model(parsed.model)
-            stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt)
-            request.state.request_id = stream.request_id
-            shaper = anthropic.MessageShaper(
-                model=self.model, request_id=stream.request_id,
-                input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens)
-            if parsed.stream:
-                return StreamingResponse(anthropic.events(stream, shaper, request.state),
-                                         media_type="text/event-stream")
-            [final] = await _collect(request, [stream])
-            request.state.usage = usage(final)
-            return JSONResponse(shaper.whole(final))
-        except APIError as exc:
-            return anthropic.error_response(exc)
-        except (ValueError, RuntimeError, EngineStopped) as exc:  # the engine failed it
-            return anthropic.error_response(APIError(500, str(exc), type="server_error"))
+        """Anthropic's Messages API; its errors are answered in Anthropic's shape (the
+        app's error handlers choose the shape by path)."""
+        anthropic.check_api_key(request.headers, self.api_key)
+        body = await self.read_json(request)
+        self.check_model(body, required=True)
+        parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
+                                     self.bounds)
+        abandoned = asyncio.Event()
+        stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
+                                   abandoned)
+        request.state.request_id = stream.request_id
+        shaper = anthropic.MessageShaper(
+            model=self.model, request_id=stream.request_id,
+            input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens)
+        if parsed.stream:
+            return EventStream(anthropic.events(stream, shaper, request.state),
+                               send_timeout=self.limits.stream_send_timeout_s,
+                               abandoned=abandoned)
+        [final] = await _collect(request, [stream])
+        request.state.usage = usage(final)
+        return JSONResponse(shaper.whole(final))
 
     async def tokenize(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        tok = self.engine.tokenizer
-        if "messages" in body:
-            ids = parse_chat({**body, "model": self.model}, tok, self.chat_template).token_ids
-        else:
-            prompt = get(body, "prompt", str, nullable=False)
-            ids = tok.encode(prompt, add_special_tokens=get(body, "add_special_tokens",
-                                                            bool, True))
+        ids = await self.pool.run(parse_tokenize, body, self.chat_template, self.bounds)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
                              "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        ids = get(body, "tokens", list, nullable=False)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise bad_request("tokens must be a list of token ids (integers >= 0)",
-                              param="tokens")
-        return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
+        return JSONResponse({"prompt": await self.pool.run(parse_detokenize, body)})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.engine.is_running else 503)
@@ -228,15 +259,19 @@ def _echo_text(text: str | None, ids: list[int], decode: Any) -> str:
 
 
 async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """Every stream's final output; a client that hangs up aborts them all."""
-    async def last(stream: RequestStream) -> RequestOutput:
-        final = None
+    """Every stream's whole output (its deltas added up); a client that hangs up aborts
+    them all."""
+    async def whole(stream: RequestStream) -> RequestOutput:
+        final: RequestOutput | None = None
         async for out in stream:
-            final = out
+            if final is None:
+                final = out
+            else:
+                final.add(out)
         assert final is not None and final.finished
         return final
 
-    work = asyncio.gather(*(last(s) for s in streams))
+    work = asyncio.gather(*(whole(s) for s in streams))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -246,6 +281,8 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
         work.cancel()
         for stream in streams:
             stream.abort()
+        with contextlib.suppress(BaseException):
+            await work  # retrieve the cancellation, so nothing is logged as unretrieved
         raise APIError(499, "the client closed the connection", code="client_closed")
     return work.result()
 
@@ -292,11 +329,10 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 async def _sse(request: Request, streams: list[RequestStream], shapers: list[Shaper],
                include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events; leaving early (client gone) aborts the requests."""
-    finals: dict[int, RequestOutput] = {}
+    finished = 0
     try:
         async for i, out in _merged(streams):
-            if out.finished:
-                finals[i] = out
+            finished += out.finished
             for chunk in shapers[i].chunks(out):
                 yield f"data: {json.dumps(chunk)}\n\n"
     except (ValueError, RuntimeError, EngineStopped) as exc:  # the engine failed it midway
@@ -305,23 +341,28 @@ async def _sse(request: Request, streams: list[RequestStream], shapers: list[Sha
     finally:
         for stream in streams:
             stream.abort()
-    done = [finals[i] for i in sorted(finals)]
-    request.state.usage = usage(*done)
-    if include_usage and done:
+    request.state.usage = _sum_usage([shaper.usage() for shaper in shapers])
+    if include_usage and finished:
         yield f"data: {json.dumps(shapers[0].chunk([], request.state.usage))}\n\n"
     yield "data: [DONE]\n\n"
 
 
+def _sum_usage(parts: list[dict[str, int]]) -> dict[str, int]:
+    return {key: sum(part[key] for part in parts) for key in parts[0]}
+
+
 def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               limits: ServerLimits | None = None,
                chat_template: str | None = None) -> Starlette:
     """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
 
     :param api_key: when set, ``/v1/*`` and the tokenizer routes need
         ``Authorization: Bearer <api_key>``.
+    :param limits: what one client may ask (default: ``ServerLimits()``).
     :param chat_template: a Jinja template used instead of the tokenizer's own.
     """
-    api = _Api(async_engine, served_model_name, api_key, max_body_bytes, chat_template)
+    api = _Api(async_engine, served_model_name, api_key, limits or ServerLimits(),
+               chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -329,17 +370,19 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
             async_engine.start()
         yield
         await async_engine.shutdown()
+        api.pool.close()
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        return exc.response()
+        return _shaped(request.url.path, exc)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+        return _shaped(request.url.path, APIError(exc.status_code, str(exc.detail)))
 
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        return _shaped(request.url.path, APIError(499, "the client closed the connection",
+                                                  code="client_closed"))
 
     routes = [
         Route("/v1/models", api.models, methods=["GET"]),
@@ -352,6 +395,15 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
         Route("/version", api.version, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    handlers = {APIError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AccessLog)],
+    handlers = {APIError: on_api_error, HTTPException: on_http_error,
+                ClientDisconnect: on_disconnect}
+    middleware = [Middleware(AccessLog), Middleware(ErrorShield, shape=_shaped)]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def _shaped(path: str, exc: APIError) -> Response:
+    """``exc`` in the error shape of the route at ``path``."""
+    if path in _ANTHROPIC_PATHS:
+        return anthropic.error_response(exc)
+    return exc.response()

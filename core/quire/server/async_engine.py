@@ -2,11 +2,13 @@
 
 Ownership: the engine thread is the only thread that touches the ``LLMEngine`` (it is not
 thread-safe). The asyncio side talks to it through one thread-safe command queue (add,
-abort, call, stop) and hears back through one ``asyncio.Queue`` per request, filled with
-``loop.call_soon_threadsafe``. The per-request sinks and the Prometheus metrics are owned
-by the engine thread (it observes every output, aborted ones included, and renders the
-metrics for ``GET /metrics`` through a call); the count of waiting requests is owned by
-the asyncio side.
+abort, abort all, call, stop) and hears back through one bounded sink per request, filled
+with ``loop.call_soon_threadsafe``. Requests run as ``RequestOutputKind.DELTA``: a sink
+holds only what its reader has not taken yet, and a reader that leaves more than
+``max_stream_backlog`` outputs unread loses its request (aborted, logged). The
+per-request sinks and the Prometheus metrics are owned by the engine thread (it observes
+every output, aborted ones included, and renders the metrics for ``GET /metrics`` through
+a call); the count of waiting requests is owned by the asyncio side.
 
 A request added while others run joins the batch at the engine's next step; an abort is
 applied before the next step, so its pages are free by the time that step runs.
@@ -15,6 +17,7 @@ applied before the next step, so its pages are free by the time that step runs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
 import queue
@@ -23,9 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from quire.engine import LLMEngine
-from quire.outputs import RequestOutput
+from quire.engine import EngineStats, LLMEngine
+from quire.outputs import RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
+from quire.server.errors import ClientTooSlow
 from quire.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -40,19 +44,9 @@ class EngineStopped(Exception):
     """The engine is shutting down or its thread died; no new requests are taken."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot taken on the engine thread between two steps."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_used_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    has_unfinished: bool
+class StreamBacklogExceeded(ClientTooSlow):
+    """The reader left more outputs unread than the stream may hold; the request was
+    aborted and its client is to be disconnected."""
 
 
 # Commands the asyncio side puts on the queue; the engine thread runs them in order.
@@ -63,13 +57,17 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     loop: asyncio.AbstractEventLoop
-    sink: asyncio.Queue[RequestOutput | BaseException]
+    sink: _Sink
     accepted: asyncio.Future[None]
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+class _AbortAll:
+    """Abort every request, and refuse the adds that come after (the drain's end)."""
 
 
 @dataclass
@@ -83,15 +81,48 @@ class _Stop:
     pass
 
 
+class _Sink:
+    """One request's outputs on their way to its reader, at most ``cap`` of them.
+
+    Lives on the event loop: ``offer`` runs there (the engine thread schedules it). Past
+    the cap the sink drops what it holds, keeps only the error, and calls ``on_overflow``.
+    """
+
+    def __init__(self, cap: int, on_overflow: Callable[[], None]) -> None:
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._cap = cap
+        self._on_overflow = on_overflow
+        self._waiter: asyncio.Future[None] | None = None
+        self.overflowed = False
+
+    def offer(self, item: RequestOutput | BaseException) -> None:
+        if self.overflowed:
+            return
+        if len(self._items) >= self._cap:
+            self.overflowed = True
+            self._items.clear()
+            item = StreamBacklogExceeded(f"more than {self._cap} outputs were left unread")
+            self._on_overflow()
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
 class RequestStream:
-    """One accepted request's outputs, as an async iterator of cumulative outputs.
+    """One accepted request's outputs, as an async iterator of ``DELTA`` outputs: each
+    carries what is new since the previous one (``RequestOutput.add`` sums them up).
 
     The last output has ``finished=True``. Leaving the iteration early (a ``break``, an
     exception, a cancelled task) aborts the request, freeing its pages.
     """
 
-    def __init__(self, owner: "AsyncEngine", request_id: str,
-                 sink: asyncio.Queue[RequestOutput | BaseException]) -> None:
+    def __init__(self, owner: "AsyncEngine", request_id: str, sink: _Sink) -> None:
         self.request_id = request_id
         self._owner = owner
         self._sink = sink
@@ -130,13 +161,19 @@ class AsyncEngine:
 
     :param max_waiting_requests: most requests accepted but not yet producing output;
         beyond it :meth:`add_request` raises :class:`Overloaded`.
+    :param max_stream_backlog: most outputs a request's reader may leave unread; past it
+        the request is aborted and its stream raises :class:`StreamBacklogExceeded`.
     """
 
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 256,
+                 max_stream_backlog: int = 1024) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        if max_stream_backlog < 1:
+            raise ValueError(f"max_stream_backlog must be >= 1, got {max_stream_backlog}")
         self._engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_stream_backlog = max_stream_backlog
         # The API side's own tokenizer: fast tokenizers may fail ("Already borrowed")
         # when two threads use one instance, and the engine thread detokenizes.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -164,13 +201,16 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, give in-flight ones ``timeout`` seconds to finish, then
-        abort the rest: their streams end normally, with finish reason "abort"."""
+        abort the rest: their streams end normally, with finish reason "abort".
+
+        The abort is one command to the engine thread, which knows every request it
+        added, including those whose add was still queued when the drain began; adds
+        queued after it are refused."""
         self._accepting = False
         deadline = asyncio.get_running_loop().time() + timeout
         while self._in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._in_flight):
-            self._commands.put(_Abort(rid))
+        self._commands.put(_AbortAll())
 
     async def shutdown(self, drain_timeout: float = 5.0, join_timeout: float = 10.0) -> None:
         """:meth:`drain`, then stop and join the engine thread."""
@@ -182,9 +222,14 @@ class AsyncEngine:
 
     # -- requests (asyncio side) -----------------------------------------------------------
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
-                          prompt: str | None = None,
-                          request_id: str | None = None) -> RequestStream:
+                          prompt: str | None = None, request_id: str | None = None,
+                          on_overflow: Callable[[], None] | None = None) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
+
+        Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says.
+
+        :param on_overflow: called (on the event loop) when the reader fell more than
+            ``max_stream_backlog`` outputs behind and the request was aborted for it.
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -198,8 +243,20 @@ class AsyncEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
+        if params.output_kind is not RequestOutputKind.DELTA:
+            params = copy.copy(params)  # already checked; only the kind changes
+            params.output_kind = RequestOutputKind.DELTA
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        rid = request_id
+
+        def overflowed() -> None:
+            logger.warning("request %s aborted: its client left more than %d outputs "
+                           "unread (--max-stream-backlog)", rid, self.max_stream_backlog)
+            self._commands.put(_Abort(rid))
+            if on_overflow is not None:
+                on_overflow()
+
+        sink = _Sink(self.max_stream_backlog, overflowed)
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, loop, sink, accepted))
@@ -228,7 +285,7 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         """Scheduler and KV-cache figures, read on the engine thread."""
-        return await self.call(_read_stats)
+        return await self.call(lambda engine: engine.stats())
 
     async def render_metrics(self, timeout: float = 10.0) -> str:
         """The Prometheus exposition text, rendered on the engine thread between steps.
@@ -236,7 +293,7 @@ class AsyncEngine:
         :raises EngineStopped: when the engine thread is not running.
         :raises TimeoutError: when no step boundary came within ``timeout`` seconds.
         """
-        render = self.call(lambda engine: self._metrics.render(_read_stats(engine)))
+        render = self.call(lambda engine: self._metrics.render(engine.stats()))
         try:
             return await asyncio.wait_for(render, timeout)
         except asyncio.TimeoutError as exc:  # not the builtin one before Python 3.11
@@ -249,6 +306,7 @@ class AsyncEngine:
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         sinks: dict[str, _Add] = {}
+        self._closed = False  # engine thread only: set by _AbortAll
         while True:
             # Block only when there is nothing to step; otherwise just drain what came.
             block = not self._engine.has_unfinished_requests()
@@ -300,17 +358,28 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._add(sinks, cmd)
             elif isinstance(cmd, _Abort):
-                add = sinks.pop(cmd.request_id, None)
-                out = self._abort(cmd.request_id)
-                if add is not None and out is not None:
-                    _deliver(add, out)
+                self._abort_one(sinks, cmd.request_id)
+            elif isinstance(cmd, _AbortAll):
+                self._closed = True
+                for rid in list(sinks):
+                    self._abort_one(sinks, rid)
             elif isinstance(cmd, _Call):
                 try:
                     _resolve(cmd.loop, cmd.result, cmd.fn(self._engine), None)
                 except Exception as exc:
                     _resolve(cmd.loop, cmd.result, None, exc)
 
+    def _abort_one(self, sinks: dict[str, _Add], request_id: str) -> None:
+        add = sinks.pop(request_id, None)
+        out = self._abort(request_id)
+        if add is not None and out is not None:
+            _deliver(add, out)
+
     def _add(self, sinks: dict[str, _Add], cmd: _Add) -> None:
+        if self._closed:
+            _resolve(cmd.loop, cmd.accepted, None,
+                     EngineStopped("the server is shutting down"))
+            return
         try:
             self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
                                      request_id=cmd.request_id)
@@ -331,19 +400,9 @@ class AsyncEngine:
             _deliver(add, out)
 
 
-def _read_stats(engine: LLMEngine) -> EngineStats:
-    sched, bm = engine.scheduler, engine.block_manager
-    return EngineStats(
-        num_running=len(sched.running), num_waiting=len(sched.waiting),
-        kv_usage=bm.usage, num_used_blocks=bm.num_used_blocks, num_blocks=bm.num_blocks,
-        num_preemptions=sched.stats.num_preemptions, prefix_queries=sched.stats.prefix_queries,
-        prefix_hits=sched.stats.prefix_hits, has_unfinished=engine.has_unfinished_requests(),
-    )
-
-
 def _deliver(add: _Add, item: RequestOutput | BaseException) -> None:
     try:
-        add.loop.call_soon_threadsafe(add.sink.put_nowait, item)
+        add.loop.call_soon_threadsafe(add.sink.offer, item)
     except RuntimeError:  # the event loop is closed: nobody is listening any more
         pass
 

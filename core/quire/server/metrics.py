@@ -1,8 +1,9 @@
 """The server's Prometheus metrics: what ``GET /metrics`` shows, named like vLLM's.
 
 One :class:`ServerMetrics` belongs to the engine thread, which feeds it every
-``RequestOutput`` the engine produces (aborted ones included) and renders it between two
-steps; nothing else touches it, so it needs no lock. Request figures come from
+``RequestOutput`` the engine produces (aborted ones included; the server's requests are
+``RequestOutputKind.DELTA``, so each output carries only its step's tokens) and renders it
+between two steps; nothing else touches it, so it needs no lock. Request figures come from
 ``RequestOutput.metrics``; the scheduler's and KV cache's from an ``EngineStats`` snapshot
 taken at render time. The list of metrics is in ``docs/http-api.md``.
 """
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 from quire.outputs import RequestOutput
 from quire.server.prometheus import Registry
 
-if TYPE_CHECKING:  # async_engine imports this module
-    from quire.server.async_engine import EngineStats
+if TYPE_CHECKING:
+    from quire.engine import EngineStats
 
 # Latencies on CPU run from a millisecond (a decode step of a tiny model) to minutes (a
 # long prompt behind a queue), so the buckets span both.
@@ -102,7 +103,7 @@ class ServerMetrics:
         self._seen: dict[str, _Seen] = {}
 
     def observe(self, out: RequestOutput) -> None:
-        """Count what is new in ``out`` since the request's previous output."""
+        """Count what ``out``, a ``DELTA`` output, adds to the request's previous ones."""
         m = out.metrics
         if m is None:
             return
@@ -114,11 +115,11 @@ class ServerMetrics:
                 self.itl.observe(m.last_token_time - seen.last_token_time)
                 seen.last_token_time = m.last_token_time
             generated = sum(len(c.token_ids) for c in out.outputs)
-            self.generation_tokens.inc(generated - seen.num_generation_tokens)
-            seen.num_generation_tokens = generated
+            self.generation_tokens.inc(generated)
+            seen.num_generation_tokens += generated
         if out.finished:
-            self._seen.pop(out.request_id, None)
-            self._finished(out)
+            seen = self._seen.pop(out.request_id, None)
+            self._finished(out, seen.num_generation_tokens if seen is not None else 0)
 
     def _first_token(self, out: RequestOutput) -> _Seen:
         m = out.metrics
@@ -130,7 +131,7 @@ class ServerMetrics:
         seen = self._seen[out.request_id] = _Seen(m.last_token_time, 0)
         return seen
 
-    def _finished(self, out: RequestOutput) -> None:
+    def _finished(self, out: RequestOutput, num_generated: int) -> None:
         m = out.metrics
         assert m is not None
         self.success.labels(finished_reason=finish_reason(out)).inc()
@@ -139,7 +140,7 @@ class ServerMetrics:
         if m.queue_time is not None:
             self.queue_time.observe(m.queue_time)
         self.request_prompt.observe(len(out.prompt_token_ids))
-        self.request_generation.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.request_generation.observe(num_generated)
 
     def render(self, stats: EngineStats) -> str:
         """The exposition text, with the engine figures of ``stats``."""

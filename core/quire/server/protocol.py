@@ -2,6 +2,10 @@
 
 Every type is checked here, naming the field; range checks are ``SamplingParams``'s (its
 ``ValueError`` starts with the field's name). Unknown fields are ignored, as vLLM does.
+Cheap checks come first: types, the server's :class:`RequestBounds` (prompt bytes, stop
+strings, sequences), sampling parameters; the prompt is tokenized (or the chat template
+rendered) only when all of them pass. The parse functions are blocking: the server runs
+them off its event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +21,47 @@ from quire.server.errors import APIError, bad_request, from_value_error
 MAX_N = 128
 #: Most prompts in one completions request; each becomes its own engine request.
 MAX_PROMPTS = 256
+#: Integers past int64 have no meaning in any field (ids, counts, seeds).
+INT64_MAX = 2**63 - 1
 _NUMBER = (int, float)
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one request may ask, from the server's limits (each names its flag)."""
+
+    #: UTF-8 bytes of all prompt text (prompts, or messages and system) together.
+    max_prompt_bytes: int = 2**20
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    #: prompts x n
+    max_sequences: int = 256
+    #: prompts per request (also bounded by the waiting queue, which each one joins)
+    max_prompts: int = MAX_PROMPTS
+
+    def check_prompt_bytes(self, size: int) -> None:
+        if size > self.max_prompt_bytes:
+            raise bad_request(f"the prompt is {size} bytes of text, more than this "
+                              f"server's limit of {self.max_prompt_bytes} "
+                              f"(--max-prompt-bytes)", param="prompt")
+
+    def check_stops(self, stops: list[str], name: str) -> None:
+        if len(stops) > self.max_stop_strings:
+            raise bad_request(f"{name} has {len(stops)} strings, more than this server's "
+                              f"limit of {self.max_stop_strings} (--max-stop-strings)",
+                              param=name)
+        longest = max((len(s) for s in stops), default=0)
+        if longest > self.max_stop_string_chars:
+            raise bad_request(f"{name} has a string of {longest} characters, more than "
+                              f"this server's limit of {self.max_stop_string_chars} "
+                              f"(--max-stop-string-chars)", param=name)
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_sequences:
+            raise bad_request(f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} "
+                              f"sequences, more than this server's limit of "
+                              f"{self.max_sequences} per request "
+                              f"(--max-sequences-per-request)", param="n")
 
 
 @dataclass
@@ -55,39 +99,72 @@ def get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...],
         wanted = " or ".join(k.__name__ for k in kinds_t)
         raise bad_request(f"{name} must be of type {wanted}, got {type(value).__name__}",
                           param=name)
+    if kinds_t == (int,) and not is_bool and abs(value) > INT64_MAX:
+        raise bad_request(f"{name} must be an integer in int64's range, got one of "
+                          f"{len(str(abs(value)))} digits", param=name)
     return value
 
 
-def parse_completion(body: Mapping[str, Any], tokenizer: Any) -> ParsedRequest:
+def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
+                     tokenizer: Any) -> ParsedRequest:
     """A ``/v1/completions`` body. :raises APIError: 400 naming the bad field."""
-    prompts = _completion_prompts(body.get("prompt"), tokenizer)
+    prompts = _completion_prompts(body.get("prompt"), bounds)
     logprobs = get(body, "logprobs", int)
     echo = get(body, "echo", bool, False)
     # the echoed prompt carries its logprobs too
-    params = _sampling_params(body, default_max_tokens=16, logprobs=logprobs,
+    params = _sampling_params(body, bounds, default_max_tokens=16, logprobs=logprobs,
                               prompt_logprobs=logprobs if echo else None)
-    (text, ids), *more = prompts
+    bounds.check_sequences(len(prompts), params.n)
+    (text, ids), *more = [_encode(p, tokenizer) for p in prompts]
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=logprobs,
                          echo=echo, more_prompts=more)
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Any,
-               chat_template: str | None) -> ParsedRequest:
+def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: RequestBounds,
+               *, tokenizer: Any) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. :raises APIError: 400 naming the bad field."""
     messages = _messages(body.get("messages"))
+    bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
+                                  for m in messages))
     want_logprobs = get(body, "logprobs", bool, False)
     top = get(body, "top_logprobs", int)
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
+    params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs)
+    bounds.check_sequences(1, params.n)
     text = render_chat(messages, tokenizer, chat_template)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    params = _sampling_params(body, default_max_tokens=None, logprobs=top_logprobs)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=top_logprobs)
+
+
+def parse_tokenize(body: Mapping[str, Any], chat_template: str | None,
+                   bounds: RequestBounds, *, tokenizer: Any) -> list[int]:
+    """A ``/tokenize`` body (``prompt`` or chat ``messages``) -> its token ids."""
+    if "messages" in body:
+        messages = _messages(body.get("messages"))
+        bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
+                                      for m in messages))
+        text = render_chat(messages, tokenizer, chat_template)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    prompt = check_text(get(body, "prompt", str, nullable=False), "prompt", "prompt")
+    bounds.check_prompt_bytes(_utf8_size(prompt))
+    return list(tokenizer.encode(prompt,
+                                 add_special_tokens=get(body, "add_special_tokens", bool, True)))
+
+
+def parse_detokenize(body: Mapping[str, Any], *, tokenizer: Any) -> str:
+    """A ``/detokenize`` body -> the text of its token ids (each in the vocabulary)."""
+    ids = get(body, "tokens", list, nullable=False)
+    size = len(tokenizer)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < size for t in ids):
+        raise bad_request(f"tokens must be a list of token ids, integers in [0, {size})",
+                          param="tokens")
+    return str(tokenizer.decode(ids))
 
 
 # -- pieces ------------------------------------------------------------------------------
@@ -100,8 +177,8 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
     return bool(get(options, "include_usage", bool, False))
 
 
-def _sampling_params(body: Mapping[str, Any], *, default_max_tokens: int | None,
-                     logprobs: int | None,
+def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
+                     default_max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
     n = get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
@@ -114,6 +191,8 @@ def _sampling_params(body: Mapping[str, Any], *, default_max_tokens: int | None,
                 raise bad_request(f"{name} must be an integer >= 1, got {value}", param=name)
             max_tokens = value
     stop = get(body, "stop", (str, list))
+    if stop is not None:
+        bounds.check_stops([stop] if isinstance(stop, str) else stop, "stop")
     numbers = {name: get(body, name, _NUMBER, default) for name, default in (
         ("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0),
         ("frequency_penalty", 0.0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
@@ -148,19 +227,23 @@ def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
     return out
 
 
-def _completion_prompts(prompt: Any, tokenizer: Any) -> list[tuple[str | None, list[int]]]:
-    """OpenAI's four prompt forms: a string, a list of token ids, or a list of either."""
+def _completion_prompts(prompt: Any, bounds: RequestBounds) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, a list of token ids, or a list of either;
+    checked for type, count and size, not yet tokenized."""
     if prompt is None:
         raise bad_request("prompt is required", param="prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
-        return [_one_prompt(prompt, tokenizer, "prompt")]
-    if not isinstance(prompt, list) or not prompt:
+        prompts = [_one_prompt(prompt, "prompt")]
+    elif not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt must be a string, a list of token ids, or a non-empty "
                           "list of either", param="prompt")
-    if len(prompt) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
-                          param="prompt")
-    return [_one_prompt(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    elif len(prompt) > bounds.max_prompts:
+        raise bad_request(f"at most {bounds.max_prompts} prompts per request, got "
+                          f"{len(prompt)}", param="prompt")
+    else:
+        prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    bounds.check_prompt_bytes(sum(_utf8_size(p) for p in prompts if isinstance(p, str)))
+    return prompts
 
 
 def _is_token_list(value: Any) -> bool:
@@ -168,15 +251,25 @@ def _is_token_list(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _one_prompt(prompt: Any, tokenizer: Any, name: str) -> tuple[str | None, list[int]]:
+def _one_prompt(prompt: Any, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request(f"{name} must not be empty", param="prompt")
-        return prompt, tokenizer.encode(check_text(prompt, name, "prompt"))
+        return check_text(prompt, name, "prompt")
     if _is_token_list(prompt):
-        return None, list(prompt)
+        return list(prompt)
     raise bad_request(f"{name} must be a non-empty string or a non-empty list of token ids",
                       param="prompt")
+
+
+def _encode(prompt: str | list[int], tokenizer: Any) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, list(tokenizer.encode(prompt))
+    return None, prompt
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def check_text(text: str, name: str, param: str) -> str:
@@ -198,9 +291,10 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role",
                               param="messages")
+        role = check_text(msg["role"], f"messages[{i}].role", "messages")
         content = check_text(_content(msg.get("content"), i), f"messages[{i}].content",
                              "messages")
-        out.append({"role": msg["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 

@@ -81,7 +81,8 @@ def chat_logprobs(c: CompletionOutput, start: int, k: int, decode: Any) -> dict[
 class Shaper:
     """Builds one request's answer (``chat`` or not), whole or as stream chunks.
 
-    For streams it remembers how much text and how many tokens of each choice were sent.
+    For streams (``DELTA`` outputs) it remembers how much text and how many tokens of each
+    choice were sent.
     """
 
     def __init__(self, *, chat: bool, model: str, request_id: str, top_logprobs: int | None,
@@ -99,6 +100,7 @@ class Shaper:
         self.echo_prompt = echo_prompt
         self.index_base = index_base
         self._sent: dict[int, tuple[int, int, bool]] = {}  # index -> chars, tokens, done
+        self.prompt_tokens: int | None = None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -136,20 +138,26 @@ class Shaper:
         return {**self._head(obj), "choices": self.choices(out), "usage": usage(out)}
 
     def chunks(self, out: RequestOutput) -> Iterator[dict[str, Any]]:
-        """The chunks that carry what changed in ``out`` since the last call."""
+        """The chunks that carry ``out``, a ``DELTA`` output (what one step added)."""
+        if self.prompt_tokens is None:
+            self.prompt_tokens = len(out.prompt_token_ids)
         for c in out.outputs:
             chars, tokens, done = self._sent.get(c.index, (0, 0, False))
             if done:
                 continue
             first = c.index not in self._sent
-            delta_text = c.text[chars:]
+            delta_text = c.text
             if self.echo_prompt and first:
                 delta_text = self.echo_prompt + delta_text
-            if not delta_text and not c.finish_reason and not first:
+            self._sent[c.index] = (chars + len(c.text), tokens + len(c.token_ids),
+                                   c.finish_reason is not None)
+            # a token whose bytes end mid-character adds no text yet; it is sent anyway
+            # when its logprobs are asked for, since no later chunk carries them
+            wanted = self.top_logprobs is not None and bool(c.token_ids)
+            if not delta_text and not c.finish_reason and not first and not wanted:
                 continue
-            self._sent[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
             offset = chars + len(self.echo_prompt or "")
-            logprobs = self._logprobs(out, c, tokens, offset, with_prompt=first)
+            logprobs = self._logprobs(out, c, 0, offset, with_prompt=first)
             index = self.index_base + c.index
             if self.chat:
                 delta: dict[str, Any] = {"content": delta_text}
@@ -161,6 +169,13 @@ class Shaper:
                 choice = {"index": index, "text": delta_text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             yield self.chunk([choice])
+
+    def usage(self) -> dict[str, int]:
+        """Token counts of what was streamed (prompt counted once it was seen)."""
+        prompt = self.prompt_tokens or 0
+        completion = sum(tokens for _, tokens, _ in self._sent.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
     def chunk(self, choices: list[dict[str, Any]],
               usage_: dict[str, int] | None = None) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""``quire serve``'s server flags: the limits, the connection bounds and the API key, from
+the command line, ``--config`` and the environment, as they reach the app and uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from quire.cli import build_parser, main, parse_args
+from quire.cli.serve import limits_from_args
+from quire.server.limits import ServerLimits, flag
+
+
+class _Stop(Exception):
+    """Raised where the fake uvicorn.Config would start serving."""
+
+
+@pytest.fixture
+def serve(monkeypatch, tmp_path):
+    """``serve(*flags) -> {"app": create_app's kwargs, "uvicorn": uvicorn.Config's}``,
+    running ``quire serve`` with the engine, the app and uvicorn faked."""
+    seen: dict[str, dict] = {}
+
+    def create_app(*args, **kw):
+        seen["app"] = kw
+        return "app"
+
+    def config(app, **kw):
+        seen["uvicorn"] = kw
+        raise _Stop
+
+    monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry: object())
+    monkeypatch.setattr("quire.server.async_engine.AsyncEngine", lambda engine, **kw: object())
+    monkeypatch.setattr("quire.server.app.create_app", create_app)
+    monkeypatch.setattr("uvicorn.Config", config)
+    monkeypatch.setattr("quire.cli.serve._configure_logging", lambda level: None)
+    monkeypatch.delenv("QUIRE_API_KEY", raising=False)
+
+    def run(*flags: str) -> dict[str, dict]:
+        with pytest.raises(_Stop):
+            main(["serve", "--model", str(tmp_path), *flags])
+        return seen
+
+    return run
+
+
+def test_every_limit_has_a_flag_defaulting_to_the_field():
+    assert limits_from_args(parse_args(build_parser(), ["serve"])) == ServerLimits()
+    changed = {"max_body_bytes": 5, "max_prompt_bytes": 6, "max_stop_strings": 7,
+               "max_stop_string_chars": 8, "max_sequences_per_request": 9,
+               "max_stream_backlog": 10, "header_timeout_s": 1.5, "body_timeout_s": 2.5,
+               "stream_send_timeout_s": 3.5}
+    assert set(changed) == {f.name for f in dataclasses.fields(ServerLimits)}
+    argv = ["serve"] + [text for name, value in changed.items()
+                        for text in (flag(name), str(value))]
+    assert limits_from_args(parse_args(build_parser(), argv)) == ServerLimits(**changed)
+
+
+def test_limits_and_connection_bounds_reach_the_app_and_uvicorn(serve):
+    seen = serve("--max-stop-strings", "3", "--header-timeout", "2", "--body-timeout", "4",
+                 "--limit-concurrency", "7", "--timeout-keep-alive", "9")
+    assert seen["app"]["limits"] == ServerLimits(max_stop_strings=3, header_timeout_s=2.0,
+                                                 body_timeout_s=4.0)
+    options = seen["uvicorn"]
+    assert options["limit_concurrency"] == 7 and options["timeout_keep_alive"] == 9
+    assert issubclass(options["http"], asyncio.Protocol)
+    assert options["http"].header_timeout_s == 2.0
+
+
+def test_connection_bounds_default_to_a_cap_and_uvicorn_keep_alive(serve):
+    options = serve()["uvicorn"]
+    assert options["limit_concurrency"] == 512 and options["timeout_keep_alive"] == 5
+    assert options["http"].header_timeout_s == ServerLimits().header_timeout_s
+    assert serve("--limit-concurrency", "0")["uvicorn"]["limit_concurrency"] is None
+
+
+def test_api_key_comes_from_the_environment_unless_a_flag_gives_one(serve, monkeypatch):
+    assert serve()["app"]["api_key"] is None
+    monkeypatch.setenv("QUIRE_API_KEY", "from-env")
+    assert serve()["app"]["api_key"] == "from-env"
+    assert serve("--api-key", "from-flag")["app"]["api_key"] == "from-flag"
+
+
+def test_config_file_sets_the_server_flags_and_wins_over_the_environment(
+        serve, monkeypatch, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("api-key: from-file\nheader-timeout: 3\nmax_stop_strings: 4\n"
+                      "limit-concurrency: 8\ntimeout-keep-alive: 6\n")
+    monkeypatch.setenv("QUIRE_API_KEY", "from-env")
+    seen = serve("--config", str(config), "--max-stop-strings", "5")
+    assert seen["app"]["api_key"] == "from-file"
+    assert seen["app"]["limits"] == ServerLimits(header_timeout_s=3.0, max_stop_strings=5)
+    assert seen["uvicorn"]["limit_concurrency"] == 8
+    assert seen["uvicorn"]["timeout_keep_alive"] == 6
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-stop-strings", "0"], "--max-stop-strings"),
+    (["--header-timeout", "0"], "--header-timeout"),
+    (["--stream-send-timeout", "inf"], "--stream-send-timeout"),
+    (["--limit-concurrency", "-1"], "--limit-concurrency"),
+    (["--timeout-keep-alive", "0"], "--timeout-keep-alive"),
+])
+def test_a_bad_value_is_one_line_naming_its_flag(serve, capsys, flags, named):
+    assert main(["serve", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"quire: error: {named}: "), lines
