@@ -264,7 +264,11 @@ class SamplingParams:
 def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo \
             or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        if hi is None or (hi == INT64_MAX and lo >= 0):  # int64 goes without saying
+            allowed = f">= {lo}" + (" (within int64)" if isinstance(value, int) and
+                                    hi is not None and value > hi else "")
+        else:
+            allowed = f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
     return value
 

@@ -35,7 +35,10 @@ def test_defaults_follow_vllm():
         ({"min_p": -0.5}, r"min_p must be in \[0, 1\]"),
         ({"seed": 1.0}, r"seed must be an integer"),
         ({"seed": 2**64}, r"seed must be an integer in \["),
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, inf\), got 0.0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, inf\) and within "
+                                      r"float32's normal range .*, got 0.0"),
+        ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \(0, inf\) and "),
+        ({"max_tokens": 2**64}, r"max_tokens must be an integer >= 1 \(within int64\)"),
         ({"repetition_penalty": math.inf}, r"repetition_penalty must be in \(0, inf\)"),
         ({"presence_penalty": 2.1}, r"presence_penalty must be in \[-2, 2\], got 2.1"),
         ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3"),

@@ -38,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     _register_offline(benches, "latency", "W2", run_latency,
                       "one request at a time: time to first token, inter-token latency")
     _register_serve(benches)
+    _register_abuse(benches)
     _register_sweep(benches)
     _register_memory(benches)
     _register_install_peer(benches)
@@ -107,6 +108,50 @@ def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
                         help="per-request HTTP timeout (default: 600)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.set_defaults(run=run_serve)
+
+
+def _register_abuse(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "abuse", help="normal streaming clients alone, then beside abusive ones",
+        description="Run --clients streaming clients against a server twice: alone, then "
+        "beside clients that never read, send headers a byte a second, or send requests "
+        "at the limits; report their latency in both and the ratio (see quire.bench.abuse).")
+    target = parser.add_argument_group("server")
+    target.add_argument("--url", default=None,
+                        help="a running server; without it, quire serve is started on --model")
+    target.add_argument("--server-pid", type=int, default=None,
+                        help="the --url server's process id, to read its resident memory")
+    target.add_argument("--serve-args", default="", metavar="ARGS",
+                        help="more flags for the quire serve started here, as one string: "
+                        "--serve-args='--device cpu --max-num-seqs 64'")
+    target.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"the model served, whose tokenizer sizes the prompts "
+                        f"(default: {DEFAULT_MODEL})")
+    target.add_argument("--tokenizer", default=None, help="a tokenizer directory instead")
+    target.add_argument("--served-model-name", default=None,
+                        help="the 'model' field sent (default: the first of /v1/models)")
+    target.add_argument("--api-key", default=None, help="sent as a bearer token")
+    target.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="per-request HTTP timeout (default: 600)")
+    load = parser.add_argument_group("normal clients")
+    load.add_argument("--clients", type=int, default=100,
+                      help="normal streaming clients, one request each (default: 100)")
+    load.add_argument("--input-len", type=int, default=64, help="prompt tokens (default: 64)")
+    load.add_argument("--output-len", type=int, default=32, help="output tokens (default: 32)")
+    load.add_argument("--warmup", type=int, default=1,
+                      help="untimed passes of the normal clients first (default: 1)")
+    abuse = parser.add_argument_group("abusive clients")
+    for flag, default, text in (
+            ("--non-readers", 4, "streams of the most sequences that are never read"),
+            ("--slow-headers", 8, "connections sending headers a byte at a time"),
+            ("--max-stop-clients", 2, "clients sending the most and longest stop strings"),
+            ("--max-fanout-clients", 2, "clients sending the most sequences (prompts x n)")):
+        abuse.add_argument(flag, type=int, default=default, help=f"{text} (default: {default})")
+    abuse.add_argument("--slow-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="between two header bytes (default: 1)")
+    parser.add_argument("--output", metavar="PATH", default=None,
+                        help="also write the results as JSON here")
+    parser.set_defaults(run=run_abuse)
 
 
 def _register_sweep(benches: argparse._SubParsersAction[Any]) -> None:
@@ -356,6 +401,66 @@ def run_serve(args: argparse.Namespace) -> int:
                          load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo))
     payload = record("serve", settings, [column])
     _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
+    return 0
+
+
+# -- abuse ---------------------------------------------------------------------------------
+def run_abuse(args: argparse.Namespace) -> int:
+    import contextlib
+    import dataclasses
+    import shlex
+
+    from quire.bench import abuse
+    from quire.bench.corpus import Corpus, TokenizerSource
+    from quire.bench.report import Column, comparison_table, record
+    from quire.bench.workloads import WorkloadSpec, build_requests
+    from quire.model_store import resolve_model
+    from quire.tokenizer import load_tokenizer
+
+    require("httpx", "quire bench abuse")
+    if args.warmup < 0:
+        raise UsageError("--warmup: must be >= 0")
+    try:
+        mix = abuse.AbuseMix(non_readers=args.non_readers, slow_headers=args.slow_headers,
+                             max_stop_clients=args.max_stop_clients,
+                             max_fanout_clients=args.max_fanout_clients,
+                             slow_interval_s=args.slow_interval)
+        spec = WorkloadSpec("abuse", "normal clients", num_requests=args.clients,
+                            input_len=(args.input_len,) * 2, output_len=(args.output_len,) * 2,
+                            concurrency=args.clients, seed=7)
+        model_path = resolve_model(args.model)
+        tokenizer = load_tokenizer(args.tokenizer or model_path)
+        corpus = Corpus(TokenizerSource(tokenizer, args.tokenizer or model_path))
+        # warm-ups draw -1, -2, ...; alone and abused each their own text (no prefix hits)
+        passes = [build_requests(spec, corpus, r)
+                  for r in [-1 - w for w in range(args.warmup)] + [0, 1]]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    with contextlib.ExitStack() as stack:
+        url, pid = args.url, args.server_pid
+        if url is None:
+            served = abuse.ServeChild(["--model", model_path, *shlex.split(args.serve_args)])
+            try:
+                stack.enter_context(served)
+            except RuntimeError as exc:
+                raise UsageError(str(exc)) from exc
+            url, pid = served.url, served.pid
+        try:
+            result = abuse.run(url, passes, mix, args.served_model_name, args.api_key,
+                               args.timeout, pid)
+        except (RuntimeError, OSError) as exc:
+            raise UsageError(f"--url {url}: {exc}") from exc
+    columns = [Column(phase, f"{args.clients} normal clients {phase}",
+                      [result.figures(phase)]) for phase in ("abused", "alone")]
+    title = (f"quire bench abuse: {args.clients} streaming clients ({args.input_len} in, "
+             f"{args.output_len} out) alone and beside abusive clients, {url}")
+    notes = [f"{kind}: {outcomes}" for kind, outcomes in result.outcomes.items()]
+    settings = {"url": url, "model": result.model, "clients": args.clients,
+                "input_len": args.input_len, "output_len": args.output_len,
+                "warmup": args.warmup, "mix": dataclasses.asdict(mix),
+                "server_pid": pid}
+    payload = record("abuse", settings, columns, abusers=result.outcomes)
+    _finish(args, title, comparison_table(abuse.ABUSE_FIGURES, columns), notes, payload)
     return 0
 
 

@@ -56,6 +56,8 @@ from quire.server.tokenizer_pool import TokenizerPool
 
 #: Seconds a client told "overloaded" should wait before trying again.
 RETRY_AFTER_S = 1
+#: The smallest share of ``max_stream_backlog`` one prompt of a request gets.
+MIN_STREAM_BACKLOG = 16
 #: The routes that answer errors in Anthropic's shape.
 _ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
@@ -129,11 +131,16 @@ class _Api:
                                 f"{self.model!r}", param="model", code="model_not_found")
 
     async def submit(self, token_ids: list[int], params: SamplingParams,
-                     prompt: str | None, abandoned: asyncio.Event) -> RequestStream:
-        """One engine request; engine refusals become API errors."""
+                     prompt: str | None, abandoned: asyncio.Event,
+                     num_prompts: int = 1) -> RequestStream:
+        """One engine request; engine refusals become API errors. The request's share of
+        the stream backlog is the limit split over its prompts (at least
+        ``MIN_STREAM_BACKLOG``), so one HTTP request holds at most about the limit."""
+        backlog = max(MIN_STREAM_BACKLOG, self.limits.max_stream_backlog // num_prompts)
         try:
             return await self.engine.add_request(token_ids, params, prompt=prompt,
-                                                 on_overflow=abandoned.set)
+                                                 on_overflow=abandoned.set,
+                                                 max_backlog=backlog)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -148,8 +155,10 @@ class _Api:
         """One engine request per prompt; all or none (a refusal aborts the others)."""
         streams: list[RequestStream] = []
         try:
-            for text, ids in parsed.prompts():
-                streams.append(await self.submit(ids, parsed.params, text, abandoned))
+            prompts = parsed.prompts()
+            for text, ids in prompts:
+                streams.append(await self.submit(ids, parsed.params, text, abandoned,
+                                                 len(prompts)))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -301,16 +310,21 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    # bounded, so a reader that falls behind leaves the outputs in the streams' own sinks,
+    # whose backlog limit then cuts it
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = \
+        asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
+        # a cancelled pump (the consumer left) puts nothing: the queue may be full forever
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
+                await queue.put((i, out))
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(None)
+            await queue.put(exc)
+        await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:

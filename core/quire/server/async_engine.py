@@ -223,13 +223,16 @@ class AsyncEngine:
     # -- requests (asyncio side) -----------------------------------------------------------
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
-                          on_overflow: Callable[[], None] | None = None) -> RequestStream:
+                          on_overflow: Callable[[], None] | None = None,
+                          max_backlog: int | None = None) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
         Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says.
 
         :param on_overflow: called (on the event loop) when the reader fell more than
-            ``max_stream_backlog`` outputs behind and the request was aborted for it.
+            ``max_backlog`` outputs behind and the request was aborted for it.
+        :param max_backlog: this request's cap on unread outputs (default:
+            ``max_stream_backlog``).
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -248,15 +251,16 @@ class AsyncEngine:
             params.output_kind = RequestOutputKind.DELTA
         loop = asyncio.get_running_loop()
         rid = request_id
+        cap = max_backlog or self.max_stream_backlog
 
         def overflowed() -> None:
             logger.warning("request %s aborted: its client left more than %d outputs "
-                           "unread (--max-stream-backlog)", rid, self.max_stream_backlog)
+                           "unread (--max-stream-backlog)", rid, cap)
             self._commands.put(_Abort(rid))
             if on_overflow is not None:
                 on_overflow()
 
-        sink = _Sink(self.max_stream_backlog, overflowed)
+        sink = _Sink(cap, overflowed)
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, loop, sink, accepted))
