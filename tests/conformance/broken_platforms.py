@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from quire.distributed import TorchDistributedCommunicator
+from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Availability
 from quire.platforms.cpu.attention import CpuAttentionBackend, CpuAttentionMetadata
 from quire.platforms.cpu.memory import CpuMemoryProfiler
@@ -204,3 +205,58 @@ class DoublingAllReducePlatform(CpuPlatform):
 class ReversedAllGatherPlatform(CpuPlatform):
     def make_communicator(self, rank=0, world_size=1):
         return ReversedAllGather(self.distributed_backend, rank, world_size)
+
+
+class CorruptingSend(TorchDistributedCommunicator):
+    """Sends every tensor plus one: invisible at world size 1, where nothing is sent."""
+
+    def send(self, tensor, dst):
+        super().send(tensor + 1, dst)
+
+
+class SendsWithoutPeer(TorchDistributedCommunicator):
+    """At world size 1, send and recv return instead of refusing."""
+
+    def send(self, tensor, dst):
+        if self.world_size > 1:
+            super().send(tensor, dst)
+
+    def recv(self, like, src):
+        return super().recv(like, src) if self.world_size > 1 else like.clone()
+
+
+class CollectivesOnly(Communicator):
+    """A communicator written for plugin API 1.0: no send/recv of its own."""
+
+    def __init__(self, backend: str, rank: int = 0, world_size: int = 1) -> None:
+        self._inner = TorchDistributedCommunicator(backend, rank, world_size)
+
+    rank = property(lambda self: self._inner.rank)
+    world_size = property(lambda self: self._inner.world_size)
+
+    def all_reduce(self, tensor):
+        return self._inner.all_reduce(tensor)
+
+    def all_gather(self, tensor, dim=-1):
+        return self._inner.all_gather(tensor, dim)
+
+    def broadcast(self, tensor, src=0):
+        return self._inner.broadcast(tensor, src)
+
+    def barrier(self):
+        self._inner.barrier()
+
+
+class CorruptingSendPlatform(CpuPlatform):
+    def make_communicator(self, rank=0, world_size=1):
+        return CorruptingSend(self.distributed_backend, rank, world_size)
+
+
+class SendsWithoutPeerPlatform(CpuPlatform):
+    def make_communicator(self, rank=0, world_size=1):
+        return SendsWithoutPeer(self.distributed_backend, rank, world_size)
+
+
+class CollectivesOnlyPlatform(CpuPlatform):
+    def make_communicator(self, rank=0, world_size=1):
+        return CollectivesOnly(self.distributed_backend, rank, world_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quire.conformance import ConformanceOptions, Outcome, run_conformance
+from quire.conformance import CheckResult, ConformanceOptions, Outcome, run_conformance
 from quire.interfaces.platform import Platform
 
 import broken_platforms as broken
@@ -97,28 +97,86 @@ def test_memory_check_tolerates_free_memory_moving_between_readings() -> None:
     assert failures(broken.JitteryFreePlatform(), "memory") == []
 
 
-def test_communicator_catches_at_world_size_1(monkeypatch: pytest.MonkeyPatch) -> None:
+def communicator_rows(platform: Platform) -> dict[str, CheckResult]:
+    report = run_conformance(platform, ConformanceOptions(checks=("communicator",)))
+    return {row.case: row for row in report.results}
+
+
+@pytest.fixture
+def one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """World size 1 only: the spawned world sizes are the slow tests below."""
     from quire.conformance import collectives
 
-    # world size 1 only: the 2-rank half is the slow test below
     monkeypatch.setattr(collectives, "device_count", lambda platform: 1)
-    report = run_conformance(broken.DoublingAllReducePlatform(),
-                             ConformanceOptions(checks=("communicator",)))
-    ws1, ws2 = report.results
-    assert ws1.outcome is Outcome.FAIL and "all_reduce differs" in ws1.reason
-    assert ws2.outcome is Outcome.NOT_RUN and "needs 2 'cpu' devices, found 1" in ws2.reason
+
+
+@pytest.fixture
+def two_ranks_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawn world size 2 only (read in this process: the ranks never see it)."""
+    from quire.conformance import collectives
+
+    monkeypatch.setattr(collectives, "SPAWNED_WORLD_SIZES", (2,))
+
+
+def test_communicator_catches_at_world_size_1(one_device: None) -> None:
+    rows = communicator_rows(broken.DoublingAllReducePlatform())
+    assert list(rows) == ["world size 1", "world size 1, send/recv", "world size 2",
+                          "world size 4"]
+    assert rows["world size 1"].outcome is Outcome.FAIL
+    assert "all_reduce differs" in rows["world size 1"].reason
+    assert rows["world size 1, send/recv"].outcome is Outcome.PASS
+    for n in (2, 4):
+        row = rows[f"world size {n}"]
+        assert row.outcome is Outcome.NOT_RUN and f"needs {n} 'cpu' devices, found 1" in row.reason
+
+
+def test_send_and_recv_must_refuse_at_world_size_1(one_device: None) -> None:
+    row = communicator_rows(broken.SendsWithoutPeerPlatform())["world size 1, send/recv"]
+    assert row.outcome is Outcome.FAIL
+    for call in ("send(dst=0)", "recv(src=0)", "send(dst=1)", "recv(src=1)"):
+        assert f"{call} on rank 0 of 1 returned, expected ValueError" in row.reason
+
+
+def test_a_plugin_api_1_0_communicator_is_not_run_for_send_recv(one_device: None) -> None:
+    rows = communicator_rows(broken.CollectivesOnlyPlatform())
+    assert rows["world size 1"].outcome is Outcome.PASS
+    row = rows["world size 1, send/recv"]
+    assert row.outcome is Outcome.NOT_RUN
+    assert "does not implement send/recv (added in plugin API 1.1)" in row.reason
 
 
 @pytest.mark.slow
-def test_communicator_catches_at_world_size_2() -> None:
+def test_communicator_catches_at_world_size_2(two_ranks_at_most: None) -> None:
     """All-gather in the wrong rank order is invisible at world size 1."""
-    report = run_conformance(broken.ReversedAllGatherPlatform(),
-                             ConformanceOptions(checks=("communicator",)))
-    ws1, ws2 = report.results
-    assert ws1.outcome is Outcome.PASS
+    rows = communicator_rows(broken.ReversedAllGatherPlatform())
+    assert rows["world size 1"].outcome is Outcome.PASS
+    ws2 = rows["world size 2"]
     assert ws2.outcome is Outcome.FAIL
     assert "rank 0: all_gather(dim=0) differs" in ws2.reason
     assert "rank 1: all_gather(dim=-1) differs" in ws2.reason
+    assert rows["world size 2, send/recv"].outcome is Outcome.PASS
+
+
+@pytest.mark.slow
+def test_send_recv_catches_a_corrupting_send_at_world_size_2(two_ranks_at_most: None) -> None:
+    rows = communicator_rows(broken.CorruptingSendPlatform())
+    assert rows["world size 1, send/recv"].outcome is Outcome.PASS  # nothing is sent there
+    assert rows["world size 2"].outcome is Outcome.PASS
+    p2p = rows["world size 2, send/recv"]
+    assert p2p.outcome is Outcome.FAIL
+    for found in ("rank 0: ring in float32: recv(src=1): 165 of 165 elements differ",
+                  "rank 1: ring in bfloat16: recv(src=0)",
+                  "rank 1: pipeline hidden states", "rank 1: pipeline residual"):
+        assert found in p2p.reason
+
+
+@pytest.mark.slow
+def test_a_plugin_api_1_0_communicator_still_runs_its_collectives_at_world_size_2(
+    two_ranks_at_most: None,
+) -> None:
+    rows = communicator_rows(broken.CollectivesOnlyPlatform())
+    assert rows["world size 2"].outcome is Outcome.PASS
+    assert rows["world size 2, send/recv"].outcome is Outcome.NOT_RUN
 
 
 def test_end_to_end_catches_a_wrong_kv_head() -> None:

@@ -251,6 +251,17 @@ def test_bad_ranks_are_refused() -> None:
         TorchDistributedCommunicator("gloo").broadcast(torch.ones(1), src=1)
 
 
+@pytest.mark.parametrize("peer", [0, 1, -1])
+def test_send_and_recv_have_no_peer_at_world_size_one(peer: int) -> None:
+    comm = TorchDistributedCommunicator("gloo")
+    x = torch.ones(2)
+    with pytest.raises(ValueError, match=f"send to dst {peer}: rank 0 of world size 1 has no"):
+        comm.send(x, peer)
+    with pytest.raises(ValueError, match=f"recv from src {peer}: rank 0 of world size 1 has"):
+        comm.recv(x, peer)
+    assert torch.equal(x, torch.ones(2))
+
+
 def test_many_ranks_need_a_process_group() -> None:
     if dist.is_initialized():
         pytest.skip("another test left a process group initialised in this process")
@@ -258,31 +269,91 @@ def test_many_ranks_need_a_process_group() -> None:
         TorchDistributedCommunicator("gloo", rank=0, world_size=2)
 
 
-def _two_rank_worker(rank: int, init_file: str) -> None:
+def _worker(rank: int, world_size: int, init_file: str) -> None:
     """Runs in a spawned process; an assertion failure fails the parent's spawn call."""
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
-        comm = CpuPlatform().make_communicator(rank, 2)
-        x = torch.full((2, 3), float(rank + 1))
-        original = x.clone()
-
-        assert torch.equal(comm.all_reduce(x), torch.full((2, 3), 3.0))
-        gathered = comm.all_gather(x, dim=0)
-        expected = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
-        assert torch.equal(gathered, expected)
-        assert comm.all_gather(x).shape == (2, 6)
-        assert torch.equal(comm.broadcast(x, src=0), torch.full((2, 3), 1.0))
-        comm.barrier()
-        assert torch.equal(x, original)  # inputs are never changed
-
+        comm = CpuPlatform().make_communicator(rank, world_size)
+        _check_collectives(comm)
+        _check_send_recv_ring(comm)
+        _check_pipeline_hand_over(comm)
+        _check_bad_peers(comm)
+        comm.barrier()  # no rank tears the group down while a peer still receives
         with pytest.raises(RuntimeError, match="asked for 'xccl'"):
-            TorchDistributedCommunicator("xccl", rank, 2)
+            TorchDistributedCommunicator("xccl", rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_over_gloo(tmp_path: Path) -> None:
+def _check_collectives(comm: Communicator) -> None:
+    rank, n = comm.rank, comm.world_size
+    x = torch.full((2, 3), float(rank + 1))
+    original = x.clone()
+    assert torch.equal(comm.all_reduce(x), torch.full((2, 3), n * (n + 1) / 2))
+    expected = torch.cat([torch.full((2, 3), float(r + 1)) for r in range(n)])
+    assert torch.equal(comm.all_gather(x, dim=0), expected)
+    assert comm.all_gather(x).shape == (2, 3 * n)
+    assert torch.equal(comm.broadcast(x, src=0), torch.full((2, 3), 1.0))
+    comm.barrier()
+    assert torch.equal(x, original)  # inputs are never changed
+
+
+def _drawn(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(4, 9, generator=torch.Generator().manual_seed(rank)).to(dtype)
+
+
+def _check_send_recv_ring(comm: Communicator) -> None:
+    """Each rank sends to rank+1 and receives from rank-1; even ranks send first."""
+    rank, n = comm.rank, comm.world_size
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        mine, like = _drawn(rank, dtype), torch.zeros(4, 9, dtype=dtype)
+        if rank % 2 == 0:
+            comm.send(mine, (rank + 1) % n)
+            got = comm.recv(like, (rank - 1) % n)
+        else:
+            got = comm.recv(like, (rank - 1) % n)
+            comm.send(mine, (rank + 1) % n)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, _drawn((rank - 1) % n, dtype)), dtype
+        assert torch.equal(mine, _drawn(rank, dtype)) and not like.any()  # inputs unchanged
+
+
+def _check_pipeline_hand_over(comm: Communicator) -> None:
+    """Stage r receives hidden states and a (non-contiguous) residual from r-1, adds one to
+    each and passes them on: the last stage holds stage 0's tensors plus one n times."""
+    rank, n = comm.rank, comm.world_size
+    hidden = _drawn(100, torch.bfloat16)
+    residual = _drawn(101, torch.bfloat16).t()  # [9, 4], a view with swapped strides
+    if rank > 0:
+        hidden = comm.recv(hidden, rank - 1)
+        residual = comm.recv(residual, rank - 1)
+        assert residual.shape == (9, 4) and residual.is_contiguous()
+    hidden, residual = hidden + 1, residual + 1
+    if rank < n - 1:
+        comm.send(hidden, rank + 1)
+        comm.send(residual, rank + 1)
+    else:
+        want_hidden, want_residual = _drawn(100, torch.bfloat16), _drawn(101, torch.bfloat16).t()
+        for _ in range(n):  # one rounding per stage, as the stages did
+            want_hidden, want_residual = want_hidden + 1, want_residual + 1
+        assert torch.equal(hidden, want_hidden) and torch.equal(residual, want_residual)
+
+
+def _check_bad_peers(comm: Communicator) -> None:
+    rank, n = comm.rank, comm.world_size
+    x = torch.ones(1)
+    with pytest.raises(ValueError, match=f"that is this rank \\(rank {rank} of world size {n}"):
+        comm.send(x, rank)
+    with pytest.raises(ValueError, match=f"recv from src {n}: it must be in \\[0, {n}\\)"):
+        comm.recv(x, n)
+    with pytest.raises(ValueError, match="send to dst -1: it must be in"):
+        comm.send(x, -1)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
     # A file rendezvous instead of a TCP port: no free-port race with parallel runs.
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=True)
+    mp.spawn(_worker, args=(world_size, str(tmp_path / "rendezvous")), nprocs=world_size,
+             join=True)

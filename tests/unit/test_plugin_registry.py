@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from quire.cli import main
+from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Availability, Platform
 from quire.plugins.hookspecs import hookimpl
 from quire.plugins.registry import (
@@ -201,6 +202,49 @@ def test_incompatible_platform_is_listed_refused_and_names_both_versions() -> No
             use("future")
         assert str(excinfo.value) == entry.refused
     assert registry.auto_choice() == "cpu"
+
+
+def test_this_core_provides_api_1_1_and_keeps_plugins_built_for_1_0() -> None:
+    """1.1 added Communicator.send/recv; a MINOR bump must not refuse 1.0 plugins."""
+    assert PLUGIN_API_VERSION == "1.1"
+    registry = PlatformRegistry(entry_points=[
+        ep("old", platform("old", api="1.0"), dist="quire-old"),
+        ep("new", platform("new", api="1.1"), dist="quire-new"),
+        ep("next", PlatformSpec("next", "1.2", never_built), dist="quire-next"),
+    ])
+    refused = {e.name: e.refused for e in registry.entries()}
+    assert refused["new"] is None and refused["old"] is None
+    assert refused["next"] is not None
+    assert "built for plugin API 1.2, but this Quire provides plugin API 1.1" in refused["next"]
+    assert "built for plugin API 1.x (at most 1.1)" in refused["next"]
+
+
+def test_a_communicator_written_for_api_1_0_still_works_without_send_recv() -> None:
+    """Its collectives run; send/recv raise NotImplementedError naming the API that added
+    them, instead of the class failing to construct."""
+
+    class CollectivesOnly(Communicator):
+        rank, world_size = 0, 1
+
+        def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor
+
+        def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            return tensor
+
+        def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+            return tensor
+
+        def barrier(self) -> None:
+            pass
+
+    comm = CollectivesOnly()
+    x = torch.ones(2)
+    assert comm.all_reduce(x) is x
+    with pytest.raises(NotImplementedError, match=r"CollectivesOnly does not implement send"):
+        comm.send(x, 1)
+    with pytest.raises(NotImplementedError, match=r"recv\(\): .* plugin API 1\.1"):
+        comm.recv(x, 1)
 
 
 def test_malformed_api_version_is_refused() -> None:

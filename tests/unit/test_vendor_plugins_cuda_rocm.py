@@ -206,6 +206,8 @@ def test_communicator_is_the_core_one_over_nccl(cls: type[Platform]) -> None:
     assert comm.backend == "nccl" and (comm.rank, comm.world_size) == (0, 1)
     x = torch.ones(3)
     assert comm.all_reduce(x) is x  # world size 1 never touches torch.distributed
+    with pytest.raises(ValueError, match="rank 0 of world size 1 has no peer"):
+        comm.send(x, 1)  # point-to-point (plugin API 1.1) comes with the core's class
 
 
 class FakeAllocator:

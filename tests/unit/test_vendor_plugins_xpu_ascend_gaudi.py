@@ -34,6 +34,7 @@ from quire.cli import main
 from quire.conformance import ConformanceOptions, Outcome, run_conformance
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.plugins.registry import DISABLE_PLUGINS_ENV
+from quire.plugins.spec import PLUGIN_API_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = {  # device name -> (distribution, package, vendor top-level modules)
@@ -80,6 +81,8 @@ def test_distributions_declare_entry_points_and_depend_only_on_quire(plugin_site
         assert (ep.name, ep.value) == (device, f"{package}.plugin")
         assert dist.requires == ["quire"]  # no torch, no vendor library
         assert (plugin_site / package / "py.typed").is_file()
+        (spec,) = importlib.import_module(f"{package}.plugin").quire_platforms()
+        assert spec.api_version == PLUGIN_API_VERSION  # built for this core's API
 
 
 _PROBE = textwrap.dedent("""

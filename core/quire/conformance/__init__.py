@@ -8,7 +8,8 @@ Modules, one job each:
 
 - ``runner``: which checks run in which mode; :func:`run_conformance`, :func:`run_by_name`;
 - ``checks``: platform contract, KV write, paged attention, memory profiler;
-- ``collectives``: the communicator check (world size 1, and 2 in spawned processes);
+- ``collectives``: the communicator check, collectives and send/recv (world size 1, and 2
+  and 4 in spawned processes);
 - ``end_to_end``: greedy generation on the platform vs on cpu, token for token;
 - ``cases``: random paged batches, and running one on any backend whatever its layout;
 - ``tolerances``: per-dtype tolerances and why; comparing an output with the reference;

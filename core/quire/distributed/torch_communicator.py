@@ -6,10 +6,14 @@ ranks) owns the default process group: it calls ``torch.distributed.init_process
 with the same backend, rank and world size *before* building a communicator for more
 than one rank, and destroys the group at shutdown.
 
-World size 1 is special on purpose: every operation returns its input object itself
+World size 1 is special on purpose: every collective returns its input object itself
 (no copy, no ``torch.distributed`` call, no process group needed), so a single-device
 engine pays nothing. The result then aliases the input: a caller that wants to change
-the result in place must clone it first.
+the result in place must clone it first. ``send`` and ``recv`` have no peer there and
+raise ``ValueError``.
+
+Point-to-point goes through ``torch.distributed.send``/``recv`` on the default group,
+which every backend Quire's platforms use (gloo, NCCL/RCCL, XCCL, HCCL) implements.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from quire.interfaces.communicator import Communicator
 
 
 class TorchDistributedCommunicator(Communicator):
-    """Collectives over the default ``torch.distributed`` group, for any backend name.
+    """Collectives and send/recv over the default ``torch.distributed`` group, for any
+    backend name.
 
     :param backend: the ``torch.distributed`` backend the group was initialised with
         (``"gloo"`` for host tensors; device plugins pass their own).
@@ -82,6 +87,30 @@ class TorchDistributedCommunicator(Communicator):
         """Wait for every rank; returns at once at world size 1."""
         if self._world_size > 1:
             dist.barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Blocking send of ``tensor`` (a contiguous copy when it is not) to ``dst``."""
+        self._check_peer("send to dst", dst)
+        dist.send(tensor.contiguous(), dst=dst)  # backends send dense memory only
+
+    def recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
+        """Blocking receive from ``src`` into a new tensor shaped like ``like``."""
+        self._check_peer("recv from src", src)
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        dist.recv(out, src=src)
+        return out
+
+    def _check_peer(self, what: str, peer: int) -> None:
+        """Refuse a peer that cannot be one, before torch hangs or fails obscurely."""
+        here = f"rank {self._rank} of world size {self._world_size}"
+        if self._world_size == 1:
+            raise ValueError(f"cannot {what} {peer}: {here} has no peer")
+        if peer == self._rank:
+            raise ValueError(f"cannot {what} {peer}: that is this rank ({here})")
+        if not 0 <= peer < self._world_size:
+            raise ValueError(
+                f"cannot {what} {peer}: it must be in [0, {self._world_size}) ({here})"
+            )
 
     def __repr__(self) -> str:
         return (

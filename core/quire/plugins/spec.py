@@ -11,8 +11,14 @@ if TYPE_CHECKING:
     from quire.interfaces.platform import Platform
 
 #: The plugin API this core provides, "MAJOR.MINOR". A plugin built for MAJOR.m works when
-#: MAJOR is equal and m <= MINOR; anything else is refused with both versions named.
-PLUGIN_API_VERSION = "1.0"
+#: MAJOR is equal and m <= MINOR; anything else is refused with both versions named. So a
+#: MINOR release only adds, with a default for whatever a plugin built for an older MINOR
+#: lacks; removing or changing anything is a new MAJOR.
+#:
+#: 1.0: Platform, AttentionBackend, Communicator (collectives), MemoryProfiler.
+#: 1.1: Communicator.send and Communicator.recv, for pipeline parallelism; a 1.0
+#:      communicator inherits defaults that raise NotImplementedError.
+PLUGIN_API_VERSION = "1.1"
 
 
 @dataclass(frozen=True)

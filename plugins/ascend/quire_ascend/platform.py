@@ -61,7 +61,8 @@ class AscendPlatform(Platform):
     def make_communicator(
         self, rank: int = 0, world_size: int = 1
     ) -> TorchDistributedCommunicator:
-        """Collectives over hccl; for ``world_size > 1`` the caller initialised the group
+        """Collectives and send/recv over hccl; for ``world_size > 1`` the caller
+        initialised the group
         (after importing torch_npu, which registers the backend)."""
         _torch_npu()
         return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)

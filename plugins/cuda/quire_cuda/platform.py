@@ -76,7 +76,8 @@ class CudaPlatform(Platform):
     def make_communicator(
         self, rank: int = 0, world_size: int = 1
     ) -> TorchDistributedCommunicator:
-        """NCCL collectives; for ``world_size > 1`` the caller initialised the group."""
+        """NCCL collectives and send/recv; for ``world_size > 1`` the caller initialised
+        the group."""
         return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
 
     def make_memory_profiler(self, device_index: int = 0) -> CudaMemoryProfiler:

@@ -69,7 +69,8 @@ class GaudiPlatform(Platform):
     def make_communicator(
         self, rank: int = 0, world_size: int = 1
     ) -> TorchDistributedCommunicator:
-        """Collectives over hccl; for ``world_size > 1`` the caller initialised the group."""
+        """Collectives and send/recv over hccl; for ``world_size > 1`` the caller
+        initialised the group."""
         _hpu()
         return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
 

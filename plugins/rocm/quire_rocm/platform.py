@@ -95,7 +95,7 @@ class RocmPlatform(Platform):
     def make_communicator(
         self, rank: int = 0, world_size: int = 1
     ) -> TorchDistributedCommunicator:
-        """RCCL collectives, under torch's backend name "nccl"."""
+        """RCCL collectives and send/recv, under torch's backend name "nccl"."""
         return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
 
     def make_memory_profiler(self, device_index: int = 0) -> RocmMemoryProfiler:

@@ -120,7 +120,8 @@ class CpuPlatform(Platform):
     def make_communicator(
         self, rank: int = 0, world_size: int = 1
     ) -> TorchDistributedCommunicator:
-        """Collectives over gloo; for ``world_size > 1`` the caller initialised the group."""
+        """Collectives and send/recv over gloo; for ``world_size > 1`` the caller
+        initialised the group."""
         return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
 
     def make_memory_profiler(self, device_index: int = 0) -> CpuMemoryProfiler:
