@@ -44,6 +44,10 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
         ) from None
 
 
+#: ``distributed_executor_backend`` values (vLLM's names).
+_EXECUTORS = ("uni", "mp", "ray")
+
+
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
@@ -84,6 +88,19 @@ class EngineConfig:
         default=None,
         metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
     )
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("ranks that split each layer (attention heads, MLP, "
+                                  "vocabulary); one process each"))
+    pipeline_parallel_size: int = field(
+        default=1, metadata=_help("stages that split the layers (not yet supported: 1)"))
+    data_parallel_size: int = field(
+        default=1, metadata=_help("engine replicas behind one server (not yet supported: "
+                                  "1)"))
+    distributed_executor_backend: str | None = field(
+        default=None, metadata=_help("how ranks run: 'uni' (in this process; world size 1 "
+                                     "only), 'mp' (a process per rank on this node), "
+                                     "'ray' (not yet supported); default: uni for one "
+                                     "rank, mp for more"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
@@ -112,9 +129,40 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
             if isinstance(kv, int) and kv <= 0:
                 raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv}")
+        self._check_parallel()
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in _EXECUTORS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(_EXECUTORS)}, got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; "
+                             f"tensor_parallel_size x pipeline_parallel_size is "
+                             f"{self.world_size}: use 'mp'")
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not supported yet; "
+                             "use 'mp' (one node)")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name}={getattr(self, name)}: not supported yet (only "
+                                 f"tensor parallelism is); use 1")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """``distributed_executor_backend``, or its default for the world size."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -1,15 +1,15 @@
 """The engine: builds the parts once, then runs schedule -> forward -> sample steps.
 
-Build order: platform (from the registry), model config, resolved engine config,
-tokenizer, model, KV cache sized by the platform's memory profiler, block manager,
-scheduler, runner. One engine owns all of these; nothing is shared between engines.
+Build order: platform (from the registry, for its defaults), model config, resolved
+engine config, tokenizer, the executor (its workers load the model's shards), KV cache
+sized by the smallest rank's memory, block manager, scheduler, sampler. One engine owns
+all of these; nothing is shared between engines.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,37 +18,23 @@ import torch
 
 from quire.block_manager import BlockManager
 from quire.config import EngineConfig, ResolvedConfig
-from quire.interfaces.attention import AttentionBackend
-from quire.interfaces.memory import MemoryProfiler
+from quire.executor import check_parallel, make_executor
+from quire.executor.abstract import Executor
+from quire.executor.messages import StepItem
+from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform
-from quire.model_runner import ModelRunner
 from quire.model_store import resolve_model
-from quire.models.compile import compile_model
-from quire.models.interface import CausalLM
-from quire.models.loader import load_model, load_model_config
+from quire.models.loader import load_model_config
 from quire.output_processor import OutputProcessor, RequestState
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
-from quire.scheduler import ScheduledSeq, Scheduler
+from quire.scheduler import Scheduler
 from quire.sequence import Sequence
 from quire.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape facts of the model's KV cache, on this rank."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-
-    @classmethod
-    def of(cls, model: CausalLM) -> "KVCacheSpec":
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
 
 
 @dataclass(frozen=True)
@@ -68,42 +54,41 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Turns requests into outputs, one step at a time. Not thread-safe."""
+    """Turns requests into outputs, one step at a time. Not thread-safe.
+
+    Call :meth:`shutdown` (or let the ``LLM`` that owns it do so) to stop worker
+    processes; at world size 1 there are none.
+    """
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None):
         registry = registry or PlatformRegistry()
         self.platform: Platform = registry.resolve(config.device)
-        self.platform.configure_process()
         model_path = resolve_model(config.model)
         self.model_config = load_model_config(model_path)
         self.config: ResolvedConfig = config.resolve(
-            model_max_len=_model_max_len(self.model_config),
+            model_max_len=model_max_len(self.model_config),
             platform_block_size=self.platform.default_block_size,
             platform_dtype=self.platform.supported_dtypes[0],
         )
         self.platform.check_dtype(self.config.dtype)
-        self.device = self.platform.device()
+        check_parallel(config, self.model_config)
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config, model_path)
         self.vocab_size: int = self.model_config.vocab_size
 
-        comm = self.platform.make_communicator()
-        self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
-                                   config=self.model_config,
-                                   extra_models=registry.model_specs())
-        self.model.eval()
-        self.platform.prepare_model(self.model, compiled=config.compile)
-        if config.compile:
-            compile_model(self.model)
-        backend = self.platform.make_attention_backend()
-        self.kv_spec = KVCacheSpec.of(self.model)
-        num_blocks = self._num_kv_blocks(backend)
-        kv_caches = [
-            backend.allocate_kv_cache(num_blocks, self.config.block_size,
-                                      self.kv_spec.num_kv_heads, self.kv_spec.head_size,
-                                      self.config.dtype, self.device)
-            for _ in range(self.kv_spec.num_layers)
-        ]
+        self.executor: Executor = make_executor(config, registry)
+        try:
+            self.kv_spec = self.executor.kv_spec
+            # Never more pages than max_num_seqs sequences of max_model_len tokens can
+            # hold: a small model's default budget would otherwise be millions of pages
+            # that only cost start-up time and bookkeeping memory.
+            most = self.config.max_num_seqs * -(-self.config.max_model_len
+                                                // self.config.block_size)
+            num_blocks = min(self.executor.num_kv_blocks(), most)
+            self.executor.init_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -112,8 +97,6 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(self.model, backend, kv_caches, self.config.block_size,
-                                  self.device)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -121,53 +104,15 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         logger.info(
-            "engine ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens)",
-            self.platform.name, self.config.dtype, self.config.block_size, num_blocks,
-            num_blocks * self.config.block_size,
+            "engine ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens) "
+            "executor=%s world_size=%d", self.platform.name, self.config.dtype,
+            self.config.block_size, num_blocks, num_blocks * self.config.block_size,
+            config.executor_backend, self.executor.world_size,
         )
 
-    # -- KV cache sizing -------------------------------------------------------------------
-    def _bytes_per_block(self, backend: AttentionBackend) -> int:
-        spec, bs = self.kv_spec, self.config.block_size
-        elems = math.prod(backend.kv_cache_shape(1, bs, spec.num_kv_heads, spec.head_size))
-        return elems * self.config.dtype.itemsize * spec.num_layers
-
-    def _num_kv_blocks(self, backend: AttentionBackend) -> int:
-        profiler = self.platform.make_memory_profiler()
-        requested = self.config.engine.kv_cache_memory
-        activation_peak = 0
-        if not isinstance(requested, int):  # a share of free memory: leave room to run
-            activation_peak = self._profile_activations(backend, profiler)
-        budget = profiler.kv_budget(requested, activation_peak)
-        num_blocks = profiler.num_kv_blocks(budget, self._bytes_per_block(backend))
-        # Never more pages than max_num_seqs sequences of max_model_len tokens can hold:
-        # a small model's default budget would otherwise be millions of pages that only
-        # cost start-up time and bookkeeping memory.
-        most = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
-        return min(num_blocks, most)
-
-    def _profile_activations(self, backend: AttentionBackend, profiler: MemoryProfiler) -> int:
-        """Activation peak of the largest step; measured on the shorter forward the
-        profiler asks for (``profile_tokens``) and scaled up linearly."""
-        full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        run = profiler.profile_tokens(full)
-        peak = profiler.profile(lambda: self._profile_run(backend, run))
-        return -(-peak * full // run)
-
-    def _profile_run(self, backend: AttentionBackend, num_tokens: int) -> None:
-        """One forward of ``num_tokens`` prompt tokens, on a throwaway cache."""
-        bs = self.config.block_size
-        num_blocks = -(-num_tokens // bs)
-        spec = self.kv_spec
-        caches = [backend.allocate_kv_cache(num_blocks, bs, spec.num_kv_heads, spec.head_size,
-                                            self.config.dtype, self.device)
-                  for _ in range(spec.num_layers)]
-        seq = Sequence(seq_id=-1, request_id="profile", prompt_token_ids=[0] * num_tokens,
-                       params=SamplingParams(max_tokens=1))
-        seq.block_table = list(range(num_blocks))
-        runner = ModelRunner(self.model, backend, caches, bs, self.device)
-        runner.execute([ScheduledSeq(seq, 0, num_tokens)])
-        self.platform.synchronize()
+    def shutdown(self) -> None:
+        """Stop the executor's workers; safe to call more than once."""
+        self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -276,8 +221,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found no work it could run; this is a bug")
             return []
-        self.platform.begin_step(sum(s.num_tokens for s in out.scheduled))
-        result = self.runner.execute(out.scheduled)
+        result = self.executor.execute([StepItem.of(s) for s in out.scheduled])
         self.scheduler.complete_step(out)
         changed: dict[str, RequestState] = {}
         for item_idx, first_pos, logits in result.prompt_logits:
@@ -341,11 +285,3 @@ class LLMEngine:
         for target, lp in zip(targets[skip:], entries):
             req.prompt_logprobs.append(
                 self.processor.token_logprobs(target, lp.logprob, lp.rank, lp.top))
-
-
-def _model_max_len(config: object) -> int:
-    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    raise ValueError("the model config states no context length (max_position_embeddings)")

@@ -22,7 +22,12 @@ class LLM:
     Keyword arguments are the engine options of :class:`~quire.config.EngineConfig`
     (vLLM's names): ``device``, ``dtype``, ``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-    ``max_model_len``, ``seed``, ``kv_cache_memory``, ``compile``.
+    ``max_model_len``, ``seed``, ``kv_cache_memory``, ``compile``, and the parallel
+    ones: ``tensor_parallel_size`` (a process per rank), ``pipeline_parallel_size``,
+    ``data_parallel_size``, ``distributed_executor_backend``.
+
+    With worker processes, call :meth:`shutdown` (or use ``with LLM(...) as llm``) to
+    stop them at once; otherwise they stop when this process exits.
     """
 
     def __init__(self, model: str, **engine_options: Any) -> None:
@@ -36,6 +41,16 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (none at world size 1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -1,7 +1,9 @@
 """The model runner: turns one scheduled step into one flattened forward pass.
 
-It owns the model and the per-layer KV tensors; it reads (never writes) the sequences'
-token ids and block tables. Per step it builds, on the device:
+It owns the model and the per-layer KV tensors. A step arrives as
+:class:`~quire.executor.messages.StepItem` s (each sequence's new tokens, start and page
+table: what a worker process receives), never as sequences. Per step it builds, on the
+device:
 
 - ``input_ids`` and ``positions`` [T]: each sequence's new tokens, concatenated;
 - the :class:`~quire.interfaces.attention.AttentionBatch` (slot mapping, query offsets,
@@ -17,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend, AttentionBatch
 from quire.models.context import ForwardContext
-from quire.scheduler import ScheduledSeq
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        """Build the flattened inputs of one step. Reads the sequences only."""
+    def prepare(self, scheduled: list[StepItem]) -> StepInputs:
+        """Build the flattened inputs of one step."""
         bs = self.block_size
-        query_lens = [s.num_tokens for s in scheduled]
+        query_lens = [len(s.token_ids) for s in scheduled]
         starts = [s.start for s in scheduled]
         token_ids: list[int] = []
         for s in scheduled:
-            token_ids.extend(s.seq.token_slice(s.start, s.end))
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
+            token_ids.extend(s.token_ids)
+        max_blocks = max(len(s.block_table) for s in scheduled)
+        tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table))
                   for s in scheduled]
 
         dev = self.device
@@ -92,9 +94,7 @@ class ModelRunner:
         sample_rows = query_start_loc[1:][list(sample_items)] - 1
         prompt_rows = []
         for i, s in enumerate(scheduled):
-            if s.seq.params.prompt_logprobs is None:
-                continue
-            count = min(s.end, s.seq.num_prompt_tokens - 1) - s.start
+            count = s.prompt_logit_rows
             if count > 0:
                 first_row = int(query_start_loc[i])
                 prompt_rows.append((i, s.start, torch.arange(first_row, first_row + count,
@@ -121,7 +121,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def execute(self, scheduled: list[StepItem]) -> StepResult:
         """Run one forward. Writes the step's K/V into the pages."""
         inputs = self.prepare(scheduled)
         ctx = ForwardContext(

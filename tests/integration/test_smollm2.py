@@ -43,7 +43,7 @@ def test_single_stream_greedy_matches_transformers(llm, reference):
     the weights' exact compact encoding (Q4_1 and Q8_0 here), not the float32 copy."""
     from quire.platforms.cpu.packed_linear import PackedLinear
 
-    kernels = [m.kernel for m in llm.engine.model.modules()
+    kernels = [m.kernel for m in llm.engine.executor.worker.model.modules()
                if isinstance(getattr(m, "kernel", None), PackedLinear)]
     if kernels and kernels[0].native is not None:
         assert all(k.compact is not None for k in kernels), "every SmolLM2 weight encodes"
@@ -88,3 +88,15 @@ def test_chat_answers_a_simple_question(llm):
                      SamplingParams(temperature=0, max_tokens=48))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_3_matches_transformers(smollm2_gguf, reference):
+    """TP=3: 9 query heads and 3 KV heads, one of each group per rank, in 3 processes."""
+    with LLM(str(smollm2_gguf), device="cpu", dtype="float32",
+             tensor_parallel_size=3) as tp:
+        tok = tp.get_tokenizer()
+        outs = tp.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
+                                                   ignore_eos=True))
+    for text, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, tok.encode(text), 32), text

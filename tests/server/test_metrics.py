@@ -215,7 +215,7 @@ def test_a_busy_engine_thread_makes_the_scrape_time_out(server):
 def test_dead_engine_thread_is_503():
     # what AsyncEngine reads of an idle LLMEngine
     fake = SimpleNamespace(
-        tokenizer=object(), has_unfinished_requests=lambda: False,
+        tokenizer=object(), has_unfinished_requests=lambda: False, shutdown=lambda: None,
         config=SimpleNamespace(max_model_len=16, engine=SimpleNamespace(model="fake")),
         stats=lambda: EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
                                   num_used_blocks=0, num_blocks=4, num_preemptions=0,

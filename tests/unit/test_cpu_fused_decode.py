@@ -27,6 +27,7 @@ from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
+from quire.executor.messages import StepItem
 from quire.scheduler import ScheduledSeq
 from quire.sequence import Sequence
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -70,7 +71,7 @@ class Run:
         self.runner = ModelRunner(model, self.backend, self.caches, BLOCK, torch.device("cpu"))
 
     def step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        return self.runner.execute(scheduled).logits
+        return self.runner.execute([StepItem.of(s) for s in scheduled]).logits
 
 
 def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:

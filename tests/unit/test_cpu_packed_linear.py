@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from quire.distributed import TorchDistributedCommunicator
+from quire.executor.messages import StepItem
 from quire.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM
 from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available, \
@@ -102,7 +103,7 @@ def _logits(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
                    params=SamplingParams(max_tokens=1))
     seq.block_table = [2, 0, 3]
     runner = ModelRunner(model, backend, caches, 16, torch.device("cpu"))
-    return runner.execute([ScheduledSeq(seq, 0, len(prompt))]).logits
+    return runner.execute([StepItem.of(ScheduledSeq(seq, 0, len(prompt)))]).logits
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -45,9 +45,8 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def kv_page_bytes(engine: LLMEngine) -> int:
-    """Bytes one KV page takes over all layers (K and V)."""
-    total = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
-    return total // engine.block_manager.num_blocks
+    """Bytes one KV page takes over all layers (K and V), on rank 0."""
+    return engine.executor.bytes_per_block()
 
 
 def describe(engine: LLMEngine) -> str:

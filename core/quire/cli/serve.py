@@ -173,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
                             access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5,
                             **connection_options(args, limits))
-    _graceful_server_class()(config, async_engine, args.shutdown_timeout).run()
+    server = _graceful_server_class()(config, async_engine, args.shutdown_timeout)
+    server.run()
+    if async_engine.failure is not None:  # a supervisor should restart us
+        logging.getLogger("quire").error("exiting: %s", async_engine.failure)
+        return 1
     return 0
 
 
@@ -201,6 +205,12 @@ def _graceful_server_class() -> type:
         async def serve(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().serve(sockets)
+
+        async def on_tick(self, counter: int) -> bool:
+            """Stop serving once the engine stopped on its own (a worker died)."""
+            if self.engine.failure is not None:
+                return True
+            return await super().on_tick(counter)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if self.draining is None and self.loop is not None:

@@ -286,6 +286,12 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
         await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+    if work.done() and work.exception() is not None:  # the engine failed or stopped
+        exc = work.exception()
+        if isinstance(exc, EngineStopped):
+            raise APIError(503, str(exc), type="server_error", code="unavailable")
+        if isinstance(exc, (ValueError, RuntimeError)):
+            raise APIError(500, str(exc), type="server_error")
     if not work.done():  # the client left: stop computing for nobody
         work.cancel()
         for stream in streams:

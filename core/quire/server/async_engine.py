@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from quire.engine import EngineStats, LLMEngine
+from quire.executor.abstract import WorkerDied
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
 from quire.server.errors import ClientTooSlow
@@ -185,6 +186,8 @@ class AsyncEngine:
         self._in_flight: set[str] = set()  # asyncio side only, for shutdown
         self._next_id = 0
         self._metrics = ServerMetrics(self.max_model_len)  # engine thread only
+        #: Why the engine thread stopped on its own (a worker died), or None.
+        self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="quire-engine", daemon=True)
 
     # -- lifecycle (asyncio side) ----------------------------------------------------------
@@ -319,16 +322,23 @@ class AsyncEngine:
                     break
                 if self._engine.has_unfinished_requests():
                     self._step(sinks)
+            except WorkerDied as exc:  # the model is gone: fail everything and stop
+                logger.error("engine stopped: %s; failing %d requests", exc, len(sinks))
+                self.failure = exc
+                self._fail(sinks, RuntimeError(f"the engine failed: {exc}"))
+                break
             except Exception as exc:  # a bug in a step: fail every request, keep serving
                 logger.exception("engine step failed; failing %d requests", len(sinks))
-                for rid, add in list(sinks.items()):
-                    self._abort(rid)
-                    _deliver(add, RuntimeError(f"the engine failed: {exc}"))
-                sinks.clear()
-        for rid, add in sinks.items():
-            self._abort(rid)
-            _deliver(add, EngineStopped("the server is shutting down"))
+                self._fail(sinks, RuntimeError(f"the engine failed: {exc}"))
+        self._fail(sinks, EngineStopped("the server is shutting down"))
         self._refuse_pending()
+        self._engine.shutdown()
+
+    def _fail(self, sinks: dict[str, _Add], error: BaseException) -> None:
+        for rid, add in list(sinks.items()):
+            self._abort(rid)  # bookkeeping only: no step runs
+            _deliver(add, error)
+        sinks.clear()
 
     def _refuse_pending(self) -> None:
         """Answer commands that came after the stop, so that no caller waits forever."""

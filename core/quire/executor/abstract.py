@@ -1,0 +1,54 @@
+"""The executor contract: how the engine runs a step on every rank of its model.
+
+The engine core (scheduler, block manager, sampler) lives in one process; an executor
+owns the workers that hold the model's shards and hands each step to all of them. Only
+rank 0's logits come back: the LM head gathers the whole vocabulary on every rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from quire.executor.messages import StepItem
+from quire.executor.worker import KVCacheSpec
+from quire.model_runner import StepResult
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended or failed; the executor can run no more steps."""
+
+
+class Executor(ABC):
+    """Runs the ranks of one model replica. Call order: :meth:`num_kv_blocks`,
+    :meth:`init_cache`, then :meth:`execute` per step, and :meth:`shutdown` last."""
+
+    #: Ranks of the replica (tensor-parallel size).
+    world_size: int
+    #: Rank 0's KV shape facts (every rank holds the same number of pages).
+    kv_spec: KVCacheSpec
+
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """KV pages every rank can hold: the smallest over the ranks.
+
+        :raises WorkerDied: when a worker failed (the message names the rank and why).
+        """
+
+    @abstractmethod
+    def bytes_per_block(self) -> int:
+        """Bytes one KV page takes on rank 0, over every layer."""
+
+    @abstractmethod
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` pages per layer on every rank."""
+
+    @abstractmethod
+    def execute(self, items: list[StepItem]) -> StepResult:
+        """One forward on every rank; rank 0's logits.
+
+        :raises WorkerDied: when a worker died or raised (the step is lost).
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release its resources; safe to call more than once."""

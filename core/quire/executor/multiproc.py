@@ -1,0 +1,288 @@
+"""``mp``: one worker process per rank on this node, fed over ZeroMQ.
+
+The engine binds one ``PAIR`` socket per rank on an IPC path in a private directory and
+sends every rank the same msgspec-encoded request (a step, or a control call); each rank
+answers, rank 0 with the logits. Ranks join their ``torch.distributed`` group through a
+rendezvous file in the same directory, over the platform's own backend (gloo on cpu).
+Workers are fresh interpreters (``python -m quire.executor.multiproc``) reading the
+engine config as JSON: unlike multiprocessing's spawn, that never re-runs the user's
+``__main__``, and unlike fork it is safe beside the server's threads.
+
+Faults: while it waits, the engine polls every process's exit code, so a worker killed
+with ``kill -9`` is reported within a poll period (``WorkerDied`` naming the rank and its
+exit code) and the others are stopped. A worker whose engine died exits too: the kernel
+signals it (``PR_SET_PDEATHSIG`` on Linux) and it also checks its parent while idle, so
+no worker outlives its engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import msgspec
+import zmq
+
+from quire.config import EngineConfig
+from quire.executor.abstract import Executor, WorkerDied
+from quire.executor.messages import (
+    Array,
+    Call,
+    Reply,
+    Request,
+    Step,
+    StepItem,
+    StepOutput,
+    StepPlan,
+)
+from quire.executor.worker import KVCacheSpec, Worker
+from quire.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between checks of the workers' (or the engine's) liveness while waiting.
+POLL_S = 0.1
+#: Seconds a worker may take to load its shard before the engine gives up on it.
+START_TIMEOUT_S = 600.0
+#: Seconds the workers get to exit after being told to, before they are killed.
+STOP_TIMEOUT_S = 10.0
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class MultiprocExecutor(Executor):
+    """``world_size`` worker processes on this node, one per tensor-parallel rank."""
+
+    def __init__(self, config: EngineConfig, world_size: int) -> None:
+        self.world_size = world_size
+        self._workdir = tempfile.mkdtemp(prefix="quire-mp-")
+        self._zmq = zmq.Context()
+        self._sockets: list[zmq.Socket] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._closed = False
+        with open(os.path.join(self._workdir, "config.json"), "wb") as f:
+            f.write(msgspec.json.encode(config))
+        try:
+            for rank in range(world_size):
+                sock = self._zmq.socket(zmq.PAIR)
+                sock.bind(_address(self._workdir, rank))
+                self._sockets.append(sock)
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "quire.executor.multiproc", self._workdir,
+                     str(rank), str(world_size), str(os.getpid())]))
+            started = self._gather(timeout=START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        layers, kv_heads, head_size, page_bytes = started[0].values or [0, 0, 0, 0]
+        self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
+        self._bytes_per_block = page_bytes
+
+    # -- the contract ----------------------------------------------------------------------
+    def num_kv_blocks(self) -> int:
+        return min(reply.value or 0 for reply in self._call("num_kv_blocks"))
+
+    def bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    def init_cache(self, num_blocks: int) -> None:
+        self._call("init_cache", num_blocks)
+
+    def execute(self, items: list[StepItem]) -> StepResult:
+        replies = self._send_all(Step(StepPlan(items)))
+        out = replies[0].output
+        assert out is not None and out.logits is not None
+        return StepResult(out.logits.tensor(), tuple(out.sample_items),
+                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock, proc in zip(self._sockets, self._procs):
+            if proc.poll() is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(_encoder.encode(Call("shutdown", [])), zmq.NOBLOCK)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # -- messaging -------------------------------------------------------------------------
+    def _call(self, method: str, *args: int) -> list[Reply]:
+        return self._send_all(Call(method, list(args)))
+
+    def _send_all(self, request: Call | Step) -> list[Reply]:
+        if self._closed:
+            raise WorkerDied("the executor was shut down")
+        payload = _encoder.encode(request)
+        for rank, sock in enumerate(self._sockets):
+            self._send(rank, sock, payload)
+        return self._gather()
+
+    def _send(self, rank: int, sock: zmq.Socket, payload: bytes) -> None:
+        """Send without blocking on a dead peer (a ``PAIR`` socket would wait forever)."""
+        while True:
+            try:
+                sock.send(payload, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self._check_alive({})
+                sock.poll(POLL_S * 1000, zmq.POLLOUT)
+
+    def _gather(self, timeout: float | None = None) -> list[Reply]:
+        """One reply per rank, in rank order; a worker's death or error raises."""
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        replies: dict[int, Reply] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            ready = dict(poller.poll(POLL_S * 1000))
+            for rank, sock in enumerate(self._sockets):
+                if sock in ready:
+                    replies[rank] = _reply_decoder.decode(sock.recv())
+            self._check_alive(replies)
+            if deadline is not None and time.monotonic() > deadline:
+                self.shutdown()
+                raise WorkerDied(f"the workers did not start within {timeout:g}s")
+        for rank in range(self.world_size):
+            if replies[rank].error is not None:
+                self.shutdown()
+                raise WorkerDied(f"worker rank {rank} failed: {replies[rank].error}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _check_alive(self, replies: dict[int, Reply]) -> None:
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if rank not in replies and code is not None:
+                self.shutdown()
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                raise WorkerDied(f"worker rank {rank} (pid {proc.pid}) died ({how})")
+
+
+def _address(workdir: str, rank: int) -> str:
+    return f"ipc://{workdir}/rank{rank}"
+
+
+# -- the worker process -------------------------------------------------------------------
+def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> None:
+    """A rank's process: join the group, load the shard, answer until told to stop."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        return  # the engine died before the kernel could be asked to signal us
+    with open(os.path.join(workdir, "config.json"), "rb") as f:
+        config = msgspec.json.decode(f.read(), type=EngineConfig)
+    context = zmq.Context()
+    sock = context.socket(zmq.PAIR)
+    sock.connect(_address(workdir, rank))
+    try:
+        worker = _start(config, rank, world_size, workdir)
+    except Exception:
+        sock.send(_encoder.encode(Reply(error=traceback.format_exc(limit=8))))
+        return
+    spec = worker.kv_spec
+    sock.send(_encoder.encode(Reply(values=[spec.num_layers, spec.num_kv_heads,
+                                            spec.head_size, worker.bytes_per_block()])))
+    try:
+        _serve(worker, sock, parent_pid)
+    finally:
+        sock.close(linger=0)
+        context.term()
+        _leave_group()
+
+
+def _start(config: EngineConfig, rank: int, world_size: int, workdir: str) -> Worker:
+    import torch.distributed as dist
+
+    from quire.plugins.registry import PlatformRegistry
+
+    registry = PlatformRegistry()
+    platform = registry.resolve(config.device)
+    if platform.device_type == "cpu":  # ranks on one host share its cores, not all of them
+        _split_cores(rank, world_size)
+    device = platform.device(rank)
+    dist.init_process_group(platform.distributed_backend,
+                            init_method=f"file://{workdir}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=START_TIMEOUT_S),
+                            device_id=None if device.type == "cpu" else device)
+    return Worker(config, rank, world_size, registry)
+
+
+def _serve(worker: Worker, sock: zmq.Socket, parent_pid: int) -> None:
+    while True:
+        if not sock.poll(POLL_S * 1000):
+            if os.getppid() != parent_pid:
+                return  # the engine is gone
+            continue
+        request = _request_decoder.decode(sock.recv())
+        if isinstance(request, Call) and request.method == "shutdown":
+            return
+        try:
+            reply = _handle(worker, request)
+        except Exception:
+            reply = Reply(error=traceback.format_exc(limit=8))
+        sock.send(_encoder.encode(reply))
+
+
+def _handle(worker: Worker, request: Call | Step) -> Reply:
+    if isinstance(request, Step):
+        result = worker.execute(request.plan.items)
+        if worker.rank != 0:
+            return Reply()
+        return Reply(output=StepOutput(
+            Array.of(result.logits), list(result.sample_items),
+            [(i, first, Array.of(logits)) for i, first, logits in result.prompt_logits]))
+    if request.method == "num_kv_blocks":
+        return Reply(value=worker.num_kv_blocks())
+    if request.method == "init_cache":
+        worker.init_cache(request.args[0])
+        return Reply()
+    raise ValueError(f"unknown call {request.method!r}")
+
+
+def _split_cores(rank: int, world_size: int) -> None:
+    """Give rank ``rank`` every ``world_size``-th core of the process's set (at least one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[rank::world_size] or [cores[rank % len(cores)]]
+    os.sched_setaffinity(0, mine)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,35 @@
+"""``uni``: the only worker runs in the engine's own process, called directly."""
+
+from __future__ import annotations
+
+from quire.config import EngineConfig
+from quire.executor.abstract import Executor
+from quire.executor.messages import StepItem
+from quire.executor.worker import Worker
+from quire.model_runner import StepResult
+from quire.plugins.registry import PlatformRegistry
+
+
+class UniProcExecutor(Executor):
+    """World size 1, no process boundary: a step costs a method call."""
+
+    world_size = 1
+
+    def __init__(self, config: EngineConfig, registry: PlatformRegistry) -> None:
+        self.worker = Worker(config, 0, 1, registry)
+        self.kv_spec = self.worker.kv_spec
+
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks()
+
+    def bytes_per_block(self) -> int:
+        return self.worker.bytes_per_block()
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    def execute(self, items: list[StepItem]) -> StepResult:
+        return self.worker.execute(items)
+
+    def shutdown(self) -> None:
+        pass

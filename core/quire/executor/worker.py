@@ -1,0 +1,134 @@
+"""``Worker``: one rank's share of the model, its KV cache and its model runner.
+
+Every executor runs one worker per rank: in the engine's own process (``uni``) or in a
+process of its own (``mp``). A worker builds its platform from the registry, joins its
+tensor-parallel group through the platform's communicator (the caller initialised the
+``torch.distributed`` group for more than one rank), loads its shard of the weights, and
+then answers three calls: how many KV pages its memory holds, make that many, run a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quire.config import EngineConfig, ResolvedConfig
+from quire.executor.messages import StepItem
+from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.platform import Platform
+from quire.model_runner import ModelRunner, StepResult
+from quire.model_store import resolve_model
+from quire.models.compile import compile_model
+from quire.models.interface import CausalLM
+from quire.models.loader import load_model, load_model_config
+from quire.plugins.registry import PlatformRegistry
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape facts of the model's KV cache, on this rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    @classmethod
+    def of(cls, model: CausalLM) -> "KVCacheSpec":
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim)
+
+
+def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
+    """``config`` with the checkpoint's and the platform's defaults settled: the engine
+    and every worker settle them the same way."""
+    model_config = load_model_config(resolve_model(config.model))
+    return config.resolve(model_max_len=model_max_len(model_config),
+                          platform_block_size=platform.default_block_size,
+                          platform_dtype=platform.supported_dtypes[0])
+
+
+def model_max_len(config: object) -> int:
+    """The context length a model config states."""
+    for name in ("max_position_embeddings", "max_seq_len", "n_positions"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("the model config states no context length (max_position_embeddings)")
+
+
+class Worker:
+    """One rank: platform, model shard, KV cache, runner. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 registry: PlatformRegistry | None = None) -> None:
+        registry = registry or PlatformRegistry()
+        self.rank = rank
+        self.platform: Platform = registry.resolve(config.device)
+        self.platform.configure_process()
+        model_path = resolve_model(config.model)
+        model_config = load_model_config(model_path)
+        self.config = resolve_config(config, self.platform)
+        self.platform.check_dtype(self.config.dtype)
+        self.device = self.platform.device(rank)
+        comm = self.platform.make_communicator(rank, world_size)
+        self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
+                                   config=model_config, extra_models=registry.model_specs())
+        self.model.eval()
+        self.platform.prepare_model(self.model, compiled=config.compile)
+        if config.compile:
+            compile_model(self.model)
+        self.backend: AttentionBackend = self.platform.make_attention_backend()
+        self.kv_spec = KVCacheSpec.of(self.model)
+        self.runner: ModelRunner | None = None
+
+    # -- KV cache sizing -------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        """Bytes one KV page takes on this rank, over every layer."""
+        spec, bs = self.kv_spec, self.config.block_size
+        elems = math.prod(self.backend.kv_cache_shape(1, bs, spec.num_kv_heads,
+                                                      spec.head_size))
+        return elems * self.config.dtype.itemsize * spec.num_layers
+
+    def num_kv_blocks(self) -> int:
+        """KV pages this rank's memory holds, after the largest step's activations."""
+        profiler = self.platform.make_memory_profiler(self.rank)
+        requested = self.config.engine.kv_cache_memory
+        activation_peak = 0
+        if not isinstance(requested, int):  # a share of free memory: leave room to run
+            full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+            run = profiler.profile_tokens(full)
+            peak = profiler.profile(lambda: self._profile_run(run))
+            activation_peak = -(-peak * full // run)
+        budget = profiler.kv_budget(requested, activation_peak)
+        return profiler.num_kv_blocks(budget, self.bytes_per_block())
+
+    def _profile_run(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` prompt tokens, on a throwaway cache."""
+        bs = self.config.block_size
+        num_blocks = -(-num_tokens // bs)
+        runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
+                             self.device)
+        runner.execute([StepItem([0] * num_tokens, 0, list(range(num_blocks)), True)])
+        self.platform.synchronize()
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV pages per layer and the runner that uses them."""
+        self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
+                                  self.config.block_size, self.device)
+
+    def _allocate(self, num_blocks: int) -> list[torch.Tensor]:
+        spec = self.kv_spec
+        return [self.backend.allocate_kv_cache(num_blocks, self.config.block_size,
+                                               spec.num_kv_heads, spec.head_size,
+                                               self.config.dtype, self.device)
+                for _ in range(spec.num_layers)]
+
+    # -- steps -----------------------------------------------------------------------------
+    def execute(self, items: list[StepItem]) -> StepResult:
+        """One forward over ``items``; every rank gets the whole logits (the LM head
+        gathers the vocabulary)."""
+        if self.runner is None:
+            raise RuntimeError("init_cache must be called before the first step")
+        self.platform.begin_step(sum(len(item.token_ids) for item in items))
+        return self.runner.execute(items)
