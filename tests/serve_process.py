@@ -70,3 +70,17 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+
+
+def greedy_reference(url: str, jobs: set[tuple[str, int]],
+                     model: str = "tiny") -> dict[tuple[str, int], str]:
+    """Each (prompt, max_tokens) job's greedy completion, one request at a time: what a
+    client gets alone, to compare with what it gets under load."""
+    out = {}
+    for prompt, max_tokens in sorted(jobs):
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        out[prompt, max_tokens] = r.json()["choices"][0]["text"]
+    return out

@@ -77,6 +77,11 @@ class LLMEngine:
         self.vocab_size: int = self.model_config.vocab_size
 
         self.executor: Executor = make_executor(config, registry)
+        if not self.executor.runs_model_here:
+            # The model runs in the workers; this process only samples, and OpenMP
+            # threads spinning after each sampling op took the workers' cores (W2's
+            # inter-token latency doubled; figures in docs/bench.md).
+            torch.set_num_threads(1)
         try:
             self.kv_spec = self.executor.kv_spec
             # Never more pages than max_num_seqs sequences of max_model_len tokens can

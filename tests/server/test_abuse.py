@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 from quire.bench.abuse import AbuseMix, Abusers
-from serve_process import ServeProcess
+from serve_process import ServeProcess, greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -108,18 +108,6 @@ async def _stream_one(client: httpx.AsyncClient, url: str, prompt: str,
         return 200, "".join(text)
 
 
-def _reference(url: str, jobs: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
-    """Each job's greedy answer, one request at a time."""
-    out = {}
-    for prompt, max_tokens in sorted(jobs):
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        out[prompt, max_tokens] = r.json()["choices"][0]["text"]
-    return out
-
-
 async def _round(url: str, jobs: list[tuple[str, int]],
                  mix: AbuseMix | None) -> tuple[list[tuple[int, str]], dict]:
     """The normal clients at once, beside ``mix``'s abusers (if any); their results and
@@ -183,7 +171,7 @@ class HealthProbe:
 
 def test_normal_clients_are_served_beside_abusive_ones(server, tmp_path):
     jobs = _jobs()
-    reference = _reference(server.url, set(jobs))
+    reference = greedy_reference(server.url, set(jobs), MODEL)
     warm, _ = asyncio.run(_round(server.url, jobs, None))  # allocator and caches settle
     assert all(status == 200 for status, _ in warm), warm
     server.wait_idle()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_process import ServeProcess
+from serve_process import ServeProcess, greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -67,18 +67,6 @@ async def _load(url: str, jobs: list[tuple[str, int]]) -> tuple[list, float]:
         return results, time.monotonic() - start
 
 
-def _reference(url: str, jobs: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
-    """Each job's greedy answer, one request at a time."""
-    out = {}
-    for prompt, max_tokens in sorted(jobs):
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        out[prompt, max_tokens] = r.json()["choices"][0]["text"]
-    return out
-
-
 def test_120_concurrent_streaming_clients(tiny_model):
     server = ServeProcess("--model", str(tiny_model), "--served-model-name", MODEL,
                           "--max-waiting-requests", str(MAX_WAITING), "--max-num-seqs", "32")
@@ -88,7 +76,7 @@ def test_120_concurrent_streaming_clients(tiny_model):
         # first, so every answer under load can be checked against it exactly (a random
         # model's text is not a clean prefix of a longer one: incomplete UTF-8 is flushed)
         jobs = [(rng.choice(_prompts()), rng.choice((4, 12, 24))) for _ in range(NUM_CLIENTS)]
-        reference = _reference(server.url, set(jobs))
+        reference = greedy_reference(server.url, set(jobs), MODEL)
         asyncio.run(_load(server.url, jobs))  # warm-up round: allocator and caches settle
         server.wait_idle()
         idle_rss = server.rss_kib()

@@ -24,6 +24,9 @@ class Executor(ABC):
 
     #: Ranks of the replica (tensor-parallel size).
     world_size: int
+    #: Whether the model runs in the engine's own process (then the engine's torch
+    #: threads are the model's; otherwise the engine only samples).
+    runs_model_here: bool
     #: Rank 0's KV shape facts (every rank holds the same number of pages).
     kv_spec: KVCacheSpec
 

@@ -65,6 +65,8 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 class MultiprocExecutor(Executor):
     """``world_size`` worker processes on this node, one per tensor-parallel rank."""
 
+    runs_model_here = False
+
     def __init__(self, config: EngineConfig, world_size: int) -> None:
         self.world_size = world_size
         self._workdir = tempfile.mkdtemp(prefix="quire-mp-")

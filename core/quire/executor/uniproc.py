@@ -14,6 +14,7 @@ class UniProcExecutor(Executor):
     """World size 1, no process boundary: a step costs a method call."""
 
     world_size = 1
+    runs_model_here = True
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry) -> None:
         self.worker = Worker(config, 0, 1, registry)
