@@ -99,8 +99,9 @@ class EngineConfig:
     distributed_executor_backend: str | None = field(
         default=None, metadata=_help("how ranks run: 'uni' (in this process; world size 1 "
                                      "only), 'mp' (a process per rank on this node), "
-                                     "'ray' (not yet supported); default: uni for one "
-                                     "rank, mp for more"))
+                                     "'ray' (a Ray actor per rank, on any node of the "
+                                     "cluster RAY_ADDRESS names, or a local one); default: "
+                                     "uni for one rank, mp for more"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
@@ -146,9 +147,6 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; "
                              f"tensor_parallel_size x pipeline_parallel_size is "
                              f"{self.world_size}: use 'mp'")
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not supported yet; "
-                             "use 'mp' (one node)")
         for name in ("pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) > 1:
                 raise ValueError(f"{name}={getattr(self, name)}: not supported yet (only "

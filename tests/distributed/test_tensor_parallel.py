@@ -56,7 +56,6 @@ def test_tp4_replicates_kv_heads(tiny_checkpoint):
     ({"tensor_parallel_size": 8}, ["tensor_parallel_size=8", "4 attention heads"]),
     ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "not supported yet"]),
     ({"distributed_executor_backend": "slurm"}, ["distributed_executor_backend", "'slurm'"]),
-    ({"distributed_executor_backend": "ray"}, ["'ray'", "not supported yet"]),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, ["'uni'", "'mp'"]),
 ])
 def test_bad_parallel_configs_are_refused_in_one_line(tiny_checkpoint, options, words):
@@ -116,3 +115,12 @@ def test_workers_die_with_their_engine(tiny_checkpoint, tmp_path):
         alive = [p for p in workers
                  if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0]
     assert not alive, f"orphan workers: {alive}"
+
+
+def test_ray_missing_is_refused_in_one_line(tiny_checkpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
+                                           tensor_parallel_size=2,
+                                           distributed_executor_backend="ray"))
+    assert str(refused.value).startswith("distributed_executor_backend='ray' needs Ray")

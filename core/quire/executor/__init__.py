@@ -1,7 +1,7 @@
 """Executors: how the engine runs the ranks of its model.
 
 ``uni`` runs the only rank in the engine's process; ``mp`` runs one process per rank on
-this node. :func:`make_executor` picks by ``distributed_executor_backend`` (default: ``uni``
+this node; ``ray`` runs one Ray actor per rank anywhere in a Ray cluster. :func:`make_executor` picks by ``distributed_executor_backend`` (default: ``uni``
 at world size 1, ``mp`` above) after :func:`check_parallel` refused what cannot shard.
 """
 
@@ -25,6 +25,11 @@ def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
         from quire.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config, registry)
+    if backend == "ray":
+        from quire.executor.ray_executor import RayExecutor
+
+        device_type = registry.resolve(config.device).device_type
+        return RayExecutor(config, config.tensor_parallel_size, device_type)
     from quire.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, config.tensor_parallel_size)

@@ -60,6 +60,7 @@ STOP_TIMEOUT_S = 10.0
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_SHUTDOWN = _encoder.encode(Call("shutdown", []))
 
 
 class MultiprocExecutor(Executor):
@@ -116,7 +117,7 @@ class MultiprocExecutor(Executor):
         for sock, proc in zip(self._sockets, self._procs):
             if proc.poll() is None:
                 with contextlib.suppress(zmq.ZMQError):
-                    sock.send(_encoder.encode(Call("shutdown", [])), zmq.NOBLOCK)
+                    sock.send(_SHUTDOWN, zmq.NOBLOCK)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self._procs:
             try:
@@ -198,7 +199,7 @@ def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> N
     sock = context.socket(zmq.PAIR)
     sock.connect(_address(workdir, rank))
     try:
-        worker = _start(config, rank, world_size, workdir)
+        worker = start_worker(config, rank, world_size, f"file://{workdir}/rendezvous")
     except Exception:
         sock.send(_encoder.encode(Reply(error=traceback.format_exc(limit=8))))
         return
@@ -213,21 +214,25 @@ def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> N
         _leave_group()
 
 
-def _start(config: EngineConfig, rank: int, world_size: int, workdir: str) -> Worker:
+def start_worker(config: EngineConfig, rank: int, world_size: int, init_method: str,
+                 local_rank: int | None = None, ranks_on_host: int | None = None) -> Worker:
+    """Join the group at ``init_method`` and load this rank's shard (any executor's
+    worker process calls it)."""
     import torch.distributed as dist
 
     from quire.plugins.registry import PlatformRegistry
 
+    local_rank = rank if local_rank is None else local_rank
+    ranks_on_host = world_size if ranks_on_host is None else ranks_on_host
     registry = PlatformRegistry()
     platform = registry.resolve(config.device)
     if platform.device_type == "cpu":  # ranks on one host share its cores, not all of them
-        _split_cores(rank, world_size)
-    device = platform.device(rank)
-    dist.init_process_group(platform.distributed_backend,
-                            init_method=f"file://{workdir}/rendezvous", rank=rank,
+        _split_cores(local_rank, ranks_on_host)
+    device = platform.device(local_rank)
+    dist.init_process_group(platform.distributed_backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=START_TIMEOUT_S),
                             device_id=None if device.type == "cpu" else device)
-    return Worker(config, rank, world_size, registry)
+    return Worker(config, rank, world_size, registry, ranks_on_host=ranks_on_host)
 
 
 def _serve(worker: Worker, sock: zmq.Socket, parent_pid: int) -> None:
@@ -236,14 +241,18 @@ def _serve(worker: Worker, sock: zmq.Socket, parent_pid: int) -> None:
             if os.getppid() != parent_pid:
                 return  # the engine is gone
             continue
-        request = _request_decoder.decode(sock.recv())
-        if isinstance(request, Call) and request.method == "shutdown":
+        payload = sock.recv()
+        if payload == _SHUTDOWN:
             return
-        try:
-            reply = _handle(worker, request)
-        except Exception:
-            reply = Reply(error=traceback.format_exc(limit=8))
-        sock.send(_encoder.encode(reply))
+        sock.send(_encoder.encode(handle_request(worker, payload)))
+
+
+def handle_request(worker: Worker, payload: bytes) -> Reply:
+    """The reply to one encoded request; a failure becomes the reply's error."""
+    try:
+        return _handle(worker, _request_decoder.decode(payload))
+    except Exception:
+        return Reply(error=traceback.format_exc(limit=8))
 
 
 def _handle(worker: Worker, request: Call | Step) -> Reply:

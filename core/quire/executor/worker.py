@@ -61,9 +61,12 @@ class Worker:
     """One rank: platform, model shard, KV cache, runner. Not thread-safe."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 registry: PlatformRegistry | None = None) -> None:
+                 registry: PlatformRegistry | None = None, ranks_on_host: int = 1) -> None:
+        """:param ranks_on_host: ranks of this replica on this host; when the device has
+            no index (one pool for the host, like its RAM) they share its memory."""
         registry = registry or PlatformRegistry()
         self.rank = rank
+        self.ranks_on_host = ranks_on_host
         self.platform: Platform = registry.resolve(config.device)
         self.platform.configure_process()
         model_path = resolve_model(config.model)
@@ -101,6 +104,8 @@ class Worker:
             peak = profiler.profile(lambda: self._profile_run(run))
             activation_peak = -(-peak * full // run)
         budget = profiler.kv_budget(requested, activation_peak)
+        if not isinstance(requested, int) and self.device.index is None:
+            budget //= self.ranks_on_host  # a share of one pool that every rank here reads
         return profiler.num_kv_blocks(budget, self.bytes_per_block())
 
     def _profile_run(self, num_tokens: int) -> None:

@@ -1,0 +1,189 @@
+"""``ray``: one Ray actor per rank, placed by a placement group, on any node of a cluster.
+
+The engine joins the cluster named by ``RAY_ADDRESS`` (or one ``ray.init`` already made in
+this process), or starts a local one. One bundle per rank (a CPU, and a ``GPU`` for
+accelerator platforms: Ray's generic accelerator count) is reserved, ``PACK`` strategy,
+so ranks fill a node before spilling to the next. Ranks meet over TCP at rank 0's
+address; steps and replies travel as the same msgspec bytes as the ``mp`` executor's
+(Ray passes ``bytes`` through as they are), so no request data is pickled.
+
+A dead actor surfaces as Ray's ``RayActorError`` from ``ray.get``, reported as
+:class:`WorkerDied`; :meth:`shutdown` kills the actors and frees the placement group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import msgspec
+
+from quire.config import EngineConfig
+from quire.executor.abstract import Executor, WorkerDied
+from quire.executor.messages import Call, Reply, Step, StepItem, StepPlan
+from quire.executor.worker import KVCacheSpec
+from quire.model_runner import StepResult
+
+#: Seconds to wait for the placement group and the workers' start.
+START_TIMEOUT_S = 600.0
+
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def import_ray() -> Any:
+    """:raises ValueError: in one line, when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
+                         "'ray>=2.9' (or use 'mp' on one node)") from None
+    return ray
+
+
+class RayExecutor(Executor):
+    """``world_size`` Ray actors, one per tensor-parallel rank, anywhere in the cluster."""
+
+    runs_model_here = False
+
+    def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = world_size
+        self._ray = ray
+        self._remove_group = remove_placement_group
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:  # RAY_ADDRESS, if set, names the cluster to join
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     log_to_driver=True)
+        bundle = {"CPU": 1} if device_type == "cpu" else {"CPU": 1, "GPU": 1}
+        self._group = placement_group([bundle] * world_size, strategy="PACK")
+        self._actors: list[Any] = []
+        try:
+            ray.get(self._group.ready(), timeout=START_TIMEOUT_S)
+            remote = ray.remote(_RayWorker)
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=rank)
+                self._actors.append(remote.options(
+                    scheduling_strategy=strategy, num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0)).remote())
+            master = ray.get(self._actors[0].address.remote(), timeout=START_TIMEOUT_S)
+            #: The Ray node of each rank.
+            self.node_ids: list[str] = ray.get([a.node_id.remote() for a in self._actors],
+                                               timeout=START_TIMEOUT_S)
+            nodes = self.node_ids
+            config_json = msgspec.json.encode(config)
+            started = self._get([
+                a.start.remote(config_json, rank, world_size, master,
+                               nodes[:rank].count(nodes[rank]), nodes.count(nodes[rank]))
+                for rank, a in enumerate(self._actors)], timeout=START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        layers, kv_heads, head_size, page_bytes = started[0].values or [0, 0, 0, 0]
+        self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
+        self._bytes_per_block = page_bytes
+
+    def num_kv_blocks(self) -> int:
+        return min(reply.value or 0 for reply in self._call(Call("num_kv_blocks", [])))
+
+    def bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    def init_cache(self, num_blocks: int) -> None:
+        self._call(Call("init_cache", [num_blocks]))
+
+    def execute(self, items: list[StepItem]) -> StepResult:
+        out = self._call(Step(StepPlan(items)))[0].output
+        assert out is not None and out.logits is not None
+        return StepResult(out.logits.tensor(), tuple(out.sample_items),
+                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
+
+    def shutdown(self) -> None:
+        for actor in self._actors:
+            try:
+                self._ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._actors = []
+        if self._group is not None:
+            try:
+                self._remove_group(self._group)
+            except Exception:  # noqa: BLE001 - the cluster may be gone
+                pass
+            self._group = None
+        if self._started_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    def _call(self, request: Call | Step) -> list[Reply]:
+        if not self._actors:
+            raise WorkerDied("the executor was shut down")
+        payload = _encoder.encode(request)
+        return self._get([a.handle.remote(payload) for a in self._actors])
+
+    def _get(self, refs: list[Any], timeout: float | None = None) -> list[Reply]:
+        """The replies in rank order; a dead actor or a worker's error raises."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            raw = self._ray.get(refs, timeout=timeout)
+        except RayActorError as exc:
+            self.shutdown()
+            raise WorkerDied(f"a Ray worker died: {exc}") from exc
+        except GetTimeoutError as exc:
+            self.shutdown()
+            raise WorkerDied(f"the Ray workers did not answer within {timeout:g}s") from exc
+        replies = [_reply_decoder.decode(r) for r in raw]
+        for rank, reply in enumerate(replies):
+            if reply.error is not None:
+                self.shutdown()
+                raise WorkerDied(f"worker rank {rank} failed: {reply.error}")
+        return replies
+
+
+class _RayWorker:
+    """The actor: a :class:`Worker` behind the same request/reply bytes as ``mp``'s."""
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+
+    def address(self) -> str:
+        """``tcp://ip:port`` on this node for the group's rendezvous (rank 0 only)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{_node_ip()}:{port}"
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def start(self, config_json: bytes, rank: int, world_size: int, master: str,
+              local_rank: int, ranks_on_host: int) -> bytes:
+        from quire.executor.multiproc import start_worker
+
+        try:
+            config = msgspec.json.decode(config_json, type=EngineConfig)
+            self._worker = start_worker(config, rank, world_size, master, local_rank,
+                                        ranks_on_host)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine
+            return _encoder.encode(Reply(error=f"{type(exc).__name__}: {exc}"))
+        spec = self._worker.kv_spec
+        return _encoder.encode(Reply(values=[spec.num_layers, spec.num_kv_heads,
+                                             spec.head_size, self._worker.bytes_per_block()]))
+
+    def handle(self, payload: bytes) -> bytes:
+        from quire.executor.multiproc import handle_request
+
+        return _encoder.encode(handle_request(self._worker, payload))
+
+
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())

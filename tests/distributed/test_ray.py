@@ -1,0 +1,62 @@
+"""The ``ray`` executor: tensor parallelism over Ray actors, on one local node and over a
+two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node, so the
+two ranks must land on different nodes). Slow: a Ray cluster takes seconds to start."""
+
+from __future__ import annotations
+
+import pytest
+from quire import LLM, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [[1, 17, 45, 99, 23, 7], [1, 200, 33], list(range(3, 40))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.slow
+def test_tp2_over_two_ray_nodes_equals_one_process(tiny_checkpoint):
+    from ray.cluster_utils import Cluster
+
+    path = str(tiny_checkpoint("llama"))
+    with LLM(path, device="cpu", max_model_len=128) as one:
+        expected = _greedy(one)
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    try:
+        with LLM(path, device="cpu", max_model_len=128, tensor_parallel_size=2,
+                 distributed_executor_backend="ray") as llm:
+            nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
+            assert len(set(nodes)) == 2, nodes  # one rank per node
+            assert _greedy(llm) == expected
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_a_killed_ray_worker_is_reported(tiny_checkpoint):
+    from quire.config import EngineConfig
+    from quire.engine import LLMEngine
+    from quire.executor.abstract import WorkerDied
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        engine = LLMEngine(EngineConfig.from_kwargs(
+            str(tiny_checkpoint("llama")), device="cpu", max_model_len=128,
+            tensor_parallel_size=2, distributed_executor_backend="ray"))
+        try:
+            ray.kill(engine.executor._actors[1])  # type: ignore[attr-defined]
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+            with pytest.raises(WorkerDied, match="Ray worker died"):
+                while engine.has_unfinished_requests():
+                    engine.step()
+        finally:
+            engine.shutdown()
+    finally:
+        ray.shutdown()
