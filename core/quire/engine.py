@@ -127,9 +127,12 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. Checks everything before anything is scheduled.
 
+        :param priority: lower is admitted first (vLLM's name); equal priorities go first
+            come, first served. Sample ``i`` of the request gets ``priority + i``.
         :raises ValueError: for an empty or too long prompt, a token id outside the
             vocabulary, parameters outside this engine's limits, a duplicate request id,
             or a request the KV cache could never hold.
@@ -141,7 +144,7 @@ class LLMEngine:
         tokens = self._check_prompt(prompt_token_ids)
         params.check_against(max_logprobs=self.config.engine.max_logprobs,
                              vocab_size=self.vocab_size)
-        seq = self._new_sequence(rid, tokens, params, index=0)
+        seq = self._new_sequence(rid, tokens, params, index=0, priority=priority)
         self.scheduler.add(seq, self._max_kv_tokens(seq))
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -151,12 +154,14 @@ class LLMEngine:
         return rid
 
     def _new_sequence(self, rid: str, tokens: list[int], params: SamplingParams,
-                      index: int, arrival: int | None = None) -> Sequence:
+                      index: int, arrival: int | None = None,
+                      priority: int = 0) -> Sequence:
         seq_id = next(self._ids)
         # each sample gets its own parameters (n=1, a seeded request's seed + index)
         return Sequence(seq_id=seq_id, request_id=rid, prompt_token_ids=tokens,
                         params=params.for_sequence(index),
-                        arrival=seq_id if arrival is None else arrival, index=index)
+                        arrival=seq_id if arrival is None else arrival, index=index,
+                        priority=priority + index)
 
     def _max_kv_tokens(self, seq: Sequence) -> int:
         longest = seq.num_prompt_tokens + seq.params.max_output_tokens(
@@ -272,7 +277,8 @@ class LLMEngine:
         """
         for index in range(1, req.params.n):
             child = self._new_sequence(req.request_id, req.prompt_token_ids, req.params,
-                                       index=index, arrival=parent.arrival)
+                                       index=index, arrival=parent.arrival,
+                                       priority=parent.priority)
             self.scheduler.fork(parent, child)
             self.processor.track(req, child)
 

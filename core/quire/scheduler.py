@@ -80,7 +80,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        # Both queues are kept in arrival order: FCFS admission and newest-first preemption.
+        # Both queues are kept in (priority, arrival) order: FCFS admission within a
+        # priority, and the newest of the lowest priority is preempted first.
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -212,17 +213,17 @@ class Scheduler:
         self._insert_waiting(seq)
 
     def _insert_waiting(self, seq: Sequence) -> None:
-        # Preempted sequences are older than anything queued after them, so this lands
-        # them at the front; new arrivals land at the back.
-        if not self.waiting or self.waiting[-1].arrival <= seq.arrival:
+        # Preempted sequences are older than anything of their priority queued after
+        # them, so this lands them ahead of it; new arrivals land behind their priority.
+        if not self.waiting or self.waiting[-1].order <= seq.order:
             self.waiting.append(seq)
             return
-        keys = [s.arrival for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)
+        keys = [s.order for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.order), seq)
 
     def _insert_running(self, seq: Sequence) -> None:
-        keys = [s.arrival for s in self.running]
-        self.running.insert(bisect.bisect_right(keys, seq.arrival), seq)
+        keys = [s.order for s in self.running]
+        self.running.insert(bisect.bisect_right(keys, seq.order), seq)
 
     # -- after the step --------------------------------------------------------------------
     def complete_step(self, out: SchedulerOutput) -> None:

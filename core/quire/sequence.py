@@ -29,6 +29,10 @@ class Sequence:
     #: Order of arrival; FCFS and "newest first" preemption read it. The samples of one
     #: request share their parent's arrival.
     arrival: int = 0
+    #: Lower is admitted first and preempted last; ties go by arrival. Sample ``i`` of a
+    #: request has the request's priority + ``i``, so many samples of one request
+    #: interleave with other requests' instead of all going ahead of them.
+    priority: int = 0
     #: Which of the request's ``n`` samples this is (0 for the first).
     index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -47,6 +51,11 @@ class Sequence:
     first_scheduled_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The scheduler's sort key: (priority, arrival)."""
+        return self.priority, self.arrival
 
     @property
     def token_ids(self) -> list[int]:

@@ -109,8 +109,10 @@ def test_120_concurrent_streaming_clients(tiny_model):
 
 
 def test_sigterm_under_load_exits_cleanly(tiny_model):
+    # no grace period: the drain aborts at once, so the streams still running must end
+    # with "abort" (with 0.5 s, 16 x 250 tokens of the tiny model could all finish first)
     server = ServeProcess("--model", str(tiny_model), "--served-model-name", MODEL,
-                          "--shutdown-timeout", "0.5")
+                          "--shutdown-timeout", "0")
 
     async def run() -> list:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -136,7 +138,7 @@ def test_sigterm_under_load_exits_cleanly(tiny_model):
     # shutdown timeout; none hung (gather returned within the bound)
     assert all(isinstance(r, tuple) and r[0] == 200 for r in results), results
     assert {r[3] for r in results} <= {"length", "abort"}
-    assert "abort" in {r[3] for r in results}  # ~250 tokens x 16 take more than 0.5 s
+    assert "abort" in {r[3] for r in results}
     assert "Traceback" not in log, log[-3000:]
     with pytest.raises(httpx.TransportError):  # stopped accepting
         httpx.get(server.url + "/health", timeout=5)

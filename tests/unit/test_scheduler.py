@@ -203,3 +203,39 @@ def test_random_workloads_finish_with_all_pages_returned(seed):
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants([])
+
+
+def test_lower_priority_is_admitted_first_whatever_the_arrival():
+    sched = make_scheduler(max_seqs=2)
+    late = [make_seq(4) for _ in range(3)]
+    for i, seq in enumerate(late):
+        seq.priority = 1 + i  # the k-th sequence of one big request
+        add(sched, seq)
+    first = add(sched, make_seq(4))  # arrives last, priority 0: a one-sequence request
+    assert set(shares(sched.schedule())) == {first.request_id, late[0].request_id}
+    # equal priorities go by arrival, whatever the order they were queued in
+    a, b = make_seq(4), make_seq(4)
+    a.priority = b.priority = 3
+    sched2 = make_scheduler(max_seqs=1)
+    add(sched2, b)
+    add(sched2, a)
+    assert set(shares(sched2.schedule())) == {a.request_id}
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    # 4 pages of 4 tokens: two sequences of 6 prompt tokens fill them once they decode
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=32, max_seqs=4)
+    low = make_seq(6, max_tokens=8)
+    low.priority = 5
+    high = make_seq(6, max_tokens=8)  # arrives later but ranks first
+    add(sched, low)
+    add(sched, high)
+    out = sched.schedule()
+    preempted = []
+    for _ in range(8):
+        finish_step(sched, out)
+        out = sched.schedule()
+        preempted += out.preempted
+        if preempted:
+            break
+    assert preempted and preempted[0] is low

@@ -132,15 +132,22 @@ class _Api:
 
     async def submit(self, token_ids: list[int], params: SamplingParams,
                      prompt: str | None, abandoned: asyncio.Event,
-                     num_prompts: int = 1) -> RequestStream:
-        """One engine request; engine refusals become API errors. The request's share of
-        the stream backlog is the limit split over its prompts (at least
-        ``MIN_STREAM_BACKLOG``), so one HTTP request holds at most about the limit."""
+                     num_prompts: int = 1, index: int = 0) -> RequestStream:
+        """Prompt ``index`` of ``num_prompts`` of one HTTP request as one engine request;
+        engine refusals become API errors.
+
+        Its share of the stream backlog is the limit split over the prompts (at least
+        ``MIN_STREAM_BACKLOG``), so one HTTP request holds at most about the limit. Its
+        priority is ``index * n``: with each sample's own offset, the k-th sequence of
+        every HTTP request is admitted before the (k+1)-th of any, so a request of many
+        prompts x n cannot take the whole batch ahead of the requests behind it.
+        """
         backlog = max(MIN_STREAM_BACKLOG, self.limits.max_stream_backlog // num_prompts)
         try:
             return await self.engine.add_request(token_ids, params, prompt=prompt,
                                                  on_overflow=abandoned.set,
-                                                 max_backlog=backlog)
+                                                 max_backlog=backlog,
+                                                 priority=index * params.n)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -156,9 +163,9 @@ class _Api:
         streams: list[RequestStream] = []
         try:
             prompts = parsed.prompts()
-            for text, ids in prompts:
+            for i, (text, ids) in enumerate(prompts):
                 streams.append(await self.submit(ids, parsed.params, text, abandoned,
-                                                 len(prompts)))
+                                                 len(prompts), i))
         except BaseException:
             for stream in streams:
                 stream.abort()

@@ -57,6 +57,7 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    priority: int
     loop: asyncio.AbstractEventLoop
     sink: _Sink
     accepted: asyncio.Future[None]
@@ -227,7 +228,8 @@ class AsyncEngine:
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
                           on_overflow: Callable[[], None] | None = None,
-                          max_backlog: int | None = None) -> RequestStream:
+                          max_backlog: int | None = None,
+                          priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
         Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says.
@@ -236,6 +238,7 @@ class AsyncEngine:
             ``max_backlog`` outputs behind and the request was aborted for it.
         :param max_backlog: this request's cap on unread outputs (default:
             ``max_stream_backlog``).
+        :param priority: the engine's admission priority (lower first).
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -266,7 +269,8 @@ class AsyncEngine:
         sink = _Sink(cap, overflowed)
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
-        self._commands.put(_Add(request_id, token_ids, params, prompt, loop, sink, accepted))
+        self._commands.put(_Add(request_id, token_ids, params, prompt, priority, loop, sink,
+                                accepted))
         try:
             await accepted
         except BaseException:
@@ -396,7 +400,7 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
-                                     request_id=cmd.request_id)
+                                     request_id=cmd.request_id, priority=cmd.priority)
         except ValueError as exc:
             _resolve(cmd.loop, cmd.accepted, None, exc)
             return
