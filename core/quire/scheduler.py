@@ -1,4 +1,5 @@
-"""The scheduler: token-level continuous batching under a token budget, FCFS.
+"""The scheduler: token-level continuous batching under a token budget, by priority then
+arrival (FCFS among equal priorities).
 
 Each step it walks the running sequences oldest first, giving each the tokens it still
 needs (one for a decoding sequence, the next chunk for a prompt being prefilled), then
@@ -6,7 +7,8 @@ admits waiting sequences while the token budget, the sequence cap and the page p
 A step may therefore mix decode tokens with prefill chunks; with chunked prefill a long
 prompt is cut to the budget that is left, so it never stalls the decoders.
 
-When a running sequence cannot get a page, the newest running sequence is preempted: its
+When a running sequence cannot get a page, the last running sequence in (priority,
+arrival) order (the newest of the lowest priority) is preempted: its
 pages go back to the pool and it returns to the front of the waiting queue, to be
 recomputed later (the prefix cache often hands its pages straight back). No waiting
 sequence is admitted in a step that preempted.
