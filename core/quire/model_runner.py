@@ -22,6 +22,7 @@ from torch import nn
 from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend, AttentionBatch
 from quire.models.context import ForwardContext
+from quire.models.pipeline import PipelineLink
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,20 @@ class ModelRunner:
         self,
         model: nn.Module,
         backend: AttentionBackend,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor | None],
         block_size: int,
         device: torch.device,
+        link: PipelineLink | None = None,
     ) -> None:
+        """:param kv_caches: one per layer of the model, by global layer index (None for
+            a layer another pipeline stage holds).
+        :param link: this pipeline stage's neighbours, or None without pipelining."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.link = link
 
     def prepare(self, scheduled: list[StepItem]) -> StepInputs:
         """Build the flattened inputs of one step."""
@@ -129,7 +135,17 @@ class ModelRunner:
             metadata=self.backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if self.link is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        else:  # a pipeline stage: continue the previous stage's, hand on to the next
+            intermediate = (None if self.link.stage.is_first
+                            else self.link.recv(inputs.input_ids.shape[0]))
+            out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
+            if isinstance(out, tuple):
+                self.link.send(*out)
+                return StepResult(out[0].new_empty((0, 0), dtype=torch.float32),
+                                  inputs.sample_items)
+            hidden = out
         if inputs.sample_items:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
         else:

@@ -1,6 +1,7 @@
-"""The ``ray`` executor: tensor parallelism over Ray actors, on one local node and over a
-two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node, so the
-two ranks must land on different nodes). Slow: a Ray cluster takes seconds to start."""
+"""The ``ray`` executor: tensor and pipeline parallelism over Ray actors, on one local node
+and over a two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per
+node, so the two ranks must land on different nodes). Slow: a Ray cluster takes seconds
+to start."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ def test_tp2_over_two_ray_nodes_equals_one_process(tiny_checkpoint):
                  distributed_executor_backend="ray") as llm:
             nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
             assert len(set(nodes)) == 2, nodes  # one rank per node
+            assert _greedy(llm) == expected
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_pp2_one_stage_per_ray_node_equals_one_process(tiny_checkpoint):
+    from ray.cluster_utils import Cluster
+
+    path = str(tiny_checkpoint("qwen2"))
+    with LLM(path, device="cpu", max_model_len=128) as one:
+        expected = _greedy(one)
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    try:
+        with LLM(path, device="cpu", max_model_len=128, pipeline_parallel_size=2,
+                 distributed_executor_backend="ray") as llm:
+            nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
+            assert len(set(nodes)) == 2, nodes  # stage 0 on one node, stage 1 on the other
             assert _greedy(llm) == expected
     finally:
         ray.shutdown()

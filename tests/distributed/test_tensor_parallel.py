@@ -1,7 +1,7 @@
-"""Tensor parallelism across worker processes (the ``mp`` executor, gloo on cpu): greedy
-output equals the single-process engine and transformers float32 token for token; a
-split the model cannot take is refused at start; a worker that dies is reported and
-nothing is left running. Every wait is bounded."""
+"""Tensor and pipeline parallelism across worker processes (the ``mp`` executor, gloo on
+cpu): greedy output equals the single-process engine and transformers float32 token for
+token; a split the model cannot take is refused at start; a worker that dies is reported
+and nothing is left running. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def test_tp2_every_architecture(tiny_checkpoint, arch):
     _check_against_oracles(tiny_checkpoint(arch), tensor_parallel_size=2)
 
 
+def test_pp2_llama_equals_one_process_and_transformers(tiny_checkpoint):
+    """Two stages, one layer each: hidden states and residual cross by send/recv."""
+    _check_against_oracles(tiny_checkpoint("llama"), pipeline_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_pp2_every_architecture(tiny_checkpoint, arch):
+    """Qwen2's tied LM head sits on the last stage, which has no embedding."""
+    _check_against_oracles(tiny_checkpoint(arch), pipeline_parallel_size=2)
+
+
 @pytest.mark.slow
 def test_tp4_replicates_kv_heads(tiny_checkpoint):
     """4 ranks over 2 KV heads: each KV head lives on two ranks."""
@@ -54,7 +66,10 @@ def test_tp4_replicates_kv_heads(tiny_checkpoint):
 @pytest.mark.parametrize("options, words", [
     ({"tensor_parallel_size": 3}, ["tensor_parallel_size=3", "4 attention heads"]),
     ({"tensor_parallel_size": 8}, ["tensor_parallel_size=8", "4 attention heads"]),
-    ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "not supported yet"]),
+    ({"pipeline_parallel_size": 3}, ["pipeline_parallel_size=3", "2 layers"]),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, ["tensor x pipeline",
+                                                                 "not supported yet"]),
+    ({"data_parallel_size": 2}, ["data_parallel_size=2", "not supported yet"]),
     ({"distributed_executor_backend": "slurm"}, ["distributed_executor_backend", "'slurm'"]),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, ["'uni'", "'mp'"]),
 ])

@@ -100,3 +100,15 @@ def test_tensor_parallel_3_matches_transformers(smollm2_gguf, reference):
                                                    ignore_eos=True))
     for text, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(reference, tok.encode(text), 32), text
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2_matches_transformers(smollm2_gguf, reference):
+    """PP=2: layers 0-14 in one process, 15-29 and the tied LM head in the other."""
+    with LLM(str(smollm2_gguf), device="cpu", dtype="float32",
+             pipeline_parallel_size=2) as pp:
+        tok = pp.get_tokenizer()
+        outs = pp.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
+                                                   ignore_eos=True))
+    for text, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, tok.encode(text), 32), text

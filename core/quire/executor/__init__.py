@@ -29,10 +29,10 @@ def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
         from quire.executor.ray_executor import RayExecutor
 
         device_type = registry.resolve(config.device).device_type
-        return RayExecutor(config, config.tensor_parallel_size, device_type)
+        return RayExecutor(config, config.world_size, device_type)
     from quire.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, config.tensor_parallel_size)
+    return MultiprocExecutor(config, config.world_size)
 
 
 def check_parallel(config: EngineConfig, model_config: Any) -> None:

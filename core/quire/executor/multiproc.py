@@ -105,8 +105,8 @@ class MultiprocExecutor(Executor):
 
     def execute(self, items: list[StepItem]) -> StepResult:
         replies = self._send_all(Step(StepPlan(items)))
-        out = replies[0].output
-        assert out is not None and out.logits is not None
+        out = next(r.output for r in replies if r.output is not None)
+        assert out.logits is not None
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
                           tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
 
@@ -258,7 +258,7 @@ def handle_request(worker: Worker, payload: bytes) -> Reply:
 def _handle(worker: Worker, request: Call | Step) -> Reply:
     if isinstance(request, Step):
         result = worker.execute(request.plan.items)
-        if worker.rank != 0:
+        if not worker.returns_logits:
             return Reply()
         return Reply(output=StepOutput(
             Array.of(result.logits), list(result.sample_items),

@@ -98,8 +98,8 @@ class RayExecutor(Executor):
         self._call(Call("init_cache", [num_blocks]))
 
     def execute(self, items: list[StepItem]) -> StepResult:
-        out = self._call(Step(StepPlan(items)))[0].output
-        assert out is not None and out.logits is not None
+        out = next(r.output for r in self._call(Step(StepPlan(items))) if r.output is not None)
+        assert out.logits is not None
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
                           tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
 

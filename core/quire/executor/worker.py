@@ -23,6 +23,7 @@ from quire.model_store import resolve_model
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
+from quire.models.pipeline import PipelineLink, PipelineStage
 from quire.plugins.registry import PlatformRegistry
 
 
@@ -74,15 +75,28 @@ class Worker:
         self.config = resolve_config(config, self.platform)
         self.platform.check_dtype(self.config.dtype)
         self.device = self.platform.device(rank)
-        comm = self.platform.make_communicator(rank, world_size)
+        pp = config.pipeline_parallel_size
+        # tensor x pipeline is refused by the config: with stages, each rank is one stage
+        self.stage = (PipelineStage.of(rank, pp, model_config.num_hidden_layers)
+                      if pp > 1 else None)
+        comm = self.platform.make_communicator(*((0, 1) if pp > 1 else (rank, world_size)))
         self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
-                                   config=model_config, extra_models=registry.model_specs())
+                                   config=model_config, extra_models=registry.model_specs(),
+                                   stage=self.stage)
         self.model.eval()
+        self.link = None if self.stage is None else PipelineLink(
+            self.platform.make_communicator(rank, world_size), self.stage,
+            model_config.hidden_size, self.config.dtype, self.device)
+        #: This rank's step replies carry the logits (the last stage's first rank).
+        self.returns_logits = self.stage.is_last if self.stage is not None else rank == 0
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
         self.backend: AttentionBackend = self.platform.make_attention_backend()
-        self.kv_spec = KVCacheSpec.of(self.model)
+        self.kv_layer_ids: tuple[int, ...] = tuple(
+            getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))
+        spec = KVCacheSpec.of(self.model)
+        self.kv_spec = KVCacheSpec(len(self.kv_layer_ids), spec.num_kv_heads, spec.head_size)
         self.runner: ModelRunner | None = None
 
     # -- KV cache sizing -------------------------------------------------------------------
@@ -113,21 +127,24 @@ class Worker:
         bs = self.config.block_size
         num_blocks = -(-num_tokens // bs)
         runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
-                             self.device)
+                             self.device, self.link)
         runner.execute([StepItem([0] * num_tokens, 0, list(range(num_blocks)), True)])
         self.platform.synchronize()
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV pages per layer and the runner that uses them."""
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
-                                  self.config.block_size, self.device)
+                                  self.config.block_size, self.device, self.link)
 
-    def _allocate(self, num_blocks: int) -> list[torch.Tensor]:
+    def _allocate(self, num_blocks: int) -> list[torch.Tensor | None]:
+        """One KV tensor per layer this rank holds, by global layer index."""
         spec = self.kv_spec
+        held = set(self.kv_layer_ids)
         return [self.backend.allocate_kv_cache(num_blocks, self.config.block_size,
                                                spec.num_kv_heads, spec.head_size,
                                                self.config.dtype, self.device)
-                for _ in range(spec.num_layers)]
+                if layer in held else None
+                for layer in range(self.model.num_layers)]
 
     # -- steps -----------------------------------------------------------------------------
     def execute(self, items: list[StepItem]) -> StepResult:

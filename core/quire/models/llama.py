@@ -49,6 +49,7 @@ from quire.models.layers import (
     default_weight_loader,
     get_rope,
 )
+from quire.models.pipeline import LayerGap, PipelineStage
 
 #: Checkpoint tensor name fragment -> (our fused parameter's fragment, shard id).
 _FUSED: dict[str, tuple[str, Any]] = {
@@ -269,28 +270,47 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm (HF's ``model.`` prefix)."""
+    """Embedding, decoder layers and the final norm (HF's ``model.`` prefix); with a
+    pipeline ``stage``, only that stage's part (other layers are :class:`LayerGap`)."""
 
     def __init__(
-        self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator
+        self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm=comm)
+        self.stage = stage
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                    comm=comm) if first else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, variant, comm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, variant, comm)
+            if stage is None or stage.holds(i) else LayerGap()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
         # One table for every layer; each step's cos/sin are looked up once, not per layer.
         self.rotary_emb = get_rope(config, head_dim_of(config))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states, or on a stage before the last its (hidden, residual)
+        for the next; a stage after the first starts from ``intermediate``."""
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rotary = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
+        start, end = ((0, len(self.layers)) if self.stage is None
+                      else (self.stage.start, self.stage.end))
+        for layer in self.layers[start:end]:
             hidden, residual = layer(hidden, residual, rotary, ctx)
+        if self.norm is None:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -309,7 +329,11 @@ class LlamaForCausalLM(nn.Module):
     :attr:`head_dim`.
     """
 
-    def __init__(self, config: PretrainedConfig, comm: Communicator) -> None:
+    #: It can be split into pipeline stages (``stage=``).
+    supports_pipeline = True
+
+    def __init__(self, config: PretrainedConfig, comm: Communicator,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = config
         self.variant = self.decoder_variant(config)
@@ -318,14 +342,22 @@ class LlamaForCausalLM(nn.Module):
                 f"{type(self).__name__}: {len(self.variant.sliding_windows)} per-layer "
                 f"window entries for {config.num_hidden_layers} layers"
             )
-        self.model = LlamaModel(config, self.variant, comm)
-        attn = self.model.layers[0].self_attn
+        self.stage = stage
+        self.model = LlamaModel(config, self.variant, comm, stage)
+        #: Global indices of the layers (and KV caches) this rank holds.
+        self.kv_layer_ids: tuple[int, ...] = (
+            tuple(range(config.num_hidden_layers)) if stage is None
+            else tuple(range(stage.start, stage.end)))
+        attn = self.model.layers[self.kv_layer_ids[0]].self_attn
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_dim: int = attn.head_dim
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm=comm)
+        last = stage is None or stage.is_last
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, comm=comm)
+                        if last else None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None \
+                and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @classmethod
@@ -341,17 +373,41 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:param input_ids: int64 [T]. :param positions: int64 [T].
+        :param intermediate: a later pipeline stage's input: the previous stage's
+            (hidden, residual), each [T, hidden_size].
 
-        :returns: [T, hidden_size], after the final norm.
+        :returns: [T, hidden_size], after the final norm; on a pipeline stage before the
+            last, (hidden, residual) for the next stage.
         """
-        return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32 logits (every rank gets all)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden).float()
+
+    def _stage_name(self, name: str) -> str | None:
+        """``name`` as this pipeline stage loads it, or None when another stage does: a
+        last stage whose LM head is tied to an embedding it lacks loads it from the
+        embedding's tensor."""
+        stage = self.stage
+        if stage is None:
+            return name
+        layer = _layer_of(name)
+        if layer is not None:
+            return name if stage.holds(layer) else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return name
+            tied_here = self.tie_word_embeddings and stage.is_last
+            return name.replace("model.embed_tokens.", "lm_head.") if tied_here else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if stage.is_last else None
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into the parameters (this rank's shards).
@@ -371,6 +427,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the embedding's weight, already loaded under its own name
+            name = self._stage_name(name)
+            if name is None:
+                continue  # another pipeline stage's
             target, shard_id = _fused_target(name)
             param = params.get(target)
             if param is None:
@@ -393,6 +452,13 @@ class LlamaForCausalLM(nn.Module):
             if got >= _FUSED_SHARDS[_fused_fragment(target)]:
                 loaded.add(target)
         return loaded
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint name belongs to (``model.layers.7.…`` -> 7)."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
 
 
 def _fused_target(name: str) -> tuple[str, Any]:

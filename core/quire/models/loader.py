@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from quire.interfaces.communicator import Communicator
 from quire.models.gguf_file import iter_gguf_weights
 from quire.models.gguf_hf_cache import hf_dir_for_gguf
+from quire.models.pipeline import PipelineStage
 from quire.models.registry import ModelRegistry
 from quire.plugins.spec import ModelSpec
 
@@ -81,6 +82,7 @@ def load_model(
     *,
     config: PretrainedConfig | None = None,
     extra_models: Iterable[ModelSpec | tuple[ModelSpec, str]] = (),
+    stage: PipelineStage | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model a checkpoint needs, on ``device`` in ``dtype``, and load it.
 
@@ -88,6 +90,7 @@ def load_model(
     :param config: the checkpoint's config when the caller has read it already
         (reading a GGUF file's metadata takes seconds).
     :param extra_models: plugin model specs (see :class:`ModelRegistry`).
+    :param stage: the pipeline stage this rank holds (its layers only), or None.
     :returns: (the model in eval mode, its config).
     :raises ValueError: for an unsupported architecture, a tensor that fits no
         parameter, or a parameter the checkpoint did not provide (all named; a
@@ -97,7 +100,13 @@ def load_model(
     model_cls = ModelRegistry(extra_models).resolve(config)
     # Built on the host with torch.empty: that reserves address space but touches no
     # page, so moving it to the device costs device memory only, in the final dtype.
-    model = model_cls(config, comm)
+    if stage is None:
+        model = model_cls(config, comm)
+    elif getattr(model_cls, "supports_pipeline", False):
+        model = model_cls(config, comm, stage=stage)
+    else:
+        raise ValueError(f"{model_cls.__name__} cannot be split into pipeline stages; "
+                         f"use pipeline_parallel_size=1")
     model.to(device=device, dtype=dtype)
     loaded = model.load_weights(iter_weights(path))
     missing = [name for name, _ in model.named_parameters() if name not in loaded]

@@ -1,0 +1,77 @@
+"""Pipeline stages: which layers a rank holds, and how hidden states cross to the next.
+
+A model split into ``count`` stages gives stage ``index`` a contiguous run of decoder
+layers (the first stages take one more when the split is uneven); the first stage also
+holds the embedding, the last the final norm and the LM head. Between stages travel the
+hidden states and the residual stream, by the communicator's ``send``/``recv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quire.interfaces.communicator import Communicator
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``index`` of ``count``: decoder layers ``start .. end - 1``."""
+
+    index: int
+    count: int
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, index: int, count: int, num_layers: int) -> "PipelineStage":
+        """:raises ValueError: when there are fewer layers than stages."""
+        if not 0 <= index < count or count > num_layers:
+            raise ValueError(f"stage {index} of {count} over {num_layers} layers: every "
+                             f"stage needs at least one layer")
+        base, extra = divmod(num_layers, count)
+        start = index * base + min(index, extra)
+        return cls(index, count, start, start + base + (index < extra))
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def holds(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+
+class LayerGap(nn.Module):
+    """Stands for a decoder layer another stage holds: no parameters, never called."""
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("this layer belongs to another pipeline stage")
+
+
+class PipelineLink:
+    """A stage's neighbours: hidden states and residual from the previous stage, to the
+    next, in the model's dtype on its device."""
+
+    def __init__(self, comm: Communicator, stage: PipelineStage, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.comm = comm
+        self.stage = stage
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+
+    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        like = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        src = self.stage.index - 1
+        return self.comm.recv(like, src), self.comm.recv(like, src)
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        dst = self.stage.index + 1
+        self.comm.send(hidden, dst)
+        self.comm.send(residual, dst)
