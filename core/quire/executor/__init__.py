@@ -25,14 +25,14 @@ def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
         from quire.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config, registry)
+    device_type = registry.resolve(config.device).device_type
     if backend == "ray":
         from quire.executor.ray_executor import RayExecutor
 
-        device_type = registry.resolve(config.device).device_type
         return RayExecutor(config, config.world_size, device_type)
     from quire.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, config.world_size)
+    return MultiprocExecutor(config, config.world_size, device_type)
 
 
 def check_parallel(config: EngineConfig, model_config: Any) -> None:

@@ -4,9 +4,9 @@ The engine binds one ``PAIR`` socket per rank on an IPC path in a private direct
 sends every rank the same msgspec-encoded request (a step, or a control call); each rank
 answers, rank 0 with the logits. Ranks join their ``torch.distributed`` group through a
 rendezvous file in the same directory, over the platform's own backend (gloo on cpu).
-Workers are fresh interpreters (``python -m quire.executor.multiproc``) reading the
-engine config as JSON: unlike multiprocessing's spawn, that never re-runs the user's
-``__main__``, and unlike fork it is safe beside the server's threads.
+Workers are fresh interpreters (``python -c`` with a short bootstrap, :data:`_BOOTSTRAP`)
+reading the engine config as JSON: unlike multiprocessing's spawn, that never re-runs the
+user's ``__main__``, and unlike fork it is safe beside the server's threads.
 
 Faults: while it waits, the engine polls every process's exit code, so a worker killed
 with ``kill -9`` is reported within a poll period (``WorkerDied`` naming the rank and its
@@ -68,7 +68,7 @@ class MultiprocExecutor(Executor):
 
     runs_model_here = False
 
-    def __init__(self, config: EngineConfig, world_size: int) -> None:
+    def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
         self.world_size = world_size
         self._workdir = tempfile.mkdtemp(prefix="quire-mp-")
         self._zmq = zmq.Context()
@@ -83,8 +83,9 @@ class MultiprocExecutor(Executor):
                 sock.bind(_address(self._workdir, rank))
                 self._sockets.append(sock)
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "quire.executor.multiproc", self._workdir,
-                     str(rank), str(world_size), str(os.getpid())]))
+                    [sys.executable, "-c", _BOOTSTRAP.format(
+                        cores=_cores_of(rank, world_size) if device_type == "cpu" else None,
+                        args=(self._workdir, rank, world_size, os.getpid()))]))
             started = self._gather(timeout=START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -226,8 +227,6 @@ def start_worker(config: EngineConfig, rank: int, world_size: int, init_method: 
     ranks_on_host = world_size if ranks_on_host is None else ranks_on_host
     registry = PlatformRegistry()
     platform = registry.resolve(config.device)
-    if platform.device_type == "cpu":  # ranks on one host share its cores, not all of them
-        _split_cores(local_rank, ranks_on_host)
     device = platform.device(local_rank)
     dist.init_process_group(platform.distributed_backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=START_TIMEOUT_S),
@@ -271,11 +270,24 @@ def _handle(worker: Worker, request: Call | Step) -> Reply:
     raise ValueError(f"unknown call {request.method!r}")
 
 
-def _split_cores(rank: int, world_size: int) -> None:
-    """Give rank ``rank`` every ``world_size``-th core of the process's set (at least one)."""
+def _cores_of(rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s share of this process's cores: every ``world_size``-th one (at
+    least one), so ranks on one host do not oversubscribe it."""
     cores = sorted(os.sched_getaffinity(0))
-    mine = cores[rank::world_size] or [cores[rank % len(cores)]]
-    os.sched_setaffinity(0, mine)
+    return cores[rank::world_size] or [cores[rank % len(cores)]]
+
+
+#: A worker's first lines: its cores are set before torch loads, since OpenMP sizes its
+#: thread team from the affinity it finds then (a later change left 2 threads spinning
+#: on 1 core: a pipeline step took a second).
+_BOOTSTRAP = """
+import os
+cores = {cores}
+if cores:
+    os.sched_setaffinity(0, cores)
+from quire.executor.multiproc import _worker_main
+_worker_main(*{args})
+"""
 
 
 def _die_with_parent() -> None:
@@ -294,6 +306,3 @@ def _leave_group() -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
