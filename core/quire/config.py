@@ -92,8 +92,8 @@ class EngineConfig:
         default=1, metadata=_help("ranks that split each layer (attention heads, MLP, "
                                   "vocabulary); one process each"))
     pipeline_parallel_size: int = field(
-        default=1, metadata=_help("stages that split the layers, one process each (not "
-                                  "yet with tensor_parallel_size > 1)"))
+        default=1, metadata=_help("stages that split the layers; with "
+                                  "tensor_parallel_size, each stage is that many ranks"))
     data_parallel_size: int = field(
         default=1, metadata=_help("engine replicas behind one server (not yet supported: "
                                   "1)"))
@@ -151,10 +151,6 @@ class EngineConfig:
         if self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size}: not supported "
                              f"yet; use 1")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
-                             f"pipeline_parallel_size={self.pipeline_parallel_size}: "
-                             f"tensor x pipeline parallel is not supported yet; use one")
 
     @property
     def world_size(self) -> int:

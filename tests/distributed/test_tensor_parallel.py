@@ -58,6 +58,14 @@ def test_pp2_every_architecture(tiny_checkpoint, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_x_pp2_equals_one_process_and_transformers(tiny_checkpoint, arch):
+    """4 processes: each of 2 stages split over 2 ranks (per-stage process groups)."""
+    _check_against_oracles(tiny_checkpoint(arch), tensor_parallel_size=2,
+                           pipeline_parallel_size=2)
+
+
+@pytest.mark.slow
 def test_tp4_replicates_kv_heads(tiny_checkpoint):
     """4 ranks over 2 KV heads: each KV head lives on two ranks."""
     _check_against_oracles(tiny_checkpoint("qwen2"), tensor_parallel_size=4)
@@ -67,8 +75,6 @@ def test_tp4_replicates_kv_heads(tiny_checkpoint):
     ({"tensor_parallel_size": 3}, ["tensor_parallel_size=3", "4 attention heads"]),
     ({"tensor_parallel_size": 8}, ["tensor_parallel_size=8", "4 attention heads"]),
     ({"pipeline_parallel_size": 3}, ["pipeline_parallel_size=3", "2 layers"]),
-    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, ["tensor x pipeline",
-                                                                 "not supported yet"]),
     ({"data_parallel_size": 2}, ["data_parallel_size=2", "not supported yet"]),
     ({"distributed_executor_backend": "slurm"}, ["distributed_executor_backend", "'slurm'"]),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, ["'uni'", "'mp'"]),

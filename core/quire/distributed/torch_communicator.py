@@ -25,19 +25,22 @@ from quire.interfaces.communicator import Communicator
 
 
 class TorchDistributedCommunicator(Communicator):
-    """Collectives and send/recv over the default ``torch.distributed`` group, for any
-    backend name.
+    """Collectives and send/recv over a ``torch.distributed`` group (the default one
+    unless ``group`` is given), for any backend name.
 
     :param backend: the ``torch.distributed`` backend the group was initialised with
         (``"gloo"`` for host tensors; device plugins pass their own).
-    :param rank: this process's rank, ``0 <= rank < world_size``.
+    :param rank: this process's rank in the group, ``0 <= rank < world_size``.
     :param world_size: ranks in the group (>= 1).
+    :param group: a subgroup from ``torch.distributed.new_group`` (the tensor-parallel
+        ranks of one pipeline stage, say), or None for the default group.
     :raises ValueError: when ``rank``/``world_size`` are out of range.
-    :raises RuntimeError: when ``world_size > 1`` and the default process group is not
-        initialised, or was initialised with another backend, rank or world size.
+    :raises RuntimeError: when ``world_size > 1`` and the group is not initialised, or
+        has another backend, rank or world size.
     """
 
-    def __init__(self, backend: str, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, backend: str, rank: int = 0, world_size: int = 1,
+                 group: object | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -45,8 +48,12 @@ class TorchDistributedCommunicator(Communicator):
         self.backend = backend
         self._rank = rank
         self._world_size = world_size
+        self._group = group
         if world_size > 1:
-            _check_default_group(backend, rank, world_size)
+            _check_default_group(backend, rank if group is None else dist.get_rank(),
+                                 world_size if group is None else dist.get_world_size())
+            if group is not None:
+                _check_subgroup(group, rank, world_size)
 
     @property
     def rank(self) -> int:
@@ -61,7 +68,7 @@ class TorchDistributedCommunicator(Communicator):
         if self._world_size == 1:
             return tensor
         out = tensor.clone()  # dist.all_reduce works in place; the input must survive
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._group)
         return out
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -70,7 +77,7 @@ class TorchDistributedCommunicator(Communicator):
             return tensor
         src = tensor.contiguous()  # collectives need dense memory
         parts = [torch.empty_like(src) for _ in range(self._world_size)]
-        dist.all_gather(parts, src)
+        dist.all_gather(parts, src, group=self._group)
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -80,24 +87,33 @@ class TorchDistributedCommunicator(Communicator):
         if self._world_size == 1:
             return tensor
         out = tensor.clone(memory_format=torch.contiguous_format)  # received in place
-        dist.broadcast(out, src=src)
+        if self._group is None:
+            dist.broadcast(out, src=src)
+        else:
+            dist.broadcast(out, group=self._group, group_src=src)
         return out
 
     def barrier(self) -> None:
         """Wait for every rank; returns at once at world size 1."""
         if self._world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self._group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Blocking send of ``tensor`` (a contiguous copy when it is not) to ``dst``."""
         self._check_peer("send to dst", dst)
-        dist.send(tensor.contiguous(), dst=dst)  # backends send dense memory only
+        if self._group is None:
+            dist.send(tensor.contiguous(), dst=dst)  # backends send dense memory only
+        else:
+            dist.send(tensor.contiguous(), group=self._group, group_dst=dst)
 
     def recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
         """Blocking receive from ``src`` into a new tensor shaped like ``like``."""
         self._check_peer("recv from src", src)
         out = torch.empty_like(like, memory_format=torch.contiguous_format)
-        dist.recv(out, src=src)
+        if self._group is None:
+            dist.recv(out, src=src)
+        else:
+            dist.recv(out, group=self._group, group_src=src)
         return out
 
     def _check_peer(self, what: str, peer: int) -> None:
@@ -117,6 +133,13 @@ class TorchDistributedCommunicator(Communicator):
             f"TorchDistributedCommunicator(backend={self.backend!r}, rank={self._rank}, "
             f"world_size={self._world_size})"
         )
+
+
+def _check_subgroup(group: object, rank: int, world_size: int) -> None:
+    got = (dist.get_rank(group), dist.get_world_size(group))  # type: ignore[arg-type]
+    if got != (rank, world_size):
+        raise RuntimeError(f"the subgroup has this process at rank {got[0]} of {got[1]}, "
+                           f"not rank {rank} of {world_size}")
 
 
 def _check_default_group(backend: str, rank: int, world_size: int) -> None:

@@ -17,6 +17,7 @@ import torch
 from quire.config import EngineConfig, ResolvedConfig
 from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform
 from quire.model_runner import ModelRunner, StepResult
 from quire.model_store import resolve_model
@@ -75,20 +76,19 @@ class Worker:
         self.config = resolve_config(config, self.platform)
         self.platform.check_dtype(self.config.dtype)
         self.device = self.platform.device(rank)
-        pp = config.pipeline_parallel_size
-        # tensor x pipeline is refused by the config: with stages, each rank is one stage
-        self.stage = (PipelineStage.of(rank, pp, model_config.num_hidden_layers)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        stage_index, tp_rank = divmod(rank, tp)  # tensor-parallel ranks are adjacent
+        self.stage = (PipelineStage.of(stage_index, pp, model_config.num_hidden_layers)
                       if pp > 1 else None)
-        comm = self.platform.make_communicator(*((0, 1) if pp > 1 else (rank, world_size)))
-        self.model, _ = load_model(model_path, comm, self.device, self.config.dtype,
+        tp_comm, pp_comm = self._communicators(tp_rank, tp, stage_index, pp)
+        self.model, _ = load_model(model_path, tp_comm, self.device, self.config.dtype,
                                    config=model_config, extra_models=registry.model_specs(),
                                    stage=self.stage)
         self.model.eval()
-        self.link = None if self.stage is None else PipelineLink(
-            self.platform.make_communicator(rank, world_size), self.stage,
-            model_config.hidden_size, self.config.dtype, self.device)
+        self.link = None if self.stage is None or pp_comm is None else PipelineLink(
+            pp_comm, self.stage, model_config.hidden_size, self.config.dtype, self.device)
         #: This rank's step replies carry the logits (the last stage's first rank).
-        self.returns_logits = self.stage.is_last if self.stage is not None else rank == 0
+        self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
@@ -98,6 +98,23 @@ class Worker:
         spec = KVCacheSpec.of(self.model)
         self.kv_spec = KVCacheSpec(len(self.kv_layer_ids), spec.num_kv_heads, spec.head_size)
         self.runner: ModelRunner | None = None
+
+    def _communicators(self, tp_rank: int, tp: int, stage: int,
+                       pp: int) -> tuple[Communicator, Communicator | None]:
+        """The tensor-parallel group of this rank's stage, and the pipeline group of its
+        tensor-parallel rank (None without stages). With both kinds of parallelism, every
+        rank creates every subgroup, in the same order, as torch.distributed requires."""
+        make = self.platform.make_communicator
+        if pp == 1:
+            return make(tp_rank, tp), None
+        if tp == 1:
+            return make(0, 1), make(stage, pp)
+        import torch.distributed as dist
+
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        pp_groups = [dist.new_group(list(range(t, tp * pp, tp))) for t in range(tp)]
+        return (make(tp_rank, tp, group=tp_groups[stage]),
+                make(stage, pp, group=pp_groups[tp_rank]))
 
     # -- KV cache sizing -------------------------------------------------------------------
     def bytes_per_block(self) -> int:

@@ -125,8 +125,15 @@ class Platform(ABC):
         """
 
     @abstractmethod
-    def make_communicator(self, rank: int = 0, world_size: int = 1) -> Communicator:
-        """A communicator for one model-parallel group over :attr:`distributed_backend`."""
+    def make_communicator(self, rank: int = 0, world_size: int = 1,
+                          group: object | None = None) -> Communicator:
+        """A communicator for one model-parallel group over :attr:`distributed_backend`.
+
+        :param rank: this process's rank in the group; :param world_size: its size.
+        :param group: a ``torch.distributed`` subgroup (the tensor-parallel ranks of one
+            pipeline stage, or the stages of one tensor-parallel rank), or None for the
+            default group. Plugin API 1.1; a 1.0 plugin cannot run tensor x pipeline.
+        """
 
     @abstractmethod
     def make_memory_profiler(self, device_index: int = 0) -> MemoryProfiler:

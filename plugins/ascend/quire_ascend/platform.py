@@ -59,13 +59,14 @@ class AscendPlatform(Platform):
         return AscendAttentionBackend(_torch_npu())
 
     def make_communicator(
-        self, rank: int = 0, world_size: int = 1
+        self, rank: int = 0, world_size: int = 1, group: object | None = None
     ) -> TorchDistributedCommunicator:
         """Collectives and send/recv over hccl; for ``world_size > 1`` the caller
         initialised the group
         (after importing torch_npu, which registers the backend)."""
         _torch_npu()
-        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
+        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size,
+                                            group)
 
     def make_memory_profiler(self, device_index: int = 0) -> NpuMemoryProfiler:
         return NpuMemoryProfiler(_torch_npu().npu, device_index)

@@ -74,11 +74,12 @@ class CudaPlatform(Platform):
         )
 
     def make_communicator(
-        self, rank: int = 0, world_size: int = 1
+        self, rank: int = 0, world_size: int = 1, group: object | None = None
     ) -> TorchDistributedCommunicator:
         """NCCL collectives and send/recv; for ``world_size > 1`` the caller initialised
         the group."""
-        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
+        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size,
+                                            group)
 
     def make_memory_profiler(self, device_index: int = 0) -> CudaMemoryProfiler:
         return CudaMemoryProfiler(device_index)

@@ -67,12 +67,13 @@ class GaudiPlatform(Platform):
         return GaudiAttentionBackend(FusedSDPA)
 
     def make_communicator(
-        self, rank: int = 0, world_size: int = 1
+        self, rank: int = 0, world_size: int = 1, group: object | None = None
     ) -> TorchDistributedCommunicator:
         """Collectives and send/recv over hccl; for ``world_size > 1`` the caller
         initialised the group."""
         _hpu()
-        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
+        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size,
+                                            group)
 
     def make_memory_profiler(self, device_index: int = 0) -> HpuMemoryProfiler:
         return HpuMemoryProfiler(_hpu(), device_index)

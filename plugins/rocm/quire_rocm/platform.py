@@ -93,10 +93,11 @@ class RocmPlatform(Platform):
         return TritonAttentionBackend(attention_config(compute_units))
 
     def make_communicator(
-        self, rank: int = 0, world_size: int = 1
+        self, rank: int = 0, world_size: int = 1, group: object | None = None
     ) -> TorchDistributedCommunicator:
         """RCCL collectives and send/recv, under torch's backend name "nccl"."""
-        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
+        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size,
+                                            group)
 
     def make_memory_profiler(self, device_index: int = 0) -> RocmMemoryProfiler:
         return RocmMemoryProfiler(device_index)

@@ -118,11 +118,12 @@ class CpuPlatform(Platform):
         return self._native
 
     def make_communicator(
-        self, rank: int = 0, world_size: int = 1
+        self, rank: int = 0, world_size: int = 1, group: object | None = None
     ) -> TorchDistributedCommunicator:
         """Collectives and send/recv over gloo; for ``world_size > 1`` the caller
         initialised the group."""
-        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size)
+        return TorchDistributedCommunicator(self.distributed_backend, rank, world_size,
+                                            group)
 
     def make_memory_profiler(self, device_index: int = 0) -> CpuMemoryProfiler:
         """Host RAM is one pool, so every ``device_index`` (one per local rank) reads it."""
