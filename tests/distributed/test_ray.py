@@ -19,10 +19,14 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_tp2_over_two_ray_nodes_equals_one_process(tiny_checkpoint):
+@pytest.mark.parametrize("arch, split", [
+    ("llama", {"tensor_parallel_size": 2}),  # one tensor-parallel rank per node
+    ("qwen2", {"pipeline_parallel_size": 2}),  # one stage per node, the tied head on the 2nd
+])
+def test_two_ray_nodes_equal_one_process(tiny_checkpoint, arch, split):
     from ray.cluster_utils import Cluster
 
-    path = str(tiny_checkpoint("llama"))
+    path = str(tiny_checkpoint(arch))
     with LLM(path, device="cpu", max_model_len=128) as one:
         expected = _greedy(one)
     cluster = Cluster(initialize_head=True,
@@ -30,32 +34,10 @@ def test_tp2_over_two_ray_nodes_equals_one_process(tiny_checkpoint):
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address)
     try:
-        with LLM(path, device="cpu", max_model_len=128, tensor_parallel_size=2,
-                 distributed_executor_backend="ray") as llm:
+        with LLM(path, device="cpu", max_model_len=128, distributed_executor_backend="ray",
+                 **split) as llm:
             nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
-            assert len(set(nodes)) == 2, nodes  # one rank per node
-            assert _greedy(llm) == expected
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-@pytest.mark.slow
-def test_pp2_one_stage_per_ray_node_equals_one_process(tiny_checkpoint):
-    from ray.cluster_utils import Cluster
-
-    path = str(tiny_checkpoint("qwen2"))
-    with LLM(path, device="cpu", max_model_len=128) as one:
-        expected = _greedy(one)
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address)
-    try:
-        with LLM(path, device="cpu", max_model_len=128, pipeline_parallel_size=2,
-                 distributed_executor_backend="ray") as llm:
-            nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
-            assert len(set(nodes)) == 2, nodes  # stage 0 on one node, stage 1 on the other
+            assert len(set(nodes)) == 2, nodes  # one rank on each node
             assert _greedy(llm) == expected
     finally:
         ray.shutdown()

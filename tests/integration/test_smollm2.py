@@ -91,24 +91,14 @@ def test_chat_answers_a_simple_question(llm):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_3_matches_transformers(smollm2_gguf, reference):
-    """TP=3: 9 query heads and 3 KV heads, one of each group per rank, in 3 processes."""
-    with LLM(str(smollm2_gguf), device="cpu", dtype="float32",
-             tensor_parallel_size=3) as tp:
-        tok = tp.get_tokenizer()
-        outs = tp.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
-                                                   ignore_eos=True))
-    for text, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == hf_greedy(reference, tok.encode(text), 32), text
-
-
-@pytest.mark.slow
-def test_pipeline_parallel_2_matches_transformers(smollm2_gguf, reference):
-    """PP=2: layers 0-14 in one process, 15-29 and the tied LM head in the other."""
-    with LLM(str(smollm2_gguf), device="cpu", dtype="float32",
-             pipeline_parallel_size=2) as pp:
-        tok = pp.get_tokenizer()
-        outs = pp.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
-                                                   ignore_eos=True))
+@pytest.mark.parametrize("split", [
+    {"tensor_parallel_size": 3},  # 9 query heads and 3 KV heads: one of each group per rank
+    {"pipeline_parallel_size": 2},  # layers 0-14, then 15-29 and the tied LM head
+])
+def test_parallel_splits_match_transformers(smollm2_gguf, reference, split):
+    with LLM(str(smollm2_gguf), device="cpu", dtype="float32", **split) as llm:
+        tok = llm.get_tokenizer()
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
+                                                    ignore_eos=True))
     for text, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(reference, tok.encode(text), 32), text

@@ -73,6 +73,10 @@ class AbuseMix:
     slow_interval_s: float = 1.0
     #: Seconds the abusers run before the normal clients start.
     head_start_s: float = 1.0
+    #: Seconds the abusers' requests still in flight when the normal clients are done may
+    #: take to finish (counted then), and a non-reader goes on not reading: with fair
+    #: admission their sequences run after the normal clients'.
+    grace_s: float = 30.0
     stop_strings: int = 64
     stop_string_chars: int = 1024
     sequences: int = 256
@@ -89,8 +93,8 @@ class AbuseMix:
                      "non_reader_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.slow_interval_s > 0 or self.head_start_s < 0:
-            raise ValueError("slow_interval_s must be > 0 and head_start_s >= 0")
+        if not self.slow_interval_s > 0 or self.head_start_s < 0 or self.grace_s < 0:
+            raise ValueError("slow_interval_s must be > 0, head_start_s and grace_s >= 0")
 
     def stop_body(self, model: str, i: int) -> dict[str, Any]:
         """Every stop string distinct and never matched; streamed every other time."""
@@ -164,6 +168,7 @@ class Abusers:
                                    SOCKET_TIMEOUT_S)
             await asyncio.wait_for(loop.sock_sendall(sock, request), SOCKET_TIMEOUT_S)
             await self._stopped.wait()
+            await asyncio.sleep(self.mix.grace_s)  # still not reading
             outcome = await _drain(loop, sock)
         except (OSError, asyncio.TimeoutError) as exc:
             outcome = type(exc).__name__
@@ -204,8 +209,11 @@ class Abusers:
             stop = asyncio.ensure_future(self._stopped.wait())
             await asyncio.wait([request, stop], return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
-            if not request.done():  # the phase ended first: not counted
+            if not request.done():  # the phase ended first: a grace period to finish
+                await asyncio.wait([request], timeout=self.mix.grace_s)
+            if not request.done():
                 request.cancel()
+                self.outcomes[kind]["unfinished"] += 1
                 return
             self.outcomes[kind][request.result()] += 1
             i += 1

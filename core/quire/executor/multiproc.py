@@ -34,19 +34,17 @@ import msgspec
 import zmq
 
 from quire.config import EngineConfig
-from quire.executor.abstract import Executor, WorkerDied
+from quire.executor.abstract import WorkerDied
 from quire.executor.messages import (
     Array,
     Call,
     Reply,
     Request,
     Step,
-    StepItem,
     StepOutput,
-    StepPlan,
 )
-from quire.executor.worker import KVCacheSpec, Worker
-from quire.model_runner import StepResult
+from quire.executor.remote import RemoteExecutor
+from quire.executor.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +61,8 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _SHUTDOWN = _encoder.encode(Call("shutdown", []))
 
 
-class MultiprocExecutor(Executor):
-    """``world_size`` worker processes on this node, one per tensor-parallel rank."""
-
-    runs_model_here = False
+class MultiprocExecutor(RemoteExecutor):
+    """``world_size`` worker processes on this node, one per rank."""
 
     def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
         self.world_size = world_size
@@ -90,26 +86,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        layers, kv_heads, head_size, page_bytes = started[0].values or [0, 0, 0, 0]
-        self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
-        self._bytes_per_block = page_bytes
-
-    # -- the contract ----------------------------------------------------------------------
-    def num_kv_blocks(self) -> int:
-        return min(reply.value or 0 for reply in self._call("num_kv_blocks"))
-
-    def bytes_per_block(self) -> int:
-        return self._bytes_per_block
-
-    def init_cache(self, num_blocks: int) -> None:
-        self._call("init_cache", num_blocks)
-
-    def execute(self, items: list[StepItem]) -> StepResult:
-        replies = self._send_all(Step(StepPlan(items)))
-        out = next(r.output for r in replies if r.output is not None)
-        assert out.logits is not None
-        return StepResult(out.logits.tensor(), tuple(out.sample_items),
-                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
+        self._started(started)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -132,10 +109,7 @@ class MultiprocExecutor(Executor):
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     # -- messaging -------------------------------------------------------------------------
-    def _call(self, method: str, *args: int) -> list[Reply]:
-        return self._send_all(Call(method, list(args)))
-
-    def _send_all(self, request: Call | Step) -> list[Reply]:
+    def _call(self, request: Call | Step) -> list[Reply]:
         if self._closed:
             raise WorkerDied("the executor was shut down")
         payload = _encoder.encode(request)

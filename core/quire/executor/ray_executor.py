@@ -20,10 +20,9 @@ from typing import Any
 import msgspec
 
 from quire.config import EngineConfig
-from quire.executor.abstract import Executor, WorkerDied
-from quire.executor.messages import Call, Reply, Step, StepItem, StepPlan
-from quire.executor.worker import KVCacheSpec
-from quire.model_runner import StepResult
+from quire.executor.abstract import WorkerDied
+from quire.executor.messages import Call, Reply, Step
+from quire.executor.remote import RemoteExecutor
 
 #: Seconds to wait for the placement group and the workers' start.
 START_TIMEOUT_S = 600.0
@@ -42,10 +41,8 @@ def import_ray() -> Any:
     return ray
 
 
-class RayExecutor(Executor):
-    """``world_size`` Ray actors, one per tensor-parallel rank, anywhere in the cluster."""
-
-    runs_model_here = False
+class RayExecutor(RemoteExecutor):
+    """``world_size`` Ray actors, one per rank, anywhere in the cluster."""
 
     def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
         ray = import_ray()
@@ -84,24 +81,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        layers, kv_heads, head_size, page_bytes = started[0].values or [0, 0, 0, 0]
-        self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
-        self._bytes_per_block = page_bytes
-
-    def num_kv_blocks(self) -> int:
-        return min(reply.value or 0 for reply in self._call(Call("num_kv_blocks", [])))
-
-    def bytes_per_block(self) -> int:
-        return self._bytes_per_block
-
-    def init_cache(self, num_blocks: int) -> None:
-        self._call(Call("init_cache", [num_blocks]))
-
-    def execute(self, items: list[StepItem]) -> StepResult:
-        out = next(r.output for r in self._call(Step(StepPlan(items))) if r.output is not None)
-        assert out.logits is not None
-        return StepResult(out.logits.tensor(), tuple(out.sample_items),
-                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
+        self._started(started)
 
     def shutdown(self) -> None:
         for actor in self._actors:

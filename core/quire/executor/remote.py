@@ -1,0 +1,47 @@
+"""What the ``mp`` and ``ray`` executors share: workers in other processes that answer
+the same msgspec requests, so every call but the transport is written once here."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from quire.executor.abstract import Executor
+from quire.executor.messages import Call, Reply, Step, StepItem, StepPlan
+from quire.executor.worker import KVCacheSpec
+from quire.model_runner import StepResult
+
+
+class RemoteExecutor(Executor):
+    """An executor whose workers live elsewhere; subclasses move the bytes."""
+
+    runs_model_here = False
+    _bytes_per_block = 0
+
+    @abstractmethod
+    def _call(self, request: Call | Step) -> list[Reply]:
+        """Send ``request`` to every rank; their replies in rank order.
+
+        :raises WorkerDied: when a worker died or answered with an error.
+        """
+
+    def _started(self, replies: list[Reply]) -> None:
+        """Take rank 0's start reply: its KV layers, KV heads, head size, page bytes."""
+        layers, kv_heads, head_size, page_bytes = replies[0].values or [0, 0, 0, 0]
+        self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
+        self._bytes_per_block = page_bytes
+
+    def num_kv_blocks(self) -> int:
+        return min(reply.value or 0 for reply in self._call(Call("num_kv_blocks", [])))
+
+    def bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    def init_cache(self, num_blocks: int) -> None:
+        self._call(Call("init_cache", [num_blocks]))
+
+    def execute(self, items: list[StepItem]) -> StepResult:
+        """The logits come from the rank that has them (the last stage's first rank)."""
+        out = next(r.output for r in self._call(Step(StepPlan(items))) if r.output is not None)
+        assert out.logits is not None
+        return StepResult(out.logits.tensor(), tuple(out.sample_items),
+                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
