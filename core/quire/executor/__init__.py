@@ -1,8 +1,9 @@
 """Executors: how the engine runs the ranks of its model.
 
 ``uni`` runs the only rank in the engine's process; ``mp`` runs one process per rank on
-this node; ``ray`` runs one Ray actor per rank anywhere in a Ray cluster. :func:`make_executor` picks by ``distributed_executor_backend`` (default: ``uni``
-at world size 1, ``mp`` above) after :func:`check_parallel` refused what cannot shard.
+this node; ``ray`` runs one Ray actor per rank anywhere in a Ray cluster.
+:func:`make_executor` picks by ``distributed_executor_backend`` (default: ``uni`` at world
+size 1, ``mp`` above) after :func:`check_parallel` refused what cannot shard.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The engine core (scheduler, block manager, sampler) lives in one process; an executor
 owns the workers that hold the model's shards and hands each step to all of them. Only
-rank 0's logits come back: the LM head gathers the whole vocabulary on every rank.
+one rank's logits come back (the first rank of the last pipeline stage): the LM head
+gathers the whole vocabulary on every tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Executor(ABC):
     """Runs the ranks of one model replica. Call order: :meth:`num_kv_blocks`,
     :meth:`init_cache`, then :meth:`execute` per step, and :meth:`shutdown` last."""
 
-    #: Ranks of the replica (tensor-parallel size).
+    #: Ranks of the replica: tensor x pipeline parallel size.
     world_size: int
     #: Whether the model runs in the engine's own process (then the engine's torch
     #: threads are the model's; otherwise the engine only samples).
@@ -47,7 +48,7 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, items: list[StepItem]) -> StepResult:
-        """One forward on every rank; rank 0's logits.
+        """One forward on every rank; the logits of the rank that has them.
 
         :raises WorkerDied: when a worker died or raised (the step is lost).
         """

@@ -70,7 +70,8 @@ class Array(msgspec.Struct, array_like=True, frozen=True):
 
 
 class StepOutput(msgspec.Struct, array_like=True, frozen=True):
-    """Rank 0's logits for a step (other ranks send ``logits=None``)."""
+    """A step's logits, from the first rank of the last pipeline stage (the other ranks
+    reply with no output)."""
 
     logits: Array | None
     sample_items: list[int]
