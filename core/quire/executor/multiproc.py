@@ -252,8 +252,8 @@ def _cores_of(rank: int, world_size: int) -> list[int]:
 
 
 #: A worker's first lines: its cores are set before torch loads, since OpenMP sizes its
-#: thread team from the affinity it finds then (a later change left 2 threads spinning
-#: on 1 core: a pipeline step took a second).
+#: thread team from the affinity it finds then (set later, it leaves more threads than
+#: cores, spinning; figures in docs/bench.md).
 _BOOTSTRAP = """
 import os
 cores = {cores}
