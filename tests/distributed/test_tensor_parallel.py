@@ -145,3 +145,17 @@ def test_ray_missing_is_refused_in_one_line(tiny_checkpoint, monkeypatch):
                                            tensor_parallel_size=2,
                                            distributed_executor_backend="ray"))
     assert str(refused.value).startswith("distributed_executor_backend='ray' needs Ray")
+
+
+def test_an_engine_never_shut_down_leaves_nothing_once_collected(tiny_checkpoint):
+    import gc
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
+                                                max_model_len=128, tensor_parallel_size=2))
+    workers = [p.pid for p in engine.executor._procs]  # type: ignore[attr-defined]
+    workdir = engine.executor._workdir  # type: ignore[attr-defined]
+    del engine
+    gc.collect()
+    assert not os.path.exists(workdir)
+    for pid in workers:
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0

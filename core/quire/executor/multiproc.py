@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import msgspec
@@ -71,6 +72,10 @@ class MultiprocExecutor(RemoteExecutor):
         self._sockets: list[zmq.Socket] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         self._closed = False
+        # an engine nobody shut down still leaves no worker, socket or directory behind
+        # once it is collected or the interpreter exits
+        self._release = weakref.finalize(self, _release, self._procs, self._sockets,
+                                         self._zmq, self._workdir)
         with open(os.path.join(self._workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
         try:
@@ -103,10 +108,7 @@ class MultiprocExecutor(RemoteExecutor):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for sock in self._sockets:
-            sock.close(linger=0)
-        self._zmq.term()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        self._release()
 
     # -- messaging -------------------------------------------------------------------------
     def _call(self, request: Call | Step) -> list[Reply]:
@@ -156,6 +158,19 @@ class MultiprocExecutor(RemoteExecutor):
                 self.shutdown()
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 raise WorkerDied(f"worker rank {rank} (pid {proc.pid}) died ({how})")
+
+
+def _release(procs: list[subprocess.Popen[bytes]], sockets: list[zmq.Socket],
+             context: zmq.Context, workdir: str) -> None:
+    """Kill what still runs, close the sockets, remove the directory; safe to repeat."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _address(workdir: str, rank: int) -> str:
