@@ -24,7 +24,13 @@ from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.server.async_engine import EngineStopped, RequestStream
 from quire.server.errors import APIError, bad_request, from_value_error
-from quire.server.protocol import ParsedRequest, RequestBounds, check_text, get, render_chat
+from quire.server.protocol import (
+    ParsedRequest,
+    RequestBounds,
+    check_text,
+    get,
+    render_chat,
+)
 
 _NUMBER = (int, float)
 _ROLES = ("user", "assistant")

@@ -36,14 +36,19 @@ from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 from quire.server import anthropic
 from quire.server.access_log import AccessLog
-from quire.server.async_engine import AsyncEngine, EngineStopped, Overloaded, RequestStream
+from quire.server.async_engine import (
+    AsyncEngine,
+    EngineStopped,
+    Overloaded,
+    RequestStream,
+)
 from quire.server.errors import APIError, ErrorShield, bad_request, from_value_error
 from quire.server.event_stream import EventStream
 from quire.server.limits import ServerLimits
 from quire.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from quire.server.protocol import (
-    RequestBounds,
     ParsedRequest,
+    RequestBounds,
     get,
     parse_chat,
     parse_completion,

@@ -18,6 +18,7 @@ from starlette.types import Send
 
 from quire.server.errors import ClientTooSlow
 
+
 class EventStream(StreamingResponse):
     """``text/event-stream`` from ``events``; raises :class:`ClientTooSlow` out of the
     app when the client falls behind (the app's error shield closes the connection)."""

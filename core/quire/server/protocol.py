@@ -19,8 +19,6 @@ from quire.server.errors import APIError, bad_request, from_value_error
 
 #: Most choices per request (OpenAI's limit); more would only tie up the KV cache.
 MAX_N = 128
-#: Most prompts in one completions request; each becomes its own engine request.
-MAX_PROMPTS = 256
 #: Integers past int64 have no meaning in any field (ids, counts, seeds).
 INT64_MAX = 2**63 - 1
 _NUMBER = (int, float)
@@ -28,16 +26,17 @@ _NUMBER = (int, float)
 
 @dataclass(frozen=True)
 class RequestBounds:
-    """What one request may ask, from the server's limits (each names its flag)."""
+    """What one request may ask: the server's ``ServerLimits`` settled for its model and
+    queue (the app builds it; the defaults live in ``ServerLimits`` only)."""
 
     #: UTF-8 bytes of all prompt text (prompts, or messages and system) together.
-    max_prompt_bytes: int = 2**20
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 1024
+    max_prompt_bytes: int
+    max_stop_strings: int
+    max_stop_string_chars: int
     #: prompts x n
-    max_sequences: int = 256
+    max_sequences: int
     #: prompts per request (also bounded by the waiting queue, which each one joins)
-    max_prompts: int = MAX_PROMPTS
+    max_prompts: int
 
     def check_prompt_bytes(self, size: int) -> None:
         if size > self.max_prompt_bytes:
