@@ -30,12 +30,12 @@ step "install (wheels, no network)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-# `python3 -m quire.cli`, not a shell function: `timeout` below runs commands, not functions
-python3 -m quire.cli plugins
+# `python3 -m quire.entrypoints.cli`, not a shell function: `timeout` below runs commands, not functions
+python3 -m quire.entrypoints.cli plugins
 
 if wants conformance; then
   step "conformance, full mode"
-  timeout 240 python3 -m quire.cli conformance --device cuda --require-available
+  timeout 240 python3 -m quire.entrypoints.cli conformance --device cuda --require-available
   echo "conformance exit: $?"
 fi
 
@@ -61,7 +61,7 @@ chmod +x /tmp/qcache/peers/hf/bin/python
 bench() {  # name, then quire bench arguments
   local name=$1; shift
   step "bench $name"
-  timeout 150 python3 -m quire.cli bench "$@" --model /tmp/smol --device cuda \
+  timeout 150 python3 -m quire.entrypoints.cli bench "$@" --model /tmp/smol --device cuda \
     --kv-cache-memory 16GiB --peer hf --output "$OUT/$name.json"
   echo "bench $name exit: $?"
 }

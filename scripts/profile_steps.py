@@ -18,8 +18,11 @@ import statistics
 import time
 
 import torch
-from quire.cli.engine_options import add_engine_options, engine_config_from_args
 from quire.engine import LLMEngine
+from quire.entrypoints.cli.engine_options import (
+    add_engine_options,
+    engine_config_from_args,
+)
 from quire.plugins.registry import PlatformRegistry
 from quire.sampling_params import SamplingParams
 from torch.autograd import DeviceType

@@ -20,7 +20,7 @@ class ServeProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
                  start_timeout: float = 120) -> None:
-        cmd = [sys.executable, "-m", "quire.cli", "serve", "--device", "cpu", "--port", "0",
+        cmd = [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--device", "cpu", "--port", "0",
                "--log-level", "info", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 from quire.engine import LLMEngine
-from quire.server.async_engine import AsyncEngine
+from quire.entrypoints.server.async_engine import AsyncEngine
 
 
 class Server:

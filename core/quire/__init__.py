@@ -13,7 +13,7 @@ def __getattr__(name: str) -> object:
     # LLM pulls in transformers and the model code; importing it lazily keeps
     # `import quire` (and the CLI's start) fast for commands that never load a model.
     if name == "LLM":
-        from quire.llm import LLM
+        from quire.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'quire' has no attribute {name!r}")

@@ -25,13 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quire.engine.sequence import Sequence
 from quire.sampling.argmax import row_argmax
 from quire.sampling.batch import BatchParams, RandomRows, batch_key
 from quire.sampling.filters import apply_min_p, apply_top_k_top_p
-from quire.sampling.logprobs import TokenLogprobs, compute_prompt_logprobs, \
-    gather_token_logprobs
+from quire.sampling.logprobs import (
+    TokenLogprobs,
+    compute_prompt_logprobs,
+    gather_token_logprobs,
+)
 from quire.sampling.noise import NoiseSource
-from quire.sequence import Sequence
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "compute_prompt_logprobs"]
 

@@ -8,11 +8,11 @@ import json
 import os
 
 import pytest
-from quire.cli import main
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
-from quire.server.app import create_app
-from quire.server.async_engine import AsyncEngine
+from quire.entrypoints.cli import main
+from quire.entrypoints.server.app import create_app
+from quire.entrypoints.server.async_engine import AsyncEngine
 from server_thread import Server, wait_idle
 
 TINY = ["--clients", "4", "--input-len", "8", "--output-len", "4", "--warmup", "0",

@@ -14,9 +14,9 @@ import pytest
 from quire.bench.peers.runner import PeerError, check_installed
 from quire.bench.peers.spec import PEERS
 from quire.bench.sweep import SWEEPABLE
-from quire.cli import build_parser, main, parse_args
-from quire.cli.bench import SWEEP_OPTIONS, require
-from quire.cli.common import UsageError
+from quire.entrypoints.cli import build_parser, main, parse_args
+from quire.entrypoints.cli.bench import SWEEP_OPTIONS, require
+from quire.entrypoints.cli.common import UsageError
 
 SMALL = ["--device", "cpu", "--num-requests", "3", "--input-len", "12", "--output-len", "4",
          "--repeats", "2", "--kv-cache-memory", "4MiB"]
@@ -134,8 +134,8 @@ class _Server:
         import uvicorn
         from quire.config import EngineConfig
         from quire.engine import LLMEngine
-        from quire.server.app import create_app
-        from quire.server.async_engine import AsyncEngine
+        from quire.entrypoints.server.app import create_app
+        from quire.entrypoints.server.async_engine import AsyncEngine
 
         engine = LLMEngine(EngineConfig.from_kwargs(model_path, device="cpu",
                                                     kv_cache_memory=4 << 20))

@@ -6,19 +6,17 @@ from __future__ import annotations
 import os
 import sys
 
+import broken_platforms as broken
 import pytest
 import torch
-
-from quire.cli import conformance as cli_conformance
-from quire.cli import main
-from quire.cli.common import UsageError
 from quire.conformance import CHECK_IDS, ConformanceOptions, Outcome, run_conformance
 from quire.conformance.end_to_end import single_platform_registry
 from quire.conformance.pytest_plugin import judge
 from quire.conformance.report import CheckResult, Report
+from quire.entrypoints.cli import conformance as cli_conformance
+from quire.entrypoints.cli import main
+from quire.entrypoints.cli.common import UsageError
 from quire.platforms.cpu import CpuPlatform
-
-import broken_platforms as broken
 
 DEVICE_CHECKS = ("memory profiler", "communicator", "end-to-end")
 

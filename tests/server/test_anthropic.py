@@ -11,8 +11,8 @@ import httpx
 import pytest
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
-from quire.server.app import create_app
-from quire.server.limits import ServerLimits
+from quire.entrypoints.server.app import create_app
+from quire.entrypoints.server.limits import ServerLimits
 from server_thread import serve_stepped, wait_idle
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"

@@ -14,12 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-from quire.cli import build_parser, parse_args
-from quire.cli.serve import connection_options, limits_from_args
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
-from quire.server.app import create_app
-from quire.server.async_engine import AsyncEngine
+from quire.entrypoints.cli import build_parser, parse_args
+from quire.entrypoints.cli.serve import connection_options, limits_from_args
+from quire.entrypoints.server.app import create_app
+from quire.entrypoints.server.async_engine import AsyncEngine
 from server_thread import Server
 
 MODEL = "tiny"
@@ -59,7 +59,7 @@ def cuts() -> Iterator[list[str]]:
     messages: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore
-    logger = logging.getLogger("quire.server.http_protocol")
+    logger = logging.getLogger("quire.entrypoints.server.http_protocol")
     logger.addHandler(handler)
     yield messages
     logger.removeHandler(handler)

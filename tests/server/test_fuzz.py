@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
-from quire.server.app import create_app
+from quire.entrypoints.server.app import create_app
 from server_thread import serve_stepped, wait_idle
 from tiny_models import VOCAB
 

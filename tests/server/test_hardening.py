@@ -17,13 +17,13 @@ import httpx
 import pytest
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
+from quire.entrypoints.server import anthropic
+from quire.entrypoints.server.app import create_app
+from quire.entrypoints.server.async_engine import AsyncEngine, StreamBacklogExceeded
+from quire.entrypoints.server.errors import ClientTooSlow
+from quire.entrypoints.server.event_stream import EventStream
+from quire.entrypoints.server.limits import ServerLimits
 from quire.sampling_params import SamplingParams
-from quire.server import anthropic
-from quire.server.app import create_app
-from quire.server.async_engine import AsyncEngine, StreamBacklogExceeded
-from quire.server.errors import ClientTooSlow
-from quire.server.event_stream import EventStream
-from quire.server.limits import ServerLimits
 from server_thread import serve_stepped, wait_idle
 
 MODEL = "tiny"
@@ -136,7 +136,7 @@ def test_a_fault_of_ours_on_messages_is_500_in_anthropics_shape(client, monkeypa
 
 # -- 2. one request does not stall the others ---------------------------------------------
 def test_an_unknown_model_is_refused_before_its_prompt_is_tokenized(client, monkeypatch):
-    import quire.server.app as app_module
+    import quire.entrypoints.server.app as app_module
 
     def tokenized(*args, **kwargs):
         raise AssertionError("the prompt was parsed for a model this server lacks")

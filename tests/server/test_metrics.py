@@ -15,9 +15,9 @@ import pytest
 from prometheus_text import parse, value
 from quire.config import EngineConfig
 from quire.engine import EngineStats, LLMEngine
+from quire.entrypoints.server.app import create_app
+from quire.entrypoints.server.async_engine import AsyncEngine, _Stop
 from quire.sampling_params import SamplingParams
-from quire.server.app import create_app
-from quire.server.async_engine import AsyncEngine, _Stop
 from server_thread import Server
 from starlette.testclient import TestClient
 

@@ -3,10 +3,9 @@
 import random
 
 import pytest
-
-from quire.block_manager import BlockManager
+from quire.engine.block_manager import BlockManager
+from quire.engine.sequence import Sequence
 from quire.sampling_params import SamplingParams
-from quire.sequence import Sequence
 
 _ids = iter(range(10**9))
 

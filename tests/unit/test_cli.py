@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from quire.cli import build_parser, main, parse_args
-from quire.cli.common import UsageError
+from quire.entrypoints.cli import build_parser, main, parse_args
+from quire.entrypoints.cli.common import UsageError
 
 
 def test_config_file_supplies_flags_and_the_command_line_wins(tmp_path):

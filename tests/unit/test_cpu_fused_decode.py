@@ -19,7 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 from quire.distributed import TorchDistributedCommunicator
-from quire.model_runner import ModelRunner
+from quire.engine.scheduler import ScheduledSeq
+from quire.engine.sequence import Sequence
+from quire.executor.messages import StepItem
+from quire.executor.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
 from quire.platforms.cpu.native import NativeKernels
@@ -27,9 +30,6 @@ from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
-from quire.executor.messages import StepItem
-from quire.scheduler import ScheduledSeq
-from quire.sequence import Sequence
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")

@@ -13,19 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
-
 from quire.distributed import TorchDistributedCommunicator
+from quire.engine.scheduler import ScheduledSeq
+from quire.engine.sequence import Sequence
 from quire.executor.messages import StepItem
-from quire.model_runner import ModelRunner
+from quire.executor.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM
-from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available, \
-    pack_linear_weights
+from quire.platforms.cpu.packed_linear import (
+    PackedLinear,
+    onednn_available,
+    pack_linear_weights,
+)
 from quire.platforms.cpu.platform import LINEAR_ENV, CpuPlatform
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
-from quire.scheduler import ScheduledSeq
-from quire.sequence import Sequence
+from transformers import LlamaConfig
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 

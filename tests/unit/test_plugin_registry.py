@@ -18,8 +18,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
-from quire.cli import main
+from quire.entrypoints.cli import main
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Availability, Platform
 from quire.plugins.hookspecs import hookimpl
@@ -479,7 +478,7 @@ def _row(output: str, platform_name: str) -> str:
 def test_cli_lists_installed_plugins(plugin_sites: PluginSites) -> None:
     env = {k: v for k, v in os.environ.items() if k != DISABLE_PLUGINS_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_sites.main), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "quire.cli", "plugins"]
+    command = [sys.executable, "-m", "quire.entrypoints.cli", "plugins"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     out = result.stdout

@@ -7,12 +7,12 @@ import math
 import re
 
 import pytest
-
-from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from quire.engine import EngineStats
-from quire.server.metrics import ServerMetrics, finish_reason, token_buckets
-from quire.server.prometheus import CONTENT_TYPE, Registry
 from prometheus_text import buckets, parse, value
+from quire.engine import EngineStats
+from quire.entrypoints.server.metrics import ServerMetrics, finish_reason, token_buckets
+from quire.entrypoints.server.prometheus import CONTENT_TYPE, Registry
+from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
 
 # -- the registry -------------------------------------------------------------------------
 def test_types_help_and_initial_values():

@@ -19,11 +19,10 @@ from collections import Counter
 
 import pytest
 import torch
-
+from quire.engine.sequence import Sequence
 from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from quire.sampling.penalties import PenaltyState
 from quire.sampling_params import SamplingParams
-from quire.sequence import Sequence
 
 V = 12
 EOS = frozenset({0})

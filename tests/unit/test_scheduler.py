@@ -3,11 +3,10 @@
 import random
 
 import pytest
-
-from quire.block_manager import BlockManager
+from quire.engine.block_manager import BlockManager
+from quire.engine.scheduler import Scheduler, SchedulerOutput
+from quire.engine.sequence import Sequence, SequenceStatus
 from quire.sampling_params import SamplingParams
-from quire.scheduler import Scheduler, SchedulerOutput
-from quire.sequence import Sequence, SequenceStatus
 
 _ids = iter(range(10**9))
 

@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 
 import pytest
-from quire.cli import build_parser, main, parse_args
-from quire.cli.serve import limits_from_args
-from quire.server.limits import ServerLimits, flag
+from quire.entrypoints.cli import build_parser, main, parse_args
+from quire.entrypoints.cli.serve import limits_from_args
+from quire.entrypoints.server.limits import ServerLimits, flag
 
 
 class _Stop(Exception):
@@ -31,10 +31,10 @@ def serve(monkeypatch, tmp_path):
         raise _Stop
 
     monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry: object())
-    monkeypatch.setattr("quire.server.async_engine.AsyncEngine", lambda engine, **kw: object())
-    monkeypatch.setattr("quire.server.app.create_app", create_app)
+    monkeypatch.setattr("quire.entrypoints.server.async_engine.AsyncEngine", lambda engine, **kw: object())
+    monkeypatch.setattr("quire.entrypoints.server.app.create_app", create_app)
     monkeypatch.setattr("uvicorn.Config", config)
-    monkeypatch.setattr("quire.cli.serve._configure_logging", lambda level: None)
+    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)
     monkeypatch.delenv("QUIRE_API_KEY", raising=False)
 
     def run(*flags: str) -> dict[str, dict]:

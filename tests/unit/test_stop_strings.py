@@ -4,8 +4,7 @@ here as the reference), delta by delta."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from quire.stop_strings import StopMatcher
+from quire.engine.stop_strings import StopMatcher
 
 
 def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -29,9 +29,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-
-from quire.cli import main
 from quire.conformance import ConformanceOptions, Outcome, run_conformance
+from quire.entrypoints.cli import main
 from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.plugins.registry import DISABLE_PLUGINS_ENV
 from quire.plugins.spec import PLUGIN_API_VERSION

@@ -354,7 +354,7 @@ class ServeChild:
     """``quire serve`` on a free port in a child process, for the length of a ``with``."""
 
     def __init__(self, args: list[str], start_timeout_s: float = 600.0) -> None:
-        self.cmd = [sys.executable, "-m", "quire.cli", "serve", "--port", "0",
+        self.cmd = [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--port", "0",
                     "--log-level", "info", *args]
         self.start_timeout_s = start_timeout_s
         self.log: list[str] = []

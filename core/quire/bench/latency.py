@@ -14,7 +14,7 @@ from quire.bench.quire_engine import greedy_params
 from quire.bench.stats import distribution
 from quire.bench.workloads import BenchRequest
 from quire.engine import LLMEngine
-from quire.llm import LLM
+from quire.entrypoints.llm import LLM
 
 
 @dataclass(frozen=True)

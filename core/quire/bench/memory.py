@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quire.bench.workloads import BenchRequest
-from quire.block_manager import BlockManager
+from quire.engine.block_manager import BlockManager
+from quire.engine.sequence import Sequence
 from quire.sampling_params import SamplingParams
-from quire.sequence import Sequence
 
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 _TOKEN_SUFFIXES = ("tokens", "token", "tok")

@@ -71,7 +71,7 @@ def generate(platform: Platform, path: Path, dtype: torch.dtype, block_size: int
     """Token ids of two greedy passes over ``prompts`` on an engine for ``platform``."""
     from quire.config import EngineConfig
     from quire.engine import LLMEngine
-    from quire.llm import LLM
+    from quire.entrypoints.llm import LLM
     from quire.sampling_params import SamplingParams
 
     config = EngineConfig(

@@ -11,8 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from quire.executor.messages import StepItem
+from quire.executor.model_runner import StepResult
 from quire.executor.worker import KVCacheSpec
-from quire.model_runner import StepResult
 
 
 class WorkerDied(RuntimeError):

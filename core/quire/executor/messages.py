@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from quire.scheduler import ScheduledSeq
+    from quire.engine.scheduler import ScheduledSeq
 
 
 class StepItem(msgspec.Struct, array_like=True, frozen=True):

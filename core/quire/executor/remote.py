@@ -7,8 +7,8 @@ from abc import abstractmethod
 
 from quire.executor.abstract import Executor
 from quire.executor.messages import Call, Reply, Step, StepItem, StepPlan
+from quire.executor.model_runner import StepResult
 from quire.executor.worker import KVCacheSpec
-from quire.model_runner import StepResult
 
 
 class RemoteExecutor(Executor):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from quire.config import EngineConfig
 from quire.executor.abstract import Executor
 from quire.executor.messages import StepItem
+from quire.executor.model_runner import StepResult
 from quire.executor.worker import Worker
-from quire.model_runner import StepResult
 from quire.plugins.registry import PlatformRegistry
 
 

@@ -16,10 +16,10 @@ import torch
 
 from quire.config import EngineConfig, ResolvedConfig
 from quire.executor.messages import StepItem
+from quire.executor.model_runner import ModelRunner, StepResult
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform
-from quire.model_runner import ModelRunner, StepResult
 from quire.model_store import resolve_model
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM

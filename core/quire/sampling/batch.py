@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quire.engine.sequence import Sequence
 from quire.sampling.logprobs import resolve_k
 from quire.sampling.penalties import PenaltyState, uses_penalties
-from quire.sequence import Sequence
 
 _NEG_INF = float("-inf")
 

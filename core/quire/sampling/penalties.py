@@ -22,7 +22,7 @@ import itertools
 
 import torch
 
-from quire.sequence import Sequence
+from quire.engine.sequence import Sequence
 
 
 def uses_penalties(seq: Sequence) -> bool:

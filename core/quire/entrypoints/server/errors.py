@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 #: The ASGI extension through which the HTTP protocol lets the app drop a connection at
-#: once (see :mod:`quire.server.http_protocol`); without it uvicorn closes gracefully.
+#: once (see :mod:`quire.entrypoints.server.http_protocol`); without it uvicorn closes gracefully.
 ABORT_CONNECTION = "quire.abort_connection"
 
 

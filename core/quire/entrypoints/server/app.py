@@ -3,13 +3,13 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``, and Anthropic's
 ``POST /v1/messages``. Every error is answered in OpenAI's shape (see
-:mod:`quire.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
-:mod:`quire.server.anthropic`); a fault of ours is a 500 in the same shapes, and the
-connection stays usable (:class:`~quire.server.errors.ErrorShield`). ``GET /metrics``
-answers Prometheus text (see :mod:`quire.server.metrics`).
+:mod:`quire.entrypoints.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
+:mod:`quire.entrypoints.server.anthropic`); a fault of ours is a 500 in the same shapes, and the
+connection stays usable (:class:`~quire.entrypoints.server.errors.ErrorShield`). ``GET /metrics``
+answers Prometheus text (see :mod:`quire.entrypoints.server.metrics`).
 
 A request is checked cheapest first: the API key, the body's size and arrival time, the
-model name, then (on a worker thread, :mod:`quire.server.tokenizer_pool`) JSON, types,
+model name, then (on a worker thread, :mod:`quire.entrypoints.server.tokenizer_pool`) JSON, types,
 limits and sampling parameters, and only then the chat template and tokenization. The
 app's lifespan starts the engine thread (if not started) and shuts it down.
 """
@@ -32,21 +32,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from quire import __version__
-from quire.outputs import RequestOutput
-from quire.sampling_params import SamplingParams
-from quire.server import anthropic
-from quire.server.access_log import AccessLog
-from quire.server.async_engine import (
+from quire.entrypoints.server import anthropic
+from quire.entrypoints.server.access_log import AccessLog
+from quire.entrypoints.server.async_engine import (
     AsyncEngine,
     EngineStopped,
     Overloaded,
     RequestStream,
 )
-from quire.server.errors import APIError, ErrorShield, bad_request, from_value_error
-from quire.server.event_stream import EventStream
-from quire.server.limits import ServerLimits
-from quire.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
-from quire.server.protocol import (
+from quire.entrypoints.server.errors import (
+    APIError,
+    ErrorShield,
+    bad_request,
+    from_value_error,
+)
+from quire.entrypoints.server.event_stream import EventStream
+from quire.entrypoints.server.limits import ServerLimits
+from quire.entrypoints.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,
     get,
@@ -55,9 +58,11 @@ from quire.server.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from quire.server.request_body import parse_json
-from quire.server.responses import Shaper, usage
-from quire.server.tokenizer_pool import TokenizerPool
+from quire.entrypoints.server.request_body import parse_json
+from quire.entrypoints.server.responses import Shaper, usage
+from quire.entrypoints.server.tokenizer_pool import TokenizerPool
+from quire.outputs import RequestOutput
+from quire.sampling_params import SamplingParams
 
 #: Seconds a client told "overloaded" should wait before trying again.
 RETRY_AFTER_S = 1

@@ -2,7 +2,7 @@
 routes: request bodies -> :class:`ParsedRequest`, ``RequestOutput`` -> Message objects and
 stream events, and :class:`APIError` -> Anthropic's error body.
 
-Types are checked with :func:`quire.server.protocol.get` (a 400 naming the field), ranges
+Types are checked with :func:`quire.entrypoints.server.protocol.get` (a 400 naming the field), ranges
 by ``SamplingParams``. Unknown fields are ignored, as on the OpenAI routes.
 
 Stream events, in the order Anthropic documents them (each ``event: TYPE`` + ``data:``)::
@@ -20,17 +20,17 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from quire.outputs import CompletionOutput, RequestOutput
-from quire.sampling_params import SamplingParams
-from quire.server.async_engine import EngineStopped, RequestStream
-from quire.server.errors import APIError, bad_request, from_value_error
-from quire.server.protocol import (
+from quire.entrypoints.server.async_engine import EngineStopped, RequestStream
+from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
+from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,
     check_text,
     get,
     render_chat,
 )
+from quire.outputs import CompletionOutput, RequestOutput
+from quire.sampling_params import SamplingParams
 
 _NUMBER = (int, float)
 _ROLES = ("user", "assistant")

@@ -2,7 +2,7 @@
 exposition format, version 0.0.4.
 
 Not thread-safe: one thread owns a registry, observes into it and renders it (the
-server's engine thread; see :mod:`quire.server.metrics`). A metric with label names keeps
+server's engine thread; see :mod:`quire.entrypoints.server.metrics`). A metric with label names keeps
 one child per combination of label values, made on first use by :meth:`_Family.labels`;
 a metric without labels is used directly (``counter.inc()``).
 

@@ -23,9 +23,10 @@ Only the scheduler calls the mutating methods; it owns the sequences whose
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as SequenceABC
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
 
-from quire.sequence import Sequence
+from quire.engine.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: SequenceABC[int]) -> int:

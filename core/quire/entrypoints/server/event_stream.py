@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from quire.server.errors import ClientTooSlow
+from quire.entrypoints.server.errors import ClientTooSlow
 
 
 class EventStream(StreamingResponse):

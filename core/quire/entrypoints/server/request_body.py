@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quire.server.errors import bad_request
+from quire.entrypoints.server.errors import bad_request
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

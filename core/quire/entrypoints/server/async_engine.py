@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from quire.engine import EngineStats, LLMEngine
+from quire.entrypoints.server.errors import ClientTooSlow
+from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
-from quire.server.errors import ClientTooSlow
-from quire.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

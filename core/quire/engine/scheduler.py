@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from quire.block_manager import BlockManager
-from quire.sequence import Sequence, SequenceStatus
+from quire.engine.block_manager import BlockManager
+from quire.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

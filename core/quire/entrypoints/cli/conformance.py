@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from quire.cli.common import UsageError, open_registry
+from quire.entrypoints.cli.common import UsageError, open_registry
 
 TRITON_INTERPRET = "TRITON_INTERPRET"
 #: Kept in step with quire.conformance.runner.CHECK_IDS (a test checks it), so that

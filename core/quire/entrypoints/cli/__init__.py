@@ -1,10 +1,10 @@
 """The ``quire`` command line: one module per subcommand, registered on one parser.
 
-To add a subcommand, write ``quire/cli/<name>.py`` with ``register(subparsers)`` that adds
+To add a subcommand, write ``quire/entrypoints/cli/<name>.py`` with ``register(subparsers)`` that adds
 its parser and sets ``run`` (``(argparse.Namespace) -> int``) as a default, then list the
 module in :data:`COMMANDS`. A subcommand may have subcommands of its own (``quire bench
 throughput``); global options and ``--config`` then belong to the innermost ones.
-Errors caused by the user's input are raised as :class:`~quire.cli.common.UsageError`
+Errors caused by the user's input are raised as :class:`~quire.entrypoints.cli.common.UsageError`
 and printed argparse-style, never as a traceback.
 """
 
@@ -14,8 +14,16 @@ import argparse
 import sys
 from typing import Sequence
 
-from quire.cli import bench, common, conformance, generate, models, plugins, serve
-from quire.cli.config_file import add_config_option, apply_config_file
+from quire.entrypoints.cli import (
+    bench,
+    common,
+    conformance,
+    generate,
+    models,
+    plugins,
+    serve,
+)
+from quire.entrypoints.cli.config_file import add_config_option, apply_config_file
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
 COMMANDS = (generate, serve, bench, models, plugins, conformance)

@@ -7,8 +7,11 @@ import sys
 import time
 from typing import Any
 
-from quire.cli.common import UsageError, open_registry
-from quire.cli.engine_options import add_engine_options, engine_config_from_args
+from quire.entrypoints.cli.common import UsageError, open_registry
+from quire.entrypoints.cli.engine_options import (
+    add_engine_options,
+    engine_config_from_args,
+)
 
 
 def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
@@ -37,7 +40,7 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
 
 def run(args: argparse.Namespace) -> int:
     from quire.engine import LLMEngine
-    from quire.llm import LLM
+    from quire.entrypoints.llm import LLM
     from quire.sampling_params import SamplingParams
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]

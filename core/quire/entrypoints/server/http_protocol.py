@@ -20,7 +20,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from quire.server.errors import ABORT_CONNECTION
+from quire.entrypoints.server.errors import ABORT_CONNECTION
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ the context is full    "length"            None
 
 None of the "stop" rules applies before ``min_tokens`` tokens exist (the sampler also
 masks EOS and stop tokens until then). Stop strings are found by one Aho-Corasick
-automaton per request (:mod:`quire.stop_strings`), so a token costs the same whatever
+automaton per request (:mod:`quire.engine.stop_strings`), so a token costs the same whatever
 their number. While a request streams, the last ``len(longest stop string) - 1``
 characters are held back, since they may turn out to begin a stop string; streamed text
 is therefore always a prefix of the final text.
@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from quire.detokenizer import DetokenizerState, IncrementalDetokenizer
+from quire.engine.detokenizer import DetokenizerState, IncrementalDetokenizer
+from quire.engine.sequence import Sequence
+from quire.engine.stop_strings import StopMatcher, StopScan
 from quire.outputs import (
     CompletionOutput,
     Logprob,
@@ -44,8 +46,6 @@ from quire.outputs import (
     RequestOutputKind,
 )
 from quire.sampling_params import SamplingParams
-from quire.sequence import Sequence
-from quire.stop_strings import StopMatcher, StopScan
 
 
 @dataclass

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.block_manager import BlockManager
 from quire.config import EngineConfig, ResolvedConfig
+from quire.engine.block_manager import BlockManager
+from quire.engine.output_processor import OutputProcessor, RequestState
+from quire.engine.scheduler import Scheduler
+from quire.engine.sequence import Sequence
 from quire.executor import check_parallel, make_executor
 from quire.executor.abstract import Executor
 from quire.executor.messages import StepItem
@@ -25,13 +28,10 @@ from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform
 from quire.model_store import resolve_model
 from quire.models.loader import load_model_config
-from quire.output_processor import OutputProcessor, RequestState
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
-from quire.scheduler import Scheduler
-from quire.sequence import Sequence
 from quire.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from quire.cli.common import UsageError
+from quire.entrypoints.cli.common import UsageError
 
 #: Dests that are the parser's own plumbing, never settable from a file.
 _INTERNAL = {"help", "run", "command", "config"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from quire.cli.common import open_registry
+from quire.entrypoints.cli.common import open_registry
 from quire.plugins.registry import PlatformEntry, PlatformRegistry
 
 _HEADER = ("PLATFORM", "PLUGIN", "DISTRIBUTION", "API", "DESCRIPTION", "STATUS")

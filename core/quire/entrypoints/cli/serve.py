@@ -14,9 +14,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quire.cli.common import UsageError, open_registry
-from quire.cli.engine_options import add_engine_options, engine_config_from_args
-from quire.server.limits import (
+from quire.entrypoints.cli.common import UsageError, open_registry
+from quire.entrypoints.cli.engine_options import (
+    add_engine_options,
+    engine_config_from_args,
+)
+from quire.entrypoints.server.limits import (
     MIN_DEFAULT_PROMPT_BYTES,
     PROMPT_BYTES_PER_TOKEN,
     ServerLimits,
@@ -24,7 +27,7 @@ from quire.server.limits import (
 )
 
 if TYPE_CHECKING:
-    from quire.server.async_engine import AsyncEngine
+    from quire.entrypoints.server.async_engine import AsyncEngine
 
 #: ``--api-key`` when neither the flag nor ``--config`` gives one (vLLM reads VLLM_API_KEY):
 #: a key in the environment is not shown by ``ps`` as a command line is.
@@ -125,7 +128,7 @@ def api_key_from(args: argparse.Namespace,
 def connection_options(args: argparse.Namespace, limits: ServerLimits) -> dict[str, Any]:
     """The ``uvicorn.Config`` options that bound connections: the header deadline, the
     cap on connections, the keep-alive time."""
-    from quire.server.http_protocol import http_protocol_class
+    from quire.entrypoints.server.http_protocol import http_protocol_class
 
     return {"http": http_protocol_class(limits.header_timeout_s),
             "limit_concurrency": args.limit_concurrency or None,
@@ -141,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from quire.engine import LLMEngine
-    from quire.server.app import create_app
-    from quire.server.async_engine import AsyncEngine
+    from quire.entrypoints.server.app import create_app
+    from quire.entrypoints.server.async_engine import AsyncEngine
 
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout: must be >= 0")

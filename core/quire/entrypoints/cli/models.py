@@ -15,7 +15,12 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quire.model_store import BUILTIN_MODELS, DEFAULT_MODEL, cache_dir, cached_models
+    from quire.model_store import (
+        BUILTIN_MODELS,
+        DEFAULT_MODEL,
+        cache_dir,
+        cached_models,
+    )
 
     cached = {p.name: p for p in cached_models()}
     print(f"cache: {cache_dir() / 'models'}")

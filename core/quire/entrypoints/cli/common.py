@@ -7,7 +7,11 @@ import os
 from typing import Any, Mapping
 
 from quire.interfaces.platform import Platform
-from quire.plugins.registry import DISABLE_PLUGINS_ENV, PlatformRegistry, parse_plugin_names
+from quire.plugins.registry import (
+    DISABLE_PLUGINS_ENV,
+    PlatformRegistry,
+    parse_plugin_names,
+)
 
 
 class UsageError(Exception):

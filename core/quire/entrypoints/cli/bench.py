@@ -18,8 +18,11 @@ from typing import Any
 
 from quire.bench.peers.spec import PEERS
 from quire.bench.workloads import PRESETS, WorkloadSpec, preset
-from quire.cli.common import UsageError, open_registry
-from quire.cli.engine_options import add_engine_options, engine_config_from_args
+from quire.entrypoints.cli.common import UsageError, open_registry
+from quire.entrypoints.cli.engine_options import (
+    add_engine_options,
+    engine_config_from_args,
+)
 from quire.model_store import DEFAULT_MODEL
 
 #: Kept in step with quire.bench.sweep.SWEEPABLE (a test checks it), so that building the
@@ -488,11 +491,10 @@ def _swept(args: argparse.Namespace) -> tuple[str, list[int], dict[str, int]]:
 def run_sweep(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from quire.config import EngineConfig
-
     from quire.bench.report import THROUGHPUT_FIGURES, figure_rows, record
     from quire.bench.sweep import plot
     from quire.bench.sweep import run_sweep as sweep
+    from quire.config import EngineConfig
     from quire.model_store import resolve_model
     from quire.tokenizer import load_tokenizer
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from quire.entrypoints.server.prometheus import Registry
 from quire.outputs import RequestOutput
-from quire.server.prometheus import Registry
 
 if TYPE_CHECKING:
     from quire.engine import EngineStats

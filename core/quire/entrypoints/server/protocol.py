@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
 from quire.sampling_params import SamplingParams
-from quire.server.errors import APIError, bad_request, from_value_error
 
 #: Most choices per request (OpenAI's limit); more would only tie up the KV cache.
 MAX_N = 128

@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from quire.cli.common import UsageError
 from quire.config import EngineConfig
+from quire.entrypoints.cli.common import UsageError
 from quire.model_store import DEFAULT_MODEL
 
 

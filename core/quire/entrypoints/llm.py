@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence as SequenceABC
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as SequenceABC
 from typing import Any, Union
 
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.outputs import RequestOutput
-from quire.plugins.registry import DISABLE_PLUGINS_ENV, PlatformRegistry, parse_plugin_names
+from quire.plugins.registry import (
+    DISABLE_PLUGINS_ENV,
+    PlatformRegistry,
+    parse_plugin_names,
+)
 from quire.sampling_params import SamplingParams
 
 #: A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
