@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = LLMEngine(engine_config_from_args(args), PlatformRegistry())
-    platform = engine.platform
+    platform = engine.core.platform
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=0.0)
     for _ in range(args.batch):

@@ -72,7 +72,7 @@ def serve_stepped(engine: LLMEngine, make_app: Any, **engine_kw: Any) -> Server:
     srv.step_delay = controls.step_delay  # type: ignore[attr-defined]
     srv.hold = controls.hold  # type: ignore[attr-defined]
     srv.steps_since_hold = controls.steps_since_hold  # type: ignore[attr-defined]
-    srv.block_manager = engine.block_manager  # type: ignore[attr-defined]
+    srv.block_manager = engine.core.block_manager  # type: ignore[attr-defined]
     return srv
 
 

@@ -36,7 +36,7 @@ def test_two_ray_nodes_equal_one_process(tiny_checkpoint, arch, split):
     try:
         with LLM(path, device="cpu", max_model_len=128, distributed_executor_backend="ray",
                  **split) as llm:
-            nodes = llm.engine.executor.node_ids  # type: ignore[attr-defined]
+            nodes = llm.engine.core.executor.node_ids  # type: ignore[attr-defined]
             assert len(set(nodes)) == 2, nodes  # one rank on each node
             assert _greedy(llm) == expected
     finally:
@@ -56,7 +56,7 @@ def test_a_killed_ray_worker_is_reported(tiny_checkpoint):
             str(tiny_checkpoint("llama")), device="cpu", max_model_len=128,
             tensor_parallel_size=2, distributed_executor_backend="ray"))
         try:
-            ray.kill(engine.executor._actors[1])  # type: ignore[attr-defined]
+            ray.kill(engine.core.executor._actors[1])  # type: ignore[attr-defined]
             engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
             with pytest.raises(WorkerDied, match="Ray worker died"):
                 while engine.has_unfinished_requests():

@@ -95,7 +95,7 @@ def _children(pid: int) -> list[int]:
 def test_a_killed_worker_is_reported_and_nothing_is_left(tiny_checkpoint):
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
                                                 max_model_len=128, tensor_parallel_size=2))
-    workers = [p.pid for p in engine.executor._procs]  # type: ignore[attr-defined]
+    workers = [p.pid for p in engine.core.executor._procs]  # type: ignore[attr-defined]
     try:
         os.kill(workers[1], signal.SIGKILL)
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
@@ -118,7 +118,7 @@ def test_workers_die_with_their_engine(tiny_checkpoint, tmp_path):
         from quire.engine import LLMEngine
         engine = LLMEngine(EngineConfig.from_kwargs({str(tiny_checkpoint("llama"))!r},
                            device="cpu", max_model_len=128, tensor_parallel_size=2))
-        print(" ".join(str(p.pid) for p in engine.executor._procs), flush=True)
+        print(" ".join(str(p.pid) for p in engine.core.executor._procs), flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -152,8 +152,8 @@ def test_an_engine_never_shut_down_leaves_nothing_once_collected(tiny_checkpoint
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
                                                 max_model_len=128, tensor_parallel_size=2))
-    workers = [p.pid for p in engine.executor._procs]  # type: ignore[attr-defined]
-    workdir = engine.executor._workdir  # type: ignore[attr-defined]
+    workers = [p.pid for p in engine.core.executor._procs]  # type: ignore[attr-defined]
+    workdir = engine.core.executor._workdir  # type: ignore[attr-defined]
     del engine
     gc.collect()
     assert not os.path.exists(workdir)

@@ -25,15 +25,15 @@ def llama(tiny_checkpoint):
 
 def test_n_samples_share_the_prompt_pages(llama):
     _, llm, ids = llama
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.core.block_manager
     assert len(ids) % 4 != 0  # a partial last page, which each sample recomputes
     shared = (len(ids) - 1) // 4
     rid = engine.add_request(ids, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6,
                                                  ignore_eos=True))
     engine.step()  # the parent's prefill; the three other samples are forked
-    parent = engine._requests[rid].outputs[0].seq
+    parent = engine.core._requests[rid].seqs[0]
     engine.step()  # children admitted: they compute only the prompt's tail
-    seqs = [o.seq for o in engine._requests[rid].outputs]
+    seqs = engine.core._requests[rid].seqs
     assert [s.index for s in seqs] == [0, 1, 2, 3]
     for page in parent.block_table[:shared]:
         assert bm.ref_count(page) == 4
@@ -42,7 +42,7 @@ def test_n_samples_share_the_prompt_pages(llama):
         assert child.num_cached_tokens == 0  # shared by fork, not found in the cache
     own = {p for s in seqs for p in s.block_table[shared:]}
     assert bm.num_used_blocks == shared + len(own)
-    bm.check_invariants(engine.scheduler.live_sequences())
+    bm.check_invariants(engine.core.scheduler.live_sequences())
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
@@ -123,7 +123,7 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(llama):
     for out in llm.stream(ids, SamplingParams(max_tokens=50, ignore_eos=True)):
         break
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.core.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -26,7 +26,7 @@ _TEXTS = [
 
 
 def _page_bytes(llm: LLM) -> int:
-    spec = llm.engine.kv_spec
+    spec = llm.engine.core.kv_spec
     return 2 * spec.num_layers * llm.engine.config.block_size * spec.num_kv_heads \
         * spec.head_size * 4
 
@@ -68,7 +68,7 @@ def _make_llm(path, scenario: dict) -> LLM:
         page = _page_bytes(llm)
         llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=kv_pages * page,
                   **options)
-        assert llm.engine.block_manager.num_blocks == kv_pages
+        assert llm.engine.core.block_manager.num_blocks == kv_pages
     return llm
 
 
@@ -86,7 +86,7 @@ def test_greedy_matches_transformers(arch, scenario, tiny_checkpoint, oracle):
 
     engine = llm.engine
     if scenario == "preemption":
-        assert engine.scheduler.stats.num_preemptions > 0
+        assert engine.core.scheduler.stats.num_preemptions > 0
     if scenario == "chunked-prefill":
         assert max(len(p) for p in prompts) > engine.config.max_num_batched_tokens
 
@@ -98,8 +98,8 @@ def test_greedy_matches_transformers(arch, scenario, tiny_checkpoint, oracle):
         assert cached > 0
     else:
         assert cached == 0
-    engine.block_manager.check_invariants([])
-    assert engine.block_manager.num_used_blocks == 0
+    engine.core.block_manager.check_invariants([])
+    assert engine.core.block_manager.num_used_blocks == 0
 
 
 def test_text_prompts_and_outputs_round_trip(tiny_checkpoint, oracle):

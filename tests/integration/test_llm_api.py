@@ -147,8 +147,8 @@ def test_abort_frees_pages_at_once(llama):
     engine = llm.engine
     rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.block_manager.num_used_blocks > 0
+    assert engine.core.block_manager.num_used_blocks > 0
     engine.abort_request(rid)
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.core.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished_requests()
-    engine.block_manager.check_invariants([])
+    engine.core.block_manager.check_invariants([])

@@ -43,7 +43,7 @@ def test_single_stream_greedy_matches_transformers(llm, reference):
     the weights' exact compact encoding (Q4_1 and Q8_0 here), not the float32 copy."""
     from quire.platforms.cpu.packed_linear import PackedLinear
 
-    kernels = [m.kernel for m in llm.engine.executor.worker.model.modules()
+    kernels = [m.kernel for m in llm.engine.core.executor.worker.model.modules()
                if isinstance(getattr(m, "kernel", None), PackedLinear)]
     if kernels and kernels[0].native is not None:
         assert all(k.compact is not None for k in kernels), "every SmolLM2 weight encodes"

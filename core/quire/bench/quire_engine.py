@@ -46,13 +46,13 @@ def warm_up(engine: LLMEngine) -> None:
 
 def kv_page_bytes(engine: LLMEngine) -> int:
     """Bytes one KV page takes over all layers (K and V), on rank 0."""
-    return engine.executor.bytes_per_block()
+    return engine.core.executor.bytes_per_block()
 
 
 def describe(engine: LLMEngine) -> str:
     """A one-line description of the engine for reports."""
     cfg = engine.config
-    return (f"quire on {engine.platform.name}, {str(cfg.dtype).removeprefix('torch.')}, "
-            f"block_size={cfg.block_size}, kv_pages={engine.block_manager.num_blocks}, "
+    return (f"quire on {engine.info.platform_name}, {str(cfg.dtype).removeprefix('torch.')}, "
+            f"block_size={cfg.block_size}, kv_pages={engine.core.block_manager.num_blocks}, "
             f"max_num_seqs={cfg.max_num_seqs}, "
             f"max_num_batched_tokens={cfg.max_num_batched_tokens}")

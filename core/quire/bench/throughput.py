@@ -55,7 +55,7 @@ def run_quire(engine: LLMEngine, requests: list[BenchRequest]) -> ThroughputRun:
     :raises RuntimeError: when the engine produced fewer tokens than asked (a request
         hit ``max_model_len``), since the figures would then be wrong.
     """
-    pages = engine.block_manager
+    pages = engine.core.block_manager
     reset_peak_rss(include_children=False)
     peak_pages = output_tokens = 0
     start = time.perf_counter()

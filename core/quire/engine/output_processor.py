@@ -1,8 +1,11 @@
-"""From sampled tokens to what users see: text, logprobs, stopping, ``RequestOutput``.
+"""The engine's front half: from the core's tokens to what users see: text, logprobs,
+stop strings, ``RequestOutput``.
 
-The engine owns one :class:`OutputProcessor`; it owns each request's output state (text
-so far, detokenizer offsets, logprobs). The scheduler's :class:`Sequence` holds the
-tokens; this module never schedules anything.
+The core (:mod:`quire.engine.core`) sends, per step, each sequence's new token with its
+raw logprobs, and the finish a token rule decided. This module owns each request's output
+state (tokens so far, detokenizer offsets, text, logprobs, the finish) and never schedules
+anything; when it finds a stop string it says so, and its engine tells the core to stop
+that sequence.
 
 Stopping rules, checked after each new token in this order (vLLM v1's: stop strings
 are found while detokenizing, before the token rules):
@@ -17,12 +20,14 @@ a ``stop_token_ids``   "stop"              the token id
 the context is full    "length"            None
 =====================  ==================  ====================================
 
-None of the "stop" rules applies before ``min_tokens`` tokens exist (the sampler also
-masks EOS and stop tokens until then). Stop strings are found by one Aho-Corasick
-automaton per request (:mod:`quire.engine.stop_strings`), so a token costs the same whatever
-their number. While a request streams, the last ``len(longest stop string) - 1``
-characters are held back, since they may turn out to begin a stop string; streamed text
-is therefore always a prefix of the final text.
+The first row is applied here, the others by the core. None of the "stop" rules applies
+before ``min_tokens`` tokens exist (the sampler also masks EOS and stop tokens until then).
+Stop strings are found by one Aho-Corasick automaton per request
+(:mod:`quire.engine.stop_strings`), so a token costs the same whatever their number. While
+a request streams, the last ``len(longest stop string) - 1`` characters are held back,
+since they may turn out to begin a stop string; streamed text is therefore always a prefix
+of the final text. A core in another process may have sampled a token or two past a stop
+string before it hears of it: those are dropped here.
 
 Outputs come in the request's ``RequestOutputKind``: cumulative, or only what is new
 since its previous output (each :class:`SeqOutput` remembers how much it reported).
@@ -35,7 +40,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from quire.engine.detokenizer import DetokenizerState, IncrementalDetokenizer
-from quire.engine.sequence import Sequence
+from quire.engine.messages import SeqUpdate
 from quire.engine.stop_strings import StopMatcher, StopScan
 from quire.outputs import (
     CompletionOutput,
@@ -45,24 +50,44 @@ from quire.outputs import (
     RequestOutput,
     RequestOutputKind,
 )
+from quire.sampling.logprobs import TokenLogprobs
 from quire.sampling_params import SamplingParams
 
 
 @dataclass
 class SeqOutput:
-    """Output state of one sequence."""
+    """Output state of one sequence (sample ``index`` of its request)."""
 
-    seq: Sequence
+    index: int
+    #: The sample's own parameters (``SamplingParams.for_sequence``).
+    params: SamplingParams
+    #: Prompt and output tokens: the detokenizer reads both.
+    token_ids: list[int]
+    num_prompt_tokens: int
     detok: DetokenizerState
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     #: Where the request's stop-string automaton stands in ``text`` (None: no stops).
     stop_scan: StopScan | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     # what DELTA outputs already reported: characters, tokens, the finish
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_finish: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -79,16 +104,25 @@ class RequestState:
     stops: StopMatcher | None = None
     #: A DELTA output already carried the prompt logprobs.
     sent_prompt_logprobs: bool = False
+    #: Prompt tokens the core served from its prefix cache (sample 0's).
+    num_cached_tokens: int = 0
     # timings in time.monotonic() seconds, reported as RequestMetrics
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.outputs) == self.params.n and all(
-            o.seq.is_finished for o in self.outputs)
+        return len(self.outputs) == self.params.n and all(o.is_finished for o in self.outputs)
+
+    def output(self, index: int) -> SeqOutput | None:
+        """Sample ``index``'s state, or None before the core forked it."""
+        for out in self.outputs:
+            if out.index == index:
+                return out
+        return None
 
     def record_token(self, now: float) -> None:
         """One of the request's sequences sampled a token in the step that ended ``now``."""
@@ -99,7 +133,7 @@ class RequestState:
     def metrics(self) -> RequestMetrics:
         return RequestMetrics(
             arrival_time=self.arrival_time,
-            first_scheduled_time=self.outputs[0].seq.first_scheduled_time,
+            first_scheduled_time=self.first_scheduled_time,
             first_token_time=self.first_token_time,
             last_token_time=self.last_token_time,
             finished_time=self.finished_time,
@@ -107,77 +141,84 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Detokenizes, applies the stopping rules, and builds ``RequestOutput``."""
+    """Detokenizes, finds stop strings, and builds ``RequestOutput``."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
 
-    def track(self, req: RequestState, seq: Sequence) -> SeqOutput:
-        """Start output state for ``seq`` (sample ``seq.index`` of ``req``)."""
+    def track(self, req: RequestState, index: int) -> SeqOutput:
+        """Start output state for sample ``index`` of ``req``."""
         if req.params.stop and req.stops is None:
             req.stops = StopMatcher(tuple(req.params.stop))
-        out = SeqOutput(seq=seq, detok=self.detokenizer.start(len(req.prompt_token_ids)),
+        num_prompt = len(req.prompt_token_ids)
+        out = SeqOutput(index=index, params=req.params.for_sequence(index),
+                        token_ids=list(req.prompt_token_ids), num_prompt_tokens=num_prompt,
+                        detok=self.detokenizer.start(num_prompt),
                         logprobs=[] if req.params.logprobs is not None else None,
                         stop_scan=req.stops.start() if req.stops is not None else None)
         req.outputs.append(out)
-        req.outputs.sort(key=lambda o: o.seq.index)
+        req.outputs.sort(key=lambda o: o.index)
         return out
 
-    def append_token(self, req: RequestState, out: SeqOutput, token: int,
-                     logprobs: PositionLogprobs | None = None) -> str | None:
-        """Add a sampled token; returns the finish reason when a stopping rule fires."""
-        seq, params = out.seq, out.seq.params
-        seq.output_token_ids.append(token)
-        if logprobs is not None and out.logprobs is not None:
-            out.logprobs.append(logprobs)
-            out.cumulative_logprob += logprobs[token].logprob
+    def append(self, req: RequestState, update: SeqUpdate) -> bool:
+        """Add the core's news for one sequence. True when a stop string ended it here
+        (the core must then be told); a sequence that already finished takes nothing."""
+        out = req.output(update.index)
+        if out is None:
+            out = self.track(req, update.index)
+        if update.index == 0:
+            req.num_cached_tokens = update.num_cached_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = update.first_scheduled_time
+        if out.is_finished:
+            return False
+        if update.token_id < 0:  # no token: the core only ended the sequence
+            out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
+            return False
+        token, params = update.token_id, out.params
+        out.token_ids.append(token)
+        if update.logprobs is not None and out.logprobs is not None:
+            entry = self.token_logprobs(update.logprobs)
+            out.logprobs.append(entry)
+            out.cumulative_logprob += entry[token].logprob
         decode = {"skip_special_tokens": params.skip_special_tokens,
                   "spaces_between_special_tokens": params.spaces_between_special_tokens}
-        delta = self.detokenizer.step(out.detok, seq.token_ids, **decode)
+        delta = self.detokenizer.step(out.detok, out.token_ids, **decode)
         out.text += delta
         if req.stops is not None and out.stop_scan is not None and delta:
             found = req.stops.feed(out.stop_scan, delta,
-                                   report=seq.num_output_tokens >= params.min_tokens)
+                                   report=out.num_output_tokens >= params.min_tokens)
             if found is not None:
                 start, stop = found
                 keep = start + len(stop) if params.include_stop_str_in_output else start
                 out.text = out.text[:keep]
-                seq.stop_reason = stop
-                return "stop"
-        reason = self._stop_reason(seq, token)
-        if reason is not None:  # the last bytes will never complete a character now
-            out.text += self.detokenizer.flush(out.detok, seq.token_ids, **decode)
-        return reason
+                out.finish_reason, out.stop_reason = "stop", stop
+                return True
+        if update.finish_reason is not None:
+            out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
+            # the last bytes will never complete a character now
+            out.text += self.detokenizer.flush(out.detok, out.token_ids, **decode)
+        return False
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def abort(self, req: RequestState) -> None:
+        """End every sample not finished yet (forked or not) with reason "abort"."""
+        for index in range(req.params.n):
+            out = req.output(index) or self.track(req, index)
+            if not out.is_finished:
+                out.finish_reason = "abort"
 
-    def token_logprobs(self, token: int, logprob: float, rank: int,
-                       top: list[tuple[int, float]]) -> PositionLogprobs:
+    def token_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
         """The chosen token and the top alternatives, each with its text and rank."""
         entry: PositionLogprobs = {}
-        for i, (tid, lp) in enumerate(top, start=1):
-            entry[tid] = Logprob(lp, i, self.tokenizer.decode([tid]))
-        if token not in entry:
-            entry[token] = Logprob(logprob, rank, self.tokenizer.decode([token]))
+        for i, (tid, logprob) in enumerate(lp.top, start=1):
+            entry[tid] = Logprob(logprob, i, self.tokenizer.decode([tid]))
+        if lp.token_id not in entry:
+            entry[lp.token_id] = Logprob(lp.logprob, lp.rank,
+                                         self.tokenizer.decode([lp.token_id]))
         return entry
 
-    def make_output(self, req: RequestState, num_cached_tokens: int) -> RequestOutput:
+    def make_output(self, req: RequestState) -> RequestOutput:
         """The request as users see it now, in its ``output_kind`` (cumulative unless it
         asked for deltas)."""
         delta = req.params.output_kind is RequestOutputKind.DELTA
@@ -197,42 +238,41 @@ class OutputProcessor:
             outputs=completions,
             finished=req.finished,
             prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=num_cached_tokens,
+            num_cached_tokens=req.num_cached_tokens,
             metrics=req.metrics(),
         )
 
     def _cumulative(self, req: RequestState, out: SeqOutput) -> CompletionOutput:
-        seq = out.seq
         return CompletionOutput(
-            index=seq.index,
-            text=out.text if seq.is_finished else _visible(out.text, req.stops),
-            token_ids=list(seq.output_token_ids),
+            index=out.index,
+            text=out.text if out.is_finished else _visible(out.text, req.stops),
+            token_ids=out.output_token_ids,
             logprobs=list(out.logprobs) if out.logprobs is not None else None,
             cumulative_logprob=out.cumulative_logprob if out.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
         )
 
     def _delta(self, req: RequestState, out: SeqOutput) -> CompletionOutput | None:
         """What ``out`` has that was not reported yet, or None if nothing (visible text
         only grows, so the next delta starts where this one ends)."""
-        seq = out.seq
-        text = out.text if seq.is_finished else _visible(out.text, req.stops)
-        new_tokens = seq.output_token_ids[out.sent_tokens:]
-        finish_news = seq.is_finished and not out.sent_finish
+        text = out.text if out.is_finished else _visible(out.text, req.stops)
+        num_output = out.num_output_tokens
+        new_tokens = out.token_ids[out.num_prompt_tokens + out.sent_tokens:]
+        finish_news = out.is_finished and not out.sent_finish
         if not new_tokens and len(text) == out.sent_chars and not finish_news:
             return None
         c = CompletionOutput(
-            index=seq.index,
+            index=out.index,
             text=text[out.sent_chars:],
             token_ids=new_tokens,
             logprobs=out.logprobs[out.sent_tokens:] if out.logprobs is not None else None,
             cumulative_logprob=out.cumulative_logprob if out.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
         )
-        out.sent_chars, out.sent_tokens = len(text), len(seq.output_token_ids)
-        out.sent_finish = seq.is_finished
+        out.sent_chars, out.sent_tokens = len(text), num_output
+        out.sent_finish = out.is_finished
         return c
 
 

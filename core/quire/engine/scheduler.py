@@ -67,6 +67,29 @@ class SchedulerStats:
     prefix_hits: int = 0
 
 
+def check_fits(request_id: str, num_prompt_tokens: int, max_kv_tokens: int, *,
+               block_size: int, num_blocks: int, max_num_batched_tokens: int,
+               enable_chunked_prefill: bool) -> None:
+    """Refuse a request that could never be scheduled (it would wait forever): more K/V
+    than the whole page pool, or a prompt over the token budget without chunked prefill.
+    The scheduler checks on :meth:`Scheduler.add`; a front checks before sending.
+
+    :raises ValueError: naming the numbers.
+    """
+    pages = -(-max_kv_tokens // block_size)
+    if pages > num_blocks:
+        raise ValueError(
+            f"request {request_id} may hold {max_kv_tokens} tokens of K/V "
+            f"({pages} pages of {block_size}), but the cache holds only {num_blocks} pages; "
+            "raise kv_cache_memory or lower max_tokens"
+        )
+    if not enable_chunked_prefill and num_prompt_tokens > max_num_batched_tokens:
+        raise ValueError(
+            f"request {request_id} has {num_prompt_tokens} prompt tokens, more than "
+            f"max_num_batched_tokens={max_num_batched_tokens} without chunked prefill"
+        )
+
+
 class Scheduler:
     """Owns the waiting and running sequences and the block manager."""
 
@@ -96,19 +119,11 @@ class Scheduler:
         :raises ValueError: when that many tokens could never fit the page pool, since the
             sequence would otherwise wait forever.
         """
-        bm = self.block_manager
-        if bm.blocks_for(max_kv_tokens) > bm.num_blocks:
-            raise ValueError(
-                f"request {seq.request_id} may hold {max_kv_tokens} tokens of K/V "
-                f"({bm.blocks_for(max_kv_tokens)} pages of {bm.block_size}), but the "
-                f"cache holds only {bm.num_blocks} pages; raise kv_cache_memory or lower "
-                "max_tokens"
-            )
-        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"request {seq.request_id} has {seq.num_tokens} prompt tokens, more than "
-                f"max_num_batched_tokens={self.max_num_batched_tokens} without chunked prefill"
-            )
+        check_fits(seq.request_id, seq.num_tokens, max_kv_tokens,
+                   block_size=self.block_manager.block_size,
+                   num_blocks=self.block_manager.num_blocks,
+                   max_num_batched_tokens=self.max_num_batched_tokens,
+                   enable_chunked_prefill=self.enable_chunked_prefill)
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 

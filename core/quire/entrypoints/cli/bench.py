@@ -309,7 +309,7 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
     columns = [Column("quire", describe(engine), figures_per_run[args.warmup:])]
     # the hf peer runs where Quire ran, at its dtype (the CPU builds of vLLM and llama.cpp
     # cannot follow)
-    where = {"device": engine.platform.device_type,
+    where = {"device": engine.info.device_type,
              "dtype": str(engine.config.dtype).removeprefix("torch.")}
     del engine  # free its memory before any peer runs
     gc.collect()

@@ -74,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
         shown = prompts[i] if args.chat else out.prompt
         print(f"{shown!r} -> {completion.text!r}  [{completion.finish_reason}]")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"quire: {llm.engine.platform.name}, loaded in {loaded - started:.1f}s; "
+    print(f"quire: {llm.engine.info.platform_name}, loaded in {loaded - started:.1f}s; "
           f"{tokens} tokens in {done - loaded:.2f}s", file=sys.stderr)
     return 0

@@ -1,0 +1,332 @@
+"""``EngineCore``: tokens in, tokens out. The scheduler, the KV page pool, the executor
+(and through it the model on every rank) and the sampler; no tokenizer work beyond
+finding the EOS ids, no text.
+
+It runs either inside the front's process (``LLM``, in-process serving) or as its own
+process with a busy loop (:mod:`quire.engine.core_proc`); either way its front sends
+:class:`~quire.engine.messages.CoreRequest` and reads one
+:class:`~quire.engine.messages.CoreOutputs` per step. Token rules end sequences here
+(EOS, stop token ids, ``max_tokens``, the context); stop strings are found by the front,
+which then calls :meth:`stop_sequence`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from quire.config import EngineConfig, ResolvedConfig
+from quire.engine.block_manager import BlockManager
+from quire.engine.messages import (
+    CoreInfo,
+    CoreOutputs,
+    CoreRequest,
+    EngineStats,
+    PromptLogprobs,
+    SeqUpdate,
+)
+from quire.engine.scheduler import Scheduler, check_fits
+from quire.engine.sequence import Sequence
+from quire.executor import check_parallel, make_executor
+from quire.executor.abstract import Executor
+from quire.executor.messages import StepItem
+from quire.executor.worker import model_max_len
+from quire.interfaces.platform import Platform
+from quire.model_store import resolve_model
+from quire.models.loader import load_model_config
+from quire.plugins.registry import PlatformRegistry
+from quire.sampler import Sampler, compute_prompt_logprobs
+from quire.sampling_params import SamplingParams
+from quire.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """The core's view of a request: its sequences (sample 0 first; the others once
+    forked) and how many prompt logprob positions it reported."""
+
+    request: CoreRequest
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs_known: int = 1  # the first prompt token has none
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.request.params.n and all(
+            s.is_finished for s in self.seqs)
+
+
+def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> list[int]:
+    """The prompt as ints; raises ValueError naming what is wrong (the front and the core
+    both call it)."""
+    tokens = [int(t) for t in token_ids]
+    if not tokens:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(tokens) > max_model_len:
+        raise ValueError(
+            f"the prompt has {len(tokens)} tokens, more than max_model_len={max_model_len}")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
+def max_kv_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """The most K/V tokens a sequence may hold: its longest length minus one (the last
+    sampled token is never run through the model)."""
+    longest = num_prompt_tokens + params.max_output_tokens(num_prompt_tokens, max_model_len)
+    return max(num_prompt_tokens, longest - 1)
+
+
+def check_request(request_id: str, token_ids: list[int], params: SamplingParams,
+                  config: ResolvedConfig, vocab_size: int, num_blocks: int) -> list[int]:
+    """Everything that would make a request fail or wait forever, checked before it is
+    queued (by the front before sending, and by the core again).
+
+    :returns: the prompt as ints.
+    :raises ValueError: naming what is wrong.
+    """
+    tokens = check_prompt(token_ids, config.max_model_len, vocab_size)
+    params.check_against(max_logprobs=config.engine.max_logprobs, vocab_size=vocab_size)
+    check_fits(request_id, len(tokens),
+               max_kv_tokens(len(tokens), params.for_sequence(0), config.max_model_len),
+               block_size=config.block_size, num_blocks=num_blocks,
+               max_num_batched_tokens=config.max_num_batched_tokens,
+               enable_chunked_prefill=config.enable_chunked_prefill)
+    return tokens
+
+
+class EngineCore:
+    """Schedules, runs the model, samples. Not thread-safe; one owner calls it.
+
+    Call :meth:`shutdown` to stop the executor's worker processes (none at world size 1).
+    """
+
+    def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None):
+        """:param tokenizer: the front's, when it shares this process (the core only reads
+            its EOS ids); loaded here otherwise."""
+        registry = registry or PlatformRegistry()
+        self.platform: Platform = registry.resolve(config.device)
+        model_path = resolve_model(config.model)
+        self.model_config = load_model_config(model_path)
+        self._model_max_len = model_max_len(self.model_config)
+        self.config: ResolvedConfig = config.resolve(
+            model_max_len=self._model_max_len,
+            platform_block_size=self.platform.default_block_size,
+            platform_dtype=self.platform.supported_dtypes[0],
+        )
+        self.platform.check_dtype(self.config.dtype)
+        check_parallel(config, self.model_config)
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_path)
+        self.eos_token_ids = eos_token_ids(tokenizer, self.model_config, model_path)
+        self.vocab_size: int = self.model_config.vocab_size
+
+        self.executor: Executor = make_executor(config, registry)
+        if not self.executor.runs_model_here:
+            # The model runs in the workers; this process only samples, and OpenMP
+            # threads spinning after each sampling op took the workers' cores (W2's
+            # inter-token latency doubled; figures in docs/bench.md).
+            torch.set_num_threads(1)
+        try:
+            self.kv_spec = self.executor.kv_spec
+            # Never more pages than max_num_seqs sequences of max_model_len tokens can
+            # hold: a small model's default budget would otherwise be millions of pages
+            # that only cost start-up time and bookkeeping memory.
+            most = self.config.max_num_seqs * -(-self.config.max_model_len
+                                                // self.config.block_size)
+            num_blocks = min(self.executor.num_kv_blocks(), most)
+            self.executor.init_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.block_manager = BlockManager(num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
+                               seed=config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._finished: list[str] = []  # ended since the last output
+        self._next_seq_id = 0
+        self.info = CoreInfo(
+            platform_name=self.platform.name, device_type=self.platform.device_type,
+            platform_block_size=self.platform.default_block_size,
+            platform_dtype=str(self.platform.supported_dtypes[0]).removeprefix("torch."),
+            model_max_len=self._model_max_len, vocab_size=self.vocab_size,
+            num_blocks=num_blocks, eos_token_ids=sorted(self.eos_token_ids),
+            world_size=self.executor.world_size)
+        logger.info(
+            "engine core ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens) "
+            "executor=%s world_size=%d", self.platform.name, self.config.dtype,
+            self.config.block_size, num_blocks, num_blocks * self.config.block_size,
+            config.executor_backend, self.executor.world_size,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers; safe to call more than once."""
+        self.executor.shutdown()
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request: CoreRequest) -> None:
+        """Queue a request.
+
+        :raises ValueError: for a bad prompt, parameters outside this engine's limits, a
+            duplicate id, or a request the KV cache could never hold.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        tokens = check_request(rid, request.prompt_token_ids, request.params, self.config,
+                               self.vocab_size, self.block_manager.num_blocks)
+        seq = self._new_sequence(request, tokens, index=0)
+        self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
+                                              self.config.max_model_len))
+        self._requests[rid] = _Request(request, [seq])
+
+    def _new_sequence(self, request: CoreRequest, tokens: list[int], index: int,
+                      arrival: int | None = None) -> Sequence:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        # each sample gets its own parameters (n=1, a seeded request's seed + index)
+        return Sequence(seq_id=seq_id, request_id=request.request_id,
+                        prompt_token_ids=tokens, params=request.params.for_sequence(index),
+                        arrival=seq_id if arrival is None else arrival, index=index,
+                        priority=request.priority + index)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their pages; unknown or finished ids are ignored."""
+        for rid in request_ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+                self.sampler.release(seq.seq_id)
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """Finish sample ``index`` (the front found a stop string in its text)."""
+        req = self._requests.get(request_id)
+        if req is None or index >= len(req.seqs) or req.seqs[index].is_finished:
+            return
+        seq = req.seqs[index]
+        self.scheduler.finish(seq, "stop")
+        self.sampler.release(seq.seq_id)
+        if req.finished:
+            del self._requests[request_id]
+            self._finished.append(request_id)
+
+    def take_finished(self) -> list[str]:
+        """Requests that ended since the previous call (every sample finished)."""
+        done, self._finished = self._finished, []
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the scheduler's queues and the KV pool; call between steps."""
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_usage=bm.usage, num_used_blocks=bm.num_used_blocks, num_blocks=bm.num_blocks,
+            num_preemptions=sched.stats.num_preemptions,
+            prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
+            has_unfinished=self.has_unfinished_requests(),
+        )
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> CoreOutputs:
+        """Schedule, run one forward, sample; report every sequence that got a token."""
+        out = self.scheduler.schedule()
+        if not out:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler found no work it could run; this is a bug")
+            return CoreOutputs(time=time.monotonic(), stats=self.stats(),
+                               finished=self.take_finished())
+        result = self.executor.execute([StepItem.of(s) for s in out.scheduled])
+        self.scheduler.complete_step(out)
+        outputs = CoreOutputs()
+        for item_idx, first_pos, logits in result.prompt_logits:
+            seq = out.scheduled[item_idx].seq
+            entry = self._prompt_logprobs(self._requests[seq.request_id], first_pos, logits)
+            if entry is not None:
+                outputs.prompt_logprobs.append(entry)
+        seqs = [out.scheduled[i].seq for i in result.sample_items]
+        if seqs:
+            sampled = self.sampler.sample(result.logits, seqs)
+            for row, seq in enumerate(seqs):
+                req = self._requests[seq.request_id]
+                if seq.index == 0 and seq.num_output_tokens == 0 and req.request.params.n > 1:
+                    self._fork(req, seq)  # before the parent can finish and free its pages
+                token = sampled.token_ids[row]
+                seq.output_token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    self.sampler.release(seq.seq_id)
+                outputs.updates.append(SeqUpdate(
+                    seq.request_id, seq.index, token, sampled.logprobs[row], reason,
+                    seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+                    seq.num_cached_tokens, seq.first_scheduled_time))
+                if reason is not None and req.finished:
+                    del self._requests[seq.request_id]
+                    self._finished.append(seq.request_id)
+        outputs.time = time.monotonic()  # one clock read per step: the tokens exist from here
+        outputs.stats = self.stats()
+        outputs.finished = self.take_finished()
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """The token rules, in vLLM's order (stop strings come first, at the front)."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _fork(self, req: _Request, parent: Sequence) -> None:
+        """Start samples 1..n-1 on the parent's prompt pages (shared, not recomputed).
+
+        The parent has just computed its whole prompt. Each child takes the parent's full
+        prompt pages by reference and recomputes only the prompt's last partial page (at
+        least its last token, whose logits it samples its own first token from).
+        """
+        for index in range(1, req.request.params.n):
+            child = self._new_sequence(req.request, parent.prompt_token_ids, index=index,
+                                       arrival=parent.arrival)
+            self.scheduler.fork(parent, child)
+            req.seqs.append(child)
+
+    def _prompt_logprobs(self, req: _Request, first_pos: int,
+                         logits: torch.Tensor) -> PromptLogprobs | None:
+        """Logprobs of prompt tokens ``first_pos + 1 ...`` not reported yet (a recompute
+        after preemption repeats positions)."""
+        k = req.request.params.prompt_logprobs
+        assert k is not None
+        prompt = req.request.prompt_token_ids
+        targets = prompt[first_pos + 1 : first_pos + 1 + logits.shape[0]]
+        skip = max(0, req.prompt_logprobs_known - (first_pos + 1))
+        if skip >= len(targets):
+            return None
+        entries = compute_prompt_logprobs(logits[skip:], torch.tensor(targets[skip:]), k)
+        req.prompt_logprobs_known += len(entries)
+        return PromptLogprobs(req.request.request_id, first_pos + skip, list(entries))

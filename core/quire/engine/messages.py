@@ -1,0 +1,136 @@
+"""What crosses between the engine's front (tokens to text) and its core (tokens to
+tokens): typed msgspec structs, the same whether the core runs in this process or in its
+own (then encoded as msgpack; never pickle).
+
+The front sends :class:`CoreRequest` and the commands below; the core answers each step
+with one :class:`CoreOutputs`: the new tokens of every sequence that got one (with raw
+logprobs: ids and floats, no text), finishes decided by token rules, prompt logprobs, and
+an :class:`EngineStats` snapshot, so that nobody reads the core's attributes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from quire.sampling.logprobs import TokenLogprobs
+from quire.sampling_params import SamplingParams
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """What the core reports of its state between two steps: the one message the server
+    (metrics, health, placement across replicas, tests) reads instead of the scheduler's
+    attributes."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    has_unfinished: bool
+
+
+class CoreRequest(msgspec.Struct, frozen=True):
+    """A request as the core takes it: token ids and parameters, already checked by the
+    front (the core checks again)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    #: ``time.monotonic()`` when the front accepted it (one clock per host).
+    arrival_time: float
+    #: Lower is admitted first; sample ``i`` gets ``priority + i``.
+    priority: int = 0
+    #: Which front (API server) reads its outputs, when several share a core.
+    client: int = 0
+
+
+class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence's news from one step."""
+
+    request_id: str
+    #: The sample (0 .. n-1) of the request.
+    index: int
+    token_id: int = -1
+    #: The sampled token's raw logprob, rank and top alternatives, when asked for.
+    logprobs: TokenLogprobs | None = None
+    #: Set when a token rule (EOS, stop token, max_tokens, context) or an abort ended it.
+    finish_reason: str | None = None
+    #: The stop token id that ended it.
+    stop_reason: int | None = None
+    #: Prompt tokens served from the prefix cache (sample 0).
+    num_cached_tokens: int = 0
+    #: ``time.monotonic()`` when the sequence first left the waiting queue.
+    first_scheduled_time: float | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Raw logprobs of prompt tokens ``first + 1 ...`` of a request, from one step."""
+
+    request_id: str
+    first: int
+    entries: list[TokenLogprobs]
+
+
+class CoreOutputs(msgspec.Struct, omit_defaults=True):
+    """One step's results (or, when idle, just the stats after a command)."""
+
+    #: ``time.monotonic()`` when the step's tokens existed.
+    time: float = 0.0
+    updates: list[SeqUpdate] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
+    #: Requests that ended in the core since its previous output (every sample finished).
+    finished: list[str] = msgspec.field(default_factory=list)
+    #: (request id, why) for requests the core refused after the front accepted them.
+    refused: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    stats: EngineStats | None = None
+    #: Which data-parallel replica sent it.
+    engine: int = 0
+
+
+class CoreInfo(msgspec.Struct, frozen=True):
+    """What a core tells its front once it is ready: enough to settle the same
+    ``ResolvedConfig`` and to check requests before sending them."""
+
+    platform_name: str
+    device_type: str
+    #: The platform's defaults and the model's context, as ``EngineConfig.resolve`` takes them.
+    platform_block_size: int
+    platform_dtype: str
+    model_max_len: int
+    vocab_size: int
+    num_blocks: int
+    eos_token_ids: list[int]
+    world_size: int
+
+
+# -- commands from a front to a core process (the in-process core takes method calls) --
+class AddRequest(msgspec.Struct, tag=True):
+    request: CoreRequest
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class StopSequence(msgspec.Struct, tag=True):
+    """The front found a stop string in sample ``index``: finish it (reason "stop")."""
+
+    request_id: str
+    index: int
+
+
+class Hello(msgspec.Struct, tag=True):
+    """A front introduces itself: where the core sends its outputs."""
+
+    client: int
+    address: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+Command = AddRequest | Abort | StopSequence | Hello | Shutdown
