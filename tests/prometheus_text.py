@@ -1,5 +1,5 @@
 """A reader of the Prometheus text format (0.0.4) for tests: written from the format's
-description, separately from ``quire.entrypoints.server.prometheus``, so that each checks the other."""
+description, separately from ``prometheus_client``, so that each checks the other."""
 
 from __future__ import annotations
 

@@ -44,15 +44,22 @@ class ServeProcess:
         for line in self.proc.stderr:
             self.log.append(line)
 
+    def descendants(self) -> dict[int, str]:
+        """Every process below the server, by pid, with its role: "core" (an engine core),
+        "worker" (a rank of the mp executor), "api" (an API server), or "other"."""
+        return descendants(self.proc.pid)
+
     def rss_kib(self) -> int:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
 
     def metric(self, name: str) -> float:
+        """``name``'s value, summed over its label sets (engine figures have one per
+        data-parallel rank)."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        assert match, f"{name} not in /metrics"
-        return float(match.group(1))
+        found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        assert found, f"{name} not in /metrics"
+        return sum(float(v) for v in found)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -70,6 +77,40 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """``pid``'s descendants (pid -> role), read from ``/proc``."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
+                             text=True).stdout
+        for child in map(int, out.split()):
+            found[child] = _role(child)
+            todo.append(child)
+    return found
+
+
+def _role(pid: int) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return "gone"
+    for marker, role in (("core_proc", "core"), ("executor.multiproc", "worker"),
+                         ("serve_processes", "api")):
+        if marker in cmdline:
+            return role
+    return "other"
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def greedy_reference(url: str, jobs: set[tuple[str, int]],

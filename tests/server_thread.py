@@ -52,13 +52,13 @@ class SteppedEngine:
         self.steps_since_hold = [0]
         fast_step = engine.step
 
-        def step(final_only: bool = False) -> Any:
+        def step(final_only: bool = False, timeout: float = 0.1) -> Any:
             while self.hold.is_set() and self.steps_since_hold[0] >= 1:
                 time.sleep(0.005)
             if self.hold.is_set():
                 self.steps_since_hold[0] += 1
             time.sleep(self.step_delay[0])
-            return fast_step(final_only)
+            return fast_step(final_only, timeout)
 
         engine.step = step  # type: ignore[method-assign]
 

@@ -95,8 +95,9 @@ class EngineConfig:
         default=1, metadata=_help("stages that split the layers; with "
                                   "tensor_parallel_size, each stage is that many ranks"))
     data_parallel_size: int = field(
-        default=1, metadata=_help("engine replicas behind one server (not yet supported: "
-                                  "1)"))
+        default=1, metadata=_help("engine replicas, each an engine core process with its "
+                                  "own tensor x pipeline parallel ranks and KV cache; "
+                                  "requests are placed by load and prompt prefix"))
     distributed_executor_backend: str | None = field(
         default=None, metadata=_help("how ranks run: 'uni' (in this process; world size 1 "
                                      "only), 'mp' (a process per rank on this node), "
@@ -148,9 +149,6 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; "
                              f"tensor_parallel_size x pipeline_parallel_size is "
                              f"{self.world_size}: use 'mp'")
-        if self.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size}: not supported "
-                             f"yet; use 1")
 
     @property
     def world_size(self) -> int:

@@ -1,24 +1,19 @@
 """``quire serve --tensor-parallel-size 2``: answers like one process; ``kill -9`` of a
 worker fails the in-flight request with an error event and ``[DONE]``, ``/health``
-turns 503, the server exits non-zero (for a supervisor to restart it), and no worker is
-left behind."""
+turns 503, the server exits non-zero (for a supervisor to restart it), and no process
+(engine core, worker) is left behind."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from serve_process import ServeProcess
+from serve_process import ServeProcess, alive
 
 MODEL = "tiny"
-
-
-def _alive(pid: int) -> bool:
-    return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0
 
 
 @pytest.mark.slow
@@ -30,9 +25,9 @@ def test_serve_tp2_worker_killed(tiny_checkpoint):
                 "temperature": 0, "ignore_eos": True}
         alone = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert alone.status_code == 200, alone.text
-        workers = [int(p) for p in subprocess.run(
-            ["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()]
-        assert len(workers) == 2, workers
+        below = srv.descendants()
+        workers = [pid for pid, role in below.items() if role == "worker"]
+        assert sorted(below.values()) == ["core", "worker", "worker"], below
         os.kill(workers[1], signal.SIGKILL)
         killed = time.monotonic()
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
@@ -42,8 +37,8 @@ def test_serve_tp2_worker_killed(tiny_checkpoint):
         assert '"server_error"' in lines[-2] and "rank 1" in lines[-2], lines
         rc = srv.proc.wait(timeout=30)
         assert rc != 0 and time.monotonic() - killed < 30
-        for pid in workers:
-            assert not _alive(pid), f"worker {pid} left behind"
+        for pid in below:
+            assert not alive(pid), f"process {pid} ({below[pid]}) left behind"
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()

@@ -75,7 +75,7 @@ def test_tp4_replicates_kv_heads(tiny_checkpoint):
     ({"tensor_parallel_size": 3}, ["tensor_parallel_size=3", "4 attention heads"]),
     ({"tensor_parallel_size": 8}, ["tensor_parallel_size=8", "4 attention heads"]),
     ({"pipeline_parallel_size": 3}, ["pipeline_parallel_size=3", "2 layers"]),
-    ({"data_parallel_size": 2}, ["data_parallel_size=2", "not supported yet"]),
+    ({"data_parallel_size": 0}, ["data_parallel_size", "got 0"]),
     ({"distributed_executor_backend": "slurm"}, ["distributed_executor_backend", "'slurm'"]),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, ["'uni'", "'mp'"]),
 ])

@@ -50,9 +50,9 @@ def server(tiny_checkpoint):
     step_delay = [0.0]  # seconds added to each step, to catch a request mid-run
     fast_step = engine.step
 
-    def step(final_only: bool = False):
+    def step(final_only: bool = False, timeout: float = 0.1):
         time.sleep(step_delay[0])
-        return fast_step(final_only)
+        return fast_step(final_only, timeout)
 
     engine.step = step
     aengine = AsyncEngine(engine, max_waiting_requests=8)
@@ -84,9 +84,9 @@ def wait_idle(server, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(server)
-        if (value(samples, "quire:num_requests_running") == 0
-                and value(samples, "quire:num_requests_waiting") == 0
-                and value(samples, "quire:num_kv_blocks_used") == 0):
+        if (value(samples, "quire:num_requests_running", engine="0") == 0
+                and value(samples, "quire:num_requests_waiting", engine="0") == 0
+                and value(samples, "quire:num_kv_blocks_used", engine="0") == 0):
             return samples
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.05)
@@ -97,9 +97,11 @@ def test_every_metric_is_exposed_with_its_type(server):
     assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE
     _, types, helps = parse(r.text)
     gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-              "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate"]
+              "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate",
+              "processes"]
     counters = ["prefix_cache_queries_total", "prefix_cache_hits_total",
-                "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                "num_preemptions_total", "engine_requests_total", "prompt_tokens_total",
+                "generation_tokens_total",
                 "request_success_total"]
     histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds",
                   "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -156,12 +158,12 @@ def test_counters_match_the_usage_responses_reported(server):
     itl = delta(after, before, "quire:inter_token_latency_seconds_count")
     assert itl >= sum(u["completion_tokens"] - 1 for u in single) + 3
     assert itl <= sum(u["completion_tokens"] - 1 for u in usages)
-    assert value(after, "quire:kv_cache_usage_perc") == value(before,
-                                                              "quire:kv_cache_usage_perc") == 0
-    assert value(after, "quire:num_kv_blocks_total") > 0
+    assert value(after, "quire:kv_cache_usage_perc", engine="0") == value(
+        before, "quire:kv_cache_usage_perc", engine="0") == 0
+    assert value(after, "quire:num_kv_blocks_total", engine="0") > 0
     # every admitted prompt is looked up in the prefix cache
-    assert delta(after, before, "quire:prefix_cache_queries_total") > 0
-    assert 0 <= value(after, "quire:prefix_cache_hit_rate") <= 1
+    assert delta(after, before, "quire:prefix_cache_queries_total", engine="0") > 0
+    assert 0 <= value(after, "quire:prefix_cache_hit_rate", engine="0") <= 1
 
 
 def test_disconnect_mid_stream_counts_as_abort_and_frees_pages(server):
@@ -179,9 +181,9 @@ def test_disconnect_mid_stream_counts_as_abort_and_frees_pages(server):
                 if line.startswith("data: {"):
                     break
             mid = scrape(server)  # the engine thread answers between two steps
-            assert value(mid, "quire:num_requests_running") == 1
-            assert value(mid, "quire:num_kv_blocks_used") > 0
-            assert value(mid, "quire:kv_cache_usage_perc") > 0
+            assert value(mid, "quire:num_requests_running", engine="0") == 1
+            assert value(mid, "quire:num_kv_blocks_used", engine="0") > 0
+            assert value(mid, "quire:kv_cache_usage_perc", engine="0") > 0
         after = wait_idle(server, timeout=3.0)
     finally:
         server.step_delay[0] = 0.0
@@ -190,7 +192,7 @@ def test_disconnect_mid_stream_counts_as_abort_and_frees_pages(server):
     generated = delta(after, before, "quire:generation_tokens_total")
     assert 1 <= generated < 100
     assert delta(after, before, "quire:request_generation_tokens_sum") == generated
-    assert value(after, "quire:kv_cache_usage_perc") == 0
+    assert value(after, "quire:kv_cache_usage_perc", engine="0") == 0
 
 
 def test_a_busy_engine_thread_makes_the_scrape_time_out(server):
@@ -217,9 +219,11 @@ def test_dead_engine_thread_is_503():
     fake = SimpleNamespace(
         tokenizer=object(), has_unfinished_requests=lambda: False, shutdown=lambda: None,
         config=SimpleNamespace(max_model_len=16, engine=SimpleNamespace(model="fake")),
-        stats=lambda: EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
-                                  num_used_blocks=0, num_blocks=4, num_preemptions=0,
-                                  prefix_queries=0, prefix_hits=0, has_unfinished=False))
+        check_health=lambda: None, process_counts=lambda: {},
+        replica_stats=lambda: [EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
+                                           num_used_blocks=0, num_blocks=4, num_preemptions=0,
+                                           prefix_queries=0, prefix_hits=0,
+                                           has_unfinished=False)])
     aengine = AsyncEngine(fake)  # type: ignore[arg-type]
     app = create_app(aengine, MODEL)
     assert TestClient(app).get("/metrics").status_code == 503  # never started

@@ -30,7 +30,9 @@ def serve(monkeypatch, tmp_path):
         seen["uvicorn"] = kw
         raise _Stop
 
-    monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry: object())
+    monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry, client: object())
+    monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start",
+                        lambda config, blocked: "cores")
     monkeypatch.setattr("quire.entrypoints.server.async_engine.AsyncEngine", lambda engine, **kw: object())
     monkeypatch.setattr("quire.entrypoints.server.app.create_app", create_app)
     monkeypatch.setattr("uvicorn.Config", config)
@@ -106,3 +108,24 @@ def test_a_bad_value_is_one_line_naming_its_flag(serve, capsys, flags, named):
     assert main(["serve", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"quire: error: {named}: "), lines
+
+
+def test_the_engine_core_runs_in_its_own_process_unless_asked(serve, monkeypatch):
+    made = []
+    monkeypatch.setattr("quire.engine.LLMEngine",
+                        lambda config, registry, client: made.append(client))
+    serve()
+    serve("--engine-in-process")
+    assert made == ["cores", None]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--api-server-count", "0"], ["--api-server-count", ">= 1"]),
+    (["--engine-in-process", "--data-parallel-size", "2"], ["--engine-in-process"]),
+    (["--engine-in-process", "--api-server-count", "2"], ["--engine-in-process"]),
+])
+def test_bad_process_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, words):
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("quire: error:") and "\n" not in err
+    assert all(w in err for w in words), err

@@ -157,6 +157,7 @@ class EngineCore:
                                seed=config.seed)
         self._requests: dict[str, _Request] = {}
         self._finished: list[str] = []  # ended since the last output
+        self._num_requests = 0
         self._next_seq_id = 0
         self.info = CoreInfo(
             platform_name=self.platform.name, device_type=self.platform.device_type,
@@ -164,7 +165,8 @@ class EngineCore:
             platform_dtype=str(self.platform.supported_dtypes[0]).removeprefix("torch."),
             model_max_len=self._model_max_len, vocab_size=self.vocab_size,
             num_blocks=num_blocks, eos_token_ids=sorted(self.eos_token_ids),
-            world_size=self.executor.world_size)
+            world_size=self.executor.world_size,
+            worker_processes=0 if self.executor.runs_model_here else self.executor.world_size)
         logger.info(
             "engine core ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens) "
             "executor=%s world_size=%d", self.platform.name, self.config.dtype,
@@ -192,6 +194,7 @@ class EngineCore:
         self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
                                               self.config.max_model_len))
         self._requests[rid] = _Request(request, [seq])
+        self._num_requests += 1
 
     def _new_sequence(self, request: CoreRequest, tokens: list[int], index: int,
                       arrival: int | None = None) -> Sequence:
@@ -213,6 +216,10 @@ class EngineCore:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
                 self.sampler.release(seq.seq_id)
+
+    def abort_all(self) -> None:
+        """Abort every request (after a failed step)."""
+        self.abort_requests(list(self._requests))
 
     def stop_sequence(self, request_id: str, index: int) -> None:
         """Finish sample ``index`` (the front found a stop string in its text)."""
@@ -242,7 +249,7 @@ class EngineCore:
             kv_usage=bm.usage, num_used_blocks=bm.num_used_blocks, num_blocks=bm.num_blocks,
             num_preemptions=sched.stats.num_preemptions,
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
-            has_unfinished=self.has_unfinished_requests(),
+            has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
         )
 
     # -- the step --------------------------------------------------------------------------

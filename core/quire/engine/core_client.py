@@ -43,6 +43,10 @@ class CoreClient(ABC):
     def stats(self) -> list[EngineStats]:
         """The latest stats of each core, in replica order."""
 
+    def live_cores(self) -> int:
+        """Core processes running (0 when the core runs in this process)."""
+        return 0
+
     def check_health(self) -> None:
         """:raises WorkerDied: a core died (called while idle, when no output is awaited)."""
 
@@ -68,6 +72,9 @@ class InprocCoreClient(CoreClient):
 
     def stop_sequence(self, request_id: str, index: int) -> None:
         self.core.stop_sequence(request_id, index)
+
+    def check_health(self) -> None:
+        self.core.executor.check_health()
 
     def get_outputs(self, timeout: float) -> list[CoreOutputs]:
         if not self.core.has_unfinished_requests():

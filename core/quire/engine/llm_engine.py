@@ -132,6 +132,16 @@ class LLMEngine:
         """The core's queues and KV pool (summed over data-parallel replicas)."""
         return sum_stats(self.client.stats())
 
+    def replica_stats(self) -> list[EngineStats]:
+        """Each core's stats, by data-parallel rank."""
+        return self.client.stats()
+
+    def process_counts(self) -> dict[str, int]:
+        """Live engine core and worker processes (the server adds its API servers)."""
+        cores = self.client.live_cores()
+        return {"engine_core": cores, "worker": self.info.worker_processes *
+                (cores or len(self.client.stats()))}
+
     # -- the step --------------------------------------------------------------------------
     def step(self, final_only: bool = False, timeout: float = 0.1) -> list[RequestOutput]:
         """Run one step of the core (or, for cores in other processes, take what they
@@ -157,6 +167,9 @@ class LLMEngine:
         return result
 
     def _apply(self, outputs: CoreOutputs, changed: dict[str, RequestState]) -> None:
+        if outputs.error is not None:
+            raise RuntimeError(f"engine core {outputs.engine} failed a step and aborted its "
+                               f"requests: {outputs.error}")
         for entry in outputs.prompt_logprobs:
             req = self._requests.get(entry.request_id)
             if req is None or req.prompt_logprobs is None:
@@ -193,4 +206,5 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_queries=sum(s.prefix_queries for s in stats),
         prefix_hits=sum(s.prefix_hits for s in stats),
-        has_unfinished=any(s.has_unfinished for s in stats))
+        has_unfinished=any(s.has_unfinished for s in stats),
+        num_requests=sum(s.num_requests for s in stats))

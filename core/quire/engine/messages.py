@@ -30,6 +30,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_queries: int
     prefix_hits: int
     has_unfinished: bool
+    #: Requests the core took since it started.
+    num_requests: int = 0
 
 
 class CoreRequest(msgspec.Struct, frozen=True):
@@ -86,6 +88,8 @@ class CoreOutputs(msgspec.Struct, omit_defaults=True):
     #: (request id, why) for requests the core refused after the front accepted them.
     refused: list[tuple[str, str]] = msgspec.field(default_factory=list)
     stats: EngineStats | None = None
+    #: The step failed (a bug): every request of this core was aborted.
+    error: str | None = None
     #: Which data-parallel replica sent it.
     engine: int = 0
 
@@ -104,6 +108,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     num_blocks: int
     eos_token_ids: list[int]
     world_size: int
+    #: Worker processes of its executor (0 when the core runs the model itself).
+    worker_processes: int = 0
 
 
 # -- commands from a front to a core process (the in-process core takes method calls) --

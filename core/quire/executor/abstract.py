@@ -53,6 +53,13 @@ class Executor(ABC):
         :raises WorkerDied: when a worker died or raised (the step is lost).
         """
 
+    def check_health(self) -> None:
+        """Called while idle, so that a worker that died between steps is noticed before
+        the next request comes; in-process ranks cannot die alone.
+
+        :raises WorkerDied: naming the rank.
+        """
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and release its resources; safe to call more than once."""

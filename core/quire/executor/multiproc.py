@@ -85,7 +85,7 @@ class MultiprocExecutor(RemoteExecutor):
                 self._sockets.append(sock)
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP.format(
-                        cores=_cores_of(rank, world_size) if device_type == "cpu" else None,
+                        cores=cores_of(rank, world_size) if device_type == "cpu" else None,
                         args=(self._workdir, rank, world_size, os.getpid()))]))
             started = self._gather(timeout=START_TIMEOUT_S)
         except BaseException:
@@ -109,6 +109,10 @@ class MultiprocExecutor(RemoteExecutor):
                 proc.kill()
                 proc.wait()
         self._release()
+
+    def check_health(self) -> None:
+        if not self._closed:
+            self._check_alive({})
 
     # -- messaging -------------------------------------------------------------------------
     def _call(self, request: Call | Step) -> list[Reply]:
@@ -180,7 +184,7 @@ def _address(workdir: str, rank: int) -> str:
 # -- the worker process -------------------------------------------------------------------
 def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> None:
     """A rank's process: join the group, load the shard, answer until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent_pid:
         return  # the engine died before the kernel could be asked to signal us
     with open(os.path.join(workdir, "config.json"), "rb") as f:
@@ -259,7 +263,7 @@ def _handle(worker: Worker, request: Call | Step) -> Reply:
     raise ValueError(f"unknown call {request.method!r}")
 
 
-def _cores_of(rank: int, world_size: int) -> list[int]:
+def cores_of(rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s share of this process's cores: every ``world_size``-th one (at
     least one), so ranks on one host do not oversubscribe it."""
     cores = sorted(os.sched_getaffinity(0))
@@ -279,7 +283,7 @@ _worker_main(*{args})
 """
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans)."""
     if not sys.platform.startswith("linux"):
         return

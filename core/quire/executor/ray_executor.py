@@ -99,25 +99,34 @@ class RayExecutor(RemoteExecutor):
         if self._started_ray and self._ray.is_initialized():
             self._ray.shutdown()
 
+    def check_health(self) -> None:
+        """A ping to every actor (a dead one raises, through :meth:`_get`)."""
+        if self._actors:
+            self._get([a.node_id.remote() for a in self._actors], timeout=30, raw=True)
+
     def _call(self, request: Call | Step) -> list[Reply]:
         if not self._actors:
             raise WorkerDied("the executor was shut down")
         payload = _encoder.encode(request)
         return self._get([a.handle.remote(payload) for a in self._actors])
 
-    def _get(self, refs: list[Any], timeout: float | None = None) -> list[Reply]:
-        """The replies in rank order; a dead actor or a worker's error raises."""
+    def _get(self, refs: list[Any], timeout: float | None = None,
+             raw: bool = False) -> list[Any]:
+        """The replies in rank order (``raw``: the values as they came); a dead actor or
+        a worker's error raises."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            raw = self._ray.get(refs, timeout=timeout)
+            values = self._ray.get(refs, timeout=timeout)
         except RayActorError as exc:
             self.shutdown()
             raise WorkerDied(f"a Ray worker died: {exc}") from exc
         except GetTimeoutError as exc:
             self.shutdown()
             raise WorkerDied(f"the Ray workers did not answer within {timeout:g}s") from exc
-        replies = [_reply_decoder.decode(r) for r in raw]
+        if raw:
+            return list(values)
+        replies = [_reply_decoder.decode(r) for r in values]
         for rank, reply in enumerate(replies):
             if reply.error is not None:
                 self.shutdown()

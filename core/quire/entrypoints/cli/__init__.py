@@ -73,7 +73,10 @@ def parse_args(parser: argparse.ArgumentParser,
     :raises UsageError: for a bad config file; argparse's own errors exit as usual.
     """
     args = parser.parse_args(argv)
-    return apply_config_file(parser, _chosen_command(args), args, argv)
+    args = apply_config_file(parser, _chosen_command(args), args, argv)
+    # what a command that starts copies of itself (serve's API servers) parses again
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,10 @@ from quire.entrypoints.server.limits import (
 )
 
 if TYPE_CHECKING:
+    from quire.config import EngineConfig
+    from quire.engine.core_client import CoreClient
     from quire.entrypoints.server.async_engine import AsyncEngine
+    from quire.plugins.registry import PlatformRegistry
 
 #: ``--api-key`` when neither the flag nor ``--config`` gives one (vLLM reads VLLM_API_KEY):
 #: a key in the environment is not shown by ``ps`` as a command line is.
@@ -87,6 +90,14 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="how long an idle keep-alive connection is kept open "
                              "(default: %(default)s)")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="API server processes sharing the port: each runs HTTP, "
+                             "tokenization and detokenization, all feeding the same "
+                             "engine core(s) (default: %(default)s)")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine core in the API server's process (one "
+                             "process fewer, but HTTP, detokenization and the model then "
+                             "share one interpreter); one API server, no data parallelism")
     _add_limit_options(parser)
     add_engine_options(parser)
     parser.set_defaults(run=run)
@@ -141,12 +152,6 @@ def _dest(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from quire.engine import LLMEngine
-    from quire.entrypoints.server.app import create_app
-    from quire.entrypoints.server.async_engine import AsyncEngine
-
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout: must be >= 0")
     if args.max_waiting_requests < 1:
@@ -155,16 +160,53 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--limit-concurrency: must be >= 0 (0: no cap)")
     if not args.timeout_keep_alive > 0:
         raise UsageError("--timeout-keep-alive: must be > 0")
+    if args.api_server_count < 1:
+        raise UsageError("--api-server-count: must be >= 1")
     limits = limits_from_args(args)
-    _configure_logging(args.log_level)
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     config = engine_config_from_args(args)
+    if args.engine_in_process and (config.data_parallel_size > 1
+                                   or args.api_server_count > 1):
+        raise UsageError("--engine-in-process: runs one engine core in one API server; "
+                         "drop it to use --data-parallel-size or --api-server-count")
+    _configure_logging(args.log_level)
+    registry = open_registry(args)
+    if args.api_server_count > 1:
+        from quire.entrypoints.cli.serve_processes import run_api_servers
+
+        return run_api_servers(args, config, registry.blocked)
+    return serve(args, limits, config, registry)
+
+
+def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
+          registry: PlatformRegistry, *, client: CoreClient | None = None,
+          fd: int | None = None, on_started: Callable[[], None] | None = None) -> int:
+    """One API server: its engine front, the app, uvicorn until a signal or a failure.
+
+    :param client: the engine cores to use (another process started them); by default
+        they are started here (or built in this process with ``--engine-in-process``).
+    :param fd: a listening socket shared with other API servers, instead of binding.
+    :param on_started: called once uvicorn serves.
+    """
+    import uvicorn
+
+    from quire.engine import LLMEngine
+    from quire.entrypoints.server.app import create_app
+    from quire.entrypoints.server.async_engine import AsyncEngine
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
     try:
-        engine = LLMEngine(config, open_registry(args))
+        if client is None and not args.engine_in_process:
+            from quire.engine.core_proc import ProcCoreClient
+
+            client = ProcCoreClient.start(config, registry.blocked)
+        engine = LLMEngine(config, registry, client=client)
     except (ValueError, RuntimeError) as exc:
+        if client is not None:
+            client.shutdown()
         raise UsageError(str(exc)) from exc
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
-                               max_stream_backlog=limits.max_stream_backlog)
+                               max_stream_backlog=limits.max_stream_backlog,
+                               api_servers=args.api_server_count)
     app = create_app(async_engine, args.served_model_name or args.model,
                      api_key=api_key_from(args), limits=limits, chat_template=template)
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
@@ -172,11 +214,14 @@ def run(args: argparse.Namespace) -> int:
     # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
     # middleware writes the access lines (with request id and tokens), so uvicorn's own
     # access log is off.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    where: dict[str, Any] = {"fd": fd} if fd is not None else {"host": args.host,
+                                                               "port": args.port}
+    uv_config = uvicorn.Config(app, **where, log_level=args.log_level,
                             access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5,
                             **connection_options(args, limits))
-    server = _graceful_server_class()(config, async_engine, args.shutdown_timeout)
+    server = _graceful_server_class()(uv_config, async_engine, args.shutdown_timeout,
+                                      on_started)
     server.run()
     if async_engine.failure is not None:  # a supervisor should restart us
         logging.getLogger("quire").error("exiting: %s", async_engine.failure)
@@ -198,8 +243,10 @@ def _graceful_server_class() -> type:
         "of" it, while an orderly stop is a success.
         """
 
-        def __init__(self, config: Any, engine: AsyncEngine, drain_s: float) -> None:
+        def __init__(self, config: Any, engine: AsyncEngine, drain_s: float,
+                     on_started: Callable[[], None] | None = None) -> None:
             super().__init__(config)
+            self.on_started = on_started
             self.engine = engine
             self.drain_s = drain_s
             self.loop: asyncio.AbstractEventLoop | None = None
@@ -208,6 +255,11 @@ def _graceful_server_class() -> type:
         async def serve(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().serve(sockets)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.on_started is not None and self.started:
+                self.on_started()
 
         async def on_tick(self, counter: int) -> bool:
             """Stop serving once the engine stopped on its own (a worker died)."""

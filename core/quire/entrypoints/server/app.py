@@ -48,7 +48,7 @@ from quire.entrypoints.server.errors import (
 )
 from quire.entrypoints.server.event_stream import EventStream
 from quire.entrypoints.server.limits import ServerLimits
-from quire.entrypoints.server.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from quire.entrypoints.server.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,

@@ -21,6 +21,7 @@ import collections
 import copy
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ from quire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Seconds the engine thread waits for a core process's outputs before it looks at its
+#: commands again.
+STEP_WAIT_S = 0.005
 
 
 class Overloaded(Exception):
@@ -165,10 +170,11 @@ class AsyncEngine:
         beyond it :meth:`add_request` raises :class:`Overloaded`.
     :param max_stream_backlog: most outputs a request's reader may leave unread; past it
         the request is aborted and its stream raises :class:`StreamBacklogExceeded`.
+    :param api_servers: API server processes serving alongside (shown in the metrics).
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 256,
-                 max_stream_backlog: int = 1024) -> None:
+                 max_stream_backlog: int = 1024, api_servers: int = 1) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         if max_stream_backlog < 1:
@@ -176,6 +182,8 @@ class AsyncEngine:
         self._engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.max_stream_backlog = max_stream_backlog
+        #: API server processes of this server (for the metrics).
+        self.api_servers = api_servers
         # The API side's own tokenizer: fast tokenizers may fail ("Already borrowed")
         # when two threads use one instance, and the engine thread detokenizes.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -186,6 +194,8 @@ class AsyncEngine:
         self._accepting = False
         self._in_flight: set[str] = set()  # asyncio side only, for shutdown
         self._next_id = 0
+        # ids unique across the API servers of one deployment (each has its own counter)
+        self._id_prefix = f"req-{secrets.token_hex(4)}-"
         self._metrics = ServerMetrics(self.max_model_len)  # engine thread only
         #: Why the engine thread stopped on its own (a worker died), or None.
         self.failure: BaseException | None = None
@@ -250,7 +260,7 @@ class AsyncEngine:
             raise Overloaded(f"{self._num_waiting} requests are waiting "
                              f"(max_waiting_requests={self.max_waiting_requests})")
         if request_id is None:
-            request_id = f"req-{self._next_id}"
+            request_id = f"{self._id_prefix}{self._next_id}"
             self._next_id += 1
         if params.output_kind is not RequestOutputKind.DELTA:
             params = copy.copy(params)  # already checked; only the kind changes
@@ -304,7 +314,11 @@ class AsyncEngine:
         :raises EngineStopped: when the engine thread is not running.
         :raises TimeoutError: when no step boundary came within ``timeout`` seconds.
         """
-        render = self.call(lambda engine: self._metrics.render(engine.stats()))
+        def render(engine: LLMEngine) -> str:
+            processes = {"api_server": self.api_servers, **engine.process_counts()}
+            return self._metrics.render(engine.replica_stats(), processes)
+
+        render = self.call(render)
         try:
             return await asyncio.wait_for(render, timeout)
         except asyncio.TimeoutError as exc:  # not the builtin one before Python 3.11
@@ -326,6 +340,8 @@ class AsyncEngine:
                     break
                 if self._engine.has_unfinished_requests():
                     self._step(sinks)
+                elif block:
+                    self._engine.check_health()  # a dead core is noticed while idle too
             except WorkerDied as exc:  # the model is gone: fail everything and stop
                 logger.error("engine stopped: %s; failing %d requests", exc, len(sinks))
                 self.failure = exc
@@ -408,7 +424,9 @@ class AsyncEngine:
         _resolve(cmd.loop, cmd.accepted, None, None)
 
     def _step(self, sinks: dict[str, _Add]) -> None:
-        for out in self._engine.step():
+        # A core in another process: wait for its outputs only briefly, so that adds and
+        # aborts queued meanwhile reach it without waiting for a step to end.
+        for out in self._engine.step(timeout=STEP_WAIT_S):
             self._metrics.observe(out)
             add = sinks.get(out.request_id)
             if add is None:

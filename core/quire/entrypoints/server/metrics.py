@@ -1,23 +1,44 @@
-"""The server's Prometheus metrics: what ``GET /metrics`` shows, named like vLLM's.
+"""The server's Prometheus metrics: what ``GET /metrics`` shows, named like vLLM's, made
+with ``prometheus_client``.
 
-One :class:`ServerMetrics` belongs to the engine thread, which feeds it every
-``RequestOutput`` the engine produces (aborted ones included; the server's requests are
-``RequestOutputKind.DELTA``, so each output carries only its step's tokens) and renders it
-between two steps; nothing else touches it, so it needs no lock. Request figures come from
-``RequestOutput.metrics``; the scheduler's and KV cache's from an ``EngineStats`` snapshot
-taken at render time. The list of metrics is in ``docs/http-api.md``.
+Two sources. Request figures (tokens, latencies, finishes) are observed by the API
+server from every ``RequestOutput`` its engine front produces (aborted ones included; the
+server's requests are ``RequestOutputKind.DELTA``, so each output carries only its step's
+tokens); ``RequestOutput.metrics`` gives the timings. With several API servers
+(``--api-server-count``) each writes them to ``prometheus_client``'s multiprocess files
+(the serve command sets ``PROMETHEUS_MULTIPROC_DIR`` for them) and any of them renders
+the sum. Engine figures (queues, KV pages, prefix cache, preemptions) come from the
+``EngineStats`` each engine core sends with its outputs, labelled ``engine`` (the
+data-parallel rank), and the live processes by role, at render time.
+
+One :class:`ServerMetrics` belongs to the engine thread, which feeds and renders it;
+nothing else touches it. The list of metrics is in ``docs/http-api.md``.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from quire.entrypoints.server.prometheus import Registry
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
 from quire.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from quire.engine import EngineStats
+
+#: The ``Content-Type`` of the exposition text (``generate_latest`` writes format 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: ``prometheus_client``'s own variable: where the API servers' metric files live.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# no ``*_created`` series: nothing here is reset, and vLLM shows none
+prometheus_client.disable_created_metrics()
 
 # Latencies on CPU run from a millisecond (a decode step of a tiny model) to minutes (a
 # long prompt behind a queue), so the buckets span both.
@@ -27,6 +48,8 @@ REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                            10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 #: The reasons ``request_success_total`` is labelled with, shown from the start.
 FINISH_REASONS = ("stop", "length", "abort")
+#: Process roles ``quire:processes`` counts.
+ROLES = ("api_server", "engine_core", "worker")
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -49,57 +72,106 @@ class _Seen:
     num_generation_tokens: int
 
 
+class _EngineCollector:
+    """The engine figures, from the stats last given to :meth:`ServerMetrics.render`."""
+
+    def __init__(self) -> None:
+        self.stats: Sequence[EngineStats] = ()
+        self.processes: Mapping[str, int] = {}
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; families come at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["engine"])
+
+        running = gauge("quire:num_requests_running", "Sequences in the running batch (a "
+                        "request with n > 1 counts once per running sample).")
+        waiting = gauge("quire:num_requests_waiting", "Sequences waiting to be scheduled.")
+        usage = gauge("quire:kv_cache_usage_perc",
+                      "Share of KV-cache pages held by sequences (1 = full).")
+        used = gauge("quire:num_kv_blocks_used", "KV-cache pages held by sequences.")
+        total = gauge("quire:num_kv_blocks_total", "KV-cache pages in the pool.")
+        rate = gauge("quire:prefix_cache_hit_rate", "prefix_cache_hits_total / "
+                     "prefix_cache_queries_total (0 before any query).")
+        queries = CounterMetricFamily("quire:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.",
+                                      labels=["engine"])
+        hits = CounterMetricFamily("quire:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", labels=["engine"])
+        preemptions = CounterMetricFamily("quire:num_preemptions",
+                                          "Times a running sequence lost its pages.",
+                                          labels=["engine"])
+        added = CounterMetricFamily("quire:engine_requests",
+                                    "Requests each engine core (data-parallel rank) took.",
+                                    labels=["engine"])
+        for i, s in enumerate(self.stats):
+            engine = [str(i)]
+            running.add_metric(engine, s.num_running)
+            waiting.add_metric(engine, s.num_waiting)
+            usage.add_metric(engine, s.kv_usage)
+            used.add_metric(engine, s.num_used_blocks)
+            total.add_metric(engine, s.num_blocks)
+            rate.add_metric(engine, s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+            queries.add_metric(engine, s.prefix_queries)
+            hits.add_metric(engine, s.prefix_hits)
+            preemptions.add_metric(engine, s.num_preemptions)
+            added.add_metric(engine, s.num_requests)
+        processes = GaugeMetricFamily("quire:processes", "Live processes of this server by "
+                                      "role (any one dying stops the server).", labels=["role"])
+        for role in ROLES:
+            processes.add_metric([role], self.processes.get(role, 0))
+        yield from (running, waiting, usage, used, total, rate, queries, hits, preemptions,
+                    added, processes)
+
+
 class ServerMetrics:
-    """The registry and the per-request bookkeeping that turns outputs into observations."""
+    """The request metrics and the per-request bookkeeping that turns outputs into
+    observations, plus the engine figures at render time.
+
+    :param max_model_len: bounds the token-count histograms.
+    """
 
     def __init__(self, max_model_len: int) -> None:
-        self.registry = r = Registry()
-        # from the engine, set at render time
-        self.running = r.gauge("quire:num_requests_running",
-                               "Sequences in the running batch (a request with n > 1 counts "
-                               "once per running sample).")
-        self.waiting = r.gauge("quire:num_requests_waiting",
-                               "Sequences waiting to be scheduled.")
-        self.kv_usage = r.gauge("quire:kv_cache_usage_perc",
-                                "Share of KV-cache pages held by sequences (1 = full).")
-        self.kv_used = r.gauge("quire:num_kv_blocks_used", "KV-cache pages held by sequences.")
-        self.kv_total = r.gauge("quire:num_kv_blocks_total", "KV-cache pages in the pool.")
-        self.prefix_queries = r.counter("quire:prefix_cache_queries_total",
-                                        "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = r.counter("quire:prefix_cache_hits_total",
-                                     "Prompt tokens found in the prefix cache.")
-        self.prefix_hit_rate = r.gauge("quire:prefix_cache_hit_rate",
-                                       "prefix_cache_hits_total / prefix_cache_queries_total "
-                                       "(0 before any query).")
-        self.preemptions = r.counter("quire:num_preemptions_total",
-                                     "Times a running sequence lost its pages.")
-        # from outputs, as they come
-        self.prompt_tokens = r.counter("quire:prompt_tokens_total",
-                                       "Prompt tokens of requests that produced a first token.")
-        self.generation_tokens = r.counter("quire:generation_tokens_total",
-                                           "Tokens generated (all samples).")
-        self.success = r.counter("quire:request_success_total",
-                                 "Finished requests by finish reason.", ["finished_reason"])
+        #: Several API servers share one metrics directory (``--api-server-count``).
+        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_ENV))
+        # In multiprocess mode the values live in files: the metrics register nowhere and
+        # each render collects every process's files afresh.
+        self.registry = CollectorRegistry()
+        own = None if self.multiprocess else self.registry
+        self._engine = _EngineCollector()
+        self.prompt_tokens = Counter("quire:prompt_tokens",
+                                     "Prompt tokens of requests that produced a first token.",
+                                     registry=own)
+        self.generation_tokens = Counter("quire:generation_tokens",
+                                         "Tokens generated (all samples).", registry=own)
+        self.success = Counter("quire:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=own)
         for reason in FINISH_REASONS:
             self.success.labels(finished_reason=reason)
-        self.ttft = r.histogram("quire:time_to_first_token_seconds",
-                                "Seconds from arrival to the first output token.",
-                                TOKEN_LATENCY_BUCKETS)
-        self.itl = r.histogram("quire:inter_token_latency_seconds",
-                               "Seconds between a request's consecutive token steps.",
-                               TOKEN_LATENCY_BUCKETS)
-        self.e2e = r.histogram("quire:e2e_request_latency_seconds",
-                               "Seconds from arrival to finish, per finished request.",
-                               REQUEST_LATENCY_BUCKETS)
-        self.queue_time = r.histogram("quire:request_queue_time_seconds",
-                                      "Seconds from arrival to the first schedule, per "
-                                      "finished request that was scheduled.",
-                                      REQUEST_LATENCY_BUCKETS)
+        self.ttft = Histogram("quire:time_to_first_token_seconds",
+                              "Seconds from arrival to the first output token.",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=own)
+        self.itl = Histogram("quire:inter_token_latency_seconds",
+                             "Seconds between a request's consecutive token steps.",
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=own)
+        self.e2e = Histogram("quire:e2e_request_latency_seconds",
+                             "Seconds from arrival to finish, per finished request.",
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=own)
+        self.queue_time = Histogram("quire:request_queue_time_seconds",
+                                    "Seconds from arrival to the first schedule, per finished "
+                                    "request that was scheduled.",
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=own)
         tokens = token_buckets(max_model_len)
-        self.request_prompt = r.histogram("quire:request_prompt_tokens",
-                                          "Prompt tokens per finished request.", tokens)
-        self.request_generation = r.histogram("quire:request_generation_tokens",
-                                              "Generated tokens per finished request.", tokens)
+        self.request_prompt = Histogram("quire:request_prompt_tokens",
+                                        "Prompt tokens per finished request.", buckets=tokens,
+                                        registry=own)
+        self.request_generation = Histogram("quire:request_generation_tokens",
+                                            "Generated tokens per finished request.",
+                                            buckets=tokens, registry=own)
+        if not self.multiprocess:
+            self.registry.register(self._engine)  # type: ignore[arg-type]
         self._seen: dict[str, _Seen] = {}
 
     def observe(self, out: RequestOutput) -> None:
@@ -142,19 +214,16 @@ class ServerMetrics:
         self.request_prompt.observe(len(out.prompt_token_ids))
         self.request_generation.observe(num_generated)
 
-    def render(self, stats: EngineStats) -> str:
-        """The exposition text, with the engine figures of ``stats``."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        self.kv_used.set(stats.num_used_blocks)
-        self.kv_total.set(stats.num_blocks)
-        self.prefix_queries.sync(stats.prefix_queries)
-        self.prefix_hits.sync(stats.prefix_hits)
-        self.prefix_hit_rate.set(stats.prefix_hits / stats.prefix_queries
-                                 if stats.prefix_queries else 0.0)
-        self.preemptions.sync(stats.num_preemptions)
-        return self.registry.render()
+    def render(self, stats: Sequence[EngineStats], processes: Mapping[str, int]) -> str:
+        """The exposition text: request metrics (of every API server), and the engine
+        figures of ``stats`` (one per data-parallel rank) and ``processes`` (by role)."""
+        self._engine.stats, self._engine.processes = stats, processes
+        registry = self.registry
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            registry.register(self._engine)  # type: ignore[arg-type]
+        return generate_latest(registry).decode()
 
 
 def finish_reason(out: RequestOutput) -> str:

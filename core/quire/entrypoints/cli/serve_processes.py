@@ -1,0 +1,171 @@
+"""``quire serve --api-server-count N``: N API server processes on one port, in front of
+the engine core processes, and this process watching them all.
+
+This process starts the cores (one per data-parallel replica), binds the listening socket
+and hands it to N API server processes (each a fresh interpreter running
+:func:`quire.entrypoints.cli.serve.serve` on that socket, connected to every core as
+front ``i``); the kernel spreads connections over them. It then only watches: a signal is
+passed on to the API servers (each drains its requests), after which the cores are told
+to stop. If any process dies, the others are stopped and the exit status is 1, so that a
+supervisor restarts the whole server. Every child dies with this process
+(``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from quire.config import EngineConfig
+from quire.engine.core_proc import CoreProcesses
+from quire.entrypoints.server.metrics import MULTIPROC_DIR_ENV
+from quire.executor.multiproc import die_with_parent
+
+logger = logging.getLogger("quire.serve")
+
+#: Seconds between checks of the children.
+POLL_S = 0.2
+#: Seconds the API servers get to stop on their own once a core died, before they are
+#: killed (they notice within a poll period and fail their requests first).
+FAIL_GRACE_S = 10.0
+
+
+def run_api_servers(args: argparse.Namespace, config: EngineConfig,
+                    blocked: frozenset[str]) -> int:
+    """Run the cores and ``args.api_server_count`` API servers until a signal or a death."""
+    listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((args.host, args.port))
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    host, port = listener.getsockname()[:2]
+    cores = CoreProcesses(config, blocked)
+    # the API servers' request metrics, summed by whichever of them answers /metrics
+    metrics_dir = tempfile.mkdtemp(prefix="quire-metrics-")
+    env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir}
+    ready_r, ready_w = os.pipe()
+    servers: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def on_signal(sig: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in servers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for index in range(args.api_server_count):
+            servers.append(subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP.format(args=(
+                    args.argv, index,
+                    listener.fileno(), ready_w, cores.workdir, cores.pids, os.getpid()))],
+                pass_fds=(listener.fileno(), ready_w), env=env))
+        os.close(ready_w)
+        status = _watch(servers, cores, ready_r, args.api_server_count, host, port,
+                        lambda: stopping)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for proc in servers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for proc in cores.procs:
+            if proc.poll() is None:
+                proc.terminate()  # no front is left to say Shutdown
+        cores.stop()
+        listener.close()
+        os.close(ready_r)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return status
+
+
+def _watch(servers: list[subprocess.Popen[bytes]], cores: CoreProcesses, ready_r: int,
+           count: int, host: str, port: int, stopping: object) -> int:
+    """Wait for the API servers to be ready, then for any child to exit."""
+    ready = 0
+    os.set_blocking(ready_r, False)
+    while True:
+        if ready < count:
+            try:
+                ready += len(os.read(ready_r, 64))
+            except BlockingIOError:
+                pass
+            if ready >= count:
+                logger.info("%d API servers running on http://%s:%d (Press CTRL+C to quit)",
+                            count, host, port)
+        dead_core = cores.dead()
+        if dead_core is not None:
+            logger.error("%s; stopping the API servers", dead_core)
+            _wait_all(servers, FAIL_GRACE_S)
+            return 1
+        for index, proc in enumerate(servers):
+            code = proc.poll()
+            if code is None:
+                continue
+            if stopping():  # type: ignore[operator]
+                if all(p.poll() is not None for p in servers):
+                    return 0 if all(p.returncode == 0 for p in servers) else 1
+                break
+            logger.error("API server %d (pid %d) exited with status %s; stopping the rest",
+                         index, proc.pid, code)
+            for other in servers:
+                if other.poll() is None:
+                    other.send_signal(signal.SIGTERM)
+            _wait_all(servers, FAIL_GRACE_S)
+            return 1
+        time.sleep(POLL_S)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir: str,
+                    core_pids: list[int], parent_pid: int) -> None:
+    """API server ``index``: parse the same command line, serve on ``fd`` as front
+    ``index`` of the cores in ``workdir``."""
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        return
+    from quire.engine.core_proc import ProcCoreClient
+    from quire.entrypoints.cli import build_parser, parse_args
+    from quire.entrypoints.cli.common import open_registry
+    from quire.entrypoints.cli.engine_options import engine_config_from_args
+    from quire.entrypoints.cli.serve import _configure_logging, limits_from_args, serve
+
+    args = parse_args(build_parser(), argv)
+    _configure_logging(args.log_level)
+    config = engine_config_from_args(args)
+    client = ProcCoreClient(workdir=workdir, core_pids=core_pids, client=index,
+                            block_size=config.block_size)
+
+    def ready() -> None:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+
+    status = serve(args, limits_from_args(args), config, open_registry(args), client=client,
+                   fd=fd, on_started=ready)
+    raise SystemExit(status)
+
+
+_BOOTSTRAP = """
+from quire.entrypoints.cli.serve_processes import api_server_main
+api_server_main(*{args})
+"""
