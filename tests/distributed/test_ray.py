@@ -65,3 +65,25 @@ def test_a_killed_ray_worker_is_reported(tiny_checkpoint):
             engine.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_on_two_ray_nodes(tiny_checkpoint, monkeypatch):
+    """DP=2 over Ray: each engine core process joins the cluster RAY_ADDRESS names and
+    places its one rank in its own placement group (one CPU per node: one per node)."""
+    from ray.cluster_utils import Cluster
+
+    path = str(tiny_checkpoint("llama"))
+    with LLM(path, device="cpu", max_model_len=128) as one:
+        expected = _greedy(one)
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    try:
+        with LLM(path, device="cpu", max_model_len=128, data_parallel_size=2,
+                 distributed_executor_backend="ray") as llm:
+            assert _greedy(llm) == expected
+            assert all(llm.engine.client.placement.placed)  # type: ignore[attr-defined]
+    finally:
+        cluster.shutdown()

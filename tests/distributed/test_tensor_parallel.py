@@ -50,6 +50,35 @@ def test_pp2_llama_equals_one_process_and_transformers(tiny_checkpoint):
     _check_against_oracles(tiny_checkpoint("llama"), pipeline_parallel_size=2)
 
 
+def test_pp2_keeps_two_micro_batches_in_flight(tiny_checkpoint):
+    """Stage 0 computes one micro-batch while stage 1 computes the other; the outputs
+    are still those of one process."""
+    path = tiny_checkpoint("llama")
+    prompts = PROMPTS * 2
+    engine = LLMEngine(EngineConfig.from_kwargs(str(path), device="cpu", max_model_len=128,
+                                                pipeline_parallel_size=2))
+    try:
+        core = engine.core
+        submit, depths = core.executor.submit, []
+
+        def counting(items):
+            depths.append(len(core._in_flight) + 1)
+            return submit(items)
+
+        core.executor.submit = counting
+        rids = [engine.add_request(p, GREEDY) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids
+                         for o in engine.step() if o.finished})
+    finally:
+        engine.shutdown()
+    assert max(depths) == 2 and depths.count(2) > len(depths) // 2, depths
+    with LLM(str(path), device="cpu", max_model_len=128) as one:
+        assert [done[r] for r in rids] == [o.outputs[0].token_ids
+                                           for o in one.generate(prompts, GREEDY)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
 def test_pp2_every_architecture(tiny_checkpoint, arch):

@@ -238,3 +238,60 @@ def test_preemption_takes_the_lowest_priority_first():
         if preempted:
             break
     assert preempted and preempted[0] is low
+
+
+# -- pipelines: several steps in flight ------------------------------------------------------
+def make_pipeline_scheduler(depth: int, **kw) -> Scheduler:
+    bm = BlockManager(kw.pop("num_blocks", 64), kw.pop("block_size", 4),
+                      enable_prefix_caching=True)
+    return Scheduler(bm, max_num_seqs=kw.pop("max_seqs", 8),
+                     max_num_batched_tokens=kw.pop("budget", 64), depth=depth)
+
+
+def test_micro_batches_take_turns_with_disjoint_sequences():
+    sched = make_pipeline_scheduler(depth=2)
+    seqs = [add(sched, make_seq(5, max_tokens=20)) for _ in range(4)]
+    first = sched.schedule()
+    second = sched.schedule()  # the first is still in flight
+    a, b = set(shares(first)), set(shares(second))
+    assert len(a) == len(b) == 2 and not a & b
+    assert not sched.schedule()  # everything is in flight: nothing to schedule
+    finish_step(sched, first)
+    third = sched.schedule()  # the first group decodes again, the second is in flight
+    assert set(shares(third)) == a and all(n == 1 for n in shares(third).values())
+    finish_step(sched, second)
+    finish_step(sched, third)
+    assert all(s.num_computed_tokens == 6 or s.num_computed_tokens == 5 for s in seqs)
+
+
+def test_depth_one_schedules_everything_at_once():
+    sched = make_pipeline_scheduler(depth=1)
+    for _ in range(4):
+        add(sched, make_seq(5))
+    assert len(shares(sched.schedule())) == 4
+
+
+def test_a_sequence_in_flight_is_never_preempted():
+    # 4 pages of 4 tokens: two prompts of 8 tokens hold 2 pages each
+    sched = make_pipeline_scheduler(depth=2, num_blocks=4, budget=64)
+    a, b = add(sched, make_seq(8, max_tokens=8)), add(sched, make_seq(8, max_tokens=8))
+    first = sched.schedule()
+    assert set(shares(first)) == {a.request_id}
+    second = sched.schedule()
+    assert set(shares(second)) == {b.request_id}
+    finish_step(sched, first)  # a has 9 tokens: computing the 9th needs a third page
+    out = sched.schedule()  # no free page; b, newer but in flight, may not be preempted
+    assert out.preempted == [a] and not out and b.status is SequenceStatus.RUNNING
+    finish_step(sched, second)
+    assert shares(sched.schedule()) == {b.request_id: 1}
+
+
+def test_an_aborted_sequence_in_flight_is_only_released_on_completion():
+    sched = make_pipeline_scheduler(depth=2)
+    a = add(sched, make_seq(6))
+    out = sched.schedule()
+    sched.abort(a)
+    assert sched.block_manager.num_used_blocks == 0
+    sched.complete_step(out)  # no page named, nothing cached for a freed sequence
+    assert a.num_computed_tokens == 0 and not sched.in_flight(a)
+    sched.block_manager.check_invariants(sched.live_sequences())

@@ -12,6 +12,8 @@ which then calls :meth:`stop_sequence`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from quire.engine.messages import (
     PromptLogprobs,
     SeqUpdate,
 )
-from quire.engine.scheduler import Scheduler, check_fits
+from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
 from quire.executor import check_parallel, make_executor
 from quire.executor.abstract import Executor
@@ -152,7 +154,11 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
+            depth=self.executor.max_in_flight,
         )
+        # steps submitted and not yet completed, oldest first (pipeline micro-batches)
+        self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = \
+            collections.deque()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
         self._requests: dict[str, _Request] = {}
@@ -239,7 +245,8 @@ class EngineCore:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests not finished, or steps still in flight (to be collected)."""
+        return bool(self._requests) or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         """A snapshot of the scheduler's queues and the KV pool; call between steps."""
@@ -255,22 +262,38 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> CoreOutputs:
-        """Schedule, run one forward, sample; report every sequence that got a token."""
-        out = self.scheduler.schedule()
-        if not out:
+        """Schedule, run one forward, sample; report every sequence that got a token.
+
+        With a pipeline, first fill it: schedule and submit micro-batches (each of
+        sequences in no other) until ``depth`` are in flight, then complete the oldest.
+        """
+        while len(self._in_flight) < self.scheduler.depth:
+            out = self.scheduler.schedule()
+            if not out:
+                break
+            self._in_flight.append(
+                (out, self.executor.submit([StepItem.of(s) for s in out.scheduled])))
+        if not self._in_flight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found no work it could run; this is a bug")
             return CoreOutputs(time=time.monotonic(), stats=self.stats(),
                                finished=self.take_finished())
-        result = self.executor.execute([StepItem.of(s) for s in out.scheduled])
+        out, handle = self._in_flight.popleft()
+        result = self.executor.wait(handle)
         self.scheduler.complete_step(out)
         outputs = CoreOutputs()
         for item_idx, first_pos, logits in result.prompt_logits:
             seq = out.scheduled[item_idx].seq
+            if seq.request_id not in self._requests:
+                continue  # aborted while its step was in flight
             entry = self._prompt_logprobs(self._requests[seq.request_id], first_pos, logits)
             if entry is not None:
                 outputs.prompt_logprobs.append(entry)
-        seqs = [out.scheduled[i].seq for i in result.sample_items]
+        rows = [(row, out.scheduled[i].seq) for row, i in enumerate(result.sample_items)]
+        live = [(row, seq) for row, seq in rows if not seq.is_finished]
+        if len(live) < len(rows):  # finished while in flight (aborted, a stop string)
+            result = dataclasses.replace(result, logits=result.logits[[r for r, _ in live]])
+        seqs = [seq for _, seq in live]
         if seqs:
             sampled = self.sampler.sample(result.logits, seqs)
             for row, seq in enumerate(seqs):

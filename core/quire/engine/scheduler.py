@@ -12,6 +12,12 @@ arrival) order (the newest of the lowest priority) is preempted: its
 pages go back to the pool and it returns to the front of the waiting queue, to be
 recomputed later (the prefix cache often hands its pages straight back). No waiting
 sequence is admitted in a step that preempted.
+
+With a pipeline, up to ``depth`` steps (micro-batches) are in flight at once, each on
+another stage. A sequence in a step not yet completed is skipped (it waits for its
+token), never preempted, and each micro-batch takes at most its share of the live
+sequences (``ceil(live / depth)``), so that decoding sequences split into ``depth``
+groups that take turns and every stage stays busy.
 """
 
 from __future__ import annotations
@@ -100,8 +106,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        depth: int = 1,
     ) -> None:
+        """:param depth: steps that may be in flight at once (pipeline stages)."""
         self.block_manager = block_manager
+        self.depth = depth
+        #: Sequences in steps scheduled but not completed (by seq_id).
+        self._in_flight: set[int] = set()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -166,21 +177,34 @@ class Scheduler:
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens. Allocates their pages; computes nothing."""
+        """Choose this step's tokens. Allocates their pages; computes nothing. The
+        scheduled sequences are in flight until :meth:`complete_step`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        # this micro-batch's share of the live sequences (all of them without a pipeline)
+        seats = -(-(len(self.running) + len(self.waiting)) // self.depth)
+        budget = self._schedule_running(out, budget, seats)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, seats - len(out.scheduled))
+        self._in_flight.update(s.seq.seq_id for s in out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def in_flight(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._in_flight
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, seats: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             seq = self.running[i]
+            if seq.seq_id in self._in_flight:
+                i += 1
+                continue
             num = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, num):
-                victim = self.running[-1]
+                victim = self._victim()
+                if victim is None:  # every other sequence is in flight: wait for them
+                    i += 1
+                    continue
                 self._preempt(victim)
                 out.preempted.append(victim)
                 continue  # retry seq, unless it was the victim (then the loop ends)
@@ -189,9 +213,19 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _victim(self) -> Sequence | None:
+        """The running sequence to preempt: the last in (priority, arrival) order that is
+        in no step in flight (whose pages a stage may still be writing)."""
+        for seq in reversed(self.running):
+            if seq.seq_id not in self._in_flight:
+                return seq
+        return None
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        admitted = 0
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and admitted < seats):
             seq = self.waiting[0]
             # A forked sample already holds its shared pages; a request that wants prompt
             # logprobs must compute every prompt position, so it takes nothing cached.
@@ -219,6 +253,7 @@ class Scheduler:
             self._insert_running(seq)
             out.scheduled.append(ScheduledSeq(seq, start, num))
             budget -= num
+            admitted += 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -244,7 +279,11 @@ class Scheduler:
 
     # -- after the step --------------------------------------------------------------------
     def complete_step(self, out: SchedulerOutput) -> None:
-        """Record that the step's K/V are in the cache; their full pages become findable."""
+        """Record that the step's K/V are in the cache; their full pages become findable.
+        Sequences that finished meanwhile (aborted, stopped) are only released."""
         for item in out.scheduled:
+            self._in_flight.discard(item.seq.seq_id)
+            if item.seq.is_finished:
+                continue
             item.seq.num_computed_tokens = item.end
             self.block_manager.cache_full_blocks(item.seq, item.end)

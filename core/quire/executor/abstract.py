@@ -53,6 +53,23 @@ class Executor(ABC):
         :raises WorkerDied: when a worker died or raised (the step is lost).
         """
 
+    #: Steps that may be in flight at once: the pipeline's stages each work on another
+    #: micro-batch. 1 where ranks cannot run ahead (no pipeline, or one process).
+    max_in_flight: int = 1
+
+    def submit(self, items: list[StepItem]) -> object:
+        """Start a step and return a handle for :meth:`wait`, without waiting for it
+        where the workers run elsewhere; steps complete in submission order."""
+        return self.execute(items)
+
+    def wait(self, handle: object) -> StepResult:
+        """The result of the oldest step not yet waited for (``handle``).
+
+        :raises WorkerDied: when a worker died or raised.
+        """
+        assert isinstance(handle, StepResult)
+        return handle
+
     def check_health(self) -> None:
         """Called while idle, so that a worker that died between steps is noticed before
         the next request comes; in-process ranks cannot die alone.

@@ -67,6 +67,7 @@ class MultiprocExecutor(RemoteExecutor):
 
     def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
         self.world_size = world_size
+        self.max_in_flight = config.pipeline_parallel_size
         self._workdir = tempfile.mkdtemp(prefix="quire-mp-")
         self._zmq = zmq.Context()
         self._sockets: list[zmq.Socket] = []
@@ -115,12 +116,15 @@ class MultiprocExecutor(RemoteExecutor):
             self._check_alive({})
 
     # -- messaging -------------------------------------------------------------------------
-    def _call(self, request: Call | Step) -> list[Reply]:
+    def _send_all(self, request: Call | Step) -> object:
         if self._closed:
             raise WorkerDied("the executor was shut down")
         payload = _encoder.encode(request)
         for rank, sock in enumerate(self._sockets):
             self._send(rank, sock, payload)
+        return None  # each rank answers in order: the oldest reply is the handle's
+
+    def _receive(self, handle: object) -> list[Reply]:
         return self._gather()
 
     def _send(self, rank: int, sock: zmq.Socket, payload: bytes) -> None:
@@ -143,8 +147,11 @@ class MultiprocExecutor(RemoteExecutor):
         while len(replies) < self.world_size:
             ready = dict(poller.poll(POLL_S * 1000))
             for rank, sock in enumerate(self._sockets):
-                if sock in ready:
+                # one reply per rank: a rank ahead in the pipeline may have sent the
+                # next step's already
+                if sock in ready and rank not in replies:
                     replies[rank] = _reply_decoder.decode(sock.recv())
+                    poller.unregister(sock)
             self._check_alive(replies)
             if deadline is not None and time.monotonic() > deadline:
                 self.shutdown()

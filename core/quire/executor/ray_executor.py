@@ -50,6 +50,7 @@ class RayExecutor(RemoteExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = world_size
+        self.max_in_flight = config.pipeline_parallel_size
         self._ray = ray
         self._remove_group = remove_placement_group
         self._started_ray = not ray.is_initialized()
@@ -104,11 +105,16 @@ class RayExecutor(RemoteExecutor):
         if self._actors:
             self._get([a.node_id.remote() for a in self._actors], timeout=30, raw=True)
 
-    def _call(self, request: Call | Step) -> list[Reply]:
+    def _send_all(self, request: Call | Step) -> object:
         if not self._actors:
             raise WorkerDied("the executor was shut down")
         payload = _encoder.encode(request)
-        return self._get([a.handle.remote(payload) for a in self._actors])
+        # an actor runs one caller's calls in the order they were made
+        return [a.handle.remote(payload) for a in self._actors]
+
+    def _receive(self, handle: object) -> list[Reply]:
+        assert isinstance(handle, list)
+        return self._get(handle)
 
     def _get(self, refs: list[Any], timeout: float | None = None,
              raw: bool = False) -> list[Any]:

@@ -17,13 +17,6 @@ class RemoteExecutor(Executor):
     runs_model_here = False
     _bytes_per_block = 0
 
-    @abstractmethod
-    def _call(self, request: Call | Step) -> list[Reply]:
-        """Send ``request`` to every rank; their replies in rank order.
-
-        :raises WorkerDied: when a worker died or answered with an error.
-        """
-
     def _started(self, replies: list[Reply]) -> None:
         """Take rank 0's start reply: its KV layers, KV heads, head size, page bytes."""
         layers, kv_heads, head_size, page_bytes = replies[0].values or [0, 0, 0, 0]
@@ -39,9 +32,29 @@ class RemoteExecutor(Executor):
     def init_cache(self, num_blocks: int) -> None:
         self._call(Call("init_cache", [num_blocks]))
 
+    @abstractmethod
+    def _send_all(self, request: Call | Step) -> object:
+        """Send ``request`` to every rank without waiting; a handle for :meth:`_receive`."""
+
+    @abstractmethod
+    def _receive(self, handle: object) -> list[Reply]:
+        """The replies to the oldest request sent (``handle``), in rank order.
+
+        :raises WorkerDied: when a worker died or answered with an error.
+        """
+
+    def _call(self, request: Call | Step) -> list[Reply]:
+        return self._receive(self._send_all(request))
+
     def execute(self, items: list[StepItem]) -> StepResult:
+        return self.wait(self.submit(items))
+
+    def submit(self, items: list[StepItem]) -> object:
+        return self._send_all(Step(StepPlan(items)))
+
+    def wait(self, handle: object) -> StepResult:
         """The logits come from the rank that has them (the last stage's first rank)."""
-        out = next(r.output for r in self._call(Step(StepPlan(items))) if r.output is not None)
+        out = next(r.output for r in self._receive(handle) if r.output is not None)
         assert out.logits is not None
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
                           tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
