@@ -130,3 +130,21 @@ def test_a_core_that_cannot_start_is_refused_in_one_line(tiny_checkpoint):
                                            data_parallel_size=2, tensor_parallel_size=3))
     message = str(refused.value)
     assert "\n" not in message and "tensor_parallel_size=3" in message, message
+
+
+def test_replicas_on_one_host_share_its_free_memory(tiny_checkpoint, monkeypatch):
+    """Host RAM is one pool: a replica's ranks take 1 / data_parallel_size of their
+    share, so that replicas started together cannot overcommit it."""
+    from quire.executor.worker import Worker
+    from quire.interfaces.memory import MemoryProfiler
+
+    monkeypatch.setattr(MemoryProfiler, "kv_budget", lambda self, requested, peak=0: 1 << 26)
+    path = str(tiny_checkpoint("llama"))
+
+    def pages(dp: int) -> int:
+        worker = Worker(EngineConfig.from_kwargs(path, device="cpu", max_model_len=128,
+                                                 data_parallel_size=dp), 0, 1)
+        return worker.num_kv_blocks()
+
+    one, two = pages(1), pages(2)
+    assert two == one // 2 and two > 0, (one, two)

@@ -136,7 +136,10 @@ class Worker:
             activation_peak = -(-peak * full // run)
         budget = profiler.kv_budget(requested, activation_peak)
         if not isinstance(requested, int) and self.device.index is None:
-            budget //= self.ranks_on_host  # a share of one pool that every rank here reads
+            # a share of one pool that every rank here reads, and the data-parallel
+            # replicas' ranks too (counted as if all ran here: safe whichever measures
+            # first, since each takes a share of what it finds free)
+            budget //= self.ranks_on_host * self.config.engine.data_parallel_size
         return profiler.num_kv_blocks(budget, self.bytes_per_block())
 
     def _profile_run(self, num_tokens: int) -> None:
