@@ -211,6 +211,7 @@ class ProcCoreClient(CoreClient):
             self.shutdown()
             raise
         self._stats: list[EngineStats | None] = [None] * len(core_pids)
+        self._received: list[CoreOutputs] = []  # taken from the socket, not yet returned
         self.placement = Placement(len(core_pids), block_size or self.info.platform_block_size)
         self._where: dict[str, int] = {}
 
@@ -300,33 +301,40 @@ class ProcCoreClient(CoreClient):
     def get_outputs(self, timeout: float) -> list[CoreOutputs]:
         if self._closed:
             raise EngineCoreDied("the engine cores were shut down")
-        result: list[CoreOutputs] = []
+        self._receive()
         deadline = time.monotonic() + timeout
-        while not result:
+        while not self._received:
             wait = min(POLL_S, max(0.0, deadline - time.monotonic()))
             if not self._inbox.poll(wait * 1000):
                 self._check_alive()
                 if time.monotonic() >= deadline:
-                    return result
-                continue
-            while True:
-                try:
-                    payload = self._inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
                     break
-                msg = _reply_decoder.decode(payload)
-                if isinstance(msg, Failed):
-                    raise EngineCoreDied(f"engine core {msg.engine} failed: {msg.error}")
-                if isinstance(msg, Outputs):
-                    out = msg.outputs
-                    if out.stats is not None:
-                        self._stats[out.engine] = out.stats
-                        self.placement.saw_stats(out.engine)
-                    self._strip(out)
-                    for rid in out.finished:
-                        self._where.pop(rid, None)
-                    result.append(out)
+                continue
+            self._receive()
+        result, self._received = self._received, []
         return result
+
+    def _receive(self) -> None:
+        """Take every message waiting: stats are current from here, outputs are kept
+        for :meth:`get_outputs`."""
+        while True:
+            try:
+                payload = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = _reply_decoder.decode(payload)
+            if isinstance(msg, Failed):
+                raise EngineCoreDied(f"engine core {msg.engine} failed: {msg.error}")
+            if isinstance(msg, Outputs):
+                out = msg.outputs
+                if out.stats is not None:
+                    self._stats[out.engine] = out.stats
+                    self.placement.saw_stats(out.engine)
+                self._strip(out)
+                for rid in out.finished:
+                    self._where.pop(rid, None)
+                if out.updates or out.prompt_logprobs or out.refused or out.error:
+                    self._received.append(out)
 
     def _strip(self, out: CoreOutputs) -> None:
         """Back to the front's own request ids."""
@@ -339,6 +347,10 @@ class ProcCoreClient(CoreClient):
         out.refused = [(rid[cut:], why) for rid, why in out.refused]
 
     def stats(self) -> list[EngineStats]:
+        """The latest stats of each core (what waits on the socket is taken first, so
+        that an idle front, which reads no outputs, still reports current figures)."""
+        if not self._closed:
+            self._receive()
         empty = EngineStats(0, 0, 0.0, 0, self.info.num_blocks, 0, 0, 0, False)
         return [s if s is not None else empty for s in self._stats]
 
