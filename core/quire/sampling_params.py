@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from quire.outputs import RequestOutputKind
+from quire.structured.params import KINDS, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class SamplingParams:
     #: What each output of a running request carries: everything so far, only what is
     #: new (streams), or nothing until it finishes.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: A grammar the output must follow (JSON schema, regex, choice, grammar, any JSON
+    #: object); a dict is read as :class:`StructuredOutputsParams`' fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
@@ -206,6 +210,16 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            unknown = sorted(set(so) - set(KINDS))
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {unknown[0]!r}; "
+                                 f"known: {', '.join(KINDS)}")
+            self.structured_outputs = StructuredOutputsParams(**so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a "
+                             f"dict, got {type(so).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}")

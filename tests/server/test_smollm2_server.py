@@ -78,3 +78,29 @@ def test_metrics_after_requests(server):
     text = httpx.get(server.url + "/metrics", timeout=30).text
     assert "quire:generation_tokens_total" in text
     assert "quire:time_to_first_token_seconds_count" in text
+
+
+def test_parse_with_a_pydantic_model_on_every_seeded_sample(client):
+    """``chat.completions.parse``: the schema the client derives from a pydantic model
+    (strict: every field required, no extra ones), sampled at temperature 1.0."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Mayor(BaseModel):
+        name: str = Field(max_length=30)
+        since: int = Field(ge=1900, le=2030)
+
+    class City(BaseModel):
+        city: str = Field(max_length=30)
+        population: int = Field(ge=0, le=10**9)
+        climate: Literal["cold", "mild", "hot"]
+        mayor: Mayor
+        districts: list[Annotated[str, Field(max_length=20)]] = Field(max_length=3)
+
+    for seed in range(20):
+        out = client.chat.completions.parse(
+            model=DEFAULT_MODEL, response_format=City, temperature=1.0, seed=seed,
+            max_tokens=300, messages=[{"role": "user", "content": "Describe a city."}])
+        assert out.choices[0].finish_reason == "stop"
+        assert isinstance(out.choices[0].message.parsed, City), out.choices[0].message

@@ -15,6 +15,7 @@ from quire.bench.peers.procmem import peak_rss_bytes, reset_peak_rss
 from quire.bench.quire_engine import greedy_params, kv_page_bytes
 from quire.bench.workloads import BenchRequest
 from quire.engine import LLMEngine
+from quire.structured.params import StructuredOutputsParams
 
 _MIB = float(1 << 20)
 
@@ -49,8 +50,11 @@ class ThroughputRun:
         return figures
 
 
-def run_quire(engine: LLMEngine, requests: list[BenchRequest]) -> ThroughputRun:
+def run_quire(engine: LLMEngine, requests: list[BenchRequest],
+              structured: StructuredOutputsParams | None = None) -> ThroughputRun:
     """Time one pass of ``requests`` through ``engine`` (which must be idle).
+
+    :param structured: a grammar every request follows (to measure the mask's cost).
 
     :raises RuntimeError: when the engine produced fewer tokens than asked (a request
         hit ``max_model_len``), since the figures would then be wrong.
@@ -60,7 +64,10 @@ def run_quire(engine: LLMEngine, requests: list[BenchRequest]) -> ThroughputRun:
     peak_pages = output_tokens = 0
     start = time.perf_counter()
     for request in requests:
-        engine.add_request(list(request.prompt_token_ids), greedy_params(request.output_len))
+        params = greedy_params(request.output_len)
+        if structured is not None:
+            params.structured_outputs = structured
+        engine.add_request(list(request.prompt_token_ids), params)
     while engine.has_unfinished_requests():
         for out in engine.step(final_only=True):
             output_tokens += sum(len(c.token_ids) for c in out.outputs)

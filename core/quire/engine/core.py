@@ -43,6 +43,13 @@ from quire.models.loader import load_model_config
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
+from quire.structured.backend import (
+    GrammarBackend,
+    Matcher,
+    apply_bitmask,
+    bitmask_words,
+    make_grammar_backend,
+)
 from quire.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -126,6 +133,7 @@ class EngineCore:
         self.platform.check_dtype(self.config.dtype)
         check_parallel(config, self.model_config)
         tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_path)
+        self._tokenizer = tokenizer  # for the grammar engine, built on first use
         self.eos_token_ids = eos_token_ids(tokenizer, self.model_config, model_path)
         self.vocab_size: int = self.model_config.vocab_size
 
@@ -162,6 +170,8 @@ class EngineCore:
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarBackend | None = None
+        self._matchers: dict[int, Matcher] = {}  # by seq_id, for structured outputs
         self._finished: list[str] = []  # ended since the last output
         self._num_requests = 0
         self._next_seq_id = 0
@@ -197,6 +207,7 @@ class EngineCore:
         tokens = check_request(rid, request.prompt_token_ids, request.params, self.config,
                                self.vocab_size, self.block_manager.num_blocks)
         seq = self._new_sequence(request, tokens, index=0)
+        self._start_matcher(seq)
         self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
                                               self.config.max_model_len))
         self._requests[rid] = _Request(request, [seq])
@@ -221,7 +232,24 @@ class EngineCore:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
-                self.sampler.release(seq.seq_id)
+                self._release(seq)
+
+    def grammars(self) -> GrammarBackend:
+        """The grammar engine, built from the tokenizer on first use."""
+        if self._grammars is None:
+            self._grammars = make_grammar_backend(self._tokenizer, self.vocab_size,
+                                                  sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _start_matcher(self, seq: Sequence) -> None:
+        spec = seq.params.structured_outputs
+        if spec is not None:
+            self._matchers[seq.seq_id] = self.grammars().matcher(spec)
+
+    def _release(self, seq: Sequence) -> None:
+        """What a finished sequence held besides its pages: its generator, its matcher."""
+        self.sampler.release(seq.seq_id)
+        self._matchers.pop(seq.seq_id, None)
 
     def abort_all(self) -> None:
         """Abort every request (after a failed step)."""
@@ -234,7 +262,7 @@ class EngineCore:
             return
         seq = req.seqs[index]
         self.scheduler.finish(seq, "stop")
-        self.sampler.release(seq.seq_id)
+        self._release(seq)
         if req.finished:
             del self._requests[request_id]
             self._finished.append(request_id)
@@ -295,6 +323,7 @@ class EngineCore:
             result = dataclasses.replace(result, logits=result.logits[[r for r, _ in live]])
         seqs = [seq for _, seq in live]
         if seqs:
+            self._mask(result.logits, seqs)
             sampled = self.sampler.sample(result.logits, seqs)
             for row, seq in enumerate(seqs):
                 req = self._requests[seq.request_id]
@@ -303,9 +332,14 @@ class EngineCore:
                 token = sampled.token_ids[row]
                 seq.output_token_ids.append(token)
                 reason = self._stop_reason(seq, token)
+                matcher = self._matchers.get(seq.seq_id)
+                if matcher is not None:
+                    matcher.accept(token)
+                    if reason is None and matcher.is_terminated():
+                        reason = "stop"  # the grammar is complete (vLLM stops it too)
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
-                    self.sampler.release(seq.seq_id)
+                    self._release(seq)
                 outputs.updates.append(SeqUpdate(
                     seq.request_id, seq.index, token, sampled.logprobs[row], reason,
                     seq.stop_reason if isinstance(seq.stop_reason, int) else None,
@@ -317,6 +351,19 @@ class EngineCore:
         outputs.stats = self.stats()
         outputs.finished = self.take_finished()
         return outputs
+
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask, in place, the rows of sequences under a grammar to the tokens it allows
+        next; the other rows are untouched."""
+        if not self._matchers:
+            return
+        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in self._matchers]
+        if not rows:
+            return
+        bitmask = torch.empty((len(rows), bitmask_words(logits.shape[1])), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            self._matchers[seqs[r].seq_id].fill_bitmask(bitmask, i)
+        apply_bitmask(logits, bitmask, rows)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The token rules, in vLLM's order (stop strings come first, at the front)."""
@@ -345,6 +392,7 @@ class EngineCore:
                                        arrival=parent.arrival)
             self.scheduler.fork(parent, child)
             req.seqs.append(child)
+            self._start_matcher(child)
 
     def _prompt_logprobs(self, req: _Request, first_pos: int,
                          logits: torch.Tensor) -> PromptLogprobs | None:

@@ -25,6 +25,7 @@ from quire.model_store import resolve_model
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.plugins.registry import PlatformRegistry
 from quire.sampling_params import SamplingParams
+from quire.structured.backend import GrammarBackend, make_grammar_backend
 from quire.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._stats: EngineStats | None = None
+        self._grammars: GrammarBackend | None = None
 
     @property
     def core(self) -> EngineCore:
@@ -71,6 +73,18 @@ class LLMEngine:
         if not isinstance(self.client, InprocCoreClient):
             raise AttributeError("the engine core runs in another process")
         return self.client.core
+
+    def grammars(self) -> GrammarBackend:
+        """The grammar engine that checks requests' structured outputs (the in-process
+        core's own, whose cache its matchers then hit; built here otherwise). Thread-safe:
+        the server checks on its tokenizer threads, before the engine sees a request."""
+        if self._grammars is None:
+            if isinstance(self.client, InprocCoreClient):
+                self._grammars = self.client.core.grammars()
+            else:
+                self._grammars = make_grammar_backend(self.tokenizer, self.vocab_size,
+                                                      sorted(self.eos_token_ids))
+        return self._grammars
 
     def shutdown(self) -> None:
         """Stop the cores and their workers; safe to call more than once."""
@@ -100,6 +114,8 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         tokens = check_request(rid, prompt_token_ids, params, self.config, self.vocab_size,
                                self.info.num_blocks)
+        if params.structured_outputs is not None:
+            self.grammars().check(params.structured_outputs)
         self.client.add_request(CoreRequest(rid, tokens, params, arrival_time, priority))
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,

@@ -79,6 +79,11 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
                         "(repeatable); see quire bench install-peer")
     parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
                         help="give up on a peer after this long (default: 3600)")
+    if name == "throughput":
+        parser.add_argument("--structured-json", default=None, metavar="SCHEMA",
+                            help="put every request under this JSON schema (its text) "
+                            "to measure the grammar mask's cost; it must not let the "
+                            "output end before --output-len tokens")
     add_engine_options(parser)
     parser.set_defaults(run=run)
 
@@ -275,10 +280,22 @@ def _check_fits(spec: WorkloadSpec, max_model_len: int) -> None:
 
 # -- throughput and latency ----------------------------------------------------------------
 def run_throughput(args: argparse.Namespace) -> int:
+    import functools
+
     from quire.bench import throughput
     from quire.bench.report import THROUGHPUT_FIGURES
+    from quire.structured.params import StructuredOutputsParams
 
-    return _run_offline(args, "throughput", throughput.run_quire, THROUGHPUT_FIGURES)
+    structured = None
+    if args.structured_json is not None:
+        try:
+            structured = StructuredOutputsParams(json=args.structured_json)
+        except ValueError as exc:
+            raise UsageError(f"--structured-json: {exc}") from exc
+        if args.peers:
+            raise UsageError("--structured-json: the peers run without it; drop --peer")
+    run = functools.partial(throughput.run_quire, structured=structured)
+    return _run_offline(args, "throughput", run, THROUGHPUT_FIGURES)
 
 
 def run_latency(args: argparse.Namespace) -> int:

@@ -62,6 +62,7 @@ def parse_messages(body: Mapping[str, Any], chat_template: str | None,
     cheapest first. :raises APIError: 400 naming the bad field."""
     model = _required(body, "model", str)
     max_tokens = _required(body, "max_tokens", int)
+    _refuse_tools(body)
     chat = _turns(body.get("messages"))
     system = _system(body.get("system"))
     if system is not None:
@@ -75,6 +76,18 @@ def parse_messages(body: Mapping[str, Any], chat_template: str | None,
                          token_ids=tokenizer.encode(text, add_special_tokens=False),
                          params=params, stream=get(body, "stream", bool, False),
                          include_usage=False, top_logprobs=None)
+
+
+def _refuse_tools(body: Mapping[str, Any]) -> None:
+    """Tool use is not built yet: asking for it is a 400 naming the field, not free text
+    (``tool_choice: {"type": "none"}`` asks for nothing)."""
+    if body.get("tools"):
+        raise bad_request("tools: tool use is not supported by this server yet",
+                          param="tools")
+    choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, Mapping) and choice.get("type") == "none"):
+        raise bad_request("tool_choice: tool use is not supported by this server yet",
+                          param="tool_choice")
 
 
 def _required(body: Mapping[str, Any], name: str, kind: type) -> Any:

@@ -206,6 +206,12 @@ class _Api:
 
     async def _generate(self, request: Request, parsed: ParsedRequest,
                         chat: bool) -> Response:
+        spec = parsed.params.structured_outputs
+        if spec is not None:
+            try:
+                await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
+            except ValueError as exc:
+                raise bad_request(str(exc), param=parsed.grammar_param) from None
         abandoned = asyncio.Event()
         streams = await self.submit_all(parsed, abandoned)
         request_id = streams[0].request_id

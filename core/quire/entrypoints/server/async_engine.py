@@ -33,6 +33,8 @@ from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
 from quire.outputs import RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
+from quire.structured.backend import GrammarBackend
+from quire.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,6 +199,8 @@ class AsyncEngine:
         # ids unique across the API servers of one deployment (each has its own counter)
         self._id_prefix = f"req-{secrets.token_hex(4)}-"
         self._metrics = ServerMetrics(self.max_model_len)  # engine thread only
+        self._grammars: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
         #: Why the engine thread stopped on its own (a worker died), or None.
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="quire-engine", daemon=True)
@@ -291,6 +295,18 @@ class AsyncEngine:
         self._in_flight.add(request_id)
         stream = RequestStream(self, request_id, sink)
         return stream
+
+    def check_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar (cached by its text), on the calling thread: the
+        server calls it on its tokenizer threads, so that a new schema costs the engine
+        thread nothing and a bad one is the client's 400 before anything is queued.
+
+        :raises ValueError: naming why the grammar cannot be used.
+        """
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = self._engine.grammars()
+        self._grammars.check(spec)
 
     def _left_waiting(self) -> None:
         self._num_waiting -= 1

@@ -16,6 +16,8 @@ from typing import Any
 
 from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
 from quire.sampling_params import SamplingParams
+from quire.structured.params import KINDS as STRUCTURED_KINDS
+from quire.structured.params import StructuredOutputsParams
 
 #: Most choices per request (OpenAI's limit); more would only tie up the KV cache.
 MAX_N = 128
@@ -80,6 +82,9 @@ class ParsedRequest:
     #: Completions only: the prompts after the first, as (text or None, token ids); the
     #: choices of prompt ``i`` are numbered from ``i * n``.
     more_prompts: list[tuple[str | None, list[int]]] = field(default_factory=list)
+    #: The body field that asked for structured outputs (named by a 400 if its grammar
+    #: does not compile).
+    grammar_param: str | None = None
 
     def prompts(self) -> list[tuple[str | None, list[int]]]:
         """Every prompt of the request, in order."""
@@ -111,19 +116,22 @@ def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
     logprobs = get(body, "logprobs", int)
     echo = get(body, "echo", bool, False)
     # the echoed prompt carries its logprobs too
+    structured, grammar_param = structured_outputs(body)
     params = _sampling_params(body, bounds, default_max_tokens=16, logprobs=logprobs,
-                              prompt_logprobs=logprobs if echo else None)
+                              prompt_logprobs=logprobs if echo else None,
+                              structured=structured)
     bounds.check_sequences(len(prompts), params.n)
     (text, ids), *more = [_encode(p, tokenizer) for p in prompts]
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=logprobs,
-                         echo=echo, more_prompts=more)
+                         echo=echo, more_prompts=more, grammar_param=grammar_param)
 
 
 def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: RequestBounds,
                *, tokenizer: Any) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. :raises APIError: 400 naming the bad field."""
+    refuse_tools(body)
     messages = _messages(body.get("messages"))
     bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
                                   for m in messages))
@@ -132,13 +140,16 @@ def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: Reque
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
-    params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs)
+    structured, grammar_param = structured_outputs(body)
+    params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs,
+                              structured=structured)
     bounds.check_sequences(1, params.n)
     text = render_chat(messages, tokenizer, chat_template)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
-                         include_usage=_include_usage(body), top_logprobs=top_logprobs)
+                         include_usage=_include_usage(body), top_logprobs=top_logprobs,
+                         grammar_param=grammar_param)
 
 
 def parse_tokenize(body: Mapping[str, Any], chat_template: str | None,
@@ -166,6 +177,75 @@ def parse_detokenize(body: Mapping[str, Any], *, tokenizer: Any) -> str:
     return str(tokenizer.decode(ids))
 
 
+# -- structured outputs and tools ---------------------------------------------------------
+#: vLLM's older names for the fields of ``structured_outputs``.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: Mapping[str, Any]
+                       ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The grammar a body asks for, and the field that asked: OpenAI's
+    ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's
+    ``structured_outputs`` object, or vLLM's older ``guided_*`` fields; at most one of them.
+
+    :raises APIError: 400 naming the field, for a shape or a mix that cannot be used.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = get(body, "response_format", dict)
+    if fmt is not None:
+        kind = get(fmt, "type", str, nullable=False)
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = get(fmt, "json_schema", dict, nullable=False)
+            schema = spec.get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema "
+                                  "(an object)", param="response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad_request(f"response_format.type must be 'text', 'json_object' or "
+                              f"'json_schema', got {kind!r}", param="response_format")
+    so = get(body, "structured_outputs", dict)
+    if so is not None:
+        found.append(("structured_outputs", dict(so)))
+    guided = {field: body[name] for name, field in _GUIDED.items()
+              if body.get(name) is not None}
+    if guided:
+        found.append((next(n for n in _GUIDED if body.get(n) is not None), guided))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise bad_request(f"{names} both ask for structured outputs; give one",
+                          param=found[1][0])
+    param, fields = found[0]
+    try:
+        unknown = sorted(set(fields) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs has no field {unknown[0]!r}; known: "
+                             f"{', '.join(STRUCTURED_KINDS)}")
+        return StructuredOutputsParams(**fields), param
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
+def refuse_tools(body: Mapping[str, Any]) -> None:
+    """Tool calling is not built yet: a request that asks for it gets a 400 naming the
+    field rather than free text it did not ask for (``tool_choice: "none"`` with no tools
+    asks for nothing)."""
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise APIError(400, f"{name}: tool calling is not supported by this server yet",
+                           param=name, code="unsupported_parameter")
+    for name in ("tool_choice", "function_call"):
+        value = body.get(name)
+        if value is not None and value != "none":
+            raise APIError(400, f"{name}: tool calling is not supported by this server yet",
+                           param=name, code="unsupported_parameter")
+
+
 # -- pieces ------------------------------------------------------------------------------
 def _model(body: Mapping[str, Any]) -> str:
     return get(body, "model", str, "")
@@ -178,7 +258,8 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
 
 def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
                      default_max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None,
+                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     n = get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
@@ -204,7 +285,8 @@ def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
             include_stop_str_in_output=get(body, "include_stop_str_in_output", bool, False),
             skip_special_tokens=get(body, "skip_special_tokens", bool, True),
             logit_bias=_logit_bias(get(body, "logit_bias", dict)),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **numbers)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured, **numbers)
     except ValueError as exc:
         raise from_value_error(exc) from exc
 
