@@ -1,7 +1,9 @@
-"""Structured outputs over HTTP on a tiny random model (whose free text is noise, so only
-the grammar can make it parse): ``response_format`` and vLLM's ``structured_outputs``
-with the ``openai`` client, streamed and not, ``n > 1`` and stop strings; bad grammars
-and tool requests are 400s naming the field, and the server keeps serving."""
+"""Structured outputs and tool calls over HTTP on a tiny random model (whose free text is
+noise, so only the grammar can make it parse): ``response_format`` and vLLM's
+``structured_outputs`` with the ``openai`` client, streamed and not, ``n > 1`` and stop
+strings; tool calls required, named and read by a parser, a round trip with the tool's
+result, streamed calls equal to whole ones; bad grammars and tool requests are 400s
+naming the field, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def server(tiny_checkpoint):
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
                                                 max_model_len=256))
     aengine = AsyncEngine(engine)
-    srv = Server(create_app(aengine, MODEL, chat_template=CHAT_TEMPLATE), aengine)
+    srv = Server(create_app(aengine, MODEL, chat_template=CHAT_TEMPLATE,
+                            tool_call_parser="hermes"), aengine)
     yield srv
     srv.stop()
 
@@ -120,9 +123,13 @@ def test_a_stop_string_still_cuts_the_output(client):
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
      "both"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools", "tool calling"),
-    ({"tool_choice": "required"}, "tool_choice", "tool calling"),
+    ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools", "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "not in tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format", "give one"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -135,6 +142,100 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, body, param, 
     ok = client.chat.completions.create(model=MODEL, max_tokens=2,
                                         messages=[{"role": "user", "content": "hi"}])
     assert ok.choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _check_call(call, names=("get_weather", "get_time")) -> dict:
+    assert call.type == "function" and call.function.name in names and call.id
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+    else:
+        assert args["zone"] in ("utc", "cet")
+    return args
+
+
+def test_required_tool_calls_always_parse(client):
+    for seed in range(5):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+            temperature=1.0, seed=seed, max_tokens=200)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls and choice.message.content is None
+        for call in choice.message.tool_calls:
+            _check_call(call)
+
+
+def test_a_named_function_gets_its_arguments(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=4,
+        max_tokens=200, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    [call] = out.choices[0].message.tool_calls
+    _check_call(call, names=("get_time",))
+
+
+def test_round_trip_call_then_result_then_answer(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=1, max_tokens=200)
+    [call] = first.choices[0].message.tool_calls
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                            tool_choice="none", max_tokens=8)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+
+
+def test_streamed_calls_equal_the_whole_call(client):
+    args = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                temperature=1.0, seed=7, max_tokens=200)
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls
+    names, arguments, reasons = {}, {}, []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                names[delta.index] = names.get(delta.index, "") + (delta.function.name or "")
+                arguments[delta.index] = (arguments.get(delta.index, "")
+                                          + (delta.function.arguments or ""))
+    assert [names[i] for i in sorted(names)] == [c.function.name for c in whole]
+    assert [arguments[i] for i in sorted(arguments)] == [c.function.arguments for c in whole]
+    assert reasons[-1] == "tool_calls"
+
+
+def test_auto_reads_the_models_own_format(client):
+    """The model is held (by a regex) to write a Hermes call after some text: the parser
+    finds it, streamed and not."""
+    forced = {"structured_outputs": {"regex": r'[a-z]{2,6} <tool_call>\{"name": '
+                                              r'"get_time", "arguments": \{"zone": "utc"\}'
+                                              r'\}</tool_call>'}}
+    args = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=2,
+                max_tokens=200, extra_body=forced)
+    message = client.chat.completions.create(**args).choices[0].message
+    [call] = message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {
+        "zone": "utc"}
+    assert re.fullmatch(r"[a-z]{2,6}", message.content)
+    content, calls = "", []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+    assert content.strip() == message.content and len(calls) == 1
+    assert calls[0].function.arguments == call.function.arguments
 
 
 def test_anthropic_tools_are_refused_in_anthropic_shape(server):

@@ -61,6 +61,7 @@ from quire.entrypoints.server.protocol import (
 from quire.entrypoints.server.request_body import parse_json
 from quire.entrypoints.server.responses import Shaper, usage
 from quire.entrypoints.server.tokenizer_pool import TokenizerPool
+from quire.entrypoints.server.tool_parsers import PARSERS
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -76,8 +77,10 @@ class _Api:
     """The route handlers; holds only what the app was created with."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
-                 limits: ServerLimits, chat_template: str | None) -> None:
+                 limits: ServerLimits, chat_template: str | None,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_parser = PARSERS[tool_call_parser]() if tool_call_parser else None
         self.model = served_model_name
         self.api_key = api_key
         self.limits = limits
@@ -201,7 +204,8 @@ class _Api:
         self.check_auth(request)
         body = await self.read_json(request)
         self.check_model(body)
-        parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds)
+        parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds,
+                                     self.tool_parser)
         return await self._generate(request, parsed, chat=True)
 
     async def _generate(self, request: Request, parsed: ParsedRequest,
@@ -221,7 +225,8 @@ class _Api:
         shapers = [
             Shaper(chat=chat, model=self.model, request_id=request_id,
                    top_logprobs=parsed.top_logprobs, decode=decode, created=created,
-                   index_base=i * parsed.params.n,
+                   index_base=i * parsed.params.n, tools=parsed.tools,
+                   tool_parser=self.tool_parser,
                    echo_prompt=_echo_text(text, ids, decode) if parsed.echo else None)
             for i, (text, ids) in enumerate(parsed.prompts())]
         if parsed.stream:
@@ -396,16 +401,19 @@ def _sum_usage(parts: list[dict[str, int]]) -> dict[str, int]:
 
 def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
                limits: ServerLimits | None = None,
-               chat_template: str | None = None) -> Starlette:
+               chat_template: str | None = None,
+               tool_call_parser: str | None = None) -> Starlette:
     """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
 
     :param api_key: when set, ``/v1/*`` and the tokenizer routes need
         ``Authorization: Bearer <api_key>``.
     :param limits: what one client may ask (default: ``ServerLimits()``).
     :param chat_template: a Jinja template used instead of the tokenizer's own.
+    :param tool_call_parser: the model family's tool-call format, for ``tool_choice:
+        "auto"`` (a name of :data:`~quire.entrypoints.server.tool_parsers.PARSERS`).
     """
     api = _Api(async_engine, served_model_name, api_key, limits or ServerLimits(),
-               chat_template)
+               chat_template, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

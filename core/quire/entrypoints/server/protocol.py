@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
+from quire.entrypoints.server.tool_parsers import ToolParser
+from quire.entrypoints.server.tools import ToolRequest, parse_tools, template_messages
 from quire.sampling_params import SamplingParams
 from quire.structured.params import KINDS as STRUCTURED_KINDS
 from quire.structured.params import StructuredOutputsParams
@@ -85,6 +87,8 @@ class ParsedRequest:
     #: The body field that asked for structured outputs (named by a 400 if its grammar
     #: does not compile).
     grammar_param: str | None = None
+    #: Chat only: the tools offered and how the answer may call them.
+    tools: ToolRequest | None = None
 
     def prompts(self) -> list[tuple[str | None, list[int]]]:
         """Every prompt of the request, in order."""
@@ -129,9 +133,9 @@ def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
 
 
 def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: RequestBounds,
-               *, tokenizer: Any) -> ParsedRequest:
+               tool_parser: ToolParser | None = None, *, tokenizer: Any) -> ParsedRequest:
     """A ``/v1/chat/completions`` body. :raises APIError: 400 naming the bad field."""
-    refuse_tools(body)
+    tools = parse_tools(dict(body), tool_parser)
     messages = _messages(body.get("messages"))
     bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
                                   for m in messages))
@@ -141,15 +145,22 @@ def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: Reque
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
     structured, grammar_param = structured_outputs(body)
+    call_grammar = tools.grammar() if tools is not None else None
+    if call_grammar is not None:
+        if structured is not None:
+            raise bad_request(f"tool_choice {tools.choice!r} and {grammar_param} both hold "
+                              "the answer to a grammar; give one", param=grammar_param)
+        structured, grammar_param = call_grammar, "tools"
     params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs,
                               structured=structured)
     bounds.check_sequences(1, params.n)
-    text = render_chat(messages, tokenizer, chat_template)
+    text = render_chat(messages, tokenizer, chat_template,
+                       tools.tools if tools is not None else None)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=top_logprobs,
-                         grammar_param=grammar_param)
+                         grammar_param=grammar_param, tools=tools)
 
 
 def parse_tokenize(body: Mapping[str, Any], chat_template: str | None,
@@ -177,7 +188,7 @@ def parse_detokenize(body: Mapping[str, Any], *, tokenizer: Any) -> str:
     return str(tokenizer.decode(ids))
 
 
-# -- structured outputs and tools ---------------------------------------------------------
+# -- structured outputs ---------------------------------------------------------
 #: vLLM's older names for the fields of ``structured_outputs``.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -229,21 +240,6 @@ def structured_outputs(body: Mapping[str, Any]
         return StructuredOutputsParams(**fields), param
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc), param=param) from None
-
-
-def refuse_tools(body: Mapping[str, Any]) -> None:
-    """Tool calling is not built yet: a request that asks for it gets a 400 naming the
-    field rather than free text it did not ask for (``tool_choice: "none"`` with no tools
-    asks for nothing)."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(400, f"{name}: tool calling is not supported by this server yet",
-                           param=name, code="unsupported_parameter")
-    for name in ("tool_choice", "function_call"):
-        value = body.get(name)
-        if value is not None and value != "none":
-            raise APIError(400, f"{name}: tool calling is not supported by this server yet",
-                           param=name, code="unsupported_parameter")
 
 
 # -- pieces ------------------------------------------------------------------------------
@@ -364,7 +360,9 @@ def check_text(text: str, name: str, param: str) -> str:
     return text
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the template takes them: role and text content, and for tool
+    calling an assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     out = []
@@ -375,7 +373,30 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         role = check_text(msg["role"], f"messages[{i}].role", "messages")
         content = check_text(_content(msg.get("content"), i), f"messages[{i}].content",
                              "messages")
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if msg.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(msg["tool_calls"], i)
+        for key in ("tool_call_id", "name"):
+            if msg.get(key) is not None:
+                entry[key] = check_text(get(msg, key, str), f"messages[{i}].{key}",
+                                        "messages")
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    shape = (f"messages[{i}].tool_calls must be a list of {{id, type: function, "
+             "function: {name, arguments}}}")
+    if not isinstance(calls, list):
+        raise bad_request(shape, param="messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", "{}"), (str, dict))):
+            raise bad_request(shape, param="messages")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
     return out
 
 
@@ -395,15 +416,17 @@ def _content(content: Any, i: int) -> str:
                       param="messages")
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer: Any,
-                chat_template: str | None) -> str:
-    """The prompt text of ``messages`` (with the generation prompt), by ``chat_template``
-    or the tokenizer's own. :raises APIError: 400 when there is no template or it fails."""
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any,
+                chat_template: str | None, tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of ``messages`` (with the generation prompt, and ``tools`` for
+    templates that describe them), by ``chat_template`` or the tokenizer's own.
+    :raises APIError: 400 when there is no template or it fails."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; start the server with one",
                        param="messages")
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=chat_template,
+        return tokenizer.apply_chat_template(template_messages(messages),
+                                             chat_template=chat_template, tools=tools,
                                              tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # a Jinja error caused by the messages
         raise bad_request(f"the chat template failed on these messages: {exc}",

@@ -6,6 +6,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from quire.entrypoints.server.tool_parsers import ToolParser
+from quire.entrypoints.server.tools import ToolRequest, openai_calls
 from quire.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -87,10 +89,18 @@ class Shaper:
 
     def __init__(self, *, chat: bool, model: str, request_id: str, top_logprobs: int | None,
                  decode: Any, echo_prompt: str | None = None, index_base: int = 0,
-                 created: int | None = None) -> None:
+                 created: int | None = None, tools: ToolRequest | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         """:param index_base: added to each choice's index (the ``i * n`` of prompt ``i``
             when one completions request carries several prompts).
-        :param echo_prompt: completions only: text put in front of each choice's text."""
+        :param echo_prompt: completions only: text put in front of each choice's text.
+        :param tools: chat only: the request's tools; answers then carry ``tool_calls``
+            (streamed: text before a call goes at once, the calls when the choice ends).
+        :param tool_parser: reads ``tool_choice: "auto"`` calls from the model's format."""
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.tool_parser = tool_parser
+        self._text: dict[int, str] = {}  # streams with tools: each choice's text so far
+        self._shown: dict[int, int] = {}  # ... and how much of it went out as content
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -122,9 +132,17 @@ class Shaper:
         for c in out.outputs:
             index = self.index_base + c.index
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.calls(c.text, self.tool_parser)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": openai_calls(calls)}
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": index, "message": message,
                           "logprobs": self._logprobs(out, c, 0, 0),
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                          "finish_reason": reason, "stop_reason": c.stop_reason}
             else:
                 prefix = self.echo_prompt or ""
                 choice = {"index": index, "text": prefix + c.text,
@@ -159,6 +177,9 @@ class Shaper:
             offset = chars + len(self.echo_prompt or "")
             logprobs = self._logprobs(out, c, 0, offset, with_prompt=first)
             index = self.index_base + c.index
+            if self.chat and self.tools is not None:
+                yield from self._tool_chunks(c, index, delta_text, first, logprobs)
+                continue
             if self.chat:
                 delta: dict[str, Any] = {"content": delta_text}
                 if first:
@@ -169,6 +190,41 @@ class Shaper:
                 choice = {"index": index, "text": delta_text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             yield self.chunk([choice])
+
+    def _tool_chunks(self, c: CompletionOutput, index: int, delta_text: str, first: bool,
+                     logprobs: Any) -> Iterator[dict[str, Any]]:
+        """A chat stream with tools: text that cannot be part of a call goes out at once;
+        what may be goes out when the choice ends, as ``tool_calls`` deltas if it parses
+        as calls, as content if not."""
+        assert self.tools is not None
+        text = self._text[c.index] = self._text.get(c.index, "") + delta_text
+        shown = self._shown.get(c.index, 0)
+        if c.finish_reason is None:
+            if self.tools.choice == "auto" and self.tool_parser is not None:
+                safe = self.tool_parser.content_before_call(text)
+            else:
+                safe = ""  # a required or named call is the whole answer
+            delta: dict[str, Any] = {"content": safe[shown:]} if len(safe) > shown else {}
+            self._shown[c.index] = max(shown, len(safe))
+            if first:
+                delta["role"] = "assistant"
+            if delta or logprobs is not None:
+                yield self.chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                                   "finish_reason": None}])
+            return
+        content, calls = self.tools.calls(text, self.tool_parser)
+        delta = {"role": "assistant"} if first else {}
+        if calls:
+            rest = (content or "")[shown:]
+            if rest:
+                delta["content"] = rest
+            delta["tool_calls"] = [{"index": i, **call}
+                                   for i, call in enumerate(openai_calls(calls))]
+        elif len(text) > shown:
+            delta["content"] = text[shown:]
+        reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        yield self.chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": reason}])
 
     def usage(self) -> dict[str, int]:
         """Token counts of what was streamed (prompt counted once it was seen)."""
