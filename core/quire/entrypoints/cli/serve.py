@@ -90,6 +90,7 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                         help="how long an idle keep-alive connection is kept open "
                              "(default: %(default)s)")
+    from quire.entrypoints.server.reasoning_parsers import PARSERS as REASONING
     from quire.entrypoints.server.tool_parsers import PARSERS
 
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
@@ -97,6 +98,10 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                              "'auto': hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.x), "
                              "mistral; without it only 'required' and named tool choices "
                              "work")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING),
+                        help="put a reasoning model's thinking in reasoning_content, apart "
+                             "from the answer: qwen3 (<think>...</think> first), "
+                             "deepseek_r1 (thinking up to </think>)")
     parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
                         help="API server processes sharing the port: each runs HTTP, "
                              "tokenization and detokenization, all feeding the same "
@@ -216,7 +221,8 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
                                api_servers=args.api_server_count)
     app = create_app(async_engine, args.served_model_name or args.model,
                      api_key=api_key_from(args), limits=limits, chat_template=template,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
     # the app's lifespan shutdown (which joins the engine thread) and returns; its own
     # timeout is only a backstop, as the drain ends every stream first. Our AccessLog

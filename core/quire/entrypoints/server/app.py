@@ -58,6 +58,7 @@ from quire.entrypoints.server.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from quire.entrypoints.server.reasoning_parsers import PARSERS as REASONING
 from quire.entrypoints.server.request_body import parse_json
 from quire.entrypoints.server.responses import Shaper, usage
 from quire.entrypoints.server.tokenizer_pool import TokenizerPool
@@ -78,9 +79,11 @@ class _Api:
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
                  limits: ServerLimits, chat_template: str | None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.tool_parser = PARSERS[tool_call_parser]() if tool_call_parser else None
+        self.reasoning = REASONING[reasoning_parser]() if reasoning_parser else None
         self.model = served_model_name
         self.api_key = api_key
         self.limits = limits
@@ -211,6 +214,10 @@ class _Api:
     async def _generate(self, request: Request, parsed: ParsedRequest,
                         chat: bool) -> Response:
         spec = parsed.params.structured_outputs
+        if spec is not None and chat and self.reasoning is not None:
+            raise bad_request(f"{parsed.grammar_param}: a grammar cannot yet be held to the "
+                              "answer after a reasoning model's thinking "
+                              "(--reasoning-parser)", param=parsed.grammar_param)
         if spec is not None:
             try:
                 await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
@@ -226,7 +233,7 @@ class _Api:
             Shaper(chat=chat, model=self.model, request_id=request_id,
                    top_logprobs=parsed.top_logprobs, decode=decode, created=created,
                    index_base=i * parsed.params.n, tools=parsed.tools,
-                   tool_parser=self.tool_parser,
+                   tool_parser=self.tool_parser, reasoning=self.reasoning if chat else None,
                    echo_prompt=_echo_text(text, ids, decode) if parsed.echo else None)
             for i, (text, ids) in enumerate(parsed.prompts())]
         if parsed.stream:
@@ -402,7 +409,8 @@ def _sum_usage(parts: list[dict[str, int]]) -> dict[str, int]:
 def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
                limits: ServerLimits | None = None,
                chat_template: str | None = None,
-               tool_call_parser: str | None = None) -> Starlette:
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Starlette:
     """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
 
     :param api_key: when set, ``/v1/*`` and the tokenizer routes need
@@ -411,9 +419,11 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
     :param chat_template: a Jinja template used instead of the tokenizer's own.
     :param tool_call_parser: the model family's tool-call format, for ``tool_choice:
         "auto"`` (a name of :data:`~quire.entrypoints.server.tool_parsers.PARSERS`).
+    :param reasoning_parser: the model's thinking format, kept apart from the answer (a
+        name of :data:`~quire.entrypoints.server.reasoning_parsers.PARSERS`).
     """
     api = _Api(async_engine, served_model_name, api_key, limits or ServerLimits(),
-               chat_template, tool_call_parser)
+               chat_template, tool_call_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

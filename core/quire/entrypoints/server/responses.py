@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from quire.entrypoints.server.tool_parsers import ToolParser
+from quire.entrypoints.server.reasoning_parsers import ReasoningParser
+from quire.entrypoints.server.tool_parsers import ToolCall, ToolParser
 from quire.entrypoints.server.tools import ToolRequest, openai_calls
 from quire.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -90,17 +91,22 @@ class Shaper:
     def __init__(self, *, chat: bool, model: str, request_id: str, top_logprobs: int | None,
                  decode: Any, echo_prompt: str | None = None, index_base: int = 0,
                  created: int | None = None, tools: ToolRequest | None = None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         """:param index_base: added to each choice's index (the ``i * n`` of prompt ``i``
             when one completions request carries several prompts).
         :param echo_prompt: completions only: text put in front of each choice's text.
         :param tools: chat only: the request's tools; answers then carry ``tool_calls``
             (streamed: text before a call goes at once, the calls when the choice ends).
-        :param tool_parser: reads ``tool_choice: "auto"`` calls from the model's format."""
+        :param tool_parser: reads ``tool_choice: "auto"`` calls from the model's format.
+        :param reasoning: chat only: splits the thinking (``reasoning_content``) from the
+            answer, which tool calls are then read from."""
         self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.reasoning = reasoning
         self.tool_parser = tool_parser
-        self._text: dict[int, str] = {}  # streams with tools: each choice's text so far
-        self._shown: dict[int, int] = {}  # ... and how much of it went out as content
+        self._text: dict[int, str] = {}  # split streams: each choice's text so far
+        # ... and how much of its thinking and of its content went out
+        self._shown: dict[int, tuple[int, int]] = {}
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -132,14 +138,18 @@ class Shaper:
         for c in out.outputs:
             index = self.index_base + c.index
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                thinking, text = (self.reasoning.split(c.text) if self.reasoning is not None
+                                  else (None, c.text))
+                message: dict[str, Any] = {"role": "assistant", "content": text}
                 reason = c.finish_reason
                 if self.tools is not None:
-                    content, calls = self.tools.calls(c.text, self.tool_parser)
+                    content, calls = self.tools.calls(text, self.tool_parser)
                     if calls:
                         message = {"role": "assistant", "content": content,
                                    "tool_calls": openai_calls(calls)}
                         reason = "tool_calls" if reason == "stop" else reason
+                if self.reasoning is not None:
+                    message["reasoning_content"] = thinking
                 choice = {"index": index, "message": message,
                           "logprobs": self._logprobs(out, c, 0, 0),
                           "finish_reason": reason, "stop_reason": c.stop_reason}
@@ -177,8 +187,8 @@ class Shaper:
             offset = chars + len(self.echo_prompt or "")
             logprobs = self._logprobs(out, c, 0, offset, with_prompt=first)
             index = self.index_base + c.index
-            if self.chat and self.tools is not None:
-                yield from self._tool_chunks(c, index, delta_text, first, logprobs)
+            if self.chat and (self.tools is not None or self.reasoning is not None):
+                yield from self._split_chunks(c, index, delta_text, first, logprobs)
                 continue
             if self.chat:
                 delta: dict[str, Any] = {"content": delta_text}
@@ -191,40 +201,41 @@ class Shaper:
                           "finish_reason": c.finish_reason}
             yield self.chunk([choice])
 
-    def _tool_chunks(self, c: CompletionOutput, index: int, delta_text: str, first: bool,
-                     logprobs: Any) -> Iterator[dict[str, Any]]:
-        """A chat stream with tools: text that cannot be part of a call goes out at once;
-        what may be goes out when the choice ends, as ``tool_calls`` deltas if it parses
-        as calls, as content if not."""
-        assert self.tools is not None
+    def _split_chunks(self, c: CompletionOutput, index: int, delta_text: str, first: bool,
+                      logprobs: Any) -> Iterator[dict[str, Any]]:
+        """A chat stream whose text is split: thinking (``reasoning_content``) and answer,
+        and in the answer text and tool calls. What is surely thinking or text goes out
+        at once; what may still turn into a tag or a call is held, and goes out when the
+        choice ends (as ``tool_calls`` deltas if it parses as calls, as text if not)."""
         text = self._text[c.index] = self._text.get(c.index, "") + delta_text
-        shown = self._shown.get(c.index, 0)
-        if c.finish_reason is None:
-            if self.tools.choice == "auto" and self.tool_parser is not None:
-                safe = self.tool_parser.content_before_call(text)
-            else:
-                safe = ""  # a required or named call is the whole answer
-            delta: dict[str, Any] = {"content": safe[shown:]} if len(safe) > shown else {}
-            self._shown[c.index] = max(shown, len(safe))
-            if first:
-                delta["role"] = "assistant"
-            if delta or logprobs is not None:
-                yield self.chunk([{"index": index, "delta": delta, "logprobs": logprobs,
-                                   "finish_reason": None}])
-            return
-        content, calls = self.tools.calls(text, self.tool_parser)
-        delta = {"role": "assistant"} if first else {}
+        final = c.finish_reason is not None
+        thinking, answer = (self.reasoning.split(text, final) if self.reasoning is not None
+                            else (None, text))
+        calls: list[ToolCall] = []
+        if self.tools is None:
+            content = answer
+        elif final:
+            parsed, calls = self.tools.calls(answer, self.tool_parser)
+            content = parsed or ""
+        elif self.tools.choice == "auto" and self.tool_parser is not None:
+            content = self.tool_parser.content_before_call(answer)
+        else:
+            content = ""  # a required or named call is the whole answer
+        sent_thinking, sent_content = self._shown.get(c.index, (0, 0))
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if thinking and len(thinking) > sent_thinking:
+            delta["reasoning_content"] = thinking[sent_thinking:]
+        if len(content) > sent_content:
+            delta["content"] = content[sent_content:]
         if calls:
-            rest = (content or "")[shown:]
-            if rest:
-                delta["content"] = rest
             delta["tool_calls"] = [{"index": i, **call}
                                    for i, call in enumerate(openai_calls(calls))]
-        elif len(text) > shown:
-            delta["content"] = text[shown:]
+        self._shown[c.index] = (max(sent_thinking, len(thinking or "")),
+                                max(sent_content, len(content)))
         reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-        yield self.chunk([{"index": index, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": reason}])
+        if delta or logprobs is not None or final:
+            yield self.chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                               "finish_reason": reason}])
 
     def usage(self) -> dict[str, int]:
         """Token counts of what was streamed (prompt counted once it was seen)."""

@@ -1,0 +1,82 @@
+"""Reasoning parsers on recorded answers, and the chat shaper that streams thinking as
+``reasoning_content`` apart from the answer (and tool calls read from the answer only)."""
+
+from __future__ import annotations
+
+import pytest
+from quire.entrypoints.server.reasoning_parsers import DeepSeekR1Parser, ReasoningParser
+from quire.entrypoints.server.responses import Shaper
+from quire.entrypoints.server.tool_parsers import HermesParser
+from quire.entrypoints.server.tools import parse_tools
+from quire.outputs import CompletionOutput, RequestOutput
+
+THOUGHT = "<think>\nThe user asks for France's capital.\n</think>\n\nParis."
+
+
+@pytest.mark.parametrize("parser, text, split", [
+    (ReasoningParser(), THOUGHT, ("The user asks for France's capital.\n", "Paris.")),
+    (ReasoningParser(), "Paris.", (None, "Paris.")),  # thinking switched off
+    (ReasoningParser(), "<think>cut while thinking", ("cut while thinking", "")),
+    (DeepSeekR1Parser(), "hmm</think>Paris.", ("hmm", "Paris.")),
+    (DeepSeekR1Parser(), "<think>hmm</think>Paris.", ("hmm", "Paris.")),
+    (DeepSeekR1Parser(), "no end tag", ("no end tag", "")),
+])
+def test_recorded_answers_split(parser, text, split):
+    assert parser.split(text) == split
+
+
+def test_partial_tags_are_held_while_streaming():
+    q = ReasoningParser()
+    assert q.split("<thi", final=False) == (None, "")
+    assert q.split("<think>abc</th", final=False) == ("abc", "")
+    assert q.split("Par", final=False) == (None, "Par")
+
+
+def _stream(shaper: Shaper, text: str, piece: int = 3) -> list[dict]:
+    chunks = []
+    for at in range(0, len(text), piece):
+        end = at + piece >= len(text)
+        out = RequestOutput("r", None, [1], [CompletionOutput(
+            0, text[at:at + piece], [1], finish_reason="stop" if end else None)], end)
+        chunks += [c["choices"][0] for c in shaper.chunks(out)]
+    return chunks
+
+
+def _shaper(**kw) -> Shaper:
+    return Shaper(chat=True, model="m", request_id="r", top_logprobs=None,
+                  decode=lambda ids: "", **kw)
+
+
+def test_streamed_thinking_and_answer_equal_the_whole_message():
+    whole = _shaper(reasoning=ReasoningParser()).whole(RequestOutput(
+        "r", None, [1], [CompletionOutput(0, THOUGHT, [1], finish_reason="stop")], True))
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user asks for France's capital.\n"
+    assert message["content"] == "Paris."
+    chunks = _stream(_shaper(reasoning=ReasoningParser()), THOUGHT)
+    thinking = "".join(c["delta"].get("reasoning_content", "") for c in chunks)
+    answer = "".join(c["delta"].get("content", "") for c in chunks)
+    assert thinking == message["reasoning_content"] and answer == message["content"]
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_thinking():
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                        HermesParser())
+    text = ('<think>I should call f.</think>\nOne moment. <tool_call>{"name": "f", '
+            '"arguments": {"a": 1}}</tool_call>')
+    kw = dict(reasoning=ReasoningParser(), tools=tools, tool_parser=HermesParser())
+    whole = _shaper(**kw).whole(RequestOutput(
+        "r", None, [1], [CompletionOutput(0, text, [1], finish_reason="stop")], True))
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "I should call f."
+    assert choice["message"]["content"] == "One moment."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    chunks = _stream(_shaper(**kw), text, piece=5)
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+    assert [t["function"] for t in calls] == [call["function"]]
+    assert "".join(c["delta"].get("content", "") for c in chunks).strip() == "One moment."
+    assert "<tool_call>" not in "".join(c["delta"].get("reasoning_content", "")
+                                        for c in chunks)
