@@ -238,10 +238,46 @@ def test_auto_reads_the_models_own_format(client):
     assert calls[0].function.arguments == call.function.arguments
 
 
-def test_anthropic_tools_are_refused_in_anthropic_shape(server):
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The weather in a city",
+                     "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_anthropic_tool_use_round_trip_streamed_and_not(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    args = dict(model=MODEL, max_tokens=200, tools=[ANTHROPIC_WEATHER],
+                tool_choice={"type": "any"},
+                messages=[{"role": "user", "content": "Weather in Paris?"}])
+    message = client.messages.create(**args)
+    assert message.stop_reason == "tool_use"
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and set(use.input) == {"city", "unit"}
+    with client.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    [streamed] = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and streamed.name == "get_weather"
+    assert set(streamed.input) == {"city", "unit"}
+    answer = client.messages.create(
+        model=MODEL, max_tokens=8, tools=[ANTHROPIC_WEATHER], messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id,
+                                               "name": use.name, "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "sunny, 21 C"}]}],
+        tool_choice={"type": "none"})
+    assert answer.content[0].type == "text"
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_anthropic_named_tool_and_bad_choice(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    message = client.messages.create(
+        model=MODEL, max_tokens=200, tools=[ANTHROPIC_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather?"}])
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.input["unit"] in ("c", "f")
     with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.create(model=MODEL, max_tokens=4,
-                               messages=[{"role": "user", "content": "hi"}],
-                               tools=[{"name": "f", "input_schema": {"type": "object"}}])
-    assert "tools" in str(refused.value)
+        client.messages.create(model=MODEL, max_tokens=4, tools=[ANTHROPIC_WEATHER],
+                               tool_choice={"type": "tool", "name": "nope"},
+                               messages=[{"role": "user", "content": "hi"}])
+    assert "tool_choice" in str(refused.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import secrets
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ from quire.entrypoints.server.protocol import (
     get,
     render_chat,
 )
+from quire.entrypoints.server.tool_parsers import ToolParser
+from quire.entrypoints.server.tools import ToolRequest, parse_tools
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -57,37 +60,72 @@ def check_api_key(headers: Mapping[str, str], api_key: str | None) -> None:
 
 
 def parse_messages(body: Mapping[str, Any], chat_template: str | None,
-                   bounds: RequestBounds, *, tokenizer: Any) -> ParsedRequest:
+                   bounds: RequestBounds, tool_parser: ToolParser | None = None, *,
+                   tokenizer: Any) -> ParsedRequest:
     """A ``/v1/messages`` body; blocking (it renders and tokenizes the prompt), checked
     cheapest first. :raises APIError: 400 naming the bad field."""
     model = _required(body, "model", str)
     max_tokens = _required(body, "max_tokens", int)
-    _refuse_tools(body)
+    tools = _tools(body, tool_parser)
     chat = _turns(body.get("messages"))
     system = _system(body.get("system"))
     if system is not None:
         chat.insert(0, {"role": "system", "content": system})
     bounds.check_prompt_bytes(sum(len(t["content"].encode("utf-8")) for t in chat))
     params = _sampling_params(body, max_tokens, bounds)
+    if tools is not None:
+        params.structured_outputs = tools.grammar()
     # A last assistant turn is a prefill: the answer continues it rather than following it.
-    prefill = chat.pop()["content"] if chat[-1]["role"] == "assistant" else ""
-    text = render_chat(chat, tokenizer, chat_template) + prefill
+    prefill = ""
+    if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
+        prefill = chat.pop()["content"]
+    text = render_chat(chat, tokenizer, chat_template,
+                       tools.tools if tools is not None else None) + prefill
     return ParsedRequest(model=model, prompt=text,
                          token_ids=tokenizer.encode(text, add_special_tokens=False),
                          params=params, stream=get(body, "stream", bool, False),
-                         include_usage=False, top_logprobs=None)
+                         include_usage=False, top_logprobs=None, tools=tools,
+                         grammar_param="tools" if params.structured_outputs else None)
 
 
-def _refuse_tools(body: Mapping[str, Any]) -> None:
-    """Tool use is not built yet: asking for it is a 400 naming the field, not free text
-    (``tool_choice: {"type": "none"}`` asks for nothing)."""
-    if body.get("tools"):
-        raise bad_request("tools: tool use is not supported by this server yet",
-                          param="tools")
+def _tools(body: Mapping[str, Any], parser: ToolParser | None) -> ToolRequest | None:
+    """Anthropic's ``tools`` (``name``, ``description``, ``input_schema``) and
+    ``tool_choice`` (``auto``, ``any``, ``tool`` + ``name``, ``none``;
+    ``disable_parallel_tool_use``), as the OpenAI route's tool request."""
+    tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice is not None and not (isinstance(choice, Mapping) and choice.get("type") == "none"):
-        raise bad_request("tool_choice: tool use is not supported by this server yet",
+    if not tools:
+        if choice is not None and not (isinstance(choice, Mapping)
+                                       and choice.get("type") in ("none", "auto")):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of {name, description, input_schema}",
+                          param="tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, Mapping) and isinstance(tool.get("name"), str)
+                and isinstance(tool.get("input_schema", {}), Mapping)):
+            raise bad_request(f"tools[{i}] must be {{name, description, input_schema}}",
+                              param=f"tools[{i}]")
+        fn = {"name": tool["name"], "parameters": dict(tool.get("input_schema") or {})}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        functions.append({"type": "function", "function": fn})
+    choice = choice if choice is not None else {"type": "auto"}
+    if not isinstance(choice, Mapping):
+        raise bad_request("tool_choice must be {type: auto|any|tool|none}",
                           param="tool_choice")
+    kind = choice.get("type")
+    openai_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        openai_choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if openai_choice is None:
+        raise bad_request(f"tool_choice.type must be auto, any, tool or none, got {kind!r}",
+                          param="tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    return parse_tools({"tools": functions, "tool_choice": openai_choice,
+                        "parallel_tool_calls": parallel}, parser)
 
 
 def _required(body: Mapping[str, Any], name: str, kind: type) -> Any:
@@ -96,24 +134,65 @@ def _required(body: Mapping[str, Any], name: str, kind: type) -> Any:
     return get(body, name, kind)
 
 
-def _turns(messages: Any) -> list[dict[str, str]]:
+def _turns(messages: Any) -> list[dict[str, Any]]:
     """``messages`` as chat-template turns; consecutive turns of one role become one, as
-    Anthropic combines them (templates often insist that roles alternate)."""
+    Anthropic combines them (templates often insist that roles alternate). An
+    assistant's ``tool_use`` blocks become its ``tool_calls``, a user's ``tool_result``
+    blocks become ``tool`` messages (as the OpenAI route takes them)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
-    turns: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in _ROLES:
             raise bad_request(f"messages[{i}] must be an object with role 'user' or "
                               f"'assistant', got role {role!r}",
                               param=f"messages[{i}].role")
-        text = _text(msg.get("content"), f"messages[{i}].content")
-        if turns and turns[-1]["role"] == role:
+        field = f"messages[{i}].content"
+        text, calls, results = _blocks(msg.get("content"), field, role)
+        for tool_use_id, result in results:
+            turns.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
+        if results and not text:
+            continue
+        if turns and turns[-1]["role"] == role and not calls \
+                and not turns[-1].get("tool_calls"):
             turns[-1]["content"] += "\n\n" + text
-        else:
-            turns.append({"role": role, "content": text})
+            continue
+        turn: dict[str, Any] = {"role": role, "content": text}
+        if calls:
+            turn["tool_calls"] = calls
+        turns.append(turn)
     return turns
+
+
+def _blocks(content: Any, field: str, role: str
+            ) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
+    """(text, tool calls, tool results) of a message's content."""
+    if isinstance(content, str):
+        return check_text(content, field, field), [], []
+    if not isinstance(content, list):
+        raise bad_request(f"{field} must be a string or a list of content blocks",
+                          param=field)
+    parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[tuple[str, str]] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"{field}[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": block["name"],
+                                       "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            results.append((str(block.get("tool_use_id", "")),
+                            _text(block.get("content", ""), where + ".content")))
+        else:
+            raise bad_request(f"{where} must be a text block, an assistant's tool_use or a "
+                              f"user's tool_result; block type {kind!r} is not supported",
+                              param=where)
+    return check_text("".join(parts), field, field), calls, results
 
 
 def _system(system: Any) -> str | None:
@@ -176,7 +255,15 @@ class MessageShaper:
     the event name); for streams it counts the tokens sent."""
 
     def __init__(self, *, model: str, request_id: str, input_tokens: int,
-                 max_tokens: int | None) -> None:
+                 max_tokens: int | None, tools: ToolRequest | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
+        """:param tools: the request's tools: answers then carry ``tool_use`` blocks
+            (streamed: text that cannot begin a call at once, each call's input as one
+            ``input_json_delta`` when the answer ends)."""
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.tool_parser = tool_parser
+        self._text = ""  # streams with tools: the text so far, and how much went out
+        self._shown = 0
         self.model = model
         self.id = "msg_" + request_id
         self.input_tokens = input_tokens
@@ -186,16 +273,32 @@ class MessageShaper:
 
     def _message(self, c: CompletionOutput | None) -> dict[str, Any]:
         """The Message for the finished output ``c``, or the empty one a stream opens."""
-        content: list[dict[str, str]] = []
+        content: list[dict[str, Any]] = []
         reason, sequence, output_tokens = None, None, 0
         if c is not None:
             content = [{"type": "text", "text": c.text}]
             reason, sequence = stop_reason(c, self.max_tokens)
             output_tokens = len(c.token_ids)
+            calls = self._calls(c.text)
+            if calls is not None:
+                text, uses = calls
+                content = ([{"type": "text", "text": text}] if text else []) + uses
+                reason = "tool_use" if reason == "end_turn" else reason
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": self.input_tokens,
                           "output_tokens": output_tokens}}
+
+    def _calls(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        """(text, tool_use blocks) when the answer made calls, else None."""
+        if self.tools is None:
+            return None
+        content, calls = self.tools.calls(text, self.tool_parser)
+        if not calls:
+            return None
+        return content or "", [{"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                                "name": c.name, "input": json.loads(c.arguments)}
+                               for c in calls]
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
         return self._message(out.outputs[0])
@@ -213,17 +316,43 @@ class MessageShaper:
             return []
         c = out.outputs[0]
         self.output_tokens += len(c.token_ids)
-        if not c.text:
+        text = c.text
+        if self.tools is not None:  # hold what may begin a call
+            self._text += c.text
+            if self.tools.choice == "auto" and self.tool_parser is not None:
+                safe = self.tool_parser.content_before_call(self._text)
+            else:
+                safe = ""
+            text, self._shown = safe[self._shown:], max(self._shown, len(safe))
+        if not text:
             return []
         return [{"type": "content_block_delta", "index": 0,
-                 "delta": {"type": "text_delta", "text": c.text}}]
+                 "delta": {"type": "text_delta", "text": text}}]
 
     def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The closing events; ``out`` is the last ``DELTA`` output."""
         reason, sequence = stop_reason(out.outputs[0], self.max_tokens,
                                        self.output_tokens)
-        return [{"type": "content_block_stop", "index": 0},
-                {"type": "message_delta",
+        events: list[dict[str, Any]] = []
+        calls = self._calls(self._text) if out.outputs[0].finish_reason else None
+        uses: list[dict[str, Any]] = []
+        if self.tools is not None:
+            rest = calls[0] if calls is not None else self._text
+            if len(rest) > self._shown:
+                events.append({"type": "content_block_delta", "index": 0,
+                               "delta": {"type": "text_delta", "text": rest[self._shown:]}})
+            if calls is not None:
+                uses = calls[1]
+                reason = "tool_use" if reason == "end_turn" else reason
+        events.append({"type": "content_block_stop", "index": 0})
+        for i, use in enumerate(uses, start=1):
+            events += [{"type": "content_block_start", "index": i,
+                        "content_block": {**use, "input": {}}},
+                       {"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta",
+                                  "partial_json": json.dumps(use["input"])}},
+                       {"type": "content_block_stop", "index": i}]
+        return events + [{"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": {"output_tokens": self.output_tokens}},
                 {"type": "message_stop"}]

@@ -255,14 +255,21 @@ class _Api:
         body = await self.read_json(request)
         self.check_model(body, required=True)
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
-                                     self.bounds)
+                                     self.bounds, self.tool_parser)
+        spec = parsed.params.structured_outputs
+        if spec is not None:  # a required or named tool's grammar
+            try:
+                await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
+            except ValueError as exc:
+                raise bad_request(str(exc), param="tools") from None
         abandoned = asyncio.Event()
         stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
                                    abandoned)
         request.state.request_id = stream.request_id
         shaper = anthropic.MessageShaper(
             model=self.model, request_id=stream.request_id,
-            input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens)
+            input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens,
+            tools=parsed.tools, tool_parser=self.tool_parser)
         if parsed.stream:
             return EventStream(anthropic.events(stream, shaper, request.state),
                                send_timeout=self.limits.stream_send_timeout_s,
