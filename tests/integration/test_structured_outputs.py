@@ -79,3 +79,43 @@ def test_a_bad_grammar_is_refused_before_anything_runs(tiny_checkpoint):
             llm.generate(["a"], SamplingParams(structured_outputs={"regex": "a(b"}))
         assert not llm.engine.has_unfinished_requests()
         assert llm.generate(["a"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_a_grammar_holds_only_the_answer_after_the_thinking(tiny_checkpoint):
+    """Two token ids stand in for <think> and </think>: the first token may open the
+    thinking (a bias makes it), nothing is masked until the end marker (a bias makes it
+    come soon), and then the grammar holds the answer."""
+    from quire.config import EngineConfig
+    from quire.engine import LLMEngine
+    from quire.engine.messages import ThinkingTokens
+
+    start, end = 300, 301
+    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu"))
+    try:
+        digits = {"regex": "[0-9]{3}"}
+        for seed in range(4):
+            engine.add_request([5, 6, 7], SamplingParams(
+                temperature=1.0, seed=seed, max_tokens=80, structured_outputs=digits,
+                logit_bias={start: 10.0, end: 10.0}),
+                thinking=ThinkingTokens(end=end, start=start))
+        # answering at once: the start marker is only a choice for the first token
+        engine.add_request([5, 6, 7], SamplingParams(
+            temperature=1.0, seed=9, max_tokens=20, structured_outputs=digits),
+            thinking=ThinkingTokens(end=end, start=start))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    finally:
+        engine.shutdown()
+    decode = engine.tokenizer.decode
+    for out in outs:
+        ids = out.outputs[0].token_ids
+        if ids[0] == start:
+            assert end in ids, ids
+            answer = ids[ids.index(end) + 1:]
+            assert ids.index(end) >= 1
+        else:
+            answer = ids
+        assert re.fullmatch("[0-9]{3}", decode(answer)), (ids, decode(answer))
+        assert out.outputs[0].finish_reason == "stop"
+    assert sum(o.outputs[0].token_ids[0] == start for o in outs) == 4

@@ -30,6 +30,7 @@ from quire.engine.messages import (
     EngineStats,
     PromptLogprobs,
     SeqUpdate,
+    ThinkingTokens,
 )
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
@@ -68,6 +69,35 @@ class _Request:
     def finished(self) -> bool:
         return len(self.seqs) == self.request.params.n and all(
             s.is_finished for s in self.seqs)
+
+
+class _Thinking:
+    """Where a sequence stands in its thinking: ``first`` (its first token may open
+    it), ``thinking`` (no grammar), ``answer`` (the grammar holds every token)."""
+
+    def __init__(self, tokens: ThinkingTokens) -> None:
+        self.tokens = tokens
+        self.phase = "thinking" if tokens.start is None else "first"
+
+    def answering(self, token: int) -> bool:
+        """Advance past a sampled token; True when the grammar is to take it."""
+        if self.phase == "first":
+            self.phase = "thinking" if token == self.tokens.start else "answer"
+            return self.phase == "answer"
+        if self.phase == "thinking":
+            if token == self.tokens.end:
+                self.phase = "answer"
+            return False
+        return True
+
+
+_ANSWERING = _Thinking(ThinkingTokens(end=-1, start=-1))
+_ANSWERING.phase = "answer"
+
+
+def _bit(index: int) -> int:
+    """Bit ``index`` of an int32 word, as the signed value torch stores."""
+    return (1 << index) - (1 << 32) if index == 31 else 1 << index
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> list[int]:
@@ -172,6 +202,7 @@ class EngineCore:
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarBackend | None = None
         self._matchers: dict[int, Matcher] = {}  # by seq_id, for structured outputs
+        self._thinking: dict[int, _Thinking] = {}  # by seq_id: grammars held after it
         self._finished: list[str] = []  # ended since the last output
         self._num_requests = 0
         self._next_seq_id = 0
@@ -207,7 +238,7 @@ class EngineCore:
         tokens = check_request(rid, request.prompt_token_ids, request.params, self.config,
                                self.vocab_size, self.block_manager.num_blocks)
         seq = self._new_sequence(request, tokens, index=0)
-        self._start_matcher(seq)
+        self._start_matcher(seq, request.thinking)
         self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
                                               self.config.max_model_len))
         self._requests[rid] = _Request(request, [seq])
@@ -241,15 +272,18 @@ class EngineCore:
                                                   sorted(self.eos_token_ids))
         return self._grammars
 
-    def _start_matcher(self, seq: Sequence) -> None:
+    def _start_matcher(self, seq: Sequence, thinking: ThinkingTokens | None) -> None:
         spec = seq.params.structured_outputs
         if spec is not None:
             self._matchers[seq.seq_id] = self.grammars().matcher(spec)
+            if thinking is not None:
+                self._thinking[seq.seq_id] = _Thinking(thinking)
 
     def _release(self, seq: Sequence) -> None:
         """What a finished sequence held besides its pages: its generator, its matcher."""
         self.sampler.release(seq.seq_id)
         self._matchers.pop(seq.seq_id, None)
+        self._thinking.pop(seq.seq_id, None)
 
     def abort_all(self) -> None:
         """Abort every request (after a failed step)."""
@@ -333,7 +367,8 @@ class EngineCore:
                 seq.output_token_ids.append(token)
                 reason = self._stop_reason(seq, token)
                 matcher = self._matchers.get(seq.seq_id)
-                if matcher is not None:
+                gate = self._thinking.get(seq.seq_id)
+                if matcher is not None and (gate is None or gate.answering(token)):
                     matcher.accept(token)
                     if reason is None and matcher.is_terminated():
                         reason = "stop"  # the grammar is complete (vLLM stops it too)
@@ -357,12 +392,19 @@ class EngineCore:
         next; the other rows are untouched."""
         if not self._matchers:
             return
-        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in self._matchers]
+        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in self._matchers
+                and self._thinking.get(seq.seq_id, _ANSWERING).phase != "thinking"]
         if not rows:
             return
         bitmask = torch.empty((len(rows), bitmask_words(logits.shape[1])), dtype=torch.int32)
         for i, r in enumerate(rows):
-            self._matchers[seqs[r].seq_id].fill_bitmask(bitmask, i)
+            seq_id = seqs[r].seq_id
+            self._matchers[seq_id].fill_bitmask(bitmask, i)
+            gate = self._thinking.get(seq_id)
+            if gate is not None and gate.phase == "first":  # may open its thinking
+                start = gate.tokens.start
+                assert start is not None
+                bitmask[i, start // 32] |= _bit(start % 32)
         apply_bitmask(logits, bitmask, rows)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -392,7 +434,7 @@ class EngineCore:
                                        arrival=parent.arrival)
             self.scheduler.fork(parent, child)
             req.seqs.append(child)
-            self._start_matcher(child)
+            self._start_matcher(child, req.request.thinking)
 
     def _prompt_logprobs(self, req: _Request, first_pos: int,
                          logits: torch.Tensor) -> PromptLogprobs | None:

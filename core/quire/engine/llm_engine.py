@@ -19,7 +19,7 @@ import torch
 from quire.config import EngineConfig, ResolvedConfig
 from quire.engine.core import EngineCore, check_request
 from quire.engine.core_client import CoreClient, InprocCoreClient
-from quire.engine.messages import CoreOutputs, CoreRequest, EngineStats
+from quire.engine.messages import CoreOutputs, CoreRequest, EngineStats, ThinkingTokens
 from quire.engine.output_processor import OutputProcessor, RequestState
 from quire.model_store import resolve_model
 from quire.outputs import RequestOutput, RequestOutputKind
@@ -99,8 +99,12 @@ class LLMEngine:
         prompt: str | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        thinking: ThinkingTokens | None = None,
     ) -> str:
         """Queue a request. Checks everything before anything is scheduled.
+
+        :param thinking: a reasoning model's thinking markers: a grammar
+            (``structured_outputs``) then holds only the answer after the thinking.
 
         :param priority: lower is admitted first (vLLM's name); equal priorities go first
             come, first served. Sample ``i`` of the request gets ``priority + i``.
@@ -116,7 +120,8 @@ class LLMEngine:
                                self.info.num_blocks)
         if params.structured_outputs is not None:
             self.grammars().check(params.structured_outputs)
-        self.client.add_request(CoreRequest(rid, tokens, params, arrival_time, priority))
+        self.client.add_request(CoreRequest(rid, tokens, params, arrival_time, priority,
+                                            thinking=thinking))
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                            arrival_time=arrival_time)

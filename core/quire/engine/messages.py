@@ -34,6 +34,16 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_requests: int = 0
 
 
+class ThinkingTokens(msgspec.Struct, frozen=True):
+    """Where a reasoning model's thinking is, so that a grammar holds only the answer
+    after it: between ``start`` and ``end`` nothing is masked. ``start`` None: the
+    thinking begins with the output (its template opened it); otherwise the model may
+    open it with its first token, or answer at once."""
+
+    end: int
+    start: int | None = None
+
+
 class CoreRequest(msgspec.Struct, frozen=True):
     """A request as the core takes it: token ids and parameters, already checked by the
     front (the core checks again)."""
@@ -47,6 +57,8 @@ class CoreRequest(msgspec.Struct, frozen=True):
     priority: int = 0
     #: Which front (API server) reads its outputs, when several share a core.
     client: int = 0
+    #: With a grammar: the thinking it does not hold (None: it holds the whole output).
+    thinking: ThinkingTokens | None = None
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):

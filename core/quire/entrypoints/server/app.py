@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from quire import __version__
+from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server import anthropic
 from quire.entrypoints.server.access_log import AccessLog
 from quire.entrypoints.server.async_engine import (
@@ -148,7 +149,8 @@ class _Api:
 
     async def submit(self, token_ids: list[int], params: SamplingParams,
                      prompt: str | None, abandoned: asyncio.Event,
-                     num_prompts: int = 1, index: int = 0) -> RequestStream:
+                     num_prompts: int = 1, index: int = 0,
+                     thinking: ThinkingTokens | None = None) -> RequestStream:
         """Prompt ``index`` of ``num_prompts`` of one HTTP request as one engine request;
         engine refusals become API errors.
 
@@ -163,7 +165,8 @@ class _Api:
             return await self.engine.add_request(token_ids, params, prompt=prompt,
                                                  on_overflow=abandoned.set,
                                                  max_backlog=backlog,
-                                                 priority=index * params.n)
+                                                 priority=index * params.n,
+                                                 thinking=thinking)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -173,15 +176,15 @@ class _Api:
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
-    async def submit_all(self, parsed: ParsedRequest,
-                         abandoned: asyncio.Event) -> list[RequestStream]:
+    async def submit_all(self, parsed: ParsedRequest, abandoned: asyncio.Event,
+                         thinking: ThinkingTokens | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (a refusal aborts the others)."""
         streams: list[RequestStream] = []
         try:
             prompts = parsed.prompts()
             for i, (text, ids) in enumerate(prompts):
                 streams.append(await self.submit(ids, parsed.params, text, abandoned,
-                                                 len(prompts), i))
+                                                 len(prompts), i, thinking))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -214,17 +217,21 @@ class _Api:
     async def _generate(self, request: Request, parsed: ParsedRequest,
                         chat: bool) -> Response:
         spec = parsed.params.structured_outputs
+        thinking = None
         if spec is not None and chat and self.reasoning is not None:
-            raise bad_request(f"{parsed.grammar_param}: a grammar cannot yet be held to the "
-                              "answer after a reasoning model's thinking "
-                              "(--reasoning-parser)", param=parsed.grammar_param)
+            thinking = self.reasoning.tokens(self.engine.tokenizer)
+            if thinking is None:
+                raise bad_request(f"{parsed.grammar_param}: this model's thinking markers "
+                                  "are not single tokens, so a grammar cannot be held to "
+                                  "the answer after them (--reasoning-parser)",
+                                  param=parsed.grammar_param)
         if spec is not None:
             try:
                 await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
             except ValueError as exc:
                 raise bad_request(str(exc), param=parsed.grammar_param) from None
         abandoned = asyncio.Event()
-        streams = await self.submit_all(parsed, abandoned)
+        streams = await self.submit_all(parsed, abandoned, thinking)
         request_id = streams[0].request_id
         request.state.request_id = request_id
         decode = self.engine.tokenizer.decode

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from quire.engine import EngineStats, LLMEngine
+from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
@@ -68,6 +69,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     sink: _Sink
     accepted: asyncio.Future[None]
+    thinking: ThinkingTokens | None = None
 
 
 @dataclass
@@ -243,7 +245,8 @@ class AsyncEngine:
                           prompt: str | None = None, request_id: str | None = None,
                           on_overflow: Callable[[], None] | None = None,
                           max_backlog: int | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0,
+                          thinking: ThinkingTokens | None = None) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
         Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says.
@@ -253,6 +256,8 @@ class AsyncEngine:
         :param max_backlog: this request's cap on unread outputs (default:
             ``max_stream_backlog``).
         :param priority: the engine's admission priority (lower first).
+        :param thinking: a reasoning model's thinking markers: the request's grammar then
+            holds only the answer after its thinking.
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -284,7 +289,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, priority, loop, sink,
-                                accepted))
+                                accepted, thinking))
         try:
             await accepted
         except BaseException:
@@ -432,7 +437,8 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
-                                     request_id=cmd.request_id, priority=cmd.priority)
+                                     request_id=cmd.request_id, priority=cmd.priority,
+                                     thinking=cmd.thinking)
         except ValueError as exc:
             _resolve(cmd.loop, cmd.accepted, None, exc)
             return

@@ -17,6 +17,10 @@ tail that may still turn into a tag is held back.
 
 from __future__ import annotations
 
+from typing import Any
+
+from quire.engine.messages import ThinkingTokens
+
 START, END = "<think>", "</think>"
 
 
@@ -33,6 +37,15 @@ class ReasoningParser:
 
     #: True when the thinking starts with the answer, its opening tag in the prompt.
     opened_by_template = False
+
+    def tokens(self, tokenizer: Any) -> ThinkingTokens | None:
+        """The markers as the core takes them (a grammar then holds only the answer), or
+        None when the tokenizer does not have each as one token."""
+        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
+        if any(len(i) != 1 for i in ids):
+            return None
+        return ThinkingTokens(end=ids[1][0],
+                              start=None if self.opened_by_template else ids[0][0])
 
     def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, content) of ``text``; reasoning is None when there is none."""
