@@ -80,3 +80,20 @@ def test_tool_calls_are_read_from_the_answer_after_the_thinking():
     assert "".join(c["delta"].get("content", "") for c in chunks).strip() == "One moment."
     assert "<tool_call>" not in "".join(c["delta"].get("reasoning_content", "")
                                         for c in chunks)
+
+
+class _Vocab:
+    """A tokenizer stand-in: each listed tag is one token, anything else two."""
+
+    def __init__(self, single: dict[str, int]) -> None:
+        self.single = single
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.single[text]] if text in self.single else [1, 2]
+
+
+def test_thinking_markers_go_to_the_core_only_as_single_tokens():
+    vocab = _Vocab({"<think>": 7, "</think>": 8})
+    q, r = ReasoningParser().tokens(vocab), DeepSeekR1Parser().tokens(vocab)
+    assert (q.start, q.end) == (7, 8) and (r.start, r.end) == (None, 8)
+    assert ReasoningParser().tokens(_Vocab({"<think>": 7})) is None
