@@ -172,9 +172,18 @@ class LLMEngine:
             cumulative outputs of running requests, which nobody reads offline), whatever
             each request's ``output_kind``.
         """
-        changed: dict[str, RequestState] = {}
+        result: list[RequestOutput] = []
+        # one output per request per core step, as from a core in this process, even
+        # when several steps wait: a stream's backlog counts steps, whoever is behind
         for outputs in self.client.get_outputs(timeout):
+            changed: dict[str, RequestState] = {}
             self._apply(outputs, changed)
+            result += self._outputs(changed, final_only)
+        return result
+
+    def _outputs(self, changed: dict[str, RequestState],
+                 final_only: bool) -> list[RequestOutput]:
+        """What ``changed`` requests report, in their output kinds; finished ones leave."""
         result = []
         for rid, req in changed.items():
             finished = req.finished
