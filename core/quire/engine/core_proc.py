@@ -52,7 +52,7 @@ from quire.engine.messages import (
 )
 from quire.engine.placement import Placement
 from quire.executor.abstract import WorkerDied
-from quire.executor.multiproc import cores_of, die_with_parent
+from quire.executor.multiproc import cores_of, die_with_parent, reap
 
 if TYPE_CHECKING:  # the core imports the model code: only the core process loads it
     from quire.engine.core import EngineCore
@@ -130,7 +130,8 @@ class CoreProcesses:
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP.format(
-                    cores=cores, args=(self.workdir, engine, os.getpid(), sorted(blocked)))]))
+                    cores=cores, args=(self.workdir, engine, os.getpid(), sorted(blocked),
+                                       logging.getLogger("quire").getEffectiveLevel()))]))
 
     @property
     def pids(self) -> list[int]:
@@ -145,15 +146,9 @@ class CoreProcesses:
                 return f"engine core {engine} (pid {proc.pid}) died ({how})"
         return None
 
-    def stop(self, tell: CoreClient | None = None) -> None:
-        """Wait for the cores to exit (told by ``tell``'s shutdown), kill the late ones."""
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self) -> None:
+        """Wait for the cores to exit (once told to), kill the late ones, clean up."""
+        reap(self.procs, STOP_TIMEOUT_S)
         self._release()
 
 
@@ -375,14 +370,16 @@ def _close(sockets: list[zmq.Socket], context: zmq.Context) -> None:
 
 
 # -- the core's side -------------------------------------------------------------------------
-def _core_main(workdir: str, engine: int, parent_pid: int, blocked: list[str]) -> None:
+def _core_main(workdir: str, engine: int, parent_pid: int, blocked: list[str],
+               log_level: int = logging.INFO) -> None:
     """A core process: bind the inbox, build the core, serve fronts until told to stop."""
     die_with_parent()
     if os.getppid() != parent_pid:
         return
     # Ctrl-C reaches the whole process group; the server drains and stops us itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s core{engine} %(levelname)s "
+    # at the level of the process that started it (quire serve's --log-level)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s core{engine} %(levelname)s "
                         "%(name)s: %(message)s")
     with open(os.path.join(workdir, "config.json"), "rb") as f:
         config = msgspec.json.decode(f.read(), type=EngineConfig)

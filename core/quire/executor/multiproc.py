@@ -102,13 +102,7 @@ class MultiprocExecutor(RemoteExecutor):
             if proc.poll() is None:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(_SHUTDOWN, zmq.NOBLOCK)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self._procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        reap(self._procs, STOP_TIMEOUT_S)
         self._release()
 
     def check_health(self) -> None:
@@ -169,6 +163,17 @@ class MultiprocExecutor(RemoteExecutor):
                 self.shutdown()
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 raise WorkerDied(f"worker rank {rank} (pid {proc.pid}) died ({how})")
+
+
+def reap(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for ``procs`` to exit; kill the late ones."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _release(procs: list[subprocess.Popen[bytes]], sockets: list[zmq.Socket],

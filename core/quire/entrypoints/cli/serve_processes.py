@@ -27,7 +27,7 @@ import time
 from quire.config import EngineConfig
 from quire.engine.core_proc import CoreProcesses
 from quire.entrypoints.server.metrics import MULTIPROC_DIR_ENV
-from quire.executor.multiproc import die_with_parent
+from quire.executor.multiproc import die_with_parent, reap
 
 logger = logging.getLogger("quire.serve")
 
@@ -107,7 +107,7 @@ def _watch(servers: list[subprocess.Popen[bytes]], cores: CoreProcesses, ready_r
         dead_core = cores.dead()
         if dead_core is not None:
             logger.error("%s; stopping the API servers", dead_core)
-            _wait_all(servers, FAIL_GRACE_S)
+            reap(servers, FAIL_GRACE_S)
             return 1
         for index, proc in enumerate(servers):
             code = proc.poll()
@@ -122,19 +122,9 @@ def _watch(servers: list[subprocess.Popen[bytes]], cores: CoreProcesses, ready_r
             for other in servers:
                 if other.poll() is None:
                     other.send_signal(signal.SIGTERM)
-            _wait_all(servers, FAIL_GRACE_S)
+            reap(servers, FAIL_GRACE_S)
             return 1
         time.sleep(POLL_S)
-
-
-def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir: str,
