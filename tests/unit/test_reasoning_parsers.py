@@ -97,3 +97,39 @@ def test_thinking_markers_go_to_the_core_only_as_single_tokens():
     q, r = ReasoningParser().tokens(vocab), DeepSeekR1Parser().tokens(vocab)
     assert (q.start, q.end) == (7, 8) and (r.start, r.end) == (None, 8)
     assert ReasoningParser().tokens(_Vocab({"<think>": 7})) is None
+
+
+def test_anthropic_thinking_block_streamed_and_whole():
+    from quire.entrypoints.server.anthropic import MessageShaper
+
+    def shaper() -> MessageShaper:
+        return MessageShaper(model="m", request_id="r", input_tokens=1, max_tokens=50,
+                             reasoning=ReasoningParser())
+
+    whole = shaper().whole(RequestOutput(
+        "r", None, [1], [CompletionOutput(0, THOUGHT, [1], finish_reason="stop")], True))
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text"]
+    assert whole["content"][0]["thinking"] == "The user asks for France's capital.\n"
+    assert whole["content"][1]["text"] == "Paris."
+    s = shaper()
+    events = s.start()
+    for at in range(0, len(THOUGHT), 4):
+        end = at + 4 >= len(THOUGHT)
+        out = RequestOutput("r", None, [1], [CompletionOutput(
+            0, THOUGHT[at:at + 4], [1], finish_reason="stop" if end else None)], end)
+        events += s.deltas(out)
+        if end:
+            events += s.finish(out)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    thinking = "".join(e["delta"].get("thinking", "") for e in events
+                       if e["type"] == "content_block_delta")
+    text = "".join(e["delta"].get("text", "") for e in events
+                   if e["type"] == "content_block_delta")
+    assert (thinking, text) == (whole["content"][0]["thinking"], "Paris.")
+    # each block is closed before the next opens
+    opened = [e["index"] for e in events if e["type"] == "content_block_start"]
+    closed = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert opened == closed == [0, 1]

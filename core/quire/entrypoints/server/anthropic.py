@@ -30,6 +30,7 @@ from quire.entrypoints.server.protocol import (
     get,
     render_chat,
 )
+from quire.entrypoints.server.reasoning_parsers import ReasoningParser
 from quire.entrypoints.server.tool_parsers import ToolParser
 from quire.entrypoints.server.tools import ToolRequest, parse_tools
 from quire.outputs import CompletionOutput, RequestOutput
@@ -252,63 +253,116 @@ def stop_reason(c: CompletionOutput, max_tokens: int | None,
 
 class MessageShaper:
     """Builds one request's Message, whole or as stream events (dicts whose ``type`` is
-    the event name); for streams it counts the tokens sent."""
+    the event name); for streams it counts the tokens sent.
+
+    A stream's content blocks, in order: ``thinking`` (with a reasoning parser, when the
+    model thought), ``text``, then one ``tool_use`` per call. Thinking and text go out as
+    they come, less a tail that may still turn into a tag or a call; each call's input
+    goes out whole as one ``input_json_delta`` when the answer ends. Without a reasoning
+    parser the text block opens at once, as Anthropic's own streams do.
+    """
 
     def __init__(self, *, model: str, request_id: str, input_tokens: int,
                  max_tokens: int | None, tools: ToolRequest | None = None,
-                 tool_parser: ToolParser | None = None) -> None:
-        """:param tools: the request's tools: answers then carry ``tool_use`` blocks
-            (streamed: text that cannot begin a call at once, each call's input as one
-            ``input_json_delta`` when the answer ends)."""
+                 tool_parser: ToolParser | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
+        """:param tools: the request's tools: answers then carry ``tool_use`` blocks.
+        :param reasoning: splits the thinking into a ``thinking`` block."""
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self.tool_parser = tool_parser
-        self._text = ""  # streams with tools: the text so far, and how much went out
-        self._shown = 0
+        self.reasoning = reasoning
         self.model = model
         self.id = "msg_" + request_id
         self.input_tokens = input_tokens
         self.max_tokens = max_tokens
         #: Tokens streamed so far.
         self.output_tokens = 0
+        self._text = ""  # the stream's text so far
+        self._sent = {"thinking": 0, "text": 0}  # characters of each block sent
+        self._open: tuple[int, str] | None = None  # the open block: index, kind
+        self._next = 0  # the next block's index
+
+    def _parts(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """(thinking, text, tool_use blocks) of the answer so far; while not ``final``,
+        only what can be shown already."""
+        thinking, answer = (self.reasoning.split(text, final) if self.reasoning is not None
+                            else (None, text))
+        uses: list[dict[str, Any]] = []
+        if self.tools is not None:
+            if final:
+                content, calls = self.tools.calls(answer, self.tool_parser)
+                if calls:
+                    answer = content or ""
+                    uses = [{"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                             "name": c.name, "input": json.loads(c.arguments)}
+                            for c in calls]
+            elif self.tools.choice == "auto" and self.tool_parser is not None:
+                answer = self.tool_parser.content_before_call(answer)
+            else:
+                answer = ""  # a required or named call is the whole answer
+        return thinking or "", answer, uses
 
     def _message(self, c: CompletionOutput | None) -> dict[str, Any]:
         """The Message for the finished output ``c``, or the empty one a stream opens."""
         content: list[dict[str, Any]] = []
         reason, sequence, output_tokens = None, None, 0
         if c is not None:
-            content = [{"type": "text", "text": c.text}]
             reason, sequence = stop_reason(c, self.max_tokens)
             output_tokens = len(c.token_ids)
-            calls = self._calls(c.text)
-            if calls is not None:
-                text, uses = calls
-                content = ([{"type": "text", "text": text}] if text else []) + uses
-                reason = "tool_use" if reason == "end_turn" else reason
+            thinking, text, uses = self._parts(c.text, final=True)
+            if thinking:
+                content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+            if text or not uses:
+                content.append({"type": "text", "text": text})
+            content += uses
+            if uses and reason == "end_turn":
+                reason = "tool_use"
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": self.input_tokens,
                           "output_tokens": output_tokens}}
-
-    def _calls(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
-        """(text, tool_use blocks) when the answer made calls, else None."""
-        if self.tools is None:
-            return None
-        content, calls = self.tools.calls(text, self.tool_parser)
-        if not calls:
-            return None
-        return content or "", [{"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
-                                "name": c.name, "input": json.loads(c.arguments)}
-                               for c in calls]
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
         return self._message(out.outputs[0])
 
     def start(self) -> list[dict[str, Any]]:
         """The events before any text: known as soon as the request is accepted."""
-        return [{"type": "message_start", "message": self._message(None)},
-                {"type": "content_block_start", "index": 0,
-                 "content_block": {"type": "text", "text": ""}},
-                {"type": "ping"}]
+        events: list[dict[str, Any]] = [{"type": "message_start",
+                                         "message": self._message(None)}]
+        if self.reasoning is None:
+            events += self._block("text")
+        return events + [{"type": "ping"}]
+
+    def _block(self, kind: str) -> list[dict[str, Any]]:
+        """Events that make ``kind`` the open block (closing the one before)."""
+        if self._open is not None and self._open[1] == kind:
+            return []
+        events = self._close()
+        self._open = (self._next, kind)
+        self._next += 1
+        empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+            else {"type": "text", "text": ""}
+        return events + [{"type": "content_block_start", "index": self._open[0],
+                          "content_block": empty}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        index, self._open = self._open[0], None
+        return [{"type": "content_block_stop", "index": index}]
+
+    def _news(self, thinking: str, text: str) -> list[dict[str, Any]]:
+        """Deltas for what ``thinking`` and ``text`` add to what was sent."""
+        events: list[dict[str, Any]] = []
+        for kind, value, delta in (("thinking", thinking, "thinking_delta"),
+                                   ("text", text, "text_delta")):
+            if len(value) > self._sent[kind]:
+                events += self._block(kind)
+                events.append({"type": "content_block_delta", "index": self._open[0],
+                               "delta": {"type": delta,
+                                         kind: value[self._sent[kind]:]}})
+                self._sent[kind] = len(value)
+        return events
 
     def deltas(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The events for ``out``, a ``DELTA`` output (the text and tokens of one step)."""
@@ -316,46 +370,36 @@ class MessageShaper:
             return []
         c = out.outputs[0]
         self.output_tokens += len(c.token_ids)
-        text = c.text
-        if self.tools is not None:  # hold what may begin a call
-            self._text += c.text
-            if self.tools.choice == "auto" and self.tool_parser is not None:
-                safe = self.tool_parser.content_before_call(self._text)
-            else:
-                safe = ""
-            text, self._shown = safe[self._shown:], max(self._shown, len(safe))
-        if not text:
-            return []
-        return [{"type": "content_block_delta", "index": 0,
-                 "delta": {"type": "text_delta", "text": text}}]
+        self._text += c.text
+        if c.finish_reason is not None:
+            return []  # the last text goes out with the closing events
+        thinking, text, _ = self._parts(self._text, final=False)
+        return self._news(thinking, text)
 
     def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The closing events; ``out`` is the last ``DELTA`` output."""
         reason, sequence = stop_reason(out.outputs[0], self.max_tokens,
                                        self.output_tokens)
-        events: list[dict[str, Any]] = []
-        calls = self._calls(self._text) if out.outputs[0].finish_reason else None
-        uses: list[dict[str, Any]] = []
-        if self.tools is not None:
-            rest = calls[0] if calls is not None else self._text
-            if len(rest) > self._shown:
-                events.append({"type": "content_block_delta", "index": 0,
-                               "delta": {"type": "text_delta", "text": rest[self._shown:]}})
-            if calls is not None:
-                uses = calls[1]
-                reason = "tool_use" if reason == "end_turn" else reason
-        events.append({"type": "content_block_stop", "index": 0})
-        for i, use in enumerate(uses, start=1):
-            events += [{"type": "content_block_start", "index": i,
+        thinking, text, uses = self._parts(self._text, final=True)
+        events = self._news(thinking, text)
+        if self._next == 0:  # nothing at all: an empty text block
+            events += self._block("text")
+        events += self._close()
+        for use in uses:
+            index = self._next
+            self._next += 1
+            events += [{"type": "content_block_start", "index": index,
                         "content_block": {**use, "input": {}}},
-                       {"type": "content_block_delta", "index": i,
+                       {"type": "content_block_delta", "index": index,
                         "delta": {"type": "input_json_delta",
                                   "partial_json": json.dumps(use["input"])}},
-                       {"type": "content_block_stop", "index": i}]
+                       {"type": "content_block_stop", "index": index}]
+        if uses and reason == "end_turn":
+            reason = "tool_use"
         return events + [{"type": "message_delta",
-                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                 "usage": {"output_tokens": self.output_tokens}},
-                {"type": "message_stop"}]
+                          "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                          "usage": {"output_tokens": self.output_tokens}},
+                         {"type": "message_stop"}]
 
     def usage(self) -> dict[str, int]:
         """The streamed request's token counts, in OpenAI's shape (for the access log)."""

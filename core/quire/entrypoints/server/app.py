@@ -147,6 +147,28 @@ class _Api:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model!r}", param="model", code="model_not_found")
 
+    async def _check_grammar(self, parsed: ParsedRequest,
+                             reasoning: bool = True) -> ThinkingTokens | None:
+        """Compile the request's grammar on a tokenizer thread (a 400 naming its field if
+        it cannot be used). With a reasoning parser, the thinking markers the core holds
+        the grammar after."""
+        spec = parsed.params.structured_outputs
+        if spec is None:
+            return None
+        thinking = None
+        if reasoning and self.reasoning is not None:
+            thinking = self.reasoning.tokens(self.engine.tokenizer)
+            if thinking is None:
+                raise bad_request(f"{parsed.grammar_param}: this model's thinking markers "
+                                  "are not single tokens, so a grammar cannot be held to "
+                                  "the answer after them (--reasoning-parser)",
+                                  param=parsed.grammar_param)
+        try:
+            await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
+        except ValueError as exc:
+            raise bad_request(str(exc), param=parsed.grammar_param) from None
+        return thinking
+
     async def submit(self, token_ids: list[int], params: SamplingParams,
                      prompt: str | None, abandoned: asyncio.Event,
                      num_prompts: int = 1, index: int = 0,
@@ -216,20 +238,8 @@ class _Api:
 
     async def _generate(self, request: Request, parsed: ParsedRequest,
                         chat: bool) -> Response:
-        spec = parsed.params.structured_outputs
-        thinking = None
-        if spec is not None and chat and self.reasoning is not None:
-            thinking = self.reasoning.tokens(self.engine.tokenizer)
-            if thinking is None:
-                raise bad_request(f"{parsed.grammar_param}: this model's thinking markers "
-                                  "are not single tokens, so a grammar cannot be held to "
-                                  "the answer after them (--reasoning-parser)",
-                                  param=parsed.grammar_param)
-        if spec is not None:
-            try:
-                await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
-            except ValueError as exc:
-                raise bad_request(str(exc), param=parsed.grammar_param) from None
+        # the reasoning parser reads chat answers only
+        thinking = await self._check_grammar(parsed, reasoning=chat)
         abandoned = asyncio.Event()
         streams = await self.submit_all(parsed, abandoned, thinking)
         request_id = streams[0].request_id
@@ -263,20 +273,15 @@ class _Api:
         self.check_model(body, required=True)
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
                                      self.bounds, self.tool_parser)
-        spec = parsed.params.structured_outputs
-        if spec is not None:  # a required or named tool's grammar
-            try:
-                await self.pool.run(lambda tokenizer: self.engine.check_grammar(spec))
-            except ValueError as exc:
-                raise bad_request(str(exc), param="tools") from None
+        thinking = await self._check_grammar(parsed)  # a required or named tool's
         abandoned = asyncio.Event()
         stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
-                                   abandoned)
+                                   abandoned, thinking=thinking)
         request.state.request_id = stream.request_id
         shaper = anthropic.MessageShaper(
             model=self.model, request_id=stream.request_id,
             input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens,
-            tools=parsed.tools, tool_parser=self.tool_parser)
+            tools=parsed.tools, tool_parser=self.tool_parser, reasoning=self.reasoning)
         if parsed.stream:
             return EventStream(anthropic.events(stream, shaper, request.state),
                                send_timeout=self.limits.stream_send_timeout_s,
