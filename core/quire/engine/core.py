@@ -239,8 +239,12 @@ class EngineCore:
                                self.vocab_size, self.block_manager.num_blocks)
         seq = self._new_sequence(request, tokens, index=0)
         self._start_matcher(seq, request.thinking)
-        self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
-                                              self.config.max_model_len))
+        try:
+            self.scheduler.add(seq, max_kv_tokens(len(tokens), seq.params,
+                                                  self.config.max_model_len))
+        except ValueError:
+            self._release(seq)
+            raise
         self._requests[rid] = _Request(request, [seq])
         self._num_requests += 1
 
