@@ -1,7 +1,7 @@
 """The engine core in this process or in its own, without HTTP: 48 greedy requests of
 32-511 random prompt tokens and 64 output tokens on SmolLM2, timed from the first step to
-the last. ``python scripts/core_split_offline.py {inproc,proc}``; figures in
-``docs/results/2026-12-01/process-split-probes.txt``."""
+the last. ``python scripts/core_split_offline.py {inproc,proc}``; figures in docs/bench.md
+(the process split's probes)."""
 
 import random
 import sys
