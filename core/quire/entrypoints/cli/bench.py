@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     _register_serve(benches)
     _register_abuse(benches)
     _register_sweep(benches)
+    _register_host(benches)
     _register_memory(benches)
     _register_install_peer(benches)
 
@@ -178,6 +179,62 @@ def _register_sweep(benches: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a PNG of throughput and KV memory per value")
     parser.set_defaults(run=run_sweep)
+
+
+def _register_host(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "host", help="the host's share of a decode step (the forward left out)",
+        description="Time decode steps at each batch size whole, then with the model's "
+        "forward replaced by ready logits, and split the host's part into scheduling, "
+        "inputs, sampling and output processing (see quire.bench.host_overhead).")
+    parser.add_argument("--batch-sizes", default="1,64,256", metavar="N[,N...]",
+                        help="decoding sequences per step (default: 1,64,256)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="decode steps timed each way (default: 20)")
+    parser.add_argument("--output", metavar="PATH", default=None,
+                        help="also write the results as JSON here")
+    add_engine_options(parser)
+    parser.set_defaults(run=run_host)
+
+
+def run_host(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from quire.bench.host_overhead import PARTS, measure
+    from quire.bench.quire_engine import build_engine, describe
+    from quire.bench.report import record
+
+    try:
+        sizes = [int(n) for n in args.batch_sizes.split(",")]
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        raise UsageError("--batch-sizes: give positive integers, comma-separated") from None
+    if args.steps < 1:
+        raise UsageError("--steps: must be >= 1")
+    config = engine_config_from_args(args)
+    if config.world_size > 1 or config.data_parallel_size > 1:
+        raise UsageError("quire bench host: the model must run in this process "
+                         "(world size 1, one replica)")
+    if max(sizes) > (config.max_num_seqs or 256):
+        raise UsageError(f"--batch-sizes: {max(sizes)} is more than --max-num-seqs")
+    try:
+        engine = build_engine(config, open_registry(args))
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    results = [measure(engine, n, args.steps).figures() for n in sizes]
+    header = ["batch", "step ms", "host ms", "host share", *(f"{p} ms" for p in PARTS)]
+    rows = [[f"{r['batch']:.0f}", f"{r['step_ms']:.3f}", f"{r['host_step_ms']:.3f}",
+             f"{r['host_share']:.0%}", *(f"{r[p + '_ms']:.3f}" for p in PARTS)]
+            for r in results]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    table = "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths))
+                      for row in [header, *rows])
+    payload = record("host", {"engine": dataclasses.asdict(config), "steps": args.steps},
+                     results=results, engine_description=describe(engine))
+    _finish(args, f"quire bench host: median of {args.steps} decode steps, "
+            f"{describe(engine)}", table, [], payload)
+    return 0
 
 
 def _register_memory(benches: argparse._SubParsersAction[Any]) -> None:

@@ -1,0 +1,134 @@
+"""The host's share of a decode step: everything but the model's forward.
+
+For each batch size, requests are brought to decoding, then decode steps are timed twice:
+whole (``LLMEngine.step``), and with the executor's forward replaced by logits made once
+(the same shapes, no model), so what is left is the host's work: scheduling, the step's
+inputs (``StepItem``s), sampling, the core's bookkeeping and the front's output
+processing (detokenization). The host-only step is split by where its time goes.
+
+On an accelerator the host's share is what asynchronous scheduling and graph capture
+attack; on the cpu platform it shows what the Python around the C kernels costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quire.engine import LLMEngine
+from quire.executor.model_runner import StepResult
+from quire.sampling_params import SamplingParams
+
+#: Parts of a host-only step, in the order they run: the scheduler's choice, the step's
+#: inputs and attention metadata (``ModelRunner.prepare``, ``build_metadata``), the
+#: sampler, and the front's output processing; the rest of the core's bookkeeping is the
+#: difference between their sum and the host step.
+PARTS = ("schedule", "inputs", "sample", "front")
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Medians over the timed steps at one batch size, in seconds."""
+
+    batch: int
+    step_s: float
+    host_step_s: float
+    parts_s: dict[str, float]
+
+    def figures(self) -> dict[str, float]:
+        figures = {"batch": float(self.batch), "step_ms": self.step_s * 1e3,
+                   "host_step_ms": self.host_step_s * 1e3,
+                   "host_share": self.host_step_s / self.step_s if self.step_s else 0.0}
+        figures.update({f"{part}_ms": s * 1e3 for part, s in self.parts_s.items()})
+        return figures
+
+
+class _Timed:
+    """Sums the time spent in wrapped calls, per part, for one step."""
+
+    def __init__(self) -> None:
+        self.spent = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[part] += time.perf_counter() - started
+        return timed
+
+
+def measure(engine: LLMEngine, batch: int, steps: int = 20,
+            prompt_len: int = 16) -> HostOverhead:
+    """Host overhead at ``batch`` decoding sequences; ``engine`` must be idle and run its
+    core in this process. Leaves it idle."""
+    core = engine.core
+    params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0.0)
+    gen = torch.Generator().manual_seed(batch)
+    rids = [engine.add_request(
+        torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist(), params)
+        for _ in range(batch)]
+    while any(s.num_output_tokens == 0 for r in core._requests.values() for s in r.seqs):
+        engine.step()  # prefill until every sequence decodes
+    whole = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        whole.append(time.perf_counter() - started)
+
+    timed = _Timed()
+    logits = torch.randn(batch, engine.vocab_size, generator=gen)
+    executor, scheduler, sampler = core.executor, core.scheduler, core.sampler
+    saved = (executor.submit, executor.wait, scheduler.schedule, sampler.sample,
+             core.step)
+
+    runner = getattr(getattr(executor, "worker", None), "runner", None)
+    if runner is None:
+        raise ValueError("host overhead needs the model in the engine's process "
+                         "(world size 1, the uni executor)")
+
+    def submit(items: list[Any]) -> StepResult:
+        """The step's inputs and attention metadata, as a forward builds them; no model."""
+        inputs = runner.prepare(items)
+        runner.backend.build_metadata(inputs.batch)
+        return StepResult(logits[: len(inputs.sample_items)].clone(), inputs.sample_items)
+
+    executor.submit = timed.wrap("inputs", submit)  # type: ignore[method-assign]
+    executor.wait = lambda handle: handle  # type: ignore[method-assign]
+    scheduler.schedule = timed.wrap("schedule", scheduler.schedule)  # type: ignore[method-assign]
+    sampler.sample = timed.wrap("sample", sampler.sample)  # type: ignore[method-assign]
+    host, parts = [], []
+    try:
+        for _ in range(steps):
+            timed.spent = dict.fromkeys(PARTS, 0.0)
+            core_spent = [0.0]
+
+            def core_step(step: Callable[[], Any] = saved[4]) -> Any:
+                started = time.perf_counter()
+                try:
+                    return step()
+                finally:
+                    core_spent[0] = time.perf_counter() - started
+
+            core.step = core_step  # type: ignore[method-assign]
+            started = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - started
+            host.append(total)
+            timed.spent["front"] = total - core_spent[0]
+            parts.append(dict(timed.spent))
+    finally:
+        (executor.submit, executor.wait, scheduler.schedule, sampler.sample,
+         core.step) = saved
+        for rid in rids:
+            engine.abort_request(rid)
+        while core.has_unfinished_requests():
+            core.step()
+    return HostOverhead(batch, statistics.median(whole), statistics.median(host),
+                        {p: statistics.median(x[p] for x in parts) for p in PARTS})
