@@ -88,6 +88,13 @@ class EngineConfig:
         default=None,
         metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
     )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=_help("vLLM's memory option: the share of the device's total memory this "
+                       "engine may hold on each rank (weights, activations and KV cache "
+                       "together), in (0, 1]; the KV cache gets what is left. Instead of "
+                       "kv_cache_memory; on the cpu platform, of the host's memory"),
+    )
     tensor_parallel_size: int = field(
         default=1, metadata=_help("ranks that split each layer (attention heads, MLP, "
                                   "vocabulary); one process each"))
@@ -132,6 +139,14 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {kv}")
             if isinstance(kv, int) and kv <= 0:
                 raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv}")
+        gmu = self.gpu_memory_utilization
+        if gmu is not None:
+            if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) \
+                    or not 0.0 < float(gmu) <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+            if kv is not None:
+                raise ValueError("gpu_memory_utilization and kv_cache_memory both size the "
+                                 "KV cache; give one")
         self._check_parallel()
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
             if not isinstance(getattr(self, name), bool):

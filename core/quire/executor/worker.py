@@ -71,6 +71,10 @@ class Worker:
         self.ranks_on_host = ranks_on_host
         self.platform: Platform = registry.resolve(config.device)
         self.platform.configure_process()
+        # what the device had free before this rank loaded anything (gpu_memory_utilization
+        # counts what the rank holds from here on)
+        self._free_at_start = self.platform.make_memory_profiler(rank).free_memory() \
+            if config.gpu_memory_utilization is not None else 0
         model_path = resolve_model(config.model)
         model_config = load_model_config(model_path)
         self.config = resolve_config(config, self.platform)
@@ -128,13 +132,18 @@ class Worker:
         """KV pages this rank's memory holds, after the largest step's activations."""
         profiler = self.platform.make_memory_profiler(self.rank)
         requested = self.config.engine.kv_cache_memory
+        utilization = self.config.engine.gpu_memory_utilization
         activation_peak = 0
         if not isinstance(requested, int):  # a share of free memory: leave room to run
             full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
             run = profiler.profile_tokens(full)
             peak = profiler.profile(lambda: self._profile_run(run))
             activation_peak = -(-peak * full // run)
-        budget = profiler.kv_budget(requested, activation_peak)
+        if utilization is not None:
+            held = max(0, self._free_at_start - profiler.free_memory())
+            budget = profiler.utilization_budget(float(utilization), held, activation_peak)
+        else:
+            budget = profiler.kv_budget(requested, activation_peak)
         if not isinstance(requested, int) and self.device.index is None:
             # a share of one pool that every rank here reads, and the data-parallel
             # replicas' ranks too (counted as if all ran here: safe whichever measures

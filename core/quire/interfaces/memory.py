@@ -78,6 +78,27 @@ class MemoryProfiler(ABC):
             )
         return budget
 
+    def utilization_budget(self, utilization: float, held: int,
+                           activation_peak: int = 0) -> int:
+        """Bytes for the KV cache when the engine may hold ``utilization`` of the device's
+        total memory (vLLM's ``gpu_memory_utilization``).
+
+        :param held: what this process holds already (weights, runtime).
+        :raises ValueError: when nothing is left for the KV cache, or more than is free.
+        """
+        budget = int(self.total_memory() * utilization) - held - activation_peak
+        free = self.free_memory()
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+                f"{self.total_memory()} bytes in all, {held} held by this process, "
+                f"{activation_peak} needed for activations")
+        if budget > free:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} asks {budget} bytes for the KV "
+                f"cache, but only {free} are free (other processes hold the rest)")
+        return budget
+
     def default_budget(self, free: int) -> int:
         """Budget when the user gave none. Platforms override to suit their memory."""
         return int(free * 0.9)

@@ -40,7 +40,7 @@ def _parse_memory(text: str) -> int | float:
     return int(lowered)
 
 
-_TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory}
+_TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
