@@ -185,3 +185,42 @@ def test_dp2_x_tp2_sixty_four_streams_then_a_killed_worker(tiny_checkpoint):
     while any(alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in below if alive(p)]
+
+
+@pytest.mark.parametrize("layout", [[], ["--engine-in-process"]])
+def test_ctrl_c_to_the_process_group_drains_every_process(tiny_checkpoint, layout):
+    """A terminal's Ctrl-C is SIGINT to every process of the group (API server, core,
+    workers): the server drains (the running stream still ends with [DONE]), exits 0,
+    and leaves nothing. Workers ignore it whoever started them."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quire.entrypoints.cli", "serve", "--device", "cpu",
+         "--port", "0", "--model", str(tiny_checkpoint("llama")), "--served-model-name",
+         MODEL, "--max-model-len", "256", "--tensor-parallel-size", "2", *layout],
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stderr.readline()
+            assert line, "server died"
+            if "running on http://" in line.lower():
+                url = "http://" + line.split("http://")[1].split()[0]
+        below = list(__import__("serve_process").descendants(proc.pid))
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"server_error"' not in "".join(rest)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in below if alive(p)]

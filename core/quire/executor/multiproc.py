@@ -199,6 +199,8 @@ def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> N
     die_with_parent()
     if os.getppid() != parent_pid:
         return  # the engine died before the kernel could be asked to signal us
+    # Ctrl-C reaches the whole process group; the engine drains and stops us itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(os.path.join(workdir, "config.json"), "rb") as f:
         config = msgspec.json.decode(f.read(), type=EngineConfig)
     context = zmq.Context()
