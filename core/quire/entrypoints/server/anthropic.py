@@ -32,7 +32,7 @@ from quire.entrypoints.server.protocol import (
 )
 from quire.entrypoints.server.reasoning_parsers import ReasoningParser
 from quire.entrypoints.server.tool_parsers import ToolParser
-from quire.entrypoints.server.tools import ToolRequest, parse_tools
+from quire.entrypoints.server.tools import ToolRequest, parse_tools, split_answer
 from quire.outputs import CompletionOutput, RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -285,22 +285,11 @@ class MessageShaper:
     def _parts(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
         """(thinking, text, tool_use blocks) of the answer so far; while not ``final``,
         only what can be shown already."""
-        thinking, answer = (self.reasoning.split(text, final) if self.reasoning is not None
-                            else (None, text))
-        uses: list[dict[str, Any]] = []
-        if self.tools is not None:
-            if final:
-                content, calls = self.tools.calls(answer, self.tool_parser)
-                if calls:
-                    answer = content or ""
-                    uses = [{"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
-                             "name": c.name, "input": json.loads(c.arguments)}
-                            for c in calls]
-            elif self.tools.choice == "auto" and self.tool_parser is not None:
-                answer = self.tool_parser.content_before_call(answer)
-            else:
-                answer = ""  # a required or named call is the whole answer
-        return thinking or "", answer, uses
+        thinking, content, calls = split_answer(text, final, self.tools, self.tool_parser,
+                                                self.reasoning)
+        uses = [{"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                 "name": c.name, "input": json.loads(c.arguments)} for c in calls]
+        return thinking or "", content or "", uses
 
     def _message(self, c: CompletionOutput | None) -> dict[str, Any]:
         """The Message for the finished output ``c``, or the empty one a stream opens."""

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from quire.entrypoints.server.reasoning_parsers import ReasoningParser
-from quire.entrypoints.server.tool_parsers import ToolCall, ToolParser
-from quire.entrypoints.server.tools import ToolRequest, openai_calls
+from quire.entrypoints.server.tool_parsers import ToolParser
+from quire.entrypoints.server.tools import ToolRequest, openai_calls, split_answer
 from quire.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
@@ -138,16 +138,13 @@ class Shaper:
         for c in out.outputs:
             index = self.index_base + c.index
             if self.chat:
-                thinking, text = (self.reasoning.split(c.text) if self.reasoning is not None
-                                  else (None, c.text))
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                thinking, content, calls = split_answer(c.text, True, self.tools,
+                                                        self.tool_parser, self.reasoning)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
                 reason = c.finish_reason
-                if self.tools is not None:
-                    content, calls = self.tools.calls(text, self.tool_parser)
-                    if calls:
-                        message = {"role": "assistant", "content": content,
-                                   "tool_calls": openai_calls(calls)}
-                        reason = "tool_calls" if reason == "stop" else reason
+                if calls:
+                    message["tool_calls"] = openai_calls(calls)
+                    reason = "tool_calls" if reason == "stop" else reason
                 if self.reasoning is not None:
                     message["reasoning_content"] = thinking
                 choice = {"index": index, "message": message,
@@ -209,18 +206,9 @@ class Shaper:
         choice ends (as ``tool_calls`` deltas if it parses as calls, as text if not)."""
         text = self._text[c.index] = self._text.get(c.index, "") + delta_text
         final = c.finish_reason is not None
-        thinking, answer = (self.reasoning.split(text, final) if self.reasoning is not None
-                            else (None, text))
-        calls: list[ToolCall] = []
-        if self.tools is None:
-            content = answer
-        elif final:
-            parsed, calls = self.tools.calls(answer, self.tool_parser)
-            content = parsed or ""
-        elif self.tools.choice == "auto" and self.tool_parser is not None:
-            content = self.tool_parser.content_before_call(answer)
-        else:
-            content = ""  # a required or named call is the whole answer
+        thinking, parsed, calls = split_answer(text, final, self.tools, self.tool_parser,
+                                               self.reasoning)
+        content = parsed or ""
         sent_thinking, sent_content = self._shown.get(c.index, (0, 0))
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if thinking and len(thinking) > sent_thinking:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire.entrypoints.server.errors import APIError, bad_request
+from quire.entrypoints.server.reasoning_parsers import ReasoningParser
 from quire.entrypoints.server.tool_parsers import ToolCall, ToolParser
 from quire.structured.params import StructuredOutputsParams
 
@@ -127,6 +128,27 @@ def parse_tools(body: dict[str, Any], parser: ToolParser | None) -> ToolRequest 
         raise bad_request("parallel_tool_calls must be true or false",
                           param="parallel_tool_calls")
     return ToolRequest(tools=tools, choice=choice, named=named, parallel=parallel)
+
+
+def split_answer(text: str, final: bool, tools: ToolRequest | None,
+                 tool_parser: ToolParser | None, reasoning: ReasoningParser | None
+                 ) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A chat answer's (thinking, content, calls), for both APIs' shapers.
+
+    While not ``final`` (a stream), only what can be shown already: thinking less a tail
+    that may be a tag, content before anything that may begin a call (none at all for a
+    required or named call), no calls. ``final``: content is None when calls took the
+    whole answer.
+    """
+    thinking, answer = reasoning.split(text, final) if reasoning is not None else (None, text)
+    if tools is None:
+        return thinking, answer, []
+    if final:
+        content, calls = tools.calls(answer, tool_parser)
+        return thinking, content, calls
+    if tools.choice == "auto" and tool_parser is not None:
+        return thinking, tool_parser.content_before_call(answer), []
+    return thinking, "", []  # a required or named call is the whole answer
 
 
 def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
