@@ -74,8 +74,9 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
     rids = [engine.add_request(
         torch.randint(10, engine.vocab_size, (prompt_len,), generator=gen).tolist(), params)
         for _ in range(batch)]
-    while any(s.num_output_tokens == 0 for r in core._requests.values() for s in r.seqs):
-        engine.step()  # prefill until every sequence decodes
+    decoding: set[str] = set()
+    while len(decoding) < batch:  # prefill until every sequence decodes
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     whole = []
     for _ in range(steps):
         started = time.perf_counter()

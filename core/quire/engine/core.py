@@ -91,10 +91,6 @@ class _Thinking:
         return True
 
 
-_ANSWERING = _Thinking(ThinkingTokens(end=-1, start=-1))
-_ANSWERING.phase = "answer"
-
-
 def _bit(index: int) -> int:
     """Bit ``index`` of an int32 word, as the signed value torch stores."""
     return (1 << index) - (1 << 32) if index == 31 else 1 << index
@@ -397,7 +393,7 @@ class EngineCore:
         if not self._matchers:
             return
         rows = [r for r, seq in enumerate(seqs) if seq.seq_id in self._matchers
-                and self._thinking.get(seq.seq_id, _ANSWERING).phase != "thinking"]
+                and not self._is_thinking(seq.seq_id)]
         if not rows:
             return
         bitmask = torch.empty((len(rows), bitmask_words(logits.shape[1])), dtype=torch.int32)
@@ -410,6 +406,10 @@ class EngineCore:
                 assert start is not None
                 bitmask[i, start // 32] |= _bit(start % 32)
         apply_bitmask(logits, bitmask, rows)
+
+    def _is_thinking(self, seq_id: int) -> bool:
+        gate = self._thinking.get(seq_id)
+        return gate is not None and gate.phase == "thinking"
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The token rules, in vLLM's order (stop strings come first, at the front)."""
