@@ -23,6 +23,7 @@ from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend, AttentionBatch
 from quire.models.context import ForwardContext
 from quire.models.pipeline import PipelineLink
+from quire.ops import OpSet, reference_ops
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,19 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         link: PipelineLink | None = None,
+        ops: OpSet | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
-        :param link: this pipeline stage's neighbours, or None without pipelining."""
+        :param link: this pipeline stage's neighbours, or None without pipelining.
+        :param ops: the platform's ops (the reference set when None)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.link = link
+        self.ops = ops if ops is not None else reference_ops()
 
     def prepare(self, scheduled: list[StepItem]) -> StepInputs:
         """Build the flattened inputs of one step."""
@@ -134,6 +138,7 @@ class ModelRunner:
             backend=self.backend,
             metadata=self.backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
+            ops=self.ops,
         )
         if self.link is None:
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)

@@ -25,6 +25,7 @@ from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.models.pipeline import PipelineLink, PipelineStage
+from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
 
 
@@ -97,6 +98,7 @@ class Worker:
         if config.compile:
             compile_model(self.model)
         self.backend: AttentionBackend = self.platform.make_attention_backend()
+        self.ops: OpSet = self.platform.make_ops()
         self.kv_layer_ids: tuple[int, ...] = tuple(
             getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))
         spec = KVCacheSpec.of(self.model)
@@ -156,14 +158,14 @@ class Worker:
         bs = self.config.block_size
         num_blocks = -(-num_tokens // bs)
         runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
-                             self.device, self.link)
+                             self.device, self.link, self.ops)
         runner.execute([StepItem([0] * num_tokens, 0, list(range(num_blocks)), True)])
         self.platform.synchronize()
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV pages per layer and the runner that uses them."""
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
-                                  self.config.block_size, self.device, self.link)
+                                  self.config.block_size, self.device, self.link, self.ops)
 
     def _allocate(self, num_blocks: int) -> list[torch.Tensor | None]:
         """One KV tensor per layer this rank holds, by global layer index."""

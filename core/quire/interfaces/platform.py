@@ -19,6 +19,7 @@ from torch import nn
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.memory import MemoryProfiler
+from quire.ops import OpSet, reference_ops
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,14 @@ class Platform(ABC):
         cpu platform sets torch's thread count here). Must respect what the user set
         explicitly. Default: nothing.
         """
+
+    def make_ops(self) -> OpSet:
+        """The ops model code runs on this platform (:mod:`quire.ops`): the reference
+        set with the entries this platform implements natively replaced
+        (``reference_ops().with_ops("<label>", rms_norm=...)``). Each must meet its
+        reference's contract up to float rounding. Default: the reference set.
+        """
+        return reference_ops()
 
     @abstractmethod
     def make_attention_backend(self) -> AttentionBackend:

@@ -6,23 +6,27 @@ never see each other's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from quire.interfaces.attention import AttentionBackend
+from quire.ops import OpSet, reference_ops
 
 
 @dataclass
 class ForwardContext:
-    """One step's attention state, shared by every layer of that step."""
+    """One step's attention state and the platform's ops, shared by every layer of that
+    step."""
 
     backend: AttentionBackend
     #: Opaque result of ``backend.build_metadata`` for this step.
     metadata: Any
     #: One KV tensor per attention layer, indexed by layer number.
     kv_caches: list[torch.Tensor]
+    #: The platform's ops (``Platform.make_ops``); model code calls ``ctx.ops.<op>``.
+    ops: OpSet = field(default_factory=reference_ops)
 
     def attention(
         self,

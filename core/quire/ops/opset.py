@@ -1,0 +1,48 @@
+""":class:`OpSet`: one callable per op, the reference unless a platform replaced it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from quire.ops import reference
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """The ops a platform provides; see :mod:`quire.ops.reference` for each contract.
+
+    Immutable: a platform builds its own with :meth:`with_ops`, and two engines in one
+    process never share a mutable table.
+    """
+
+    rms_norm: Callable[..., Any] = reference.rms_norm
+    layer_norm: Callable[..., Any] = reference.layer_norm
+    silu_and_mul: Callable[..., Any] = reference.silu_and_mul
+    gelu_tanh_and_mul: Callable[..., Any] = reference.gelu_tanh_and_mul
+    #: Which implementation runs each op (``"reference"`` or the platform's name for
+    #: its own), for logs and the native-ops test.
+    sources: tuple[tuple[str, str], ...] = field(default=())
+
+    def with_ops(self, source: str, **ops: Callable[..., Any]) -> OpSet:
+        """A copy with ``ops`` replaced, each recorded as coming from ``source``.
+
+        :raises ValueError: naming an op this set does not have.
+        """
+        known = {f.name for f in fields(self)} - {"sources"}
+        unknown = sorted(set(ops) - known)
+        if unknown:
+            raise ValueError(f"unknown ops {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        kept = tuple((name, src) for name, src in self.sources if name not in ops)
+        return replace(self, **ops, sources=kept + tuple((n, source) for n in sorted(ops)))
+
+    def source_of(self, op: str) -> str:
+        """Who implements ``op``: a platform's label, or ``"reference"``."""
+        return dict(self.sources).get(op, "reference")
+
+
+def reference_ops() -> OpSet:
+    """Every op in plain torch: the oracle, and what a platform without its own runs."""
+    return OpSet()

@@ -1,0 +1,65 @@
+"""The reference ops: plain torch, the same operations Hugging Face's models run.
+
+Every platform's op is checked against these on random inputs (``quire conformance``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, *, offset: float = 0.0
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``(offset + weight) * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    With ``residual``, normalises ``x + residual`` and also returns that sum (the new
+    residual stream). Statistics in float32; the normalised value is cast back to the
+    input dtype before the weight multiplies it (Llama's order), except with
+    ``offset`` (Gemma's ``1 + weight``), where the product is taken in float32 and then
+    cast, as Gemma does.
+
+    :param x: [..., H]; :param weight: [H]; :param residual: same shape and dtype as x.
+    """
+    if residual is not None:
+        x = residual + x
+        return _rms(x, weight, eps, offset), x
+    return _rms(x, weight, eps, offset)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    dtype = x.dtype
+    if offset:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * (offset + weight.float())).to(dtype)
+    if dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float, residual: torch.Tensor | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dimension; with ``residual``, of ``x + residual``, also
+    returning that sum. :param x: [..., H]; :param weight: [H]; :param bias: [H] or None.
+    """
+    if residual is not None:
+        x = residual + x
+        return F.layer_norm(x, weight.shape, weight, bias, eps), x
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: ``silu(x[..., :I]) * x[..., I:]`` (Llama's gated MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: ``gelu_tanh(x[..., :I]) * x[..., I:]`` (Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
