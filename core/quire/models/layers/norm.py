@@ -1,4 +1,5 @@
-"""RMSNorm as Llama/Qwen define it, with the decoder's residual add folded in."""
+"""RMSNorm as Llama/Qwen (``weight``) and Gemma (``1 + weight``) define it, with the
+decoder's residual add folded in."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from quire.ops import reference
 
 
 class NormKernel(Protocol):
@@ -32,9 +35,12 @@ class RMSNorm(nn.Module):
     rank holds the whole weight.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        """:param offset: added to the weight (1.0 for Gemma's ``(1 + weight)``); the
+            product is then taken in float32 and cast, as Gemma does."""
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.kernel: NormKernel | None = None
 
@@ -60,15 +66,10 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:
-            # torch's fused kernel: one kernel instead of six, the same float32 operations
-            # in the same order (bit-identical here; tests/unit/test_models.py checks it)
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        # float32 without offset: torch's fused kernel, the same operations in the same
+        # order (bit-identical; tests/unit/test_models.py checks it)
+        return reference.rms_norm(x, self.weight, self.eps, offset=self.offset)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}"
