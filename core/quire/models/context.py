@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.attention import AttentionBackend, AttentionBatch
 from quire.ops import OpSet, reference_ops
 
 
@@ -27,6 +27,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     #: The platform's ops (``Platform.make_ops``); model code calls ``ctx.ops.<op>``.
     ops: OpSet = field(default_factory=reference_ops)
+    #: The step's flattened batch (sequence boundaries), for models that attend without
+    #: the backend (an encoder's bidirectional attention); None when not given.
+    batch: AttentionBatch | None = None
 
     def attention(
         self,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from quire.ops import reference
+from quire.ops import pooling, reference
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class OpSet:
     layer_norm: Callable[..., Any] = reference.layer_norm
     silu_and_mul: Callable[..., Any] = reference.silu_and_mul
     gelu_tanh_and_mul: Callable[..., Any] = reference.gelu_tanh_and_mul
+    #: Embedding models (:mod:`quire.ops.pooling`): one vector per sequence, and an
+    #: encoder's attention within each sequence.
+    pool: Callable[..., Any] = pooling.pool
+    bidirectional_attention: Callable[..., Any] = pooling.bidirectional_attention
     #: Which implementation runs each op (``"reference"`` or the platform's name for
     #: its own), for logs and the native-ops test.
     sources: tuple[tuple[str, str], ...] = field(default=())
