@@ -13,14 +13,14 @@ import torch
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Availability
-from quire.platforms.cpu.attention import CpuAttentionBackend, CpuAttentionMetadata
+from quire.ops.attention import ReferenceAttentionBackend, ReferenceAttentionMetadata
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.platform import CpuPlatform
 
 # -- attention backends: one bug each ------------------------------------------------------
 
 
-class NoCausalMask(CpuAttentionBackend):
+class NoCausalMask(ReferenceAttentionBackend):
     """Lets a query see the step's later tokens (keeps only the sequence-end mask)."""
 
     def build_metadata(self, batch):
@@ -30,27 +30,27 @@ class NoCausalMask(CpuAttentionBackend):
                 g.causal_mask))
             for g in md.groups
         )
-        return CpuAttentionMetadata(md.slot_mapping, groups)
+        return ReferenceAttentionMetadata(md.slot_mapping, groups)
 
 
-class WrongKvHead(CpuAttentionBackend):
+class WrongKvHead(ReferenceAttentionBackend):
     """Query head h reads KV head (Hkv - 1 - h // G) instead of h // G."""
 
     def attend(self, query, kv_cache, metadata, **kwargs):
         return super().attend(query, kv_cache.flip(3), metadata, **kwargs)
 
 
-class IgnoresWindow(CpuAttentionBackend):
+class IgnoresWindow(ReferenceAttentionBackend):
     def attend(self, query, kv_cache, metadata, *, sliding_window=None, **kwargs):
         return super().attend(query, kv_cache, metadata, **kwargs)
 
 
-class IgnoresSoftCap(CpuAttentionBackend):
+class IgnoresSoftCap(ReferenceAttentionBackend):
     def attend(self, query, kv_cache, metadata, *, logits_soft_cap=None, **kwargs):
         return super().attend(query, kv_cache, metadata, **kwargs)
 
 
-class ReadsUnwrittenSlots(CpuAttentionBackend):
+class ReadsUnwrittenSlots(ReferenceAttentionBackend):
     """Forgets that slots past a sequence's end hold garbage: weighs them by zero, and
     0 * NaN is NaN."""
 
@@ -58,10 +58,10 @@ class ReadsUnwrittenSlots(CpuAttentionBackend):
         md = super().build_metadata(batch)
         groups = tuple(dataclasses.replace(g, kv_valid=torch.ones_like(g.kv_valid))
                        for g in md.groups)
-        return CpuAttentionMetadata(md.slot_mapping, groups)
+        return ReferenceAttentionMetadata(md.slot_mapping, groups)
 
 
-class ShiftedWrite(CpuAttentionBackend):
+class ShiftedWrite(ReferenceAttentionBackend):
     """Writes every token one slot too far."""
 
     def write_kv(self, key, value, kv_cache, metadata):
@@ -70,12 +70,12 @@ class ShiftedWrite(CpuAttentionBackend):
         super().write_kv(key, value, kv_cache, shifted)
 
 
-class SwappedKeysAndValues(CpuAttentionBackend):
+class SwappedKeysAndValues(ReferenceAttentionBackend):
     def write_kv(self, key, value, kv_cache, metadata):
         super().write_kv(value, key, kv_cache, metadata)
 
 
-class ClobberingWrite(CpuAttentionBackend):
+class ClobberingWrite(ReferenceAttentionBackend):
     """Writes the right slots, and the next slot too."""
 
     def write_kv(self, key, value, kv_cache, metadata):
@@ -88,13 +88,13 @@ class ClobberingWrite(CpuAttentionBackend):
 class WithBackend(CpuPlatform):
     """The cpu platform with another backend class."""
 
-    backend_cls: type[CpuAttentionBackend] = CpuAttentionBackend
+    backend_cls: type[ReferenceAttentionBackend] = ReferenceAttentionBackend
 
     def make_attention_backend(self):
         return self.backend_cls()
 
 
-def platform_with(backend_cls: type[CpuAttentionBackend]) -> CpuPlatform:
+def platform_with(backend_cls: type[ReferenceAttentionBackend]) -> CpuPlatform:
     return type(f"CpuWith{backend_cls.__name__}", (WithBackend,),
                 {"backend_cls": backend_cls})()
 

@@ -69,7 +69,7 @@ def test_dtypes_must_be_declared_and_options_are_checked() -> None:
 
 
 def test_a_refused_optional_block_size_is_not_run_a_refused_default_fails() -> None:
-    class OnlyBlock16(broken.CpuAttentionBackend):
+    class OnlyBlock16(broken.ReferenceAttentionBackend):
         def build_metadata(self, batch):
             if batch.block_size != 16:
                 raise ValueError(f"block size {batch.block_size} is not supported")

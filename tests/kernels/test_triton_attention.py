@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 from paged_cases import PagedCase, make_paged_case  # noqa: E402
 from quire.interfaces.attention import AttentionBatch  # noqa: E402
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
-from quire.platforms.cpu.attention import CpuAttentionBackend  # noqa: E402
+from quire.ops.attention import ReferenceAttentionBackend  # noqa: E402
 
 # (cached prefix length, new tokens) per sequence.
 MIXED = [(0, 9), (15, 1), (12, 7), (16, 1), (0, 1), (3, 18)]
@@ -86,7 +86,7 @@ def check_against_reference(
     """Assert the Triton result equals the reference's; return the max abs error."""
     window, cap = FEATURES[feature]
     scale = scale if scale is not None else case.query.shape[-1] ** -0.5
-    expected, expected_cache = run(CpuAttentionBackend(), case, scale, window, cap)
+    expected, expected_cache = run(ReferenceAttentionBackend(), case, scale, window, cap)
     out, cache = run(TritonAttentionBackend(config), case, scale, window, cap)
     assert out.shape == case.query.shape and out.dtype == case.query.dtype
     assert torch.isfinite(out).all(), "a NaN slot was read, or a row saw no key"
@@ -167,7 +167,7 @@ def test_metadata_is_reused_across_layers() -> None:
     for case in layers:
         out = backend.forward(case.query, case.key, case.value, case.kv_cache.clone(),
                               metadata, scale=0.3)
-        expected, _ = run(CpuAttentionBackend(), case, 0.3, None, None)
+        expected, _ = run(ReferenceAttentionBackend(), case, 0.3, None, None)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 

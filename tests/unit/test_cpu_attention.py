@@ -17,7 +17,7 @@ import pytest
 import torch
 from paged_cases import PagedCase, make_paged_case
 from quire.interfaces.attention import AttentionBatch
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 
 HEAD_SIZE = 8
 NUM_KV_HEADS = 2
@@ -42,7 +42,7 @@ def make_case(
                            head_size=HEAD_SIZE, seed=seed, layout_seed=layout_seed,
                            unwritten="random")
     num_blocks = case.kv_cache.shape[1]
-    assert case.kv_cache.shape == CpuAttentionBackend().kv_cache_shape(
+    assert case.kv_cache.shape == ReferenceAttentionBackend().kv_cache_shape(
         num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
     return case
 
@@ -83,7 +83,7 @@ FEATURES = {
 def run_backend(
     case: PagedCase, scale: float, window: int | None, soft_cap: float | None
 ) -> torch.Tensor:
-    backend = CpuAttentionBackend()
+    backend = ReferenceAttentionBackend()
     metadata = backend.build_metadata(case.batch)
     return backend.forward(
         case.query,
@@ -129,7 +129,7 @@ def test_single_group_batches_match_naive(
 
 def test_metadata_is_reused_across_layers() -> None:
     """One build_metadata serves several layers, each with its own cache and data."""
-    backend = CpuAttentionBackend()
+    backend = ReferenceAttentionBackend()
     layers = [make_case(MIXED, 3, 2, torch.float32, seed=s, layout_seed=0) for s in (1, 2)]
     metadata = backend.build_metadata(layers[0].batch)  # both layers share the layout
     for case in layers:
@@ -142,7 +142,7 @@ def test_metadata_is_reused_across_layers() -> None:
 
 def test_write_kv_changes_exactly_the_given_slots() -> None:
     gen = torch.Generator().manual_seed(7)
-    backend = CpuAttentionBackend()
+    backend = ReferenceAttentionBackend()
     shape = backend.kv_cache_shape(num_blocks=7, block_size=3, num_kv_heads=2, head_size=4)
     kv_cache = torch.randn(shape, generator=gen)
     before = kv_cache.clone()
@@ -169,7 +169,7 @@ def test_write_kv_changes_exactly_the_given_slots() -> None:
 
 
 def test_kv_cache_layout() -> None:
-    backend = CpuAttentionBackend()
+    backend = ReferenceAttentionBackend()
     assert backend.kv_cache_shape(10, 16, 4, 64) == (2, 10, 16, 4, 64)
     cache = backend.allocate_kv_cache(10, 16, 4, 64, torch.bfloat16, torch.device("cpu"))
     assert cache.shape == (2, 10, 16, 4, 64) and cache.dtype == torch.bfloat16
@@ -179,13 +179,13 @@ def test_too_narrow_block_tables_are_refused() -> None:
     case = make_case(PREFILL_ONLY, 3, 1, torch.float32)
     narrow = replace(case.batch, block_tables=case.batch.block_tables[:, :2])
     with pytest.raises(ValueError, match="needs 6 blocks"):
-        CpuAttentionBackend().build_metadata(narrow)
+        ReferenceAttentionBackend().build_metadata(narrow)
 
 
 @pytest.mark.parametrize("kwargs", [{"sliding_window": 0}, {"logits_soft_cap": -1.0}])
 def test_bad_attention_options_are_refused(kwargs: dict) -> None:
     case = make_case(DECODE_ONLY, 3, 1, torch.float32)
-    backend = CpuAttentionBackend()
+    backend = ReferenceAttentionBackend()
     with pytest.raises(ValueError):
         metadata = backend.build_metadata(case.batch)
         backend.attend(case.query, case.kv_cache, metadata, scale=1.0, **kwargs)

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces import AttentionBackend, Communicator, MemoryProfiler, Platform
+from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu import CpuPlatform
 from quire.platforms.cpu import plugin as cpu_plugin
-from quire.platforms.cpu.attention import CpuAttentionBackend
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.plugins import hookspecs
 from quire.plugins.spec import PLUGIN_API_VERSION
@@ -52,7 +52,7 @@ def test_check_dtype() -> None:
 def test_factories_build_fresh_backends() -> None:
     platform = CpuPlatform()
     backend = platform.make_attention_backend()
-    assert isinstance(backend, AttentionBackend) and isinstance(backend, CpuAttentionBackend)
+    assert isinstance(backend, AttentionBackend) and isinstance(backend, ReferenceAttentionBackend)
     assert platform.make_attention_backend() is not backend
     comm = platform.make_communicator()
     assert isinstance(comm, Communicator) and (comm.rank, comm.world_size) == (0, 1)

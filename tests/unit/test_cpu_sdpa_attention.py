@@ -25,7 +25,7 @@ import pytest
 import torch
 from paged_cases import PagedCase, make_paged_case
 from quire.interfaces.attention import AttentionBatch
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.platform import CpuPlatform
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
@@ -96,7 +96,7 @@ def dense_float64(case: PagedCase, scale: float, window: int | None,
     return torch.cat(outs)
 
 
-def run(backend: CpuAttentionBackend, case: PagedCase, scale: float, window: int | None,
+def run(backend: ReferenceAttentionBackend, case: PagedCase, scale: float, window: int | None,
         cap: float | None, *, fused: bool = True) -> torch.Tensor:
     """Through ``forward`` (write then attend, the model's call) or the two calls apart."""
     cache = case.kv_cache.clone()
@@ -148,7 +148,7 @@ def test_matches_the_reference_backend(
 ) -> None:
     case = make_case(SHAPES[shape], 16, 3, torch.float32, seed=5)
     ours = run(backend, case, 0.25, window, None)
-    reference = run(CpuAttentionBackend(), case, 0.25, window, None)
+    reference = run(ReferenceAttentionBackend(), case, 0.25, window, None)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -171,7 +171,7 @@ def test_writes_exactly_what_the_reference_writes() -> None:
     ours, reference = case.kv_cache.clone(), case.kv_cache.clone()
     sdpa = CpuSdpaAttentionBackend()
     sdpa.write_kv(case.key, case.value, ours, sdpa.build_metadata(case.batch))
-    ref = CpuAttentionBackend()
+    ref = ReferenceAttentionBackend()
     ref.write_kv(case.key, case.value, reference, ref.build_metadata(case.batch))
     assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))  # NaN == NaN
 
@@ -194,7 +194,7 @@ def test_the_platform_defaults_to_sdpa_and_can_pick_the_reference(
     assert isinstance(CpuPlatform().make_attention_backend(), CpuSdpaAttentionBackend)
     monkeypatch.setenv("QUIRE_CPU_ATTENTION", "reference")
     backend = CpuPlatform().make_attention_backend()
-    assert type(backend) is CpuAttentionBackend
+    assert type(backend) is ReferenceAttentionBackend
     monkeypatch.setenv("QUIRE_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="QUIRE_CPU_ATTENTION"):
         CpuPlatform().make_attention_backend()

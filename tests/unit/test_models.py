@@ -36,7 +36,7 @@ from quire.models.layers.rotary import SUPPORTED_ROPE_TYPES, get_rope
 from quire.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, head_dim_of
 from quire.models.loader import iter_weights, load_model
 from quire.models.registry import ModelRegistry, resolve_architecture
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 from quire.plugins.spec import ModelSpec
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 200, 5]  # 12 tokens, all < 256
@@ -119,7 +119,7 @@ class Sequences:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        self.backend = CpuAttentionBackend()
+        self.backend = ReferenceAttentionBackend()
         self.blocks_per_seq = -(-self.max_len // self.block_size)
         self.kv_caches = [
             self.backend.allocate_kv_cache(

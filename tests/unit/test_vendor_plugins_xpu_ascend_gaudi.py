@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from quire.conformance import ConformanceOptions, Outcome, run_conformance
 from quire.entrypoints.cli import main
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 from quire.plugins.registry import DISABLE_PLUGINS_ENV
 from quire.plugins.spec import PLUGIN_API_VERSION
 
@@ -407,7 +407,7 @@ def test_xpu_falls_back_to_triton_per_operation(monkeypatch: pytest.MonkeyPatch)
     from quire_xpu.attention import make_backend
 
     _with_ipex(monkeypatch, OldFakeIpexPagedAttention)
-    triton = _module("quire.kernels.triton_backend", TritonAttentionBackend=CpuAttentionBackend)
+    triton = _module("quire.kernels.triton_backend", TritonAttentionBackend=ReferenceAttentionBackend)
     monkeypatch.setitem(sys.modules, "quire.kernels.triton_backend", triton)
     assert make_backend().name == "xpu-ipex+cpu-reference"
     from quire_xpu.platform import XpuPlatform
@@ -415,7 +415,7 @@ def test_xpu_falls_back_to_triton_per_operation(monkeypatch: pytest.MonkeyPatch)
     _assert_all_pass(_kernel_checks(_with_backend(XpuPlatform, make_backend), torch.float16))
 
     monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)
-    assert isinstance(make_backend(), CpuAttentionBackend)  # no IPEX: Triton for everything
+    assert isinstance(make_backend(), ReferenceAttentionBackend)  # no IPEX: Triton for everything
     monkeypatch.setitem(sys.modules, "quire.kernels.triton_backend", None)
     with pytest.raises(RuntimeError, match="IPEX cannot be imported.*Triton backend cannot"):
         make_backend()

@@ -29,7 +29,7 @@ from quire.conformance.tolerances import Comparison, attention_tolerance, compar
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.memory import MemoryProfiler
 from quire.interfaces.platform import Availability
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 
 PLATFORM = "platform contract"
 KV_WRITE = "kv write"
@@ -156,7 +156,7 @@ def make_backend(ctx: CheckContext, check: str) -> AttentionBackend | CheckResul
 def reference(case: Case, *, scale: float, sliding_window: int | None = None,
               logits_soft_cap: float | None = None) -> torch.Tensor:
     """The cpu reference's output for ``case``, float32 on the host."""
-    return run_case(CpuAttentionBackend(), case, torch.float32, torch.device("cpu"),
+    return run_case(ReferenceAttentionBackend(), case, torch.float32, torch.device("cpu"),
                     scale=scale, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap).float()
 

@@ -14,7 +14,7 @@ Vocabulary used below (all counts are per engine step):
 - ``D``: head size.
 - A *slot* is one token position in the cache: ``slot = block_id * block_size + offset``.
 
-The cpu platform's backend (``quire.platforms.cpu.attention``) is the reference every
+The reference backend (``quire.ops.attention``, plain torch) is the oracle every
 other backend is measured against by the conformance suite.
 """
 

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
+from quire.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    check_attention_options,
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class _Group:
 
 
 @dataclass(frozen=True)
-class CpuAttentionMetadata:
+class ReferenceAttentionMetadata:
     """One step's precomputed indices; shared by every layer of that step."""
 
     #: int64 [T]: where each new token's K/V goes.
@@ -60,7 +64,7 @@ class CpuAttentionMetadata:
     groups: tuple[_Group, ...]
 
 
-class CpuAttentionBackend(AttentionBackend):
+class ReferenceAttentionBackend(AttentionBackend):
     """Paged attention by gathering pages into a padded dense batch.
 
     Scores and softmax are computed in float32 whatever the cache dtype; the result is
@@ -75,7 +79,7 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
+    def build_metadata(self, batch: AttentionBatch) -> ReferenceAttentionMetadata:
         """Split the batch into decode and prefill groups and build their indices.
 
         Works from the host-side ``query_lens`` and ``max_seq_len`` so sizes need no sync.
@@ -104,7 +108,7 @@ class CpuAttentionBackend(AttentionBackend):
             seq_idx = torch.nonzero(members).squeeze(1).to(device)
             if seq_idx.numel() > 0:
                 groups.append(_build_group(batch, seq_idx, max_q, n_blocks))
-        return CpuAttentionMetadata(
+        return ReferenceAttentionMetadata(
             slot_mapping=batch.slot_mapping.long(),
             groups=tuple(groups),
         )
@@ -114,7 +118,7 @@ class CpuAttentionBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: CpuAttentionMetadata,
+        metadata: ReferenceAttentionMetadata,
     ) -> None:
         # A view, never a copy: a copy would silently drop the write.
         slots = kv_cache.view(2, -1, *kv_cache.shape[3:])
@@ -125,7 +129,7 @@ class CpuAttentionBackend(AttentionBackend):
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: CpuAttentionMetadata,
+        metadata: ReferenceAttentionMetadata,
         *,
         scale: float,
         sliding_window: int | None = None,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 
 #: Side of the compressed causal mask FIA takes in sparse modes 3 and 4 (fixed by CANN).
 MASK_SIZE = 2048
@@ -105,7 +105,7 @@ class AscendAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         check_attention_options(sliding_window, logits_soft_cap)
         if logits_soft_cap is not None:
-            reference = CpuAttentionBackend()  # plain torch ops: runs on the NPU too
+            reference = ReferenceAttentionBackend()  # plain torch ops: runs on the NPU too
             return reference.attend(query, kv_cache, reference.build_metadata(metadata.batch),
                                     scale=scale, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
-from quire.platforms.cpu.attention import CpuAttentionBackend, CpuAttentionMetadata
+from quire.ops.attention import ReferenceAttentionBackend, ReferenceAttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class FlatDecode:
 class GaudiMetadata:
     #: The reference's grouping: the prefill group feeds FusedSDPA, all groups the
     #: soft-cap path.
-    reference: CpuAttentionMetadata
+    reference: ReferenceAttentionMetadata
     decode: FlatDecode | None
 
 
@@ -67,7 +67,7 @@ class GaudiAttentionBackend(AttentionBackend):
         #: ``habana_frameworks.torch.hpex.kernels.FusedSDPA``, passed in so that importing
         #: this module imports no vendor code.
         self._fsdpa = fused_sdpa
-        self._reference = CpuAttentionBackend()
+        self._reference = ReferenceAttentionBackend()
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int

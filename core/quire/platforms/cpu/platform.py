@@ -9,10 +9,10 @@ from torch import nn
 
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
+from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
-from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
@@ -101,14 +101,14 @@ class CpuPlatform(Platform):
             install_norm_kernels(model, native)
             install_fused_decode(model, native)  # needs the packed layers' panels or copies
 
-    def make_attention_backend(self) -> CpuAttentionBackend:
+    def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.
 
         :raises ValueError: naming the accepted values of ``QUIRE_CPU_ATTENTION``.
         """
         choice = _env_choice(ATTENTION_ENV, "sdpa", _BACKENDS)
         if choice == "reference":
-            return CpuAttentionBackend()
+            return ReferenceAttentionBackend()
         return CpuSdpaAttentionBackend(native=self._native_kernels())
 
     def _native_kernels(self) -> NativeKernels | None:

@@ -1,7 +1,7 @@
 """The cpu platform's default attention: torch's fused ``scaled_dot_product_attention``.
 
 Same KV layout and the same :meth:`write_kv` as the reference
-(:class:`~quire.platforms.cpu.attention.CpuAttentionBackend`), which stays the oracle;
+(:class:`~quire.ops.attention.ReferenceAttentionBackend`), which stays the oracle;
 this backend only attends faster. A step's rows form at most three groups: decode rows,
 whole prompts (no cached prefix), and chunks after a cached prefix; each group is one
 SDPA call per layer, except whole prompts (below):
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from quire.interfaces.attention import AttentionBatch, check_attention_options
-from quire.platforms.cpu.attention import CpuAttentionBackend
+from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.native import NativeKernels
 
 
@@ -91,7 +91,7 @@ class CpuSdpaMetadata:
     groups: tuple[_Group, ...]
 
 
-class CpuSdpaAttentionBackend(CpuAttentionBackend):
+class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
     """Paged attention through ``F.scaled_dot_product_attention``.
 
     A subclass of the reference for its KV layout and ``write_kv``; ``build_metadata``
