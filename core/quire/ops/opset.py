@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from quire.ops import pooling, reference
+from quire.ops import moe, pooling, reference
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class OpSet:
     #: encoder's attention within each sequence.
     pool: Callable[..., Any] = pooling.pool
     bidirectional_attention: Callable[..., Any] = pooling.bidirectional_attention
+    #: Mixture of experts (:mod:`quire.ops.moe`): routing, then the experts it chose.
+    select_experts: Callable[..., Any] = moe.select_experts
+    fused_moe: Callable[..., Any] = moe.fused_moe
     #: Which implementation runs each op (``"reference"`` or the platform's name for
     #: its own), for logs and the native-ops test.
     sources: tuple[tuple[str, str], ...] = field(default=())
