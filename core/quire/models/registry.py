@@ -11,6 +11,7 @@ from GGUF metadata) fall back to ``config.model_type`` for the core families.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -20,12 +21,11 @@ from torch import nn
 from quire.plugins.spec import ModelSpec
 
 
-def _core(name: str) -> ModelSpec:
+def _core(name: str, module: str = "llama") -> ModelSpec:
+    """The spec of core class ``name`` in ``quire.models.<module>``."""
     def load() -> type[nn.Module]:
         # Imported on use, so listing architectures never imports model code.
-        from quire.models import llama
-
-        return getattr(llama, name)
+        return getattr(importlib.import_module(f"quire.models.{module}"), name)
 
     return ModelSpec(architecture=name, load=load)
 
@@ -41,6 +41,7 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
             "Qwen3ForCausalLM",
         )
     }
+    | {"BertModel": _core("BertModel", "bert")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.
@@ -50,6 +51,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType(
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "bert": "BertModel",
     }
 )
 
