@@ -111,6 +111,16 @@ class EngineConfig:
                                      "'ray' (a Ray actor per rank, on any node of the "
                                      "cluster RAY_ADDRESS names, or a local one); default: "
                                      "uni for one rank, mp for more"))
+    task: str = field(
+        default="auto",
+        metadata=_help("'generate', 'embed' (one pooled vector per prompt: LLM.embed, "
+                       "/v1/embeddings), or 'auto': embed for encoders and "
+                       "sentence-transformers directories, generate otherwise"))
+    pooling: str | None = field(
+        default=None,
+        metadata=_help("an embedding model's pooling: 'mean', 'cls' or 'last' (default: "
+                       "the sentence-transformers config's, else cls for encoders and "
+                       "last for decoders)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
@@ -148,6 +158,7 @@ class EngineConfig:
                 raise ValueError("gpu_memory_utilization and kv_cache_memory both size the "
                                  "KV cache; give one")
         self._check_parallel()
+        self._check_task()
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -164,6 +175,19 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; "
                              f"tensor_parallel_size x pipeline_parallel_size is "
                              f"{self.world_size}: use 'mp'")
+
+    def _check_task(self) -> None:
+        from quire.models.pooling import TASKS
+        from quire.ops.pooling import POOLING_METHODS
+
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got "
+                             f"{self.pooling!r}")
+        if self.pooling is not None and self.task == "generate":
+            raise ValueError("pooling applies to embedding models; it cannot be given "
+                             "with task='generate'")
 
     @property
     def world_size(self) -> int:
@@ -187,13 +211,21 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def resolve(
-        self, *, model_max_len: int, platform_block_size: int, platform_dtype: torch.dtype
+        self, *, model_max_len: int, platform_block_size: int, platform_dtype: torch.dtype,
+        model_task: str = "generate",
     ) -> "ResolvedConfig":
         """Fill in what depends on the checkpoint and the platform.
 
+        :param model_task: what ``task="auto"`` means for the checkpoint
+            (:func:`quire.models.pooling.model_task`).
         :raises ValueError: when ``max_model_len`` exceeds the model's, or the token budget
-            cannot hold one whole prompt without chunked prefill.
+            cannot hold one whole prompt without chunked prefill (an embedding model's
+            prompts are refused one by one instead).
         """
+        task = model_task if self.task == "auto" else self.task
+        if self.pooling is not None and task != "embed":
+            raise ValueError(f"pooling={self.pooling!r} applies to embedding models; this "
+                             f"one generates (task='embed' serves it as one)")
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(
@@ -202,7 +234,7 @@ class EngineConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        if not self.enable_chunked_prefill and budget < max_model_len:
+        if not self.enable_chunked_prefill and budget < max_model_len and task != "embed":
             raise ValueError(
                 f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "
                 "without chunked prefill the longest prompt could never be scheduled"
@@ -213,6 +245,7 @@ class EngineConfig:
             block_size=self.block_size or platform_block_size,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
+            task=task,
         )
 
 
@@ -225,6 +258,8 @@ class ResolvedConfig:
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    #: ``generate`` or ``embed`` (``task="auto"`` settled by the checkpoint).
+    task: str = "generate"
 
     @property
     def max_num_seqs(self) -> int:
@@ -232,11 +267,13 @@ class ResolvedConfig:
 
     @property
     def enable_prefix_caching(self) -> bool:
-        return self.engine.enable_prefix_caching
+        """Never for embeddings: pooling reads every prompt row, so each is computed."""
+        return self.engine.enable_prefix_caching and self.task != "embed"
 
     @property
     def enable_chunked_prefill(self) -> bool:
-        return self.engine.enable_chunked_prefill
+        """Never for embeddings: a prompt is computed (and pooled) in one step."""
+        return self.engine.enable_chunked_prefill and self.task != "embed"
 
 
 def _positive(name: str, value: object, optional: bool = False) -> None:
