@@ -143,3 +143,21 @@ class RequestOutput:
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt: its pooled vector (vLLM's
+    ``EmbeddingRequestOutput``, with the vector on the output itself)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    #: The pooled (and, as the model's pooling says, normalised) vector; empty when
+    #: aborted.
+    embedding: list[float]
+    #: "stop" once computed, "abort" when stopped before.
+    finish_reason: str = "stop"
+    finished: bool = True
+    #: Timings; not part of the output's value (left out of ``==``).
+    metrics: RequestMetrics | None = field(default=None, compare=False)

@@ -39,8 +39,9 @@ from quire.executor.abstract import Executor
 from quire.executor.messages import StepItem
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform
-from quire.model_store import resolve_model
+from quire.model_store import model_path_of
 from quire.models.loader import load_model_config
+from quire.models.pooling import check_task, model_task
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
@@ -148,15 +149,17 @@ class EngineCore:
             its EOS ids); loaded here otherwise."""
         registry = registry or PlatformRegistry()
         self.platform: Platform = registry.resolve(config.device)
-        model_path = resolve_model(config.model)
+        model_path = model_path_of(config)
         self.model_config = load_model_config(model_path)
         self._model_max_len = model_max_len(self.model_config)
         self.config: ResolvedConfig = config.resolve(
             model_max_len=self._model_max_len,
             platform_block_size=self.platform.default_block_size,
             platform_dtype=self.platform.supported_dtypes[0],
+            model_task=model_task(model_path, self.model_config),
         )
         self.platform.check_dtype(self.config.dtype)
+        check_task(self.config.task, self.model_config, config.world_size)
         check_parallel(config, self.model_config)
         tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_path)
         self._tokenizer = tokenizer  # for the grammar engine, built on first use
@@ -209,7 +212,8 @@ class EngineCore:
             model_max_len=self._model_max_len, vocab_size=self.vocab_size,
             num_blocks=num_blocks, eos_token_ids=sorted(self.eos_token_ids),
             world_size=self.executor.world_size,
-            worker_processes=0 if self.executor.runs_model_here else self.executor.world_size)
+            worker_processes=0 if self.executor.runs_model_here else self.executor.world_size,
+            task=self.config.task)
         logger.info(
             "engine core ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens) "
             "executor=%s world_size=%d", self.platform.name, self.config.dtype,
@@ -344,6 +348,9 @@ class EngineCore:
         result = self.executor.wait(handle)
         self.scheduler.complete_step(out)
         outputs = CoreOutputs()
+        if result.pooled is not None:
+            self._finish_embeddings(out, result.sample_items, result.pooled, outputs)
+            return self._report(outputs)
         for item_idx, first_pos, logits in result.prompt_logits:
             seq = out.scheduled[item_idx].seq
             if seq.request_id not in self._requests:
@@ -382,10 +389,31 @@ class EngineCore:
                 if reason is not None and req.finished:
                     del self._requests[seq.request_id]
                     self._finished.append(seq.request_id)
+        return self._report(outputs)
+
+    def _report(self, outputs: CoreOutputs) -> CoreOutputs:
         outputs.time = time.monotonic()  # one clock read per step: the tokens exist from here
         outputs.stats = self.stats()
         outputs.finished = self.take_finished()
         return outputs
+
+    def _finish_embeddings(self, out: SchedulerOutput, items: tuple[int, ...],
+                           pooled: torch.Tensor, outputs: CoreOutputs) -> None:
+        """An embedding request ends with the step that computed its prompt: its vector
+        goes out with the finish and its pages go back at once (no prefix cache)."""
+        data = pooled.to(device="cpu", dtype=torch.float32).numpy().astype("<f4")
+        for row, i in enumerate(items):
+            seq = out.scheduled[i].seq
+            if seq.is_finished:
+                continue  # aborted while its step was in flight
+            self.scheduler.finish(seq, "stop")
+            self._release(seq)
+            outputs.updates.append(SeqUpdate(
+                seq.request_id, seq.index, finish_reason="stop",
+                first_scheduled_time=seq.first_scheduled_time,
+                embedding=data[row].tobytes()))
+            del self._requests[seq.request_id]
+            self._finished.append(seq.request_id)
 
     def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, the rows of sequences under a grammar to the tokens it allows

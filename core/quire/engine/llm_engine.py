@@ -13,16 +13,30 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig
 from quire.engine.core import EngineCore, check_request
 from quire.engine.core_client import CoreClient, InprocCoreClient
-from quire.engine.messages import CoreOutputs, CoreRequest, EngineStats, ThinkingTokens
+from quire.engine.messages import (
+    CoreOutputs,
+    CoreRequest,
+    EngineStats,
+    SeqUpdate,
+    ThinkingTokens,
+)
 from quire.engine.output_processor import OutputProcessor, RequestState
-from quire.model_store import resolve_model
-from quire.outputs import RequestOutput, RequestOutputKind
+from quire.hub import fetch_model
+from quire.model_store import model_path_of
+from quire.outputs import (
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputKind,
+)
 from quire.plugins.registry import PlatformRegistry
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend, make_grammar_backend
@@ -31,6 +45,27 @@ from quire.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineStats", "LLMEngine"]
+
+#: An embedding request runs no sampler; these parameters only size its K/V (the prompt).
+_EMBED_PARAMS = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@dataclass
+class _EmbedState:
+    """The front's view of one embedding request until its vector comes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    first_scheduled_time: float | None = None
+
+    def output(self, embedding: list[float], reason: str) -> EmbeddingRequestOutput:
+        now = time.monotonic()
+        return EmbeddingRequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, embedding, reason,
+            metrics=RequestMetrics(self.arrival_time, self.first_scheduled_time,
+                                   finished_time=now))
 
 
 class LLMEngine:
@@ -45,7 +80,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None, *,
                  client: CoreClient | None = None):
-        model_path = resolve_model(config.model)
+        config = fetch_model(config)  # once, here: the cores find it in the cache
+        model_path = model_path_of(config)
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         if client is None and config.data_parallel_size > 1:
             from quire.engine.core_proc import ProcCoreClient
@@ -58,11 +94,14 @@ class LLMEngine:
         self.info = info
         self.config: ResolvedConfig = config.resolve(
             model_max_len=info.model_max_len, platform_block_size=info.platform_block_size,
-            platform_dtype=getattr(torch, info.platform_dtype))
+            platform_dtype=getattr(torch, info.platform_dtype), model_task=info.task)
+        #: ``generate`` or ``embed``: which of add_request / add_embed_request it takes.
+        self.task: str = self.config.task
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.vocab_size: int = info.vocab_size
         self.processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
+        self._embeddings: dict[str, _EmbedState] = {}
         self._ids = itertools.count()
         self._stats: EngineStats | None = None
         self._grammars: GrammarBackend | None = None
@@ -112,10 +151,11 @@ class LLMEngine:
             vocabulary, parameters outside this engine's limits, a duplicate request id,
             or a request the KV cache could never hold.
         """
+        if self.task == "embed":
+            raise ValueError("this model serves embeddings (task='embed') and cannot "
+                             "generate: use LLM.embed or POST /v1/embeddings")
         arrival_time = time.monotonic()
-        rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        rid = self._new_id(request_id)
         tokens = check_request(rid, prompt_token_ids, params, self.config, self.vocab_size,
                                self.info.num_blocks)
         if params.structured_outputs is not None:
@@ -129,11 +169,42 @@ class LLMEngine:
         self._requests[rid] = req
         return rid
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def add_embed_request(self, prompt_token_ids: list[int], *, prompt: str | None = None,
+                          request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a prompt whose pooled vector is wanted (an embedding model's request):
+        computed in one step, nothing sampled, its pages freed at once.
+
+        :raises ValueError: when this engine generates (``task='generate'``), for an empty
+            prompt, one longer than ``max_model_len`` or the step's token budget, a token
+            id outside the vocabulary, or a duplicate request id.
+        """
+        if self.task != "embed":
+            raise ValueError("this model generates (task='generate'); to serve embeddings "
+                             "start it with task='embed' (--task embed)")
+        arrival_time = time.monotonic()
+        rid = self._new_id(request_id)
+        tokens = check_request(rid, prompt_token_ids, _EMBED_PARAMS, self.config,
+                               self.vocab_size, self.info.num_blocks)
+        self.client.add_request(CoreRequest(rid, tokens, _EMBED_PARAMS, arrival_time,
+                                            priority))
+        self._embeddings[rid] = _EmbedState(rid, prompt, tokens, arrival_time)
+        return rid
+
+    def _new_id(self, request_id: str | None) -> str:
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests or rid in self._embeddings:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
         """Stop a request now and free its pages; unknown or finished ids are ignored.
 
         :returns: the request's last output, finished with reason "abort", or None.
         """
+        embed = self._embeddings.pop(request_id, None)
+        if embed is not None:
+            self.client.abort_requests([request_id])
+            return embed.output([], "abort")
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -147,7 +218,7 @@ class LLMEngine:
         self.client.check_health()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._embeddings)
 
     def stats(self) -> EngineStats:
         """The core's queues and KV pool (summed over data-parallel replicas)."""
@@ -164,7 +235,8 @@ class LLMEngine:
                 (cores or len(self.client.stats()))}
 
     # -- the step --------------------------------------------------------------------------
-    def step(self, final_only: bool = False, timeout: float = 0.1) -> list[RequestOutput]:
+    def step(self, final_only: bool = False, timeout: float = 0.1
+             ) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one step of the core (or, for cores in other processes, take what they
         produced, waiting at most ``timeout`` seconds); report every request that changed.
 
@@ -172,13 +244,15 @@ class LLMEngine:
             cumulative outputs of running requests, which nobody reads offline), whatever
             each request's ``output_kind``.
         """
-        result: list[RequestOutput] = []
+        result: list[RequestOutput | EmbeddingRequestOutput] = []
         # one output per request per core step, as from a core in this process, even
         # when several steps wait: a stream's backlog counts steps, whoever is behind
         for outputs in self.client.get_outputs(timeout):
             changed: dict[str, RequestState] = {}
-            self._apply(outputs, changed)
+            embedded: list[EmbeddingRequestOutput] = []
+            self._apply(outputs, changed, embedded)
             result += self._outputs(changed, final_only)
+            result += embedded
         return result
 
     def _outputs(self, changed: dict[str, RequestState],
@@ -196,7 +270,8 @@ class LLMEngine:
                 del self._requests[rid]
         return result
 
-    def _apply(self, outputs: CoreOutputs, changed: dict[str, RequestState]) -> None:
+    def _apply(self, outputs: CoreOutputs, changed: dict[str, RequestState],
+               embedded: list[EmbeddingRequestOutput]) -> None:
         if outputs.error is not None:
             raise RuntimeError(f"engine core {outputs.engine} failed a step and aborted its "
                                f"requests: {outputs.error}")
@@ -207,6 +282,9 @@ class LLMEngine:
             for lp in entry.entries:
                 req.prompt_logprobs.append(self.processor.token_logprobs(lp))
         for update in outputs.updates:
+            if update.request_id in self._embeddings:
+                embedded.append(self._embedded(update))
+                continue
             req = self._requests.get(update.request_id)
             if req is None:
                 continue  # aborted here after the core sampled it
@@ -216,11 +294,26 @@ class LLMEngine:
                 self.client.stop_sequence(req.request_id, update.index)
             changed[req.request_id] = req
         for rid, why in outputs.refused:
+            embed = self._embeddings.pop(rid, None)
+            if embed is not None:
+                logger.warning("the engine core refused request %s: %s", rid, why)
+                embedded.append(embed.output([], "abort"))
+                continue
             req = self._requests.get(rid)
             if req is not None:
                 logger.warning("the engine core refused request %s: %s", rid, why)
                 self.processor.abort(req)
                 changed[rid] = req
+
+
+    def _embedded(self, update: SeqUpdate) -> EmbeddingRequestOutput:
+        """The finished output of an embedding request (its vector came with the finish)."""
+        state = self._embeddings.pop(update.request_id)
+        state.first_scheduled_time = update.first_scheduled_time
+        if update.embedding is None:  # aborted in the core
+            return state.output([], update.finish_reason or "abort")
+        vector = np.frombuffer(update.embedding, dtype="<f4").tolist()
+        return state.output(vector, update.finish_reason or "stop")
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:

@@ -78,6 +78,9 @@ class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     #: ``time.monotonic()`` when the sequence first left the waiting queue.
     first_scheduled_time: float | None = None
+    #: An embedding request's pooled vector: little-endian float32 bytes (compact and
+    #: exact across a process boundary), sent with its finish.
+    embedding: bytes | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):
@@ -122,6 +125,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     world_size: int
     #: Worker processes of its executor (0 when the core runs the model itself).
     worker_processes: int = 0
+    #: What the core serves: ``generate`` or ``embed``.
+    task: str = "generate"
 
 
 # -- commands from a front to a core process (the in-process core takes method calls) --

@@ -9,7 +9,7 @@ from typing import Any, Union
 
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
-from quire.outputs import RequestOutput
+from quire.outputs import EmbeddingRequestOutput, RequestOutput
 from quire.plugins.registry import (
     DISABLE_PLUGINS_ENV,
     PlatformRegistry,
@@ -84,6 +84,42 @@ class LLM:
             bar.close()
         return [results[rid] for rid in order]
 
+    def embed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        *,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per prompt, in prompt order (an embedding model: one started
+        with ``task="embed"``, or an encoder or sentence-transformers directory).
+
+        Prompts are text (tokenized with the model's special tokens, as
+        sentence-transformers does), token ids, or dicts as for :meth:`generate`.
+
+        :raises ValueError: for a model that generates, or an invalid prompt (empty,
+            longer than ``max_model_len`` or the step's token budget), before anything runs.
+        """
+        batch = _as_prompt_list(prompts)
+        encoded = [self._encode(p) for p in batch]
+        order: list[str] = []
+        try:
+            for text, ids in encoded:
+                order.append(self.engine.add_embed_request(ids, prompt=text))
+        except ValueError:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, EmbeddingRequestOutput] = {}
+        bar = _progress(len(order)) if use_tqdm else None
+        for out in self._run(order, final_only=True):
+            if isinstance(out, EmbeddingRequestOutput):
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in order]
+
     def stream(
         self,
         prompts: PromptType | SequenceABC[PromptType],
@@ -150,7 +186,8 @@ class LLM:
             raise
         return order
 
-    def _run(self, request_ids: list[str], final_only: bool = False) -> Iterator[RequestOutput]:
+    def _run(self, request_ids: list[str], final_only: bool = False
+             ) -> Iterator[RequestOutput | EmbeddingRequestOutput]:
         pending = set(request_ids)
         try:
             while pending:

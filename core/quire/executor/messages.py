@@ -77,6 +77,8 @@ class StepOutput(msgspec.Struct, array_like=True, frozen=True):
     sample_items: list[int]
     #: (item index, first position, logits [k, vocab]) for prompt logprobs.
     prompt_logits: list[tuple[int, int, Array]]
+    #: An embedding model's float32 [N, hidden] vectors, rows following ``sample_items``.
+    pooled: Array | None = None
 
 
 class Call(msgspec.Struct, array_like=True, frozen=True, tag=True):

@@ -23,6 +23,7 @@ from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend, AttentionBatch
 from quire.models.context import ForwardContext
 from quire.models.pipeline import PipelineLink
+from quire.models.pooling import PoolingConfig
 from quire.ops import OpSet, reference_ops
 
 
@@ -49,6 +50,9 @@ class StepResult:
     #: (index in the scheduled list, first position, float32 logits [k, vocab]) for
     #: prompt positions ``first .. first+k-1``, which predict prompt tokens ``first+1 ..``.
     prompt_logits: tuple[tuple[int, int, torch.Tensor], ...] = ()
+    #: An embedding model's float32 [N, hidden] pooled vectors (rows follow
+    #: ``sample_items``; ``logits`` is then empty), None for a generating model.
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -63,11 +67,14 @@ class ModelRunner:
         device: torch.device,
         link: PipelineLink | None = None,
         ops: OpSet | None = None,
+        pooling: PoolingConfig | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
         :param link: this pipeline stage's neighbours, or None without pipelining.
-        :param ops: the platform's ops (the reference set when None)."""
+        :param ops: the platform's ops (the reference set when None).
+        :param pooling: for an embedding model, how each finished prompt becomes one
+            vector (then no logits are computed); None to generate."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -75,6 +82,7 @@ class ModelRunner:
         self.device = device
         self.link = link
         self.ops = ops if ops is not None else reference_ops()
+        self.pooling = pooling
 
     def prepare(self, scheduled: list[StepItem]) -> StepInputs:
         """Build the flattened inputs of one step."""
@@ -139,6 +147,7 @@ class ModelRunner:
             metadata=self.backend.build_metadata(inputs.batch),
             kv_caches=self.kv_caches,
             ops=self.ops,
+            batch=inputs.batch,
         )
         if self.link is None:
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
@@ -151,6 +160,8 @@ class ModelRunner:
                 return StepResult(out[0].new_empty((0, 0), dtype=torch.float32),
                                   inputs.sample_items)
             hidden = out
+        if self.pooling is not None:
+            return self._pool(hidden, inputs, self.pooling)
         if inputs.sample_items:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
         else:
@@ -160,3 +171,13 @@ class ModelRunner:
             for i, first, rows in inputs.prompt_rows
         )
         return StepResult(logits, inputs.sample_items, prompt_logits)
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs,
+              pooling: PoolingConfig) -> StepResult:
+        """One vector per sequence whose prompt this step completed (an embedding
+        model's prompt is never split, so that is every sequence of the step)."""
+        pooled = self.ops.pool(hidden, inputs.batch.query_start_loc, pooling.method,
+                               pooling.normalize)
+        return StepResult(hidden.new_empty((0, 0), dtype=torch.float32),
+                          inputs.sample_items, (),
+                          pooled[list(inputs.sample_items)].to("cpu"))

@@ -57,4 +57,5 @@ class RemoteExecutor(Executor):
         out = next(r.output for r in self._receive(handle) if r.output is not None)
         assert out.logits is not None
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
-                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits))
+                          tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits),
+                          None if out.pooled is None else out.pooled.tensor())

@@ -20,11 +20,12 @@ from quire.executor.model_runner import ModelRunner, StepResult
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform
-from quire.model_store import resolve_model
+from quire.model_store import model_path_of
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.models.pipeline import PipelineLink, PipelineStage
+from quire.models.pooling import PoolingConfig, model_task, pooling_config
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
 
@@ -45,10 +46,12 @@ class KVCacheSpec:
 def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     """``config`` with the checkpoint's and the platform's defaults settled: the engine
     and every worker settle them the same way."""
-    model_config = load_model_config(resolve_model(config.model))
+    model_path = model_path_of(config)
+    model_config = load_model_config(model_path)
     return config.resolve(model_max_len=model_max_len(model_config),
                           platform_block_size=platform.default_block_size,
-                          platform_dtype=platform.supported_dtypes[0])
+                          platform_dtype=platform.supported_dtypes[0],
+                          model_task=model_task(model_path, model_config))
 
 
 def model_max_len(config: object) -> int:
@@ -76,7 +79,7 @@ class Worker:
         # counts what the rank holds from here on)
         self._free_at_start = self.platform.make_memory_profiler(rank).free_memory() \
             if config.gpu_memory_utilization is not None else 0
-        model_path = resolve_model(config.model)
+        model_path = model_path_of(config)
         model_config = load_model_config(model_path)
         self.config = resolve_config(config, self.platform)
         self.platform.check_dtype(self.config.dtype)
@@ -103,6 +106,10 @@ class Worker:
             getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))
         spec = KVCacheSpec.of(self.model)
         self.kv_spec = KVCacheSpec(len(self.kv_layer_ids), spec.num_kv_heads, spec.head_size)
+        #: An embedding model's pooling (its runner returns vectors, not logits).
+        self.pooling: PoolingConfig | None = (
+            pooling_config(model_path, model_config, config.pooling)
+            if self.config.task == "embed" else None)
         self.runner: ModelRunner | None = None
 
     def _communicators(self, tp_rank: int, tp: int, stage: int,
@@ -136,6 +143,9 @@ class Worker:
         requested = self.config.engine.kv_cache_memory
         utilization = self.config.engine.gpu_memory_utilization
         activation_peak = 0
+        if self.kv_spec.num_layers == 0:  # an encoder: pages are bookkeeping, no memory
+            return self.config.max_num_seqs * -(-self.config.max_model_len
+                                                // self.config.block_size)
         if not isinstance(requested, int):  # a share of free memory: leave room to run
             full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
             run = profiler.profile_tokens(full)
@@ -158,14 +168,15 @@ class Worker:
         bs = self.config.block_size
         num_blocks = -(-num_tokens // bs)
         runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
-                             self.device, self.link, self.ops)
+                             self.device, self.link, self.ops, self.pooling)
         runner.execute([StepItem([0] * num_tokens, 0, list(range(num_blocks)), True)])
         self.platform.synchronize()
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV pages per layer and the runner that uses them."""
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
-                                  self.config.block_size, self.device, self.link, self.ops)
+                                  self.config.block_size, self.device, self.link, self.ops,
+                                  self.pooling)
 
     def _allocate(self, num_blocks: int) -> list[torch.Tensor | None]:
         """One KV tensor per layer this rank holds, by global layer index."""

@@ -62,11 +62,19 @@ def model_task(path: str, model_config: Any) -> str:
     return "generate"
 
 
-def check_task(task: str, model_config: Any) -> None:
-    """:raises ValueError: when an encoder is asked to generate."""
-    if task == "generate" and is_encoder(model_config):
-        raise ValueError(f"{model_config.architectures[0]} is an embedding model and "
-                         f"cannot generate; serve it with task='embed' (--task embed)")
+def check_task(task: str, model_config: Any, world_size: int = 1) -> None:
+    """:raises ValueError: when an encoder is asked to generate, or to run on more than
+        one rank (it is not sharded)."""
+    if not is_encoder(model_config):
+        return
+    name = model_config.architectures[0]
+    if task == "generate":
+        raise ValueError(f"{name} is an embedding model and cannot generate; serve it "
+                         f"with task='embed' (--task embed)")
+    if world_size > 1:
+        raise ValueError(f"{name} runs on one rank; tensor_parallel_size x "
+                         f"pipeline_parallel_size is {world_size}: use 1 (data "
+                         f"parallelism replicates it)")
 
 
 def pooling_config(path: str, model_config: Any, method: str | None = None
