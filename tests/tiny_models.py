@@ -14,10 +14,12 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 384
@@ -33,7 +35,7 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 _CORPUS = (
     "The capital of France is Paris. Once upon a time there was a quiet village by "
@@ -57,6 +59,15 @@ def tiny_config(arch: str) -> PretrainedConfig:
         return Qwen2Config(**_COMMON, tie_word_embeddings=True)
     if arch == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        # 8 experts, top 2, on layer 1; layer 0 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**_COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True,
+                              mlp_only_layers=[0], tie_word_embeddings=False)
+    if arch == "mixtral":
+        # 4 experts, top 2, on every layer; a window shorter than the prompts
+        return MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=12, tie_word_embeddings=True)
     raise ValueError(arch)
 
 

@@ -42,6 +42,7 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
         )
     }
     | {"BertModel": _core("BertModel", "bert")}
+    | {name: _core(name, "moe") for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.
@@ -52,6 +53,8 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType(
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "bert": "BertModel",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
     }
 )
 
