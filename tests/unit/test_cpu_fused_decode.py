@@ -11,7 +11,9 @@ path is covered: a decode step of one sequence on compact weights
 (``decode_layer_f32``), of one or many sequences on float32 panels
 (``decode_batch_f32``), and prompts and mixed steps through the layer's halves around
 the attention backend (``layer_front_f32``/``layer_back_f32``), whose logits are
-compared too. Layers that do not qualify must keep the op-by-op path.
+compared too. The families' variations the layer description carries (biases, windows,
+Qwen3's q/k norms, Gemma's offset norms, sandwich norms and GELU-tanh) each run every
+path. Layers that do not qualify must keep the op-by-op path.
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:
 def _pair(config, kernels: NativeKernels, compact: bool = True, num_blocks: int = 64):
     """(fused run, op-by-op run, counter of the single-sequence kernel's calls, counter
     of the batch kernel's calls); without ``compact`` the fused layers keep only panels.
-    The fused layers' halves (prompts, mixed steps) are counted in ``Run.halves``."""
-    fused, plain = _model(config), _model(config)
+    The fused layers' halves (prompts, mixed steps) are counted in ``Run.halves``.
+    ``config`` may be ``(config, model class)``."""
+    config, cls = config if isinstance(config, tuple) else (config, LlamaForCausalLM)
+    fused, plain = _model(config, cls), _model(config, cls)
     pack_linear_weights(fused, kernels, compact=compact)
     install_norm_kernels(fused, kernels)
-    assert install_fused_decode(fused, kernels) == config.num_hidden_layers
+    assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
     pack_linear_weights(plain)  # no native kernels: torch norms, split float32 products
     single = Counting(kernels.decode_layer_f32)
     batch = Counting(kernels.decode_batch_f32)
@@ -128,11 +132,13 @@ CONFIGS = {
     "mistral-window-5": MistralConfig(**COMMON, sliding_window=5),
     # SiLU runs eight lanes at a time: 100 leaves a tail of four
     "llama-inter-100": LlamaConfig(**{**COMMON, "intermediate_size": 100}),
+    "qwen3-qk-norm": (Qwen3Config(**COMMON, head_dim=16), Qwen3ForCausalLM),
 }
 
 
 def _skip_unless_compact_fits(name: str, compact: bool) -> None:
-    if compact and CONFIGS[name].intermediate_size % 32:
+    config = CONFIGS[name][0] if isinstance(CONFIGS[name], tuple) else CONFIGS[name]
+    if compact and config.intermediate_size % 32:
         pytest.skip("compact weights need the down projection's inputs in blocks of 32")
 
 
@@ -236,11 +242,14 @@ def test_a_mixed_step_runs_the_halves_around_the_backend(kernels: NativeKernels)
 def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> None:
     model = _model(CONFIGS["llama"])
     pack_linear_weights(model)  # without native kernels: no compact copies, no panels
-    assert install_fused_decode(model, kernels) == 0
-    qwen3 = _model(Qwen3Config(**COMMON, head_dim=16), Qwen3ForCausalLM)  # q/k norms: not in the kernel
-    pack_linear_weights(qwen3, kernels)
-    assert install_fused_decode(qwen3, kernels) == 0
-    assert all(layer.kernel is None for layer in qwen3.model.layers)
+    assert install_fused_decode(model, kernels) == {
+        "linears with neither all compact copies nor all panels": 2}
+    odd = _model(CONFIGS["llama"])
+    odd.model.layers[1].post_attention_layernorm.eps = 1e-3  # the C layer takes one eps
+    pack_linear_weights(odd, kernels)
+    assert install_fused_decode(odd, kernels) == {"fused": 1,
+                                                  "norms with different eps": 1}
+    assert odd.model.layers[1].kernel is None
 
 
 def test_float32_weights_qualify_on_panels_only(kernels: NativeKernels) -> None:
@@ -251,7 +260,7 @@ def test_float32_weights_qualify_on_panels_only(kernels: NativeKernels) -> None:
         for param in unrounded.parameters():
             param.normal_()  # full float32 mantissas: no exact compact encoding
     pack_linear_weights(unrounded, kernels)
-    assert install_fused_decode(unrounded, kernels) == 2
+    assert install_fused_decode(unrounded, kernels) == {"fused": 2}
     for layer in unrounded.model.layers:
         assert layer.kernel._compact is None and layer.kernel._panels is not None
 

@@ -71,10 +71,26 @@ def test_installed_norm_agrees_with_the_modules_torch_path(kernels: NativeKernel
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_subclasses_and_other_dtypes_keep_the_torch_path(kernels: NativeKernels) -> None:
-    class OffsetNorm(RMSNorm):  # e.g. Gemma's 1 + weight: not the same function
-        pass
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_an_offset_norm_agrees_with_its_torch_path(kernels: NativeKernels,
+                                                   with_residual: bool) -> None:
+    """Gemma's ``(1 + weight)``: the site publishes its offset, the kernel adds it once."""
+    norm = RMSNorm(48, eps=1e-6, offset=1.0)
+    norm.weight.data = torch.randn(48) * 0.1
+    x, residual = torch.randn(4, 48), torch.randn(4, 48) if with_residual else None
+    want = norm(x, residual)
+    assert install_norm_kernels(torch.nn.Sequential(norm), kernels) == 1
+    got = norm(x, residual)
+    if with_residual:
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    model = torch.nn.Sequential(OffsetNorm(8), RMSNorm(8).to(torch.bfloat16))
+
+def test_modules_that_publish_no_site_and_other_dtypes_keep_the_torch_path(
+        kernels: NativeKernels) -> None:
+    class OtherNorm(RMSNorm):  # computes something else: says it is no rms_norm site
+        op_site = None
+
+    model = torch.nn.Sequential(OtherNorm(8), RMSNorm(8).to(torch.bfloat16))
     assert install_norm_kernels(model, kernels) == 0
     assert all(norm.kernel is None for norm in model)

@@ -29,17 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
 from quire.models.layers import (
-    MergedColumnParallelLinear,
+    GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -50,6 +49,7 @@ from quire.models.layers import (
     get_rope,
 )
 from quire.models.pipeline import LayerGap, PipelineStage
+from quire.ops.layer_spec import DecoderLayerKernel, DecoderLayerSpec, norm_spec
 
 #: Checkpoint tensor name fragment -> (our fused parameter's fragment, shard id).
 _FUSED: dict[str, tuple[str, Any]] = {
@@ -183,47 +183,17 @@ class LlamaAttention(nn.Module):
         )
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
     def __init__(
         self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator
     ) -> None:
-        super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=variant.mlp_bias, comm=comm
-        )
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=variant.mlp_bias, comm=comm
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayerKernel(Protocol):
-    """A platform's own :meth:`LlamaDecoderLayer.forward` for one loaded layer.
-
-    Installed as ``layer.kernel`` by ``Platform.prepare_model`` (the cpu platform's runs
-    one-token steps of a lone sequence in one C call). It must compute what the layer
-    computes up to float rounding, writing this step's keys and values to the cache as
-    the attention backend would, and returns None for a step it does not take (the
-    layer then runs as written).
-    """
-
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Same arguments and results as :meth:`LlamaDecoderLayer.forward`, or None."""
+        super().__init__(config.hidden_size, config.intermediate_size, "silu",
+                         bias=variant.mlp_bias, comm=comm)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -247,6 +217,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.kernel: DecoderLayerKernel | None = None
 
+    def fusion_spec(self) -> DecoderLayerSpec:
+        """This layer as data, for a platform that runs whole layers (``layer.kernel``)."""
+        attn = self.self_attn
+        return DecoderLayerSpec(
+            layer_idx=attn.layer_idx, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+            sliding_window=attn.sliding_window, logits_soft_cap=None,
+            input_norm=norm_spec(self.input_layernorm),
+            q_norm=None if attn.q_norm is None else norm_spec(attn.q_norm),
+            k_norm=None if attn.k_norm is None else norm_spec(attn.k_norm),
+            attn_out_norm=None, pre_mlp_norm=norm_spec(self.post_attention_layernorm),
+            mlp_out_norm=None, activation=self.mlp.activation, qkv=attn.qkv_proj,
+            o=attn.o_proj, gate_up=self.mlp.gate_up_proj, down=self.mlp.down_proj,
+            world_size=attn.o_proj.comm.world_size)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -266,7 +251,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rotary, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx), residual
 
 
 class LlamaModel(nn.Module):

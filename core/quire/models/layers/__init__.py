@@ -12,6 +12,7 @@ and calls its loader.
                 ``LinearKernel`` a platform may install in place of ``F.linear``
 ``embedding``   vocabulary-parallel embedding and LM head
 ``norm``        RMSNorm, with the residual add folded in
+``mlp``         the gated MLP (SiLU or GELU-tanh through the platform's op)
 ``rotary``      rotary position embedding: inverse frequencies per rope type, cos/sin cache
 ==============  ==========================================================================
 """
@@ -25,11 +26,13 @@ from quire.models.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from quire.models.layers.mlp import GatedMLP
 from quire.models.layers.norm import RMSNorm
 from quire.models.layers.rotary import RotaryEmbedding, apply_rotary, get_rope
 
 __all__ = [
     "ColumnParallelLinear",
+    "GatedMLP",
     "LinearKernel",
     "MergedColumnParallelLinear",
     "ParallelLMHead",

@@ -84,6 +84,9 @@ class VocabParallelEmbedding(_VocabShard):
 class ParallelLMHead(_VocabShard):
     """Hidden state -> logits over the whole vocabulary (no bias, as in Llama/Qwen)."""
 
+    #: What a platform may run its own way (``quire.ops.layer_spec``): ``F.linear``.
+    op_site = "linear"
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share ``embedding``'s weight (``tie_word_embeddings``); nothing is loaded twice.
 

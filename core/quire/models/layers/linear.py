@@ -92,6 +92,9 @@ class ColumnParallelLinear(nn.Module):
     :raises ValueError: when ``output_size`` does not divide by the world size.
     """
 
+    #: What a platform may run its own way (``quire.ops.layer_spec``): ``F.linear``.
+    op_site = "linear"
+
     def __init__(
         self,
         input_size: int,
@@ -269,6 +272,9 @@ class RowParallelLinear(nn.Module):
 
     :raises ValueError: when ``input_size`` does not divide by the world size.
     """
+
+    #: What a platform may run its own way (``quire.ops.layer_spec``): ``F.linear``.
+    op_site = "linear"
 
     def __init__(
         self, input_size: int, output_size: int, *, bias: bool, comm: Communicator

@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
     rank holds the whole weight.
     """
 
+    #: What a platform may run its own way (``quire.ops.layer_spec``).
+    op_site = "rms_norm"
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         """:param offset: added to the weight (1.0 for Gemma's ``(1 + weight)``); the
             product is then taken in float32 and cast, as Gemma does."""

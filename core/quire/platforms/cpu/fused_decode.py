@@ -1,4 +1,5 @@
-"""A Llama-family decoder layer in C for every step, attention included for decode steps.
+"""Decoder layers in C for every step, attention included for decode steps, built from
+the description each layer publishes (:class:`~quire.ops.layer_spec.DecoderLayerSpec`).
 
 A decode step's layer, run op by op, is ~20 torch operators and C calls. For a lone
 sequence (``quire bench latency``, a chat on a laptop) on SmolLM2-135M their dispatch
@@ -20,15 +21,16 @@ SiLU and products, the rotary's roll) and the Python around them took ~40 ms of 
   it does for the op-by-op path. A 2048-token prompt step of SmolLM2 went from 3.16 s
   to 2.97 s (alternating the two in one process).
 
-A layer qualifies when it is :class:`~quire.models.llama.LlamaDecoderLayer` without
-q/k norms, on one device (no all-reduce), with plain :class:`RMSNorm` s, and its four
-linears are :class:`~quire.platforms.cpu.packed_linear.PackedLinear` s that either all
-have a compact encoding (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q8_0
-weights and bf16 checkpoints) or all keep float32 panels (the native panel kernel,
-AVX2 hosts). The whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s
-metadata and a float32 contiguous KV cache. What does not fit returns None and the
-layer runs as written. Results agree with that path to float32 rounding (the same
-kernels for products, norms and attention; the SiLU and rotary in C instead of torch).
+A layer qualifies when its description fits the C layer (any of its norms, q/k norms,
+SiLU or GELU-tanh, no logit soft cap), it runs on one device (no all-reduce), its norms
+are float32 with one eps, and its four linears are
+:class:`~quire.platforms.cpu.packed_linear.PackedLinear` s that either all have a
+compact encoding (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q8_0 weights and
+bf16 checkpoints) or all keep float32 panels (the native panel kernel, AVX2 hosts). The
+whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s metadata and a
+float32 contiguous KV cache. What does not fit returns None and the layer runs op by
+op. Results agree with that path to float32 rounding (the same kernels for products,
+norms and attention; the activation and rotary in C instead of torch).
 """
 
 from __future__ import annotations
@@ -40,34 +42,41 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from quire.models.context import ForwardContext
-from quire.models.layers.norm import RMSNorm
-from quire.platforms.cpu.native import LinearArgs, NativeKernels, PanelArgs
+from quire.ops.layer_spec import DecoderLayerSpec, NormSpec
+from quire.platforms.cpu.native import (
+    LayerDescArgs,
+    LinearArgs,
+    NativeKernels,
+    PanelArgs,
+)
 from quire.platforms.cpu.packed_linear import PackedLinear
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
 if TYPE_CHECKING:
-    from quire.models.llama import LlamaDecoderLayer
+    from quire.models.context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
 
 class FusedDecodeLayer:
-    """One layer's :class:`~quire.models.llama.DecoderLayerKernel`: the whole layer in C
-    for decode steps, its halves in C around the attention backend for the rest."""
+    """One layer's :class:`~quire.ops.layer_spec.DecoderLayerKernel`: the whole layer in
+    C for decode steps, its halves in C around the attention backend for the rest."""
 
-    def __init__(self, native: NativeKernels, layer: LlamaDecoderLayer) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+    def __init__(self, native: NativeKernels, spec: DecoderLayerSpec) -> None:
         self.native = native
-        self.layer_idx = attn.layer_idx
-        self.hq, self.hkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.scale = float(attn.scale)
-        self.window = attn.sliding_window or 0
-        self.hidden = layer.input_layernorm.weight.shape[0]
-        self.norm_in = layer.input_layernorm.weight.detach()
-        self.norm_post = layer.post_attention_layernorm.weight.detach()
-        self.eps = float(layer.input_layernorm.eps)  # both norms' (_qualifies checks)
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.layer_idx = spec.layer_idx
+        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = float(spec.scale)
+        self.window = spec.sliding_window or 0
+        self.hidden = spec.input_norm.weight.shape[0]
+        # the norms' weights with their offsets added (kept alive: the struct points
+        # into them); _qualifies checked that they share one eps
+        self._norms = {name: _effective_weight(getattr(spec, name)) for name in _NORMS}
+        self._desc = LayerDescArgs(
+            spec.input_norm.eps, LayerDescArgs.ACTIVATIONS[spec.activation],
+            *(None if w is None else w.data_ptr() for w in self._norms.values()))
+        self.desc = ctypes.byref(self._desc)
+        modules = (spec.qkv, spec.o, spec.gate_up, spec.down)
         kernels = [module.kernel for module in modules]
         # ctypes structs pointing into the PackedLinears' tensors and the biases, which
         # live as long as the model; byref()s made once, not per call
@@ -139,8 +148,8 @@ class FusedDecodeLayer:
         if use_compact:
             qkv, o, gate_up, down = self._compact
             failed = self.native.decode_layer_f32(
-                hidden.data_ptr(), residual_ptr, self.hidden, self.norm_in.data_ptr(),
-                self.norm_post.data_ptr(), self.eps, qkv, o, gate_up, down, cos.data_ptr(),
+                hidden.data_ptr(), residual_ptr, self.hidden, self.desc, qkv, o, gate_up,
+                down, cos.data_ptr(),
                 sin.data_ptr(), base, base + half, int(meta.slot_mapping[0]),
                 group.decode_tables.data_ptr(), int(group.lens[0]), kv_cache.shape[2],
                 self.window, self.hq, self.hkv, self.d, self.scale, out.data_ptr(),
@@ -152,8 +161,8 @@ class FusedDecodeLayer:
                     and lens.dtype == slots.dtype == tables.dtype == torch.int64):
                 return None
             failed = self.native.decode_batch_f32(
-                rows, hidden.data_ptr(), residual_ptr, self.hidden, self.norm_in.data_ptr(),
-                self.norm_post.data_ptr(), self.eps, qkv, o, gate_up, down, cos.data_ptr(),
+                rows, hidden.data_ptr(), residual_ptr, self.hidden, self.desc, qkv, o,
+                gate_up, down, cos.data_ptr(),
                 sin.data_ptr(), cos.stride(0), base, base + half, slots.data_ptr(),
                 tables.data_ptr(), tables.stride(0), lens.data_ptr(), kv_cache.shape[2],
                 self.window, self.hq, self.hkv, self.d, self.scale, out.data_ptr(),
@@ -173,7 +182,7 @@ class FusedDecodeLayer:
         new_residual = torch.empty_like(hidden)
         failed = self.native.layer_front_f32(
             rows, hidden.data_ptr(), None if residual is None else residual.data_ptr(),
-            self.hidden, self.norm_in.data_ptr(), self.eps, qkv, cos.data_ptr(),
+            self.hidden, self.desc, qkv, cos.data_ptr(),
             sin.data_ptr(), cos.stride(0), hq, hkv, d, qkv_out.data_ptr(),
             new_residual.data_ptr())
         if failed:
@@ -187,10 +196,22 @@ class FusedDecodeLayer:
         # new_residual already holds residual + x, so a failure here cannot fall back
         # to the op-by-op path (the cache is written too): it is a bug, not a decline
         if self.native.layer_back_f32(rows, attn.data_ptr(), self.hidden,
-                                      new_residual.data_ptr(), self.norm_post.data_ptr(),
-                                      self.eps, o, gate_up, down, out.data_ptr()):
+                                      new_residual.data_ptr(), self.desc, o, gate_up, down,
+                                      out.data_ptr()):
             raise RuntimeError("quire_layer_back_f32 refused shapes its front accepted")
         return out, new_residual
+
+
+#: The description's norms, in ``struct quire_layer_desc`` order after norm_in.
+_NORMS = ("input_norm", "pre_mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
+
+
+def _effective_weight(norm: NormSpec | None) -> torch.Tensor | None:
+    """The weight the C norm multiplies by: ``offset + weight`` (Gemma's ``1 + w``)."""
+    if norm is None:
+        return None
+    weight = norm.weight.detach()
+    return (weight + norm.offset).contiguous() if norm.offset else weight.contiguous()
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
@@ -198,41 +219,50 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
-def _qualifies(layer: nn.Module) -> bool:
-    # imported here: quire.models.llama pulls in torch._dynamo (and with it triton),
-    # which platform discovery must not import
-    from quire.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+def decline_reason(spec: DecoderLayerSpec) -> str | None:
+    """Why the C layer cannot run ``spec``, or None when it can."""
+    if spec.world_size != 1:
+        return "tensor parallel (the C layer has no all-reduce)"
+    if spec.logits_soft_cap is not None:
+        return "attention logit soft cap"
+    if spec.activation not in LayerDescArgs.ACTIVATIONS:
+        return f"activation {spec.activation!r}"
+    if (spec.q_norm is None) != (spec.k_norm is None):
+        return "a q norm without a k norm"
+    norms = spec.norms()
+    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return "norm weights not float32 on the host"
+    if len({n.eps for n in norms}) != 1:
+        return "norms with different eps"
+    linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
+    if not all(isinstance(getattr(m, "kernel", None), PackedLinear) for m in linears):
+        return "linears not packed"
+    if not all(_bias(m) is None or _bias(m).dtype == torch.float32 for m in linears):
+        return "biases not float32"
+    if not (all(m.kernel.compact is not None for m in linears)
+            or all(m.kernel.panels is not None for m in linears)):
+        return "linears with neither all compact copies nor all panels"
+    return None
 
-    if type(layer) is not LlamaDecoderLayer:
-        return False
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP or attn.q_norm is not None:
-        return False
-    if attn.o_proj.comm.world_size != 1:
-        return False
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
-        return False
-    if norms[0].eps != norms[1].eps:  # the kernel takes one eps; HF configs have one
-        return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(m.kernel, PackedLinear)
-               and (m.bias is None or m.bias.dtype == torch.float32) for m in linears):
-        return False
-    return (all(m.kernel.compact is not None for m in linears)
-            or all(m.kernel.panels is not None for m in linears))
 
+def install_fused_decode(model: nn.Module, native: NativeKernels) -> dict[str, int]:
+    """Give every decoder layer of ``model`` whose description the C layer runs a
+    :class:`FusedDecodeLayer` (after
+    :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
 
-def install_fused_decode(model: nn.Module, native: NativeKernels) -> int:
-    """Give every qualifying decoder layer of ``model`` a :class:`FusedDecodeLayer`
-    (after :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
-
-    :returns: how many layers got one.
+    :returns: layers per outcome: ``"fused"``, or the reason a layer was declined.
     """
-    installed = 0
+    outcomes: dict[str, int] = {}
     for module in model.modules():
-        if _qualifies(module):
-            module.kernel = FusedDecodeLayer(native, module)
-            installed += 1
-    logger.info("cpu platform: %d decoder layers run decode steps in one C call", installed)
-    return installed
+        describe = getattr(module, "fusion_spec", None)
+        if describe is None:
+            continue
+        spec = describe()
+        reason = decline_reason(spec)
+        if reason is None:
+            module.kernel = FusedDecodeLayer(native, spec)
+        outcomes[reason or "fused"] = outcomes.get(reason or "fused", 0) + 1
+    declined = {k: v for k, v in outcomes.items() if k != "fused"}
+    logger.info("cpu platform: %d decoder layers run in C%s", outcomes.get("fused", 0),
+                "".join(f"; {n} not ({why})" for why, n in declined.items()))
+    return outcomes

@@ -85,6 +85,19 @@ class PanelArgs(ctypes.Structure):
                    bias.data_ptr() if bias is not None else None)
 
 
+class LayerDescArgs(ctypes.Structure):
+    """``struct quire_layer_desc`` of ``csrc/decode_layer.c``: which norms a decoder layer
+    has (NULL: absent; offsets already added to the weights) and its activation. Holds
+    raw pointers, as :class:`LinearArgs` does."""
+
+    _fields_ = [("eps", ctypes.c_float), ("activation", ctypes.c_int32),
+                ("norm_in", _ptr), ("norm_pre_mlp", _ptr), ("q_norm", _ptr),
+                ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr)]
+
+    #: ``activation`` values, by the name a layer description uses.
+    ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
 class NativeKernels:
     """The loaded library's entry points, with their argument checks."""
 
@@ -103,8 +116,9 @@ class NativeKernels:
         self.decode_layer_f32 = library.quire_decode_layer_f32
         self.decode_layer_f32.restype = ctypes.c_int
         linear = ctypes.POINTER(LinearArgs)
+        desc = ctypes.POINTER(LayerDescArgs)
         self.decode_layer_f32.argtypes = [
-            _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, linear, linear, linear, linear,
+            _ptr, _ptr, _i64, desc, linear, linear, linear, linear,
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_float, _ptr, _ptr]
         # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
@@ -112,18 +126,18 @@ class NativeKernels:
         self.decode_batch_f32.restype = ctypes.c_int
         panel = ctypes.POINTER(PanelArgs)
         self.decode_batch_f32.argtypes = [
-            _i64, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_float, panel, panel, panel, panel,
+            _i64, _ptr, _ptr, _i64, desc, panel, panel, panel, panel,
             _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
             _i64, ctypes.c_float, _ptr, _ptr]
         self.layer_front_f32 = library.quire_layer_front_f32
         self.layer_front_f32.restype = ctypes.c_int
         self.layer_front_f32.argtypes = [
-            _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_float, panel, _ptr, _ptr, _i64, _i64, _i64,
-            _i64, _ptr, _ptr]
+            _i64, _ptr, _ptr, _i64, desc, panel, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
+            _ptr]
         self.layer_back_f32 = library.quire_layer_back_f32
         self.layer_back_f32.restype = ctypes.c_int
         self.layer_back_f32.argtypes = [
-            _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_float, panel, panel, panel, _ptr]
+            _i64, _ptr, _i64, _ptr, desc, panel, panel, panel, _ptr]
         self._panel = library.quire_panel_gemm_f32
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]

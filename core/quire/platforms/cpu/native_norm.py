@@ -14,18 +14,20 @@ import logging
 import torch
 from torch import nn
 
-from quire.models.layers.norm import RMSNorm
 from quire.platforms.cpu.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
 
 class NativeRMSNorm:
-    """:class:`RMSNorm`'s forward for one module, through the C kernel."""
+    """One ``rms_norm`` site's forward through the C kernel; Gemma's ``offset + weight``
+    is added once, here (in float32 the C product is then the op's)."""
 
-    def __init__(self, native: NativeKernels, norm: RMSNorm) -> None:
+    def __init__(self, native: NativeKernels, norm: nn.Module) -> None:
         self.native = native
-        self.weight = norm.weight.detach()
+        offset = float(getattr(norm, "offset", 0.0))
+        weight = norm.weight.detach()
+        self.weight = (weight + offset).contiguous() if offset else weight
         self.eps = norm.eps
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None):
@@ -33,15 +35,15 @@ class NativeRMSNorm:
 
 
 def install_norm_kernels(model: nn.Module, native: NativeKernels) -> int:
-    """Give every float32 host :class:`RMSNorm` of ``model`` a :class:`NativeRMSNorm`.
-
-    Subclasses are left alone: they may compute something else (Gemma's ``1 + weight``).
+    """Give every float32 host ``rms_norm`` site of ``model`` (``quire.ops.layer_spec``)
+    a :class:`NativeRMSNorm`.
 
     :returns: how many norms got one.
     """
     installed = 0
     for module in model.modules():
-        if (type(module) is RMSNorm and module.weight.dtype == torch.float32
+        if (getattr(module, "op_site", None) == "rms_norm"
+                and module.weight.dtype == torch.float32
                 and module.weight.device.type == "cpu"):
             module.kernel = NativeRMSNorm(native, module)
             installed += 1

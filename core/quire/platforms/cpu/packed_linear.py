@@ -52,7 +52,6 @@ import logging
 import torch
 from torch import nn
 
-from quire.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from quire.platforms.cpu.compact import CompactWeight, encode
 from quire.platforms.cpu.native import NativeKernels
 
@@ -65,7 +64,6 @@ PACK_FOR_ROWS = 64
 #: for all rows of x but rebuilds it per block of 32, so its cost grows with rows while
 #: the panel kernel's is flat at first.
 COMPACT_MAX_ROWS = 1
-_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def onednn_available() -> bool:
@@ -147,7 +145,8 @@ class PackedLinear:
 
 def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
                         compact: bool = True) -> int:
-    """Give every float32 linear layer of ``model`` a :class:`PackedLinear` kernel.
+    """Give every float32 ``linear`` site of ``model`` (``quire.ops.layer_spec``) a
+    :class:`PackedLinear` kernel.
 
     :param native: the C kernels; with them, layers with an exact compact encoding run
         one-row products on it (unless ``compact`` is False), and with the panel kernel
@@ -161,7 +160,7 @@ def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
     shared = _shared_parameters(model)
     packed = encoded = 0
     for module in model.modules():
-        if not isinstance(module, _LAYERS) or module.weight.dtype != torch.float32:
+        if getattr(module, "op_site", None) != "linear" or module.weight.dtype != torch.float32:
             continue
         if module.weight.device.type != "cpu":
             continue

@@ -1,6 +1,9 @@
 /*
- * A whole Llama-family decoder layer for one token of one sequence, float32 (cpu
- * platform): the step of a lone decoding sequence.
+ * A whole pre-norm decoder layer for one token of one sequence, float32 (cpu
+ * platform): the step of a lone decoding sequence. The layer is described by a
+ * struct quire_layer_desc (the norms it has, its activation), built from the
+ * description the model publishes (quire/ops/layer_spec.py), so every family with
+ * this shape (Llama, Qwen3's q/k norms, Gemma's sandwich norms and GELU) runs here.
  *
  * Run op by op from Python, such a layer is ~20 small torch operators and C calls;
  * for SmolLM2-135M their dispatch took ~290 us of a ~600 us layer. Here it is one call
@@ -9,23 +12,38 @@
  *   h = residual + x                  (the residual stream; x alone on the first layer)
  *   a = rms_norm(h) * w_in
  *   q, k, v = W_qkv a (+ bias)        rows over threads
+ *   q, k = rms_norm per head          (when the layer has q/k norms)
  *   q, k = rotary(q, k)               x * cos + roll(x, D/2) * sin, the model's tables
  *   cache[slot] = k, v
  *   o = attention(q, the sequence's pages)   query heads over threads
+ *   o = rms_norm(o) * w_attn_out      (when it has one: Gemma's post-attention norm)
  *   h2 = h + W_o o (+ bias)           rows over threads; h2 is returned as the residual
- *   a2 = rms_norm(h2) * w_post
- *   out = W_down (silu(W_gate a2) * W_up a2)   rows over threads
+ *   a2 = rms_norm(h2) * w_pre_mlp
+ *   out = W_down (act(W_gate a2) * W_up a2)   rows over threads; act SiLU or GELU-tanh
+ *   out = rms_norm(out) * w_mlp_out   (when it has one)
  *
- * The same operations as quire/models/llama.py's LlamaDecoderLayer with the cpu
- * platform's kernels (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order;
- * the products and norms sum in their own orders, so results agree with the op-by-op
- * path to float32 rounding. quire/platforms/cpu/fused_decode.py decides which layers
- * qualify (compact weights, no q/k norms, one device).
+ * The same operations as the model's op-by-op layer with the cpu platform's kernels
+ * (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order; the products and
+ * norms sum in their own orders, so results agree with the op-by-op path to float32
+ * rounding. Norm weights arrive with any offset (Gemma's 1 + w) already added.
+ * quire/platforms/cpu/fused_decode.py decides which layers qualify.
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
+
+/* What distinguishes one family's layer from another's; NULL norms are absent. */
+struct quire_layer_desc {
+    float eps;             /* every norm's */
+    int32_t activation;    /* QUIRE_ACT_SILU or QUIRE_ACT_GELU_TANH */
+    const float *norm_in, *norm_pre_mlp;   /* [hidden] */
+    const float *q_norm, *k_norm;          /* [d], over each head; both or neither */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden] */
+};
+
+#define QUIRE_ACT_SILU 0
+#define QUIRE_ACT_GELU_TANH 1
 
 /* A linear layer's compact weight (quire/platforms/cpu/compact.py's layout). */
 struct quire_linear {
@@ -63,6 +81,45 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
         out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* out = gelu_tanh(g) * u = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) * u over n values,
+ * tanh(y) = 1 - 2 / (e^2y + 1); 2y is capped at 88 (tanh is 1 to float32 there long
+ * before), and exp8 flushes below -87 to 0 (tanh -1). */
+static void gelu_tanh_mul(const float *g, const float *u, int64_t n, float *out) {
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f gv = load8(g + i);
+        const v8f y2 = 2.0f * c * (gv + 0.044715f * gv * gv * gv);
+        const v8i below = (v8i)(y2 < 88.0f);
+        const v8f capped = (v8f)(((v8i)y2 & below) | ((v8i)((v8f){0} + 88.0f) & ~below));
+        const v8f t = 1.0f - 2.0f / (exp8(capped) + 1.0f);
+        const v8f v = 0.5f * gv * (1.0f + t) * load8(u + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < n; i++)
+        out[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+}
+
+static void act_mul(int32_t activation, const float *g, const float *u, int64_t n,
+                    float *out) {
+    if (activation == QUIRE_ACT_GELU_TANH)
+        gelu_tanh_mul(g, u, n, out);
+    else
+        silu_mul(g, u, n, out);
+}
+
+/* Each of `heads` rows of d normalised in place by the per-head weight (q/k norms). */
+static void norm_heads(float *x, int64_t heads, int64_t d, const float *weight, float eps) {
+    for (int64_t h = 0; h < heads; h++)
+        quire_rms_norm_row(x + h * d, weight, eps, d, x + h * d);
+}
+
+/* Whether the description is one this file computes. */
+static int desc_fits(const struct quire_layer_desc *desc) {
+    return desc->norm_in && desc->norm_pre_mlp && !desc->q_norm == !desc->k_norm &&
+           (desc->activation == QUIRE_ACT_SILU || desc->activation == QUIRE_ACT_GELU_TANH);
+}
+
 /* x * cos + roll(x, d / 2) * sin over each of `heads` rows of d, in place. */
 static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
     const int64_t half = d / 2;
@@ -85,20 +142,21 @@ static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const f
  * token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
  */
 int quire_decode_layer_f32(
-    const float *x, const float *residual, int64_t hidden, const float *norm_in,
-    const float *norm_post, float eps, const struct quire_linear *qkv,
+    const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
     const struct quire_linear *o, const struct quire_linear *gate_up,
     const struct quire_linear *down, const float *cos, const float *sin, float *k_cache,
     float *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
     int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
     float *residual_out) {
     const int64_t inter = gate_up->out_features / 2;
-    if (hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || seq_len < 1 ||
+    if (!desc_fits(desc) || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || seq_len < 1 ||
         qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d ||
         o->in_features != hq * d || o->out_features != hidden ||
         gate_up->in_features != hidden || gate_up->out_features % 2 ||
         down->in_features != inter || down->out_features != hidden)
         return 1;
+    const float eps = desc->eps;
     const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t n = seq_len - start;
     const int64_t row = hkv * d; /* floats per cache slot */
@@ -115,11 +173,15 @@ int quire_decode_layer_f32(
         {
             for (int64_t i = 0; i < hidden; i++)
                 residual_out[i] = residual ? residual[i] + x[i] : x[i];
-            quire_rms_norm_row(residual_out, norm_in, eps, hidden, normed);
+            quire_rms_norm_row(residual_out, desc->norm_in, eps, hidden, normed);
         }
         gemv_team(qkv, normed, qkv_out);
 #pragma omp single
         {
+            if (desc->q_norm) {
+                norm_heads(qkv_out, hq, d, desc->q_norm, eps);
+                norm_heads(qkv_out + hq * d, hkv, d, desc->k_norm, eps);
+            }
             rotate(qkv_out, hq + hkv, d, cos, sin); /* q heads then k heads */
             memcpy(k_cache + slot * row, qkv_out + hq * d, sizeof(float) * row);
             memcpy(v_cache + slot * row, qkv_out + (hq + hkv) * d, sizeof(float) * row);
@@ -131,11 +193,13 @@ int quire_decode_layer_f32(
         gemv_team(o, attn, o_out);
 #pragma omp single
         {
+            if (desc->attn_out_norm)
+                quire_rms_norm_row(o_out, desc->attn_out_norm, eps, hidden, o_out);
             for (int64_t i = 0; i < hidden; i++)
                 residual_out[i] += o_out[i];
-            quire_rms_norm_row(residual_out, norm_post, eps, hidden, normed);
+            quire_rms_norm_row(residual_out, desc->norm_pre_mlp, eps, hidden, normed);
         }
-        /* eight gate/up pairs at a time, so that SiLU takes them on eight lanes */
+        /* eight gate/up pairs at a time, so that the activation takes eight lanes */
 #pragma omp for schedule(static)
         for (int64_t i0 = 0; i0 < inter; i0 += 8) {
             const int64_t n8 = inter - i0 < 8 ? inter - i0 : 8;
@@ -151,9 +215,13 @@ int quire_decode_layer_f32(
                     u[k] += gate_up->bias[inter + i];
                 }
             }
-            silu_mul(g, u, n8, act + i0);
+            act_mul(desc->activation, g, u, n8, act + i0);
         }
         gemv_team(down, act, out);
+        if (desc->mlp_out_norm) {
+#pragma omp single
+            quire_rms_norm_row(out, desc->mlp_out_norm, eps, hidden, out);
+        }
     }
     free(scratch);
     return 0;
@@ -220,51 +288,69 @@ static void product(const float *x, int64_t m, const struct quire_panels *w, flo
 
 /* The layer up to attention, for rows [0, rows): residual_out = residual + x (x alone
  * on the first layer), qkv_out = W_qkv rms_norm(residual_out) (+ bias), its q and k
- * heads rotated in place. normed: rows * hidden floats of scratch; packed: room for the
- * rows packed (see product). Team function. */
+ * heads normalised (with q/k norms) and rotated in place. normed: rows * hidden floats
+ * of scratch; packed: room for the rows packed (see product). Team function. */
 static void front_team(int64_t rows, const float *x, const float *residual, int64_t hidden,
-                       const float *norm_in, float eps, const struct quire_panels *qkv,
-                       const float *cos, const float *sin, int64_t rot_stride,
-                       int64_t rot_heads, int64_t d, float *normed, float *packed,
-                       float *qkv_out, float *residual_out) {
+                       const struct quire_layer_desc *desc, const struct quire_panels *qkv,
+                       const float *cos, const float *sin, int64_t rot_stride, int64_t hq,
+                       int64_t hkv, int64_t d, float *normed, float *packed, float *qkv_out,
+                       float *residual_out) {
     const int64_t qkv_n = qkv->out_features;
+    const float eps = desc->eps;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * hidden;
         float *h = residual_out + r * hidden;
         for (int64_t i = 0; i < hidden; i++)
             h[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
-        quire_rms_norm_row(h, norm_in, eps, hidden, normed + r * hidden);
+        quire_rms_norm_row(h, desc->norm_in, eps, hidden, normed + r * hidden);
     }
     product(normed, rows, qkv, qkv_out, packed);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        rotate(qkv_out + r * qkv_n, rot_heads, d, cos + r * rot_stride, sin + r * rot_stride);
+    for (int64_t r = 0; r < rows; r++) {
+        float *q = qkv_out + r * qkv_n;
+        if (desc->q_norm) {
+            norm_heads(q, hq, d, desc->q_norm, eps);
+            norm_heads(q + hq * d, hkv, d, desc->k_norm, eps);
+        }
+        rotate(q, hq + hkv, d, cos + r * rot_stride, sin + r * rot_stride);
+    }
 }
 
-/* The layer after attention, for rows [0, rows): residual += W_o attn (+ bias), then
- * out = W_down (silu(W_gate a) * W_up a) with a = rms_norm(residual). scratch:
+/* The layer after attention, for rows [0, rows): residual += W_o attn (+ bias) (its
+ * own norm first, when the layer has one), then out = W_down (act(W_gate a) * W_up a)
+ * with a = rms_norm(residual) (and out normalised, when the layer says). scratch:
  * rows * half_scratch_per_row floats. Team function. */
 static void back_team(int64_t rows, const float *attn, int64_t hidden, float *residual,
-                      const float *norm_post, float eps, const struct quire_panels *o,
+                      const struct quire_layer_desc *desc, const struct quire_panels *o,
                       const struct quire_panels *gate_up, const struct quire_panels *down,
                       float *scratch, float *out) {
     const int64_t inter = gate_up->out_features / 2;
     float *o_out = scratch, *normed = o_out + rows * hidden, *gu = normed + rows * hidden;
     float *act = gu + rows * 2 * inter, *packed = act + rows * inter;
+    const float eps = desc->eps;
     product(attn, rows, o, o_out, packed);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float *h = residual + r * hidden;
+        float *h = residual + r * hidden, *add = o_out + r * hidden;
+        if (desc->attn_out_norm)
+            quire_rms_norm_row(add, desc->attn_out_norm, eps, hidden, add);
         for (int64_t i = 0; i < hidden; i++)
-            h[i] += o_out[r * hidden + i];
-        quire_rms_norm_row(h, norm_post, eps, hidden, normed + r * hidden);
+            h[i] += add[i];
+        quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden, normed + r * hidden);
     }
     product(normed, rows, gate_up, gu, packed);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act + r * inter);
+        act_mul(desc->activation, gu + r * 2 * inter, gu + r * 2 * inter + inter, inter,
+                act + r * inter);
     product(act, rows, down, out, packed);
+    if (desc->mlp_out_norm) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quire_rms_norm_row(out + r * hidden, desc->mlp_out_norm, eps, hidden,
+                               out + r * hidden);
+    }
 }
 
 /*
@@ -278,10 +364,11 @@ static void back_team(int64_t rows, const float *attn, int64_t hidden, float *re
  * memory is short.
  */
 int quire_layer_front_f32(int64_t rows, const float *x, const float *residual, int64_t hidden,
-                          const float *norm_in, float eps, const struct quire_panels *qkv,
-                          const float *cos, const float *sin, int64_t rot_stride, int64_t hq,
-                          int64_t hkv, int64_t d, float *qkv_out, float *residual_out) {
-    if (rows <= 0 || !front_fits(hidden, hq, hkv, d, qkv))
+                          const struct quire_layer_desc *desc,
+                          const struct quire_panels *qkv, const float *cos, const float *sin,
+                          int64_t rot_stride, int64_t hq, int64_t hkv, int64_t d,
+                          float *qkv_out, float *residual_out) {
+    if (rows <= 0 || !desc_fits(desc) || !front_fits(hidden, hq, hkv, d, qkv))
         return 1;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS, qkv_n = qkv->out_features;
     float *normed = quire_thread_scratch((size_t)((block + 6) * 2 * hidden));
@@ -292,18 +379,17 @@ int quire_layer_front_f32(int64_t rows, const float *x, const float *residual, i
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         const int64_t n = rows - r0 < block ? rows - r0 : block;
         front_team(n, x + r0 * hidden, residual ? residual + r0 * hidden : NULL, hidden,
-                   norm_in, eps, qkv, cos + r0 * rot_stride, sin + r0 * rot_stride,
-                   rot_stride, hq + hkv, d, normed, packed, qkv_out + r0 * qkv_n,
-                   residual_out + r0 * hidden);
+                   desc, qkv, cos + r0 * rot_stride, sin + r0 * rot_stride, rot_stride, hq,
+                   hkv, d, normed, packed, qkv_out + r0 * qkv_n, residual_out + r0 * hidden);
     }
     return 0;
 }
 
 int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float *residual,
-                         const float *norm_post, float eps, const struct quire_panels *o,
+                         const struct quire_layer_desc *desc, const struct quire_panels *o,
                          const struct quire_panels *gate_up, const struct quire_panels *down,
                          float *out) {
-    if (rows <= 0 || !back_fits(hidden, o, gate_up, down))
+    if (rows <= 0 || !desc_fits(desc) || !back_fits(hidden, o, gate_up, down))
         return 1;
     const int64_t inter = gate_up->out_features / 2;
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
@@ -315,8 +401,8 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
 #pragma omp parallel
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
         const int64_t n = rows - r0 < block ? rows - r0 : block;
-        back_team(n, attn + r0 * o->in_features, hidden, residual + r0 * hidden, norm_post,
-                  eps, o, gate_up, down, scratch, out + r0 * hidden);
+        back_team(n, attn + r0 * o->in_features, hidden, residual + r0 * hidden, desc, o,
+                  gate_up, down, scratch, out + r0 * hidden);
     }
     return 0;
 }
@@ -334,14 +420,14 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
  * token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
  */
 int quire_decode_batch_f32(
-    int64_t rows, const float *x, const float *residual, int64_t hidden, const float *norm_in,
-    const float *norm_post, float eps, const struct quire_panels *qkv,
+    int64_t rows, const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_panels *qkv,
     const struct quire_panels *o, const struct quire_panels *gate_up,
     const struct quire_panels *down, const float *cos, const float *sin, int64_t rot_stride,
     float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
-    if (rows <= 0 || !panels_fit(hidden, hq, hkv, d, qkv, o, gate_up, down))
+    if (rows <= 0 || !desc_fits(desc) || !panels_fit(hidden, hq, hkv, d, qkv, o, gate_up, down))
         return 1;
     int64_t longest = 0;
     for (int64_t s = 0; s < rows; s++) {
@@ -366,8 +452,8 @@ int quire_decode_batch_f32(
 
 #pragma omp parallel
     {
-        front_team(rows, x, residual, hidden, norm_in, eps, qkv, cos, sin, rot_stride,
-                   hq + hkv, d, halves, halves + rows * hidden, qkv_out, residual_out);
+        front_team(rows, x, residual, hidden, desc, qkv, cos, sin, rot_stride, hq, hkv, d,
+                   halves, halves + rows * hidden, qkv_out, residual_out);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *kv = qkv_out + r * qkv_n + hq * d;
@@ -383,8 +469,7 @@ int quire_decode_batch_f32(
                                start, len - start, 0, hq, hq / hkv, row, d, block_size, scale,
                                my_scores, attn + s * hq * d);
         }
-        back_team(rows, attn, hidden, residual_out, norm_post, eps, o, gate_up, down, halves,
-                  out);
+        back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
     }
     return 0;
 }
