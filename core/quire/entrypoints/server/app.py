@@ -1,6 +1,7 @@
 """The Starlette app: OpenAI-compatible routes over an :class:`AsyncEngine`.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /v1/embeddings`` (an embedding model answers only this one of the four),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``, and Anthropic's
 ``POST /v1/messages``. Every error is answered in OpenAI's shape (see
 :mod:`quire.entrypoints.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
@@ -41,6 +42,7 @@ from quire.entrypoints.server.async_engine import (
     Overloaded,
     RequestStream,
 )
+from quire.entrypoints.server.embeddings import embedding_response, parse_embedding
 from quire.entrypoints.server.errors import (
     APIError,
     ErrorShield,
@@ -147,6 +149,14 @@ class _Api:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model!r}", param="model", code="model_not_found")
 
+    def check_task(self, task: str, api: str) -> None:
+        """A 400 when this model does not serve ``api`` (vLLM's answer: an embedding
+        model does not generate, a generating one does not embed)."""
+        if self.engine.task != task:
+            hint = ("it is an embedding model: use POST /v1/embeddings" if task == "generate"
+                    else "it generates; serve it with --task embed to embed with it")
+            raise bad_request(f"The model does not support the {api} API: {hint}")
+
     async def _check_grammar(self, parsed: ParsedRequest,
                              reasoning: bool = True) -> ThinkingTokens | None:
         """Compile the request's grammar on a tokenizer thread (a 400 naming its field if
@@ -198,6 +208,24 @@ class _Api:
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
+    async def submit_embedding(self, index: int, num_inputs: int, text: str | None,
+                               ids: list[int], abandoned: asyncio.Event) -> RequestStream:
+        """Input ``index`` of an embeddings request as one engine request; the engine's
+        refusals become 400s naming the input."""
+        try:
+            return await self.engine.add_request(
+                ids, SamplingParams(), prompt=text, on_overflow=abandoned.set,
+                priority=index, embed=True)
+        except Overloaded as exc:
+            raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
+                           code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+        except ValueError as exc:
+            name = f"input[{index}]" if num_inputs > 1 else "input"
+            raise bad_request(f"{name}: {exc}", param="input") from exc
+
     async def submit_all(self, parsed: ParsedRequest, abandoned: asyncio.Event,
                          thinking: ThinkingTokens | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (a refusal aborts the others)."""
@@ -225,6 +253,7 @@ class _Api:
         self.check_auth(request)
         body = await self.read_json(request)
         self.check_model(body)
+        self.check_task("generate", "Completions")
         parsed = await self.pool.run(parse_completion, body, self.bounds)
         return await self._generate(request, parsed, chat=False)
 
@@ -232,6 +261,7 @@ class _Api:
         self.check_auth(request)
         body = await self.read_json(request)
         self.check_model(body)
+        self.check_task("generate", "Chat Completions")
         parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds,
                                      self.tool_parser)
         return await self._generate(request, parsed, chat=True)
@@ -271,6 +301,7 @@ class _Api:
         anthropic.check_api_key(request.headers, self.api_key)
         body = await self.read_json(request)
         self.check_model(body, required=True)
+        self.check_task("generate", "Messages")
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
                                      self.bounds, self.tool_parser)
         thinking = await self._check_grammar(parsed)  # a required or named tool's
@@ -289,6 +320,31 @@ class _Api:
         [final] = await _collect(request, [stream])
         request.state.usage = usage(final)
         return JSONResponse(shaper.whole(final))
+
+    async def embeddings(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        self.check_model(body)
+        self.check_task("embed", "Embeddings")
+        parsed = await self.pool.run(parse_embedding, body, self.bounds)
+        abandoned = asyncio.Event()
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(parsed.inputs):
+                streams.append(await self.submit_embedding(i, len(parsed.inputs), text,
+                                                           ids, abandoned))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        request.state.request_id = streams[0].request_id
+        finals = await _collect(request, streams)
+        if any(out.finish_reason == "abort" for out in finals):
+            raise APIError(503, "the server stopped the request before its embedding was "
+                                "computed", type="server_error", code="unavailable")
+        response = embedding_response(finals, self.model, parsed.encoding_format)
+        request.state.usage = response["usage"]
+        return JSONResponse(response)
 
     async def tokenize(self, request: Request) -> Response:
         self.check_auth(request)
@@ -468,6 +524,7 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),

@@ -32,7 +32,7 @@ from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
-from quire.outputs import RequestOutput, RequestOutputKind
+from quire.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend
 from quire.structured.params import StructuredOutputsParams
@@ -70,6 +70,8 @@ class _Add:
     sink: _Sink
     accepted: asyncio.Future[None]
     thinking: ThinkingTokens | None = None
+    #: An embedding request: the prompt's pooled vector, ``params`` unused.
+    embed: bool = False
 
 
 @dataclass
@@ -193,6 +195,8 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len: int = engine.config.max_model_len
         self.model_path: str = engine.config.engine.model
+        #: ``generate`` or ``embed``: which routes this model answers.
+        self.task: str = engine.task
         self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._num_waiting = 0  # asyncio side only
         self._accepting = False
@@ -246,10 +250,13 @@ class AsyncEngine:
                           on_overflow: Callable[[], None] | None = None,
                           max_backlog: int | None = None,
                           priority: int = 0,
-                          thinking: ThinkingTokens | None = None) -> RequestStream:
+                          thinking: ThinkingTokens | None = None,
+                          embed: bool = False) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
-        Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says.
+        Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says; with
+        ``embed`` (an embedding model's request, ``params`` unused) one
+        ``EmbeddingRequestOutput``.
 
         :param on_overflow: called (on the event loop) when the reader fell more than
             ``max_backlog`` outputs behind and the request was aborted for it.
@@ -289,7 +296,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, priority, loop, sink,
-                                accepted, thinking))
+                                accepted, thinking, embed))
         try:
             await accepted
         except BaseException:
@@ -394,9 +401,9 @@ class AsyncEngine:
             elif isinstance(cmd, _Call):
                 _resolve(cmd.loop, cmd.result, None, stopped)
 
-    def _abort(self, request_id: str) -> RequestOutput | None:
+    def _abort(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
         out = self._engine.abort_request(request_id)
-        if out is not None:
+        if isinstance(out, RequestOutput):
             self._metrics.observe(out)
         return out
 
@@ -436,9 +443,14 @@ class AsyncEngine:
                      EngineStopped("the server is shutting down"))
             return
         try:
-            self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
-                                     request_id=cmd.request_id, priority=cmd.priority,
-                                     thinking=cmd.thinking)
+            if cmd.embed:
+                self._engine.add_embed_request(cmd.token_ids, prompt=cmd.prompt,
+                                               request_id=cmd.request_id,
+                                               priority=cmd.priority)
+            else:
+                self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
+                                         request_id=cmd.request_id, priority=cmd.priority,
+                                         thinking=cmd.thinking)
         except ValueError as exc:
             _resolve(cmd.loop, cmd.accepted, None, exc)
             return
@@ -449,7 +461,8 @@ class AsyncEngine:
         # A core in another process: wait for its outputs only briefly, so that adds and
         # aborts queued meanwhile reach it without waiting for a step to end.
         for out in self._engine.step(timeout=STEP_WAIT_S):
-            self._metrics.observe(out)
+            if isinstance(out, RequestOutput):
+                self._metrics.observe(out)
             add = sinks.get(out.request_id)
             if add is None:
                 continue
