@@ -16,6 +16,8 @@ import torch
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig
+from quire.kernels.triton_moe_op import fused_moe as triton_fused_moe
+from quire.ops import OpSet, reference_ops
 from quire_cuda.memory import CudaMemoryProfiler
 
 #: Decode programs to aim for, per SM: enough resident programs to hide memory latency.
@@ -58,6 +60,11 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def make_ops(self) -> OpSet:
+        """The reference ops with the core's Triton ``fused_moe`` (portable, imported
+        on its first call)."""
+        return reference_ops().with_ops("triton", fused_moe=triton_fused_moe)
 
     def make_attention_backend(self) -> TritonAttentionBackend:
         """The core's Triton backend; decode is split along the keys until it fills the SMs.

@@ -17,6 +17,8 @@ import torch
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig
+from quire.kernels.triton_moe_op import fused_moe as triton_fused_moe
+from quire.ops import OpSet, reference_ops
 from quire_rocm.memory import RocmMemoryProfiler
 
 #: Decode programs to aim for, per compute unit.
@@ -78,6 +80,11 @@ class RocmPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def make_ops(self) -> OpSet:
+        """The reference ops with the core's Triton ``fused_moe`` (portable, imported
+        on its first call)."""
+        return reference_ops().with_ops("triton", fused_moe=triton_fused_moe)
 
     def make_attention_backend(self) -> TritonAttentionBackend:
         """The core's Triton backend with AMD launch parameters, sized to the GPU's CUs.
