@@ -332,3 +332,23 @@ def test_file_selection() -> None:
         "chat_template.jinja", "config.json", "model-00001-of-00002.safetensors",
         "model.safetensors.index.json", "modules.json", "tokenizer.json"]
     assert "pytorch_model.bin" in select_files(["config.json", "pytorch_model.bin"])
+
+
+def test_cli_says_why_in_one_line_and_serve_takes_the_model_as_argument(
+        hub: FakeHub, tiny_checkpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    from quire.entrypoints.cli import build_parser, main, parse_args
+    from quire.entrypoints.cli.engine_options import engine_config_from_args
+    from quire.entrypoints.cli.serve import fetch_model_once
+
+    assert main(["generate", "--model", "org/missing", "-p", "hi"]) == 2
+    assert main(["serve", "org/missing", "--port", "0"]) == 2  # before anything starts
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert line.startswith("quire: error: model 'org/missing' is neither"), line
+    hub.repos["org/tiny"] = repo = _tiny_repo(tiny_checkpoint("llama"))
+    args = parse_args(build_parser(), ["serve", "org/tiny", "--revision", "v2"])
+    config = fetch_model_once(args, engine_config_from_args(args))
+    assert (config.model, config.revision) == ("org/tiny", repo.refs["v2"])
+    # API servers parse the command line again: they get the commit, and ask nothing
+    assert args.argv[-2:] == ["--revision", repo.refs["v2"]]
+    again = parse_args(build_parser(), args.argv)
+    assert engine_config_from_args(again).revision == repo.refs["v2"]

@@ -66,6 +66,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """:raises UsageError: naming the flag whose value ``EngineConfig`` rejected."""
+    tag = getattr(args, "model_tag", None)  # ``quire serve MODEL``
+    if tag is not None:
+        if args.model not in (DEFAULT_MODEL, tag):
+            raise UsageError(f"--model: {args.model!r} and the model argument {tag!r} "
+                             "differ; give one")
+        args.model = tag
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     try:
         return EngineConfig(**values)

@@ -71,6 +71,8 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                              "'ps' shows to every user)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests queued beyond this get HTTP 503")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model gives it (vLLM's 'serve MODEL')")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: --model)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
@@ -139,6 +141,24 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         raise UsageError(str(exc)) from exc
 
 
+def fetch_model_once(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """``config`` once a Hub model is in the cache (:func:`quire.hub.fetch_model`), here,
+    before any core or API server starts; the API servers parse ``args.argv`` again, so
+    it gets the commit fetched as ``--revision`` too.
+
+    :raises UsageError: the one line that says why the model cannot be had.
+    """
+    from quire.hub import fetch_model
+
+    try:
+        fetched = fetch_model(config)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if fetched.revision != config.revision:
+        args.argv = [*args.argv, "--revision", fetched.revision]
+    return fetched
+
+
 def api_key_from(args: argparse.Namespace,
                  environ: Mapping[str, str] | None = None) -> str | None:
     """``--api-key`` (from the command line or ``--config``), else ``$QUIRE_API_KEY``."""
@@ -175,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count < 1:
         raise UsageError("--api-server-count: must be >= 1")
     limits = limits_from_args(args)
-    config = engine_config_from_args(args)
+    config = fetch_model_once(args, engine_config_from_args(args))
     if args.engine_in_process and (config.data_parallel_size > 1
                                    or args.api_server_count > 1):
         raise UsageError("--engine-in-process: runs one engine core in one API server; "
