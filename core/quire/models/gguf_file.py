@@ -14,6 +14,9 @@ What llama.cpp's converter changed, and what this module undoes:
   rotate-half pairs ``(i, i + D/2)`` to adjacent pairs ``(2i, 2i + 1)``. Qwen2/Qwen3 use
   llama.cpp's NeoX rope and are stored unpermuted. (transformers' GGUF loader agrees:
   it un-permutes for ``llama`` only.)
+- *Gemma 3 norms*: the converter stores every ``(1 + weight)`` norm as ``weight + 1``;
+  this module subtracts the 1 again (in float32, as transformers' GGUF loader does), and
+  maps Gemma's four per-layer norms (:data:`ARCH_BLOCK_NAMES`).
 - *Config*: transformers builds the config from the metadata; this module adds what it
   leaves out for these families: ``head_dim`` from ``attention.key_length``,
   ``attention_bias``/``mlp_bias`` from the bias tensors present, rope scaling from
@@ -35,7 +38,7 @@ from transformers import AutoConfig, PretrainedConfig
 from quire.models.gguf_reader import dequantize, read_gguf_index
 
 #: GGUF ``general.architecture`` values this reader maps.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 #: Tensors outside the blocks: GGUF name -> Hugging Face module path.
 GLOBAL_NAMES = {
@@ -57,6 +60,17 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Per-architecture differences from :data:`BLOCK_NAMES` (Gemma's sandwich norms).
+ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        **BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+#: Architectures whose converter stored ``(1 + weight)`` norms as ``weight + 1``.
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma3",)
 #: Tensors that are settings rather than weights; read into the config instead.
 CONFIG_TENSORS = ("rope_freqs.weight",)
 
@@ -64,14 +78,15 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a GGUF tensor.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face parameter name of a GGUF tensor of architecture ``arch``.
 
     :raises ValueError: for a name this reader does not know.
     """
+    block_names = ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.fullmatch(gguf_name)
     if m and m.group(1) in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
@@ -107,8 +122,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in index.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         data = dequantize(tensor)
+        if arch in NORM_PLUS_ONE_ARCHITECTURES and tensor.name.endswith("norm.weight"):
+            data = data - 1
         if arch == "llama" and ".q_proj." in name:
             data = unpermute_rows(data, num_heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -161,7 +178,12 @@ def _rope_updates(reader: Any, arch: str) -> dict[str, Any]:
 
 def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:
     # transformers v5 keeps rope settings in rope_parameters; older ones in rope_scaling.
-    if isinstance(getattr(config, "rope_parameters", None), dict):
+    # Gemma 3 keeps one dict per layer kind; GGUF rope scaling is its global layers'.
+    per_kind = getattr(config, "rope_parameters", None)
+    if isinstance(per_kind, dict) and isinstance(per_kind.get("full_attention"), dict):
+        config.rope_parameters = {**per_kind,
+                                  "full_attention": {**per_kind["full_attention"], **updates}}
+    elif isinstance(getattr(config, "rope_parameters", None), dict):
         config.rope_parameters = {**config.rope_parameters, **updates}
     else:
         config.rope_scaling = {**(getattr(config, "rope_scaling", None) or {}), **updates}
