@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -35,7 +36,7 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 
 _CORPUS = (
     "The capital of France is Paris. Once upon a time there was a quiet village by "
@@ -59,6 +60,18 @@ def tiny_config(arch: str) -> PretrainedConfig:
         return Qwen2Config(**_COMMON, tie_word_embeddings=True)
     if arch == "qwen3":
         return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=False)
+    if arch == "gemma3":
+        # a sliding layer (window shorter than the prompts, its own rope base) and a full
+        # one (linear-scaled rope); query_pre_attn_scalar != head_dim; final soft cap
+        return Gemma3TextConfig(
+            **_COMMON, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                   "rope_theta": 1000000.0},
+            },
+            final_logit_softcapping=10.0, tie_word_embeddings=True)
     if arch == "qwen3_moe":
         # 8 experts, top 2, on layer 1; layer 0 dense (mlp_only_layers)
         return Qwen3MoeConfig(**_COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2,

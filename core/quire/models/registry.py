@@ -43,6 +43,7 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
     }
     | {"BertModel": _core("BertModel", "bert")}
     | {name: _core(name, "moe") for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}
+    | {"Gemma3ForCausalLM": _core("Gemma3ForCausalLM", "gemma3")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.
@@ -55,6 +56,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType(
         "bert": "BertModel",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
     }
 )
 
