@@ -368,7 +368,7 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
 
     from quire.bench.quire_engine import build_engine, describe
     from quire.bench.report import Column, comparison_table, record
-    from quire.model_store import resolve_model
+    from quire.model_store import model_path_of
 
     spec = _workload(args)
     config = engine_config_from_args(args)
@@ -387,7 +387,7 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
              "dtype": str(engine.config.dtype).removeprefix("torch.")}
     del engine  # free its memory before any peer runs
     gc.collect()
-    peer_columns, failures = _run_peers(args, mode, resolve_model(config.model), runs, where)
+    peer_columns, failures = _run_peers(args, mode, model_path_of(config), runs, where)
     columns += peer_columns
     title = (f"quire bench {mode}: {spec.name} ({spec.description}), median of "
              f"{args.repeats}, model {config.model}")
@@ -569,7 +569,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from quire.bench.sweep import plot
     from quire.bench.sweep import run_sweep as sweep
     from quire.config import EngineConfig
-    from quire.model_store import resolve_model
+    from quire.model_store import model_path_of
     from quire.tokenizer import load_tokenizer
 
     spec = _workload(args)
@@ -583,7 +583,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                                  **fixed})
     config = engine_config_from_args(base)
     try:
-        tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
+        tokenizer = load_tokenizer(config.tokenizer or model_path_of(config))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     if config.max_model_len:
