@@ -195,8 +195,6 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len: int = engine.config.max_model_len
         self.model_path: str = engine.config.engine.model
-        #: ``generate`` or ``embed``: which routes this model answers.
-        self.task: str = engine.task
         self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._num_waiting = 0  # asyncio side only
         self._accepting = False
@@ -218,6 +216,12 @@ class AsyncEngine:
         self.loop = asyncio.get_running_loop()
         self._accepting = True
         self._thread.start()
+
+    @property
+    def task(self) -> str:
+        """``generate`` or ``embed``: which routes this model answers (set when the
+        engine was built, so reading it from the event loop is safe)."""
+        return self._engine.task
 
     @property
     def is_running(self) -> bool:
