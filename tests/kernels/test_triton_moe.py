@@ -109,3 +109,17 @@ def test_the_lazy_op_and_the_gpu_platforms_use_the_kernels():
         ops = platform.make_ops()
         assert ops.fused_moe is fused_moe and ops.source_of("fused_moe") == "triton"
         assert ops.source_of("select_experts") == "reference"
+
+
+def test_conformance_moe_row_passes_for_cuda_in_kernels_only_mode():
+    """The suite's MoE check, as ``quire conformance --device cuda --kernels-only`` runs it."""
+    from quire.conformance import ConformanceOptions, Outcome, run_conformance
+    from quire_cuda.platform import CudaPlatform
+
+    platform = CudaPlatform()
+    rows = run_conformance(platform, ConformanceOptions(kernels_only=True, checks=("moe",)),
+                           expected_name="cuda").results
+    assert len(rows) == len(platform.supported_dtypes)
+    for row in rows:
+        assert row.outcome is Outcome.PASS, f"{row.case}: {row.reason}"
+        assert "fused_moe: triton" in row.figure
