@@ -127,6 +127,12 @@ class EngineConfig:
         metadata=_help("an embedding model's pooling: 'mean', 'cls' or 'last' (default: "
                        "the sentence-transformers config's, else cls for encoders and "
                        "last for decoders)"))
+    platform_options: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help("the platform's own options, checked by the platform: "
+                       "'key=value,key=value' (cpu: attention=sdpa|reference, "
+                       "linear=packed|torch, compact=true|false, native=true|false, "
+                       "threads=N)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
@@ -171,6 +177,11 @@ class EngineConfig:
                                  "KV cache; give one")
         self._check_parallel()
         self._check_task()
+        options = self.platform_options
+        if options is not None and (not isinstance(options, dict)
+                                    or not all(isinstance(k, str) for k in options)):
+            raise ValueError(f"platform_options must map option names to values, got "
+                             f"{options!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -268,14 +268,16 @@ def test_float32_weights_qualify_on_panels_only(kernels: NativeKernels) -> None:
 def test_the_platform_installs_it_unless_compact_copies_are_off(
     monkeypatch: pytest.MonkeyPatch, kernels: NativeKernels
 ) -> None:
-    from quire.platforms.cpu.platform import COMPACT_ENV, CpuPlatform
+    from quire.platforms.cpu.options import ENV_DEFAULTS
+    from quire.platforms.cpu.platform import CpuPlatform
 
+    monkeypatch.delenv(ENV_DEFAULTS["compact"], raising=False)
     platform = CpuPlatform()
     monkeypatch.setattr(platform, "_native_kernels", lambda: kernels)
     model = _model(CONFIGS["llama"])
     platform.prepare_model(model)
     assert all(isinstance(layer.kernel, FusedDecodeLayer) for layer in model.model.layers)
-    monkeypatch.setenv(COMPACT_ENV, "0")
+    platform.configure({"compact": "false"})
     model = _model(CONFIGS["llama"])
     platform.prepare_model(model)
     if kernels.has_panel_gemm:  # still fused, on the panels alone
@@ -284,6 +286,6 @@ def test_the_platform_installs_it_unless_compact_copies_are_off(
     else:
         assert all(layer.kernel is None for layer in model.model.layers)
     assert model.lm_head.kernel.compact is None and model.lm_head.kernel.panels is not None
-    monkeypatch.setenv(COMPACT_ENV, "yes")
-    with pytest.raises(ValueError, match=COMPACT_ENV):
-        platform.prepare_model(_model(CONFIGS["llama"]))
+    monkeypatch.setenv(ENV_DEFAULTS["compact"], "maybe")
+    with pytest.raises(ValueError, match=ENV_DEFAULTS["compact"]):
+        platform.configure({})

@@ -24,7 +24,8 @@ from quire.platforms.cpu.packed_linear import (
     onednn_available,
     pack_linear_weights,
 )
-from quire.platforms.cpu.platform import LINEAR_ENV, CpuPlatform
+from quire.platforms.cpu.options import ENV_DEFAULTS
+from quire.platforms.cpu.platform import CpuPlatform
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
 from transformers import LlamaConfig
@@ -124,17 +125,26 @@ def test_packed_model_gives_the_same_logits(tied: bool) -> None:
     assert model.model.embed_tokens.weight.device.type == "cpu"
 
 
+LINEAR_ENV = ENV_DEFAULTS["linear"]
+
+
 def test_the_platform_packs_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
     platform = CpuPlatform()
     model = _tiny_llama(tied=False)
     platform.prepare_model(model, compiled=True)  # Inductor cannot lower packed weights
     assert model.lm_head.kernel is None
-    monkeypatch.setenv(LINEAR_ENV, "torch")
+    monkeypatch.delenv(LINEAR_ENV, raising=False)
+    platform.configure({"linear": "torch"})
     platform.prepare_model(model)
     assert model.lm_head.kernel is None
+    with pytest.raises(ValueError, match="linear=.onednn."):
+        platform.configure({"linear": "onednn"})
+    with pytest.raises(ValueError, match="unknown cpu option"):
+        platform.configure({"linaer": "torch"})
     monkeypatch.setenv(LINEAR_ENV, "onednn")
     with pytest.raises(ValueError, match=LINEAR_ENV):
-        platform.prepare_model(model)
+        platform.configure({})
     monkeypatch.delenv(LINEAR_ENV)
+    platform.configure({})
     platform.prepare_model(model)
     assert isinstance(model.lm_head.kernel, PackedLinear)

@@ -191,10 +191,18 @@ def test_bad_inputs_are_refused() -> None:
 def test_the_platform_defaults_to_sdpa_and_can_pick_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("QUIRE_CPU_ATTENTION", raising=False)
     assert isinstance(CpuPlatform().make_attention_backend(), CpuSdpaAttentionBackend)
-    monkeypatch.setenv("QUIRE_CPU_ATTENTION", "reference")
-    backend = CpuPlatform().make_attention_backend()
-    assert type(backend) is ReferenceAttentionBackend
+    platform = CpuPlatform()
+    platform.configure({"attention": "reference"})
+    assert type(platform.make_attention_backend()) is ReferenceAttentionBackend
+    with pytest.raises(ValueError, match="attention=.fast."):
+        CpuPlatform().configure({"attention": "fast"})
+    monkeypatch.setenv("QUIRE_CPU_ATTENTION", "reference")  # a variable sets the default
+    assert type(CpuPlatform().make_attention_backend()) is ReferenceAttentionBackend
+    platform = CpuPlatform()
+    platform.configure({"attention": "sdpa"})  # the option wins over the variable
+    assert isinstance(platform.make_attention_backend(), CpuSdpaAttentionBackend)
     monkeypatch.setenv("QUIRE_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="QUIRE_CPU_ATTENTION"):
-        CpuPlatform().make_attention_backend()
+        CpuPlatform().configure({})

@@ -38,7 +38,7 @@ from quire.executor import check_parallel, make_executor
 from quire.executor.abstract import Executor
 from quire.executor.messages import StepItem
 from quire.executor.worker import model_max_len
-from quire.interfaces.platform import Platform
+from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.loader import load_model_config
 from quire.models.pooling import check_task, model_task
@@ -149,6 +149,7 @@ class EngineCore:
             its EOS ids); loaded here otherwise."""
         registry = registry or PlatformRegistry()
         self.platform: Platform = registry.resolve(config.device)
+        configure_platform(self.platform, config)  # bad options fail here, not in a worker
         model_path = model_path_of(config)
         self.model_config = load_model_config(model_path)
         self._model_max_len = model_max_len(self.model_config)

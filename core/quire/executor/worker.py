@@ -19,7 +19,7 @@ from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepResult
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
-from quire.interfaces.platform import Platform
+from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
@@ -74,6 +74,7 @@ class Worker:
         self.rank = rank
         self.ranks_on_host = ranks_on_host
         self.platform: Platform = registry.resolve(config.device)
+        configure_platform(self.platform, config)
         self.platform.configure_process()
         # what the device had free before this rank loaded anything (gpu_memory_utilization
         # counts what the rank holds from here on)

@@ -10,8 +10,9 @@ available. Vendor imports belong inside :meth:`Platform.availability` and the fa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -109,6 +110,17 @@ class Platform(ABC):
         steps on one thread). Must not change results. Default: nothing.
         """
 
+    def configure(self, options: Mapping[str, Any]) -> None:
+        """Take the user's platform options (``EngineConfig.platform_options``), checked
+        into this platform's own typed options; called once, before anything else.
+
+        :raises ValueError: naming an unknown option or a bad value. Default: this
+            platform takes no options, so any is unknown.
+        """
+        if options:
+            raise ValueError(f"the '{self.name}' platform takes no options; got "
+                             f"{', '.join(sorted(options))}")
+
     def configure_process(self) -> None:
         """Process-wide tuning, called once by the engine before it builds the model.
 
@@ -147,3 +159,12 @@ class Platform(ABC):
     @abstractmethod
     def make_memory_profiler(self, device_index: int = 0) -> MemoryProfiler:
         """A profiler for local device ``device_index``."""
+
+
+def configure_platform(platform: Platform, config: Any) -> None:
+    """``platform.configure(config.platform_options)``, its errors prefixed with the
+    option's name so that they say where the bad value came from."""
+    try:
+        platform.configure(config.platform_options or {})
+    except ValueError as exc:
+        raise ValueError(f"platform_options: {exc}") from None

@@ -40,7 +40,19 @@ def _parse_memory(text: str) -> int | float:
     return int(lowered)
 
 
-_TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float}
+def _parse_options(text: str) -> dict[str, str]:
+    """``key=value,key=value`` -> a dict (values stay text: the platform converts)."""
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+_TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float,
+                          "platform_options": _parse_options}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

@@ -273,15 +273,20 @@ class NativeKernels:
         return None if failed else out
 
 
-def load_native_kernels(cache_root: Path | None = None) -> NativeKernels | None:
+def load_native_kernels(cache_root: Path | None = None,
+                        enabled: bool | None = None) -> NativeKernels | None:
     """Build (once per source, compiler and host) and load the kernels.
 
     :param cache_root: where built libraries go; default ``<quire cache>/kernels``.
+    :param enabled: the platform's ``native`` option; None: ``QUIRE_CPU_NATIVE``'s
+        (``0`` turns them off).
     :returns: the kernels, or None (with the reason logged) when they are turned off,
         no compiler is found, or the build or load fails.
     """
-    if os.environ.get(NATIVE_ENV, "1") == "0":
-        logger.info("cpu platform: native kernels off (%s=0)", NATIVE_ENV)
+    if enabled is None:
+        enabled = os.environ.get(NATIVE_ENV, "1") != "0"
+    if not enabled:
+        logger.info("cpu platform: native kernels off (the native option)")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

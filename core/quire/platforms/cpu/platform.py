@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,24 +16,14 @@ from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
+from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
-    THREADS_ENV,
     StepThreads,
     configure_threads,
     passive_waiting,
 )
-
-#: Environment variable naming the attention backend: ``sdpa`` (default) or ``reference``.
-ATTENTION_ENV = "QUIRE_CPU_ATTENTION"
-#: Environment variable naming the float32 matmul: ``packed`` (default: weights packed
-#: for oneDNN and MKL) or ``torch`` (plain ``F.linear``, the matmul Hugging Face runs).
-LINEAR_ENV = "QUIRE_CPU_LINEAR"
-#: ``0`` keeps every weight in float32 only: no compact copies (and so no fused decode
-#: layers); for comparing, or for memory's sake when one-row steps do not matter.
-COMPACT_ENV = "QUIRE_CPU_COMPACT"
-_BACKENDS = ("sdpa", "reference")
 
 
 class CpuPlatform(Platform):
@@ -46,10 +38,8 @@ class CpuPlatform(Platform):
     RMSNorm and Llama-family decoder layers run in C too
     (:mod:`~quire.platforms.cpu.fused_decode`), and one-row products of weights with an
     exact compact encoding (:mod:`~quire.platforms.cpu.compact`) stream that
-    encoding. Tuning knobs, all
-    environment variables: ``QUIRE_CPU_THREADS``, ``QUIRE_CPU_ATTENTION`` (``sdpa`` |
-    ``reference``), ``QUIRE_CPU_LINEAR`` (``packed`` | ``torch``), ``QUIRE_CPU_COMPACT``
-    (``0``: float32 weights only), ``QUIRE_CPU_NATIVE`` (``0`` for torch ops only).
+    encoding. Options: :class:`~quire.platforms.cpu.options.CpuOptions`
+    (``platform_options``; ``QUIRE_CPU_*`` variables may set their defaults).
     """
 
     name = "cpu"
@@ -69,13 +59,26 @@ class CpuPlatform(Platform):
     #: is logged).
     _native: NativeKernels | None = None
     _native_tried = False
+    #: Set by :meth:`configure`; read through :attr:`options`.
+    _options: CpuOptions | None = None
 
     def availability(self) -> Availability:
         return Availability.yes()
 
+    def configure(self, options: Mapping[str, Any]) -> None:
+        """:raises ValueError: naming an unknown option or a bad value."""
+        self._options = CpuOptions.parse(options, os.environ)
+
+    @property
+    def options(self) -> CpuOptions:
+        """The options :meth:`configure` set; without it, the defaults (and variables)."""
+        if self._options is None:
+            self._options = CpuOptions.parse({}, os.environ)
+        return self._options
+
     def configure_process(self) -> None:
-        chosen = configure_threads()
-        user_set = chosen is None or THREADS_ENV in os.environ
+        chosen = configure_threads(self.options.threads)
+        user_set = chosen is None or self.options.threads is not None
         switch = not user_set and chosen >= 2 and passive_waiting(os.environ)
         self._step_threads = StepThreads(chosen) if switch else None
 
@@ -84,36 +87,30 @@ class CpuPlatform(Platform):
             self._step_threads.begin_step(num_tokens)
 
     def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
-        """Pack float32 linear weights (unless ``QUIRE_CPU_LINEAR=torch``) and, with the
-        native kernels, run float32 RMSNorms in C; neither when the model is to be
-        compiled (Inductor cannot lower oneDNN's packed weights or a ``ctypes`` call).
-
-        :raises ValueError: naming the accepted values of ``QUIRE_CPU_LINEAR``.
+        """Pack float32 linear weights (unless the ``linear`` option is ``torch``) and,
+        with the native kernels, run float32 RMSNorms and whole decoder layers in C;
+        none of it when the model is to be compiled (Inductor cannot lower oneDNN's
+        packed weights or a ``ctypes`` call).
         """
-        choice = _env_choice(LINEAR_ENV, "packed", ("packed", "torch"))
+        options = self.options
         if compiled:  # Inductor traces neither oneDNN's packed weights nor ctypes calls
             return
         native = self._native_kernels()
-        compact = _env_choice(COMPACT_ENV, "1", ("1", "0")) == "1"
-        if choice == "packed":
-            pack_linear_weights(model, native, compact=compact)
+        if options.linear == "packed":
+            pack_linear_weights(model, native, compact=options.compact)
         if native is not None:
             install_norm_kernels(model, native)
             install_fused_decode(model, native)  # needs the packed layers' panels or copies
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
-        """The SDPA backend, or the reference when ``QUIRE_CPU_ATTENTION=reference``.
-
-        :raises ValueError: naming the accepted values of ``QUIRE_CPU_ATTENTION``.
-        """
-        choice = _env_choice(ATTENTION_ENV, "sdpa", _BACKENDS)
-        if choice == "reference":
+        """The SDPA backend, or the reference when the ``attention`` option says so."""
+        if self.options.attention == "reference":
             return ReferenceAttentionBackend()
         return CpuSdpaAttentionBackend(native=self._native_kernels())
 
     def _native_kernels(self) -> NativeKernels | None:
         if not self._native_tried:
-            self._native = load_native_kernels()
+            self._native = load_native_kernels(enabled=self.options.native)
             self._native_tried = True
         return self._native
 
@@ -128,14 +125,3 @@ class CpuPlatform(Platform):
     def make_memory_profiler(self, device_index: int = 0) -> CpuMemoryProfiler:
         """Host RAM is one pool, so every ``device_index`` (one per local rank) reads it."""
         return CpuMemoryProfiler()
-
-
-def _env_choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
-    """``os.environ[name]`` (case-insensitive), ``default`` when unset or empty.
-
-    :raises ValueError: naming the variable and the accepted values.
-    """
-    choice = os.environ.get(name, "").strip().lower() or default
-    if choice not in accepted:
-        raise ValueError(f"{name}={choice!r}: expected one of {', '.join(accepted)}")
-    return choice

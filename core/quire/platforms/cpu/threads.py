@@ -83,13 +83,15 @@ def choose_num_threads(
     return available_cores(cgroup)
 
 
-def configure_threads() -> int | None:
-    """Apply :func:`choose_num_threads` to torch's intra-op pool (process-wide).
+def configure_threads(forced: int | None = None) -> int | None:
+    """Apply :func:`choose_num_threads` to torch's intra-op pool (process-wide), once
+    per engine process.
 
+    :param forced: the platform's ``threads`` option: exactly that many.
     :returns: the count set, or None when the user's choice was left in place.
     """
     current = torch.get_num_threads()
-    wanted = choose_num_threads(os.environ, current)
+    wanted = forced if forced is not None else choose_num_threads(os.environ, current)
     if wanted is not None and wanted != current:
         torch.set_num_threads(wanted)
     logger.info("cpu platform: %d torch threads", torch.get_num_threads())

@@ -1,0 +1,98 @@
+"""The cpu platform's options: typed, checked once, from ``EngineConfig.platform_options``.
+
+Each option may take its default from an environment variable (``QUIRE_CPU_*``), so a
+deployment can set one for every engine; a value in ``platform_options`` wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Option -> the environment variable that may set its default.
+ENV_DEFAULTS = {
+    "attention": "QUIRE_CPU_ATTENTION",
+    "linear": "QUIRE_CPU_LINEAR",
+    "compact": "QUIRE_CPU_COMPACT",
+    "native": "QUIRE_CPU_NATIVE",
+    "threads": "QUIRE_CPU_THREADS",
+}
+_CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch")}
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """How the cpu platform runs a model.
+
+    :raises ValueError: naming the option and what it accepts.
+    """
+
+    #: ``sdpa`` (torch's fused SDPA, C decode attention) or ``reference`` (the oracle).
+    attention: str = "sdpa"
+    #: ``packed`` (weights packed once for the C panel kernel or oneDNN) or ``torch``
+    #: (plain ``F.linear``, what Hugging Face runs).
+    linear: str = "packed"
+    #: Keep exact compact copies of weights for one-row products (and so fused layers).
+    compact: bool = True
+    #: Build and use the C kernels (needs a C compiler).
+    native: bool = True
+    #: torch threads; None: the cores this process may use, unless the user set torch's.
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, accepted in _CHOICES.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"cpu option {name}={getattr(self, name)!r}: expected one "
+                                 f"of {', '.join(accepted)}")
+        for name in ("compact", "native"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"cpu option {name} must be true or false")
+        if self.threads is not None and (isinstance(self.threads, bool)
+                                         or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"cpu option threads must be a positive integer, got "
+                             f"{self.threads!r}")
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any], env: Mapping[str, str]) -> CpuOptions:
+        """Options from ``options`` (strings accepted, as a CLI gives them), defaults
+        from ``env`` (:data:`ENV_DEFAULTS`), then the field defaults.
+
+        :raises ValueError: naming an unknown option (and the known ones) or a bad value
+            (and where it came from).
+        """
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown cpu option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(known)}")
+        values: dict[str, Any] = {}
+        for name in known:
+            if name in options:
+                raw, source = options[name], f"platform option {name}"
+            elif env.get(ENV_DEFAULTS[name], "").strip():
+                raw, source = env[ENV_DEFAULTS[name]], ENV_DEFAULTS[name]
+            else:
+                continue
+            values[name] = _convert(name, raw, source)
+        return cls(**values)
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip().lower()
+    if name in _CHOICES and text not in _CHOICES[name]:
+        raise ValueError(f"{source}={raw!r}: expected one of {', '.join(_CHOICES[name])}")
+    if name in ("compact", "native"):
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{source}={raw!r}: expected true or false (1 or 0)")
+    if name == "threads":
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{source}={raw!r}: expected a positive integer")
+        return int(text)
+    return text
