@@ -60,7 +60,12 @@ class FakeHub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.repos: dict[str, FakeRepo] = {}
         self.downloads: list[tuple[str, str]] = []  # (repo, path) of each file GET
-        self.requests = 0
+        self.paths: list[str] = []  # "METHOD /path" of each request
+
+    def asked_about(self, repo_id: str) -> list[str]:
+        """The requests about ``repo_id`` (huggingface_hub may also ask other things once
+        per process)."""
+        return [p for p in self.paths if f"/{repo_id}/" in p + "/"]
 
     @property
     def url(self) -> str:
@@ -80,7 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(body=True)
 
     def _answer(self, body: bool) -> None:
-        self.server.requests += 1
+        self.server.paths.append(f"{self.command} {self.path}")
         parts = [unquote(p) for p in urlsplit(self.path).path.split("/")[1:]]
         if parts[:2] == ["api", "models"] and len(parts) in (4, 6):
             # /api/models/{repo}[/revision/{rev}] (model info), /api/models/{repo}/tree/{rev}
@@ -231,10 +236,31 @@ def test_front_fetches_once_and_pins_the_commit(hub: FakeHub, tiny_checkpoint) -
     hub.repos["org/tiny"] = repo = _tiny_repo(tiny_checkpoint("llama"))
     pinned = fetch_model(EngineConfig(model="org/tiny"))
     assert pinned.model == "org/tiny" and pinned.revision == repo.refs["main"]
-    asked = hub.requests
+    asked = len(hub.paths)
     path = resolve_model(pinned.model, revision=pinned.revision)
-    assert Path(path).name == repo.refs["main"] and hub.requests == asked
+    assert Path(path).name == repo.refs["main"] and len(hub.paths) == asked
     assert fetch_model(EngineConfig(model=path)).revision is None  # a path stays as is
+
+
+@pytest.mark.slow
+def test_worker_processes_ask_the_hub_nothing(hub: FakeHub, tiny_checkpoint, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tensor-parallel worker processes (their own huggingface_hub, this environment)
+    make no request beyond the front's own fetch."""
+    from huggingface_hub import constants
+
+    checkpoint = tiny_checkpoint("llama")
+    hub.repos["org/tiny"] = _tiny_repo(checkpoint)
+    fetch_model(EngineConfig(model="org/tiny"))
+    front_alone = len(hub.asked_about("org/tiny"))
+    fresh = tmp_path / "fresh-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(fresh))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(fresh))
+    with LLM(model="org/tiny", seed=0, tensor_parallel_size=2) as llm:
+        tokens = _greedy(llm)
+    assert len(hub.asked_about("org/tiny")) == 2 * front_alone
+    with LLM(model=str(checkpoint), seed=0, tensor_parallel_size=2) as local:
+        assert _greedy(local) == tokens
 
 
 def test_revision_selects_another_commit(hub: FakeHub, tiny_checkpoint) -> None:
@@ -266,12 +292,12 @@ def test_offline_uses_the_cache_and_names_what_is_missing(
     resolve_model("org/tiny")  # fills the cache, as an earlier online run would
     _offline(monkeypatch)
     hub.repos.clear()  # and the Hub could not answer anyway
-    asked = hub.requests
+    asked = len(hub.paths)
     with LLM(model=str(checkpoint), seed=0) as local:
         expected = _greedy(local)
     with LLM(model="org/tiny", seed=0) as cached:
         assert _greedy(cached) == expected
-    assert hub.requests == asked
+    assert len(hub.paths) == asked
     with pytest.raises(FileNotFoundError) as info:
         LLM(model="org/never-fetched")
     assert isinstance(info.value, ModelNotCachedError)
