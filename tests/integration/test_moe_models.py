@@ -266,3 +266,25 @@ def test_hf_saves_these_checkpoints_per_expert(tiny_checkpoint):
     assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense layer
     names = {n for n, _ in iter_weights(str(tiny_checkpoint("mixtral")))}
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+
+
+def test_bfloat16_loads_and_stays_near_float32(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    model, _ = load_model(str(path), SingleRank(), "cpu", torch.bfloat16)
+    assert model.model.layers[1].mlp.w13.dtype == torch.bfloat16
+    backend = ReferenceAttentionBackend()
+    caches = [backend.allocate_kv_cache(4, 16, model.num_kv_heads, model.head_dim,
+                                        torch.bfloat16, torch.device("cpu"))
+              for _ in range(model.num_layers)]
+    n = len(PROMPT)
+    batch = AttentionBatch(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
+        seq_lens=torch.tensor([n]), block_tables=torch.arange(4, dtype=torch.int32)[None],
+        block_size=16, max_query_len=n, max_seq_len=n, query_lens=(n,))
+    ctx = ForwardContext(backend, backend.build_metadata(batch), caches)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(PROMPT), torch.arange(n), ctx))
+    assert logits.dtype == torch.float32
+    diff = (logits - hf_logits(path, PROMPT)).abs().max()
+    print(f"bfloat16 vs HF float32: max |logits diff| = {diff:.3g}")
+    assert diff < 0.15  # bfloat16 rounding only
