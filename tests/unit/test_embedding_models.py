@@ -161,3 +161,13 @@ def test_decoder_last_token_embeddings_match_transformers(tiny_checkpoint):
     assert _cosines([o.embedding for o in got], ref).min() > 0.99999
     with LLM(str(path), device="cpu") as llm, pytest.raises(ValueError, match="task='embed'"):
         llm.embed(PROMPTS)
+
+
+def test_sentence_transformers_max_seq_length_is_the_context(tmp_path):
+    path = build_bert(tmp_path, "mean", True)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    with LLM(str(path), device="cpu") as llm:
+        assert llm.engine.config.max_model_len == 16
+        assert len(llm.embed([[5] * 16])[0].embedding) == 64
+        with pytest.raises(ValueError, match="max_model_len=16"):
+            llm.embed([[5] * 17])

@@ -41,7 +41,7 @@ from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.loader import load_model_config
-from quire.models.pooling import check_task, model_task
+from quire.models.pooling import check_task, context_length, model_task
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ class EngineCore:
         configure_platform(self.platform, config)  # bad options fail here, not in a worker
         model_path = model_path_of(config)
         self.model_config = load_model_config(model_path)
-        self._model_max_len = model_max_len(self.model_config)
+        self._model_max_len = context_length(model_path, model_max_len(self.model_config))
         self.config: ResolvedConfig = config.resolve(
             model_max_len=self._model_max_len,
             platform_block_size=self.platform.default_block_size,

@@ -25,7 +25,12 @@ from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import load_model, load_model_config
 from quire.models.pipeline import PipelineLink, PipelineStage
-from quire.models.pooling import PoolingConfig, model_task, pooling_config
+from quire.models.pooling import (
+    PoolingConfig,
+    context_length,
+    model_task,
+    pooling_config,
+)
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
 
@@ -48,7 +53,8 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     and every worker settle them the same way."""
     model_path = model_path_of(config)
     model_config = load_model_config(model_path)
-    return config.resolve(model_max_len=model_max_len(model_config),
+    return config.resolve(model_max_len=context_length(model_path,
+                                                       model_max_len(model_config)),
                           platform_block_size=platform.default_block_size,
                           platform_dtype=platform.supported_dtypes[0],
                           model_task=model_task(model_path, model_config))

@@ -77,6 +77,24 @@ def check_task(task: str, model_config: Any, world_size: int = 1) -> None:
                          f"parallelism replicates it)")
 
 
+def context_length(path: str, model_len: int) -> int:
+    """The context of a checkpoint: ``model_len``, or a sentence-transformers
+    directory's ``max_seq_length`` (``sentence_bert_config.json``) when shorter, as vLLM
+    reads it (the model was trained to pool no more tokens).
+
+    :raises ValueError: for a ``max_seq_length`` that is not a positive integer.
+    """
+    file = os.path.join(path, "sentence_bert_config.json")
+    if not os.path.isfile(file):
+        return model_len
+    value = _read_json(file).get("max_seq_length")
+    if value is None:
+        return model_len
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{file}: max_seq_length must be a positive integer, got {value!r}")
+    return min(model_len, value)
+
+
 def pooling_config(path: str, model_config: Any, method: str | None = None
                    ) -> PoolingConfig:
     """The pooling of an embedding model: ``method`` if given (normalised unless the
