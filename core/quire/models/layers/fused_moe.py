@@ -85,8 +85,15 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[T, H] -> [T, H], summed over ranks."""
         weights, ids = ctx.ops.select_experts(self.gate(x), self.top_k, self.renormalize)
-        y = ctx.ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        y = self._experts(x, weights, ids, ctx)
         return self.comm.all_reduce(y) if self.comm.world_size > 1 else y
+
+    # Never traced by torch.compile (quire.models.compile): which experts run, and on how
+    # many tokens, changes every step, and would make every step a new graph.
+    @torch.compiler.disable
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 ctx: ForwardContext) -> torch.Tensor:
+        return ctx.ops.fused_moe(x, self.w13, self.w2, weights, ids)
 
     def expert_shards(self) -> dict[str, frozenset[Any]]:
         """Every shard id each stacked parameter needs before it counts as loaded."""
