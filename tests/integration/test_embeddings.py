@@ -3,12 +3,14 @@ normalised; a built-in model name) against sentence-transformers itself."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
 import torch.nn.functional as F
 from quire import LLM
 from quire.model_store import BUILTIN_MODELS, fetch
 from sentence_transformers import SentenceTransformer
+from serve_process import ServeProcess
 
 SUBJECTS = ["The cat", "A physicist", "My grandmother", "The committee", "Our train",
             "This recipe", "The old lighthouse", "A distant galaxy"]
@@ -44,3 +46,19 @@ def test_minilm_matches_sentence_transformers(minilm, reference):
         assert F.cosine_similarity(got, reference).min() >= 0.9999
     assert F.cosine_similarity(torch.tensor(batch[0].embedding),
                                torch.tensor(batch[1].embedding), dim=0) < 0.99
+
+
+@pytest.mark.slow  # starts `quire serve`
+def test_quire_serve_minilm_by_its_built_in_name(minilm, reference):
+    # the fixture put the model in the user's cache: `quire serve` finds it there
+    srv = ServeProcess("--model", "all-MiniLM-L6-v2", "--task", "embed")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                               timeout=60)
+        out = client.embeddings.create(model="all-MiniLM-L6-v2", input=SENTENCES[:8])
+        got = torch.tensor([d.embedding for d in out.data])
+        assert F.cosine_similarity(got, reference[:8]).min() >= 0.9999
+        with pytest.raises(openai.BadRequestError, match="does not support"):
+            client.completions.create(model="all-MiniLM-L6-v2", prompt="hi")
+    finally:
+        assert srv.stop() == 0
