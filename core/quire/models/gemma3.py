@@ -47,6 +47,7 @@ from quire.models.layers import (
 )
 from quire.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from quire.models.pipeline import LayerGap, PipelineStage
+from quire.ops.layer_spec import DecoderLayerKernel, DecoderLayerSpec, norm_spec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 #: Gemma's ``(1 + weight)`` norms.
@@ -181,12 +182,32 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps=eps, offset=NORM_OFFSET)
         self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, offset=NORM_OFFSET)
         self.post_feedforward_layernorm = RMSNorm(h, eps=eps, offset=NORM_OFFSET)
+        self.kernel: DecoderLayerKernel | None = None
+
+    def fusion_spec(self) -> DecoderLayerSpec:
+        """This layer as data, for a platform that runs whole layers (``layer.kernel``)."""
+        attn = self.self_attn
+        return DecoderLayerSpec(
+            layer_idx=attn.layer_idx, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+            sliding_window=attn.sliding_window, logits_soft_cap=attn.logits_soft_cap,
+            input_norm=norm_spec(self.input_layernorm), q_norm=norm_spec(attn.q_norm),
+            k_norm=norm_spec(attn.k_norm),
+            attn_out_norm=norm_spec(self.post_attention_layernorm),
+            pre_mlp_norm=norm_spec(self.pre_feedforward_layernorm),
+            mlp_out_norm=norm_spec(self.post_feedforward_layernorm), activation="gelu_tanh",
+            qkv=attn.qkv_proj, o=attn.o_proj, gate_up=self.mlp.gate_up_proj,
+            down=self.mlp.down_proj, world_size=attn.o_proj.comm.world_size)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """:returns: (this layer's normed MLP output, the residual stream before adding
         it)."""
+        if self.kernel is not None:
+            done = self.kernel(hidden, residual, rotary, ctx)
+            if done is not None:
+                return done
         if residual is None:  # first layer: the stream is the scaled embeddings
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -44,6 +44,7 @@ from quire.models.layers import (
 from quire.models.layers.fused_moe import FusedMoE
 from quire.models.llama import DecoderVariant, LlamaAttention, head_dim_of
 from quire.models.pipeline import LayerGap, PipelineStage
+from quire.ops.layer_spec import DecoderLayerKernel, DecoderLayerSpec, norm_spec
 
 #: Checkpoint tensor name fragment -> (our fused parameter's fragment, shard id).
 _FUSED: dict[str, tuple[str, Any]] = {
@@ -102,11 +103,34 @@ class MoeDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.kernel: DecoderLayerKernel | None = None
+
+    def fusion_spec(self) -> DecoderLayerSpec:
+        """This layer as data, for a platform that runs whole layers (``layer.kernel``):
+        a dense layer's MLP as its two linear sites, a sparse one as a callable."""
+        attn, mlp = self.self_attn, self.mlp
+        dense = isinstance(mlp, DenseMLP)
+        return DecoderLayerSpec(
+            layer_idx=attn.layer_idx, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+            sliding_window=attn.sliding_window, logits_soft_cap=None,
+            input_norm=norm_spec(self.input_layernorm),
+            q_norm=None if attn.q_norm is None else norm_spec(attn.q_norm),
+            k_norm=None if attn.k_norm is None else norm_spec(attn.k_norm),
+            attn_out_norm=None, pre_mlp_norm=norm_spec(self.post_attention_layernorm),
+            mlp_out_norm=None, activation="silu", qkv=attn.qkv_proj, o=attn.o_proj,
+            gate_up=mlp.gate_up_proj if dense else None,
+            down=mlp.down_proj if dense else None,
+            world_size=attn.o_proj.comm.world_size, mlp=None if dense else mlp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """:returns: (this layer's MLP output, the residual stream before adding it)."""
+        if self.kernel is not None:
+            done = self.kernel(hidden, residual, rotary, ctx)
+            if done is not None:
+                return done
         if residual is None:  # first layer: the stream is the embeddings
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -15,6 +15,7 @@ module says of itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -50,7 +51,9 @@ class DecoderLayerSpec:
         returns (mlp_out_norm(y), h)                    (the norm when present)
 
     ``qkv``, ``o``, ``gate_up`` and ``down`` are the layer's linear sites (``op_site ==
-    "linear"``; ``qkv`` holds q, k then v rows, ``gate_up`` gate then up).
+    "linear"``; ``qkv`` holds q, k then v rows, ``gate_up`` gate then up). A layer whose
+    MLP is no gated pair (mixture of experts) gives ``mlp`` instead, called as
+    ``mlp(m, ctx)``, with ``gate_up``/``down`` None and no ``mlp_out_norm``.
     """
 
     layer_idx: int
@@ -69,10 +72,12 @@ class DecoderLayerSpec:
     activation: Activation
     qkv: nn.Module
     o: nn.Module
-    gate_up: nn.Module
-    down: nn.Module
+    gate_up: nn.Module | None
+    down: nn.Module | None
     #: Tensor-parallel ranks sharing the layer; above 1, ``o`` and ``down`` all-reduce.
     world_size: int = 1
+    #: The MLP as a callable ``(x, ctx) -> y`` when it is not ``gate_up``/``down``.
+    mlp: Callable[[torch.Tensor, ForwardContext], torch.Tensor] | None = None
 
     def norms(self) -> tuple[NormSpec, ...]:
         """Every norm the layer has."""

@@ -74,9 +74,12 @@ class FusedDecodeLayer:
         self._norms = {name: _effective_weight(getattr(spec, name)) for name in _NORMS}
         self._desc = LayerDescArgs(
             spec.input_norm.eps, LayerDescArgs.ACTIVATIONS[spec.activation],
-            *(None if w is None else w.data_ptr() for w in self._norms.values()))
+            *(None if w is None else w.data_ptr() for w in self._norms.values()),
+            spec.mlp is not None)
         self.desc = ctypes.byref(self._desc)
-        modules = (spec.qkv, spec.o, spec.gate_up, spec.down)
+        #: the MLP the C layer leaves to the model (mixture of experts), or None
+        self.mlp = spec.mlp
+        modules = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
         kernels = [module.kernel for module in modules]
         # ctypes structs pointing into the PackedLinears' tensors and the biases, which
         # live as long as the model; byref()s made once, not per call
@@ -84,12 +87,14 @@ class FusedDecodeLayer:
         if all(k.compact is not None for k in kernels):
             self._compact_args = [LinearArgs.of(k.compact, _bias(m))
                                   for k, m in zip(kernels, modules)]
-            self._compact = [ctypes.byref(args) for args in self._compact_args]
+            self._compact = _with_absent_mlp(
+                [ctypes.byref(args) for args in self._compact_args])
         self._panels = None
         if all(k.panels is not None for k in kernels):
             self._panel_args = [PanelArgs.of(k.panels, k.out_features, _bias(m))
                                 for k, m in zip(kernels, modules)]
-            self._panels = [ctypes.byref(args) for args in self._panel_args]
+            self._panels = _with_absent_mlp(
+                [ctypes.byref(args) for args in self._panel_args])
 
     def __call__(
         self,
@@ -108,13 +113,14 @@ class FusedDecodeLayer:
         # kept in variables: a temporary's pointer would dangle once it is collected
         hidden = hidden.contiguous()
         residual = None if residual is None else residual.contiguous()
+        done = None
         if self._pure_decode(rows, ctx):
             done = self._decode(hidden, residual, cos, sin, ctx)
-            if done is not None:
-                return done
-        if self._panels is None:
-            return None
-        return self._halves(hidden, residual, cos, sin, ctx)
+        if done is None and self._panels is not None:
+            done = self._halves(hidden, residual, cos, sin, ctx)
+        if done is None or self.mlp is None:
+            return done
+        return self.mlp(done[0], ctx), done[1]  # the C layer stopped at the MLP's input
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
@@ -206,6 +212,12 @@ class FusedDecodeLayer:
 _NORMS = ("input_norm", "pre_mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
+def _with_absent_mlp(args: list) -> list:
+    """Four linear arguments for the C calls: a layer whose MLP runs outside passes
+    NULL for gate_up and down, which the C layer then never reads."""
+    return args + [None] * (4 - len(args))
+
+
 def _effective_weight(norm: NormSpec | None) -> torch.Tensor | None:
     """The weight the C norm multiplies by: ``offset + weight`` (Gemma's ``1 + w``)."""
     if norm is None:
@@ -229,12 +241,16 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
         return f"activation {spec.activation!r}"
     if (spec.q_norm is None) != (spec.k_norm is None):
         return "a q norm without a k norm"
+    if spec.mlp is not None and spec.mlp_out_norm is not None:
+        return "a norm after an MLP that runs outside"
+    if spec.mlp is None and (spec.gate_up is None or spec.down is None):
+        return "neither gated MLP sites nor an MLP to call"
     norms = spec.norms()
     if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
         return "norm weights not float32 on the host"
     if len({n.eps for n in norms}) != 1:
         return "norms with different eps"
-    linears = (spec.qkv, spec.o, spec.gate_up, spec.down)
+    linears = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
     if not all(isinstance(getattr(m, "kernel", None), PackedLinear) for m in linears):
         return "linears not packed"
     if not all(_bias(m) is None or _bias(m).dtype == torch.float32 for m in linears):

@@ -22,6 +22,9 @@
  *   out = W_down (act(W_gate a2) * W_up a2)   rows over threads; act SiLU or GELU-tanh
  *   out = rms_norm(out) * w_mlp_out   (when it has one)
  *
+ * A layer whose MLP is not a gated pair of products (mixture of experts) says
+ * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
+ *
  * The same operations as the model's op-by-op layer with the cpu platform's kernels
  * (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order; the products and
  * norms sum in their own orders, so results agree with the op-by-op path to float32
@@ -40,6 +43,7 @@ struct quire_layer_desc {
     const float *norm_in, *norm_pre_mlp;   /* [hidden] */
     const float *q_norm, *k_norm;          /* [d], over each head; both or neither */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden] */
+    int32_t mlp_external;  /* stop at the MLP's input; gate_up and down may be NULL */
 };
 
 #define QUIRE_ACT_SILU 0
@@ -117,7 +121,8 @@ static void norm_heads(float *x, int64_t heads, int64_t d, const float *weight, 
 /* Whether the description is one this file computes. */
 static int desc_fits(const struct quire_layer_desc *desc) {
     return desc->norm_in && desc->norm_pre_mlp && !desc->q_norm == !desc->k_norm &&
-           (desc->activation == QUIRE_ACT_SILU || desc->activation == QUIRE_ACT_GELU_TANH);
+           (desc->activation == QUIRE_ACT_SILU || desc->activation == QUIRE_ACT_GELU_TANH) &&
+           !(desc->mlp_external && desc->mlp_out_norm);
 }
 
 /* x * cos + roll(x, d / 2) * sin over each of `heads` rows of d, in place. */
@@ -149,12 +154,14 @@ int quire_decode_layer_f32(
     float *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
     int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
     float *residual_out) {
-    const int64_t inter = gate_up->out_features / 2;
-    if (!desc_fits(desc) || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || seq_len < 1 ||
-        qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d ||
-        o->in_features != hq * d || o->out_features != hidden ||
-        gate_up->in_features != hidden || gate_up->out_features % 2 ||
-        down->in_features != inter || down->out_features != hidden)
+    const int external = desc->mlp_external;
+    const int64_t inter = external ? 0 : gate_up->out_features / 2;
+    if (!desc_fits(desc) || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
+        d % 2 || seq_len < 1 || qkv->in_features != hidden ||
+        qkv->out_features != (hq + 2 * hkv) * d || o->in_features != hq * d ||
+        o->out_features != hidden ||
+        (!external && (gate_up->in_features != hidden || gate_up->out_features % 2 ||
+                       down->in_features != inter || down->out_features != hidden)))
         return 1;
     const float eps = desc->eps;
     const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
@@ -197,8 +204,10 @@ int quire_decode_layer_f32(
                 quire_rms_norm_row(o_out, desc->attn_out_norm, eps, hidden, o_out);
             for (int64_t i = 0; i < hidden; i++)
                 residual_out[i] += o_out[i];
-            quire_rms_norm_row(residual_out, desc->norm_pre_mlp, eps, hidden, normed);
+            quire_rms_norm_row(residual_out, desc->norm_pre_mlp, eps, hidden,
+                               external ? out : normed);
         }
+        if (!external) {
         /* eight gate/up pairs at a time, so that the activation takes eight lanes */
 #pragma omp for schedule(static)
         for (int64_t i0 = 0; i0 < inter; i0 += 8) {
@@ -221,6 +230,7 @@ int quire_decode_layer_f32(
         if (desc->mlp_out_norm) {
 #pragma omp single
             quire_rms_norm_row(out, desc->mlp_out_norm, eps, hidden, out);
+        }
         }
     }
     free(scratch);
@@ -245,26 +255,35 @@ static int front_fits(int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
 }
 
 /* ...its back half (after attention)... */
-static int back_fits(int64_t hidden, const struct quire_panels *o,
-                     const struct quire_panels *gate_up, const struct quire_panels *down) {
-    return hidden > 0 && o->out_features == hidden && gate_up->in_features == hidden &&
-           gate_up->out_features % 2 == 0 && down->in_features == gate_up->out_features / 2 &&
-           down->out_features == hidden;
+static int back_fits(int64_t hidden, const struct quire_layer_desc *desc,
+                     const struct quire_panels *o, const struct quire_panels *gate_up,
+                     const struct quire_panels *down) {
+    return hidden > 0 && o->out_features == hidden &&
+           (desc->mlp_external ||
+            (gate_up->in_features == hidden && gate_up->out_features % 2 == 0 &&
+             down->in_features == gate_up->out_features / 2 && down->out_features == hidden));
+}
+
+/* The MLP's intermediate width (0 when it runs outside). */
+static int64_t inter_of(const struct quire_layer_desc *desc,
+                        const struct quire_panels *gate_up) {
+    return desc->mlp_external ? 0 : gate_up->out_features / 2;
 }
 
 /* ...and the whole layer, attention between them included. */
 static int panels_fit(int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
-                      const struct quire_panels *qkv, const struct quire_panels *o,
-                      const struct quire_panels *gate_up, const struct quire_panels *down) {
-    return front_fits(hidden, hq, hkv, d, qkv) && back_fits(hidden, o, gate_up, down) &&
+                      const struct quire_layer_desc *desc, const struct quire_panels *qkv,
+                      const struct quire_panels *o, const struct quire_panels *gate_up,
+                      const struct quire_panels *down) {
+    return front_fits(hidden, hq, hkv, d, qkv) && back_fits(hidden, desc, o, gate_up, down) &&
            hq % hkv == 0 && o->in_features == hq * d;
 }
 
 /* The widest input of the layer's products: how wide a row of packed rows gets. */
-static int64_t widest_input(int64_t hidden, const struct quire_panels *o,
-                            const struct quire_panels *down) {
+static int64_t widest_input(int64_t hidden, const struct quire_layer_desc *desc,
+                            const struct quire_panels *o, const struct quire_panels *down) {
     const int64_t w = hidden > o->in_features ? hidden : o->in_features;
-    return w > down->in_features ? w : down->in_features;
+    return desc->mlp_external || w > down->in_features ? w : down->in_features;
 }
 
 /* Scratch floats per row of front_team and back_team: normed, o_out, gate_up, act, and
@@ -325,7 +344,7 @@ static void back_team(int64_t rows, const float *attn, int64_t hidden, float *re
                       const struct quire_layer_desc *desc, const struct quire_panels *o,
                       const struct quire_panels *gate_up, const struct quire_panels *down,
                       float *scratch, float *out) {
-    const int64_t inter = gate_up->out_features / 2;
+    const int64_t inter = inter_of(desc, gate_up);
     float *o_out = scratch, *normed = o_out + rows * hidden, *gu = normed + rows * hidden;
     float *act = gu + rows * 2 * inter, *packed = act + rows * inter;
     const float eps = desc->eps;
@@ -337,8 +356,11 @@ static void back_team(int64_t rows, const float *attn, int64_t hidden, float *re
             quire_rms_norm_row(add, desc->attn_out_norm, eps, hidden, add);
         for (int64_t i = 0; i < hidden; i++)
             h[i] += add[i];
-        quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden, normed + r * hidden);
+        quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden,
+                           (desc->mlp_external ? out : normed) + r * hidden);
     }
+    if (desc->mlp_external)
+        return;
     product(normed, rows, gate_up, gu, packed);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
@@ -389,11 +411,11 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
                          const struct quire_layer_desc *desc, const struct quire_panels *o,
                          const struct quire_panels *gate_up, const struct quire_panels *down,
                          float *out) {
-    if (rows <= 0 || !desc_fits(desc) || !back_fits(hidden, o, gate_up, down))
+    if (rows <= 0 || !desc_fits(desc) || !back_fits(hidden, desc, o, gate_up, down))
         return 1;
-    const int64_t inter = gate_up->out_features / 2;
+    const int64_t inter = inter_of(desc, gate_up);
     const int64_t block = rows < BLOCK_ROWS ? rows : BLOCK_ROWS;
-    const int64_t widest = widest_input(hidden, o, down);
+    const int64_t widest = widest_input(hidden, desc, o, down);
     float *scratch = quire_thread_scratch(
         (size_t)(block * half_scratch_per_row(hidden, inter, widest) + packed_extra(widest)));
     if (scratch == NULL)
@@ -427,7 +449,8 @@ int quire_decode_batch_f32(
     float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
-    if (rows <= 0 || !desc_fits(desc) || !panels_fit(hidden, hq, hkv, d, qkv, o, gate_up, down))
+    if (rows <= 0 || !desc_fits(desc) ||
+        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down))
         return 1;
     int64_t longest = 0;
     for (int64_t s = 0; s < rows; s++) {
@@ -437,10 +460,10 @@ int quire_decode_batch_f32(
         if (n > longest)
             longest = n;
     }
-    const int64_t inter = gate_up->out_features / 2, qkv_n = qkv->out_features;
+    const int64_t inter = inter_of(desc, gate_up), qkv_n = qkv->out_features;
     const int64_t row = hkv * d; /* floats per cache slot */
     const int64_t threads = omp_get_max_threads();
-    const int64_t widest = widest_input(hidden, o, down);
+    const int64_t widest = widest_input(hidden, desc, o, down);
     const int64_t per_row = qkv_n + hq * d + half_scratch_per_row(hidden, inter, widest);
     float *scratch = quire_thread_scratch(
         (size_t)(rows * per_row + packed_extra(widest) + threads * hq * longest));

@@ -1,0 +1,119 @@
+"""Which parts of each registered architecture run natively on the cpu platform.
+
+For every architecture the core registers, a tiny random checkpoint is served by
+``LLM`` on the cpu platform with its C kernels, and prompts are prefilled and decoded
+(a batch, then a lone sequence). A decoder family is supported natively when every one
+of its decoder layers got the platform's whole-layer kernel and no linear or norm site
+inside a layer ran op by op during those steps: a family that silently falls back to
+torch ops fails here. An MoE layer's experts run through the platform's ``fused_moe``
+op after the C layer stops at the MLP's input, so sites inside that MLP are allowed.
+An encoder (embedding task) has no decoder layer: its linears must run on the packed
+kernels.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from quire import LLM, SamplingParams
+from quire.models.registry import CORE_MODELS
+from quire.platforms.cpu.native import load_native_kernels
+from quire.platforms.cpu.packed_linear import PackedLinear
+from tiny_models import build_checkpoint
+
+#: Registered architecture -> the tiny checkpoint that stands for it.
+DECODERS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+#: Architectures checked by the encoder test below, or by another name's checkpoint.
+ENCODERS = {"BertModel"}
+#: Same model class as a checked architecture (a text-only alias of it).
+ALIASES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def native():
+    kernels = load_native_kernels()
+    if kernels is None or not kernels.has_panel_gemm:
+        pytest.skip("no C compiler or no AVX2/FMA on this host: the fused layers need panels")
+    return kernels
+
+
+def test_every_registered_architecture_is_checked() -> None:
+    unchecked = set(CORE_MODELS) - set(DECODERS) - ENCODERS - set(ALIASES)
+    assert not unchecked, f"architectures without a native-ops check: {sorted(unchecked)}"
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.core.executor.worker.model
+
+
+def _count_site_calls(model: torch.nn.Module) -> tuple[Counter, list]:
+    """Hooks counting forward calls of every linear/norm site inside a decoder layer,
+    except inside an MLP the platform leaves to the model (``spec.mlp``)."""
+    calls: Counter = Counter()
+    handles = []
+    for layer_name, layer in model.named_modules():
+        describe = getattr(layer, "fusion_spec", None)
+        if describe is None:
+            continue
+        external = describe().mlp
+        skipped = set() if external is None else {id(m) for m in external.modules()}
+        for name, module in layer.named_modules():
+            if getattr(module, "op_site", None) and id(module) not in skipped:
+                key = f"{layer_name}.{name}"
+
+                def hook(*_, key=key):
+                    calls[key] += 1
+
+                handles.append(module.register_forward_hook(hook))
+    return calls, handles
+
+
+@pytest.mark.parametrize("arch", sorted(DECODERS))
+def test_decoder_layers_run_natively(arch: str, native, tmp_path) -> None:
+    path = build_checkpoint(DECODERS[arch], tmp_path / arch)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128,
+              platform_options={"native": "true", "linear": "packed"})
+    model = _model(llm)
+    layers = [m for m in model.modules() if hasattr(m, "fusion_spec")]
+    assert layers, f"{arch}: no decoder layer publishes a fusion_spec"
+    assert all(type(layer.kernel).__name__ == "FusedDecodeLayer" for layer in layers), (
+        f"{arch}: layers without the whole-layer kernel: "
+        f"{[i for i, layer in enumerate(layers) if layer.kernel is None]}")
+    calls, handles = _count_site_calls(model)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([[5, 9, 13, 40, 41, 42, 7, 8, 9, 10, 11],
+                             [100, 101, 102, 103]], params)  # prefill + decode batch
+        outs += llm.generate([[33, 34, 35]], params)  # a lone sequence's decode steps
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert not calls, f"{arch}: sites that ran op by op: {dict(calls)}"
+    moe = [layer for layer in layers if layer.fusion_spec().mlp is not None]
+    if "Moe" in arch or "Mixtral" in arch:
+        assert moe, f"{arch}: no layer leaves its experts to the fused_moe op"
+
+
+def test_encoder_linears_run_on_packed_kernels(native, tmp_path) -> None:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=96,
+                        max_position_embeddings=64)
+    path = tmp_path / "bert"
+    BertModel(config).save_pretrained(path)
+    llm = LLM(model=str(path), task="embed", dtype="float32",
+              tokenizer=str(build_checkpoint("llama", tmp_path / "tok")))
+    linears = [m for m in _model(llm).modules() if getattr(m, "op_site", None) == "linear"]
+    assert linears and all(isinstance(m.kernel, PackedLinear) for m in linears)
