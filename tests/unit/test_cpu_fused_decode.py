@@ -25,14 +25,23 @@ from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner
+from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from quire.models.moe import Qwen3MoeForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
 from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -133,6 +142,15 @@ CONFIGS = {
     # SiLU runs eight lanes at a time: 100 leaves a tail of four
     "llama-inter-100": LlamaConfig(**{**COMMON, "intermediate_size": 100}),
     "qwen3-qk-norm": (Qwen3Config(**COMMON, head_dim=16), Qwen3ForCausalLM),
+    # (1 + w) norms, sandwich norms, GELU-tanh, a window on one layer of two
+    "gemma3": (Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=5,
+                                query_pre_attn_scalar=24,
+                                layer_types=["sliding_attention", "full_attention"]),
+               Gemma3ForCausalLM),
+    # a dense layer, then one whose experts run outside the C layer
+    "qwen3-moe": (Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                 mlp_only_layers=[0]), Qwen3MoeForCausalLM),
 }
 
 
