@@ -26,8 +26,8 @@ from quire.entrypoints.cli.common import UsageError, open_registry
 TRITON_INTERPRET = "TRITON_INTERPRET"
 #: Kept in step with quire.conformance.runner.CHECK_IDS (a test checks it), so that
 #: building the parser, which every command does, does not import the suite.
-_CHECK_IDS = ("platform", "kv-write", "attention", "moe", "memory", "communicator",
-              "end-to-end")
+_CHECK_IDS = ("platform", "kv-write", "attention", "moe", "embedding", "memory",
+              "communicator", "end-to-end")
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
