@@ -145,10 +145,17 @@ class RequestOutput:
         self.metrics = delta.metrics
 
 
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's holder of a vector, for code that reads ``out.outputs.embedding``."""
+
+    embedding: list[float]
+
+
 @dataclass
 class EmbeddingRequestOutput:
     """What ``LLM.embed`` returns per prompt: its pooled vector (vLLM's
-    ``EmbeddingRequestOutput``, with the vector on the output itself)."""
+    ``EmbeddingRequestOutput``; the vector is also on the output itself)."""
 
     request_id: str
     prompt: str | None
@@ -161,3 +168,8 @@ class EmbeddingRequestOutput:
     finished: bool = True
     #: Timings; not part of the output's value (left out of ``==``).
     metrics: RequestMetrics | None = field(default=None, compare=False)
+
+    @property
+    def outputs(self) -> EmbeddingOutput:
+        """The vector as vLLM spells it: ``out.outputs.embedding``."""
+        return EmbeddingOutput(self.embedding)

@@ -114,6 +114,7 @@ def test_bert_embeddings_match_transformers(bert_dir, pooling, normalize):
         alone = [llm.embed([p])[0] for p in PROMPTS]
         assert llm.engine.core.block_manager.num_used_blocks == 0  # freed at once
     assert [o.prompt_token_ids for o in batch] == PROMPTS
+    assert batch[0].outputs.embedding == batch[0].embedding  # vLLM's spelling
     got = torch.tensor([o.embedding for o in batch])
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     assert _cosines([o.embedding for o in alone], ref).min() > 0.99999
