@@ -201,9 +201,11 @@ def test_real_gguf_greedy_and_logprobs_match_transformers(gemma3_llm, gemma3_ref
 @pytest.mark.slow
 def test_real_gguf_text_and_chat_end_to_end(gemma3_llm, gemma3_reference):
     tok = gemma3_llm.get_tokenizer()
-    [out] = gemma3_llm.generate("The capital of France is",
-                                SamplingParams(temperature=0, max_tokens=12))
-    assert "Paris" in out.outputs[0].text
+    text = "The capital of France is"
+    [out] = gemma3_llm.generate(text, SamplingParams(temperature=0, max_tokens=12))
+    assert out.prompt_token_ids == tok.encode(text) and out.prompt_token_ids[0] == 2  # <bos>
+    assert out.outputs[0].token_ids == hf_greedy(gemma3_reference, out.prompt_token_ids, 12)
+    assert "France" in out.outputs[0].text
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids,
                                              skip_special_tokens=True)
 
