@@ -1,12 +1,17 @@
 """Quire: an LLM inference and serving engine with a paged KV cache and pluggable backends."""
 
-from quire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from quire.outputs import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from quire.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:
