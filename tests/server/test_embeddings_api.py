@@ -126,3 +126,19 @@ def test_generating_model_refuses_embeddings(tiny_checkpoint):
         assert "does not support the Embeddings API" in r.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+def _metric(server, name):
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith(name + " ") or
+                x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_count_embedding_requests(server, tokenizer):
+    stop = 'quire:request_success_total{finished_reason="stop"}'
+    before = _metric(server, stop), _metric(server, "quire:prompt_tokens_total")
+    assert post(server, {"model": MODEL, "input": TEXTS[:2]}).status_code == 200
+    tokens = sum(len(tokenizer.encode(t)) for t in TEXTS[:2])
+    after = _metric(server, stop), _metric(server, "quire:prompt_tokens_total")
+    assert after == (before[0] + 2, before[1] + tokens)

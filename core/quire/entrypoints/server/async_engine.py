@@ -407,9 +407,14 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> RequestOutput | EmbeddingRequestOutput | None:
         out = self._engine.abort_request(request_id)
+        self._observe(out)
+        return out
+
+    def _observe(self, out: RequestOutput | EmbeddingRequestOutput | None) -> None:
         if isinstance(out, RequestOutput):
             self._metrics.observe(out)
-        return out
+        elif isinstance(out, EmbeddingRequestOutput):
+            self._metrics.observe_embedding(out)
 
     def _drain(self, sinks: dict[str, _Add], block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -465,8 +470,7 @@ class AsyncEngine:
         # A core in another process: wait for its outputs only briefly, so that adds and
         # aborts queued meanwhile reach it without waiting for a step to end.
         for out in self._engine.step(timeout=STEP_WAIT_S):
-            if isinstance(out, RequestOutput):
-                self._metrics.observe(out)
+            self._observe(out)
             add = sinks.get(out.request_id)
             if add is None:
                 continue

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from quire.outputs import RequestOutput
+from quire.outputs import EmbeddingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
     from quire.engine import EngineStats
@@ -192,6 +192,21 @@ class ServerMetrics:
         if out.finished:
             seen = self._seen.pop(out.request_id, None)
             self._finished(out, seen.num_generation_tokens if seen is not None else 0)
+
+    def observe_embedding(self, out: EmbeddingRequestOutput) -> None:
+        """Count a finished embedding request: its prompt tokens and finish, no output
+        tokens (vLLM counts pooling requests the same way)."""
+        m = out.metrics
+        if m is None:
+            return
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.success.labels(finished_reason=out.finish_reason).inc()
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+        self.request_prompt.observe(len(out.prompt_token_ids))
+        self.request_generation.observe(0)
 
     def _first_token(self, out: RequestOutput) -> _Seen:
         m = out.metrics
