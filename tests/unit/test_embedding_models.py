@@ -172,3 +172,20 @@ def test_sentence_transformers_max_seq_length_is_the_context(tmp_path):
         assert len(llm.embed([[5] * 16])[0].embedding) == 64
         with pytest.raises(ValueError, match="max_model_len=16"):
             llm.embed([[5] * 17])
+
+
+def test_bert_weights_with_prefix_load_and_a_missing_part_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = build_bert(tmp_path / "prefixed", "mean", True)
+    weights = load_file(path / "model.safetensors")
+    renamed = {f"bert.{k}": v for k, v in weights.items()}  # BertForMaskedLM's names
+    renamed["cls.predictions.bias"] = torch.zeros(8)  # a head an encoder does not use
+    save_file(renamed, path / "model.safetensors")
+    ref = hf_embeddings(build_bert(tmp_path / "plain", "mean", True), PROMPTS, "mean", True)
+    with LLM(str(path), device="cpu") as llm:
+        assert _cosines([o.embedding for o in llm.embed(PROMPTS)], ref).min() > 0.99999
+    del weights["encoder.layer.1.attention.self.key.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="does not provide layers.1.qkv.weight"):
+        LLM(str(path), device="cpu")

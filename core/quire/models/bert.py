@@ -152,7 +152,7 @@ class BertModel(nn.Module):
         :raises ValueError: naming a tensor that fits no parameter.
         """
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        parts: dict[str, set[str | None]] = {}
         for name, tensor in weights:
             target = _our_name(name.removeprefix("bert."))
             if target is None:
@@ -163,9 +163,9 @@ class BertModel(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} fits no parameter of "
                                  f"{type(self).__name__}")
             param.weight_loader(param, tensor, *([shard] if shard else []))
-            if shard is None or shard == "v":  # q, k and v arrive in that order
-                loaded.add(ours)
-        return loaded
+            parts.setdefault(ours, set()).add(shard)
+        # a fused q/k/v parameter is loaded once all three of its parts came
+        return {name for name, got in parts.items() if got == {None} or got == set("qkv")}
 
 
 #: Hugging Face's names within a layer -> ours (with the fused q/k/v shard).
