@@ -29,7 +29,7 @@ from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from quire.models.moe import Qwen3MoeForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
-from quire.platforms.cpu.native import NativeKernels
+from quire.platforms.cpu.native import LinearArgs, NativeKernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
@@ -50,12 +50,16 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
-def _model(config, cls=LlamaForCausalLM) -> LlamaForCausalLM:
+def _model(config, cls=LlamaForCausalLM, unrounded: tuple[str, ...] = ()) -> LlamaForCausalLM:
+    """Weights rounded to bf16 (each linear gets a compact copy) except the parameters
+    whose names contain one of ``unrounded`` (full float32 mantissas: panels only)."""
     model = cls(config, TorchDistributedCommunicator("gloo", 0, 1))
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        for param in model.parameters():
-            param.copy_((torch.randn(param.shape, generator=gen) * 0.2).bfloat16().float())
+        for name, param in model.named_parameters():
+            value = torch.randn(param.shape, generator=gen) * 0.2
+            param.copy_(value if any(u in name for u in unrounded)
+                        else value.bfloat16().float())
     return model.eval()
 
 
@@ -92,13 +96,14 @@ def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:
     return seq
 
 
-def _pair(config, kernels: NativeKernels, compact: bool = True, num_blocks: int = 64):
+def _pair(config, kernels: NativeKernels, compact: bool = True, num_blocks: int = 64,
+          unrounded: tuple[str, ...] = ()):
     """(fused run, op-by-op run, counter of the single-sequence kernel's calls, counter
     of the batch kernel's calls); without ``compact`` the fused layers keep only panels.
     The fused layers' halves (prompts, mixed steps) are counted in ``Run.halves``.
     ``config`` may be ``(config, model class)``."""
     config, cls = config if isinstance(config, tuple) else (config, LlamaForCausalLM)
-    fused, plain = _model(config, cls), _model(config, cls)
+    fused, plain = _model(config, cls, unrounded), _model(config, cls, unrounded)
     pack_linear_weights(fused, kernels, compact=compact)
     install_norm_kernels(fused, kernels)
     assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
@@ -190,6 +195,33 @@ def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, nam
     _assert_same_caches(fused, plain, seqs[:1])
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3-moe"])
+def test_a_layer_mixing_compact_and_panel_weights_decodes_a_lone_sequence(
+        kernels: NativeKernels, name: str) -> None:
+    """A GGUF file mixes block formats: weights with an exact compact encoding beside
+    others (K-quants) without. The one-row layer streams the first and runs the panel
+    kernel on the rest, in the same call."""
+    if not kernels.has_panel_gemm:
+        pytest.skip("this host has no AVX2/FMA: no panels")
+    fused, plain, single, batch = _pair(CONFIGS[name], kernels,
+                                        unrounded=("o_proj", "down_proj"))
+    layer = fused.runner.model.model.layers[0].kernel
+    formats = [args.format for args in layer._compact_args]
+    assert LinearArgs.PANELS in formats and set(formats) != {LinearArgs.PANELS}
+    prompt = [5, 17, 90, 3, 64, 11, 7]
+    seqs = [_seq(0, prompt, [9, 2, 30, 4, 17, 6]), _seq(0, prompt, [9, 2, 30, 4, 17, 6])]
+    for run, seq in zip((fused, plain), seqs):
+        run.step([ScheduledSeq(seq, 0, len(prompt))])
+    for n in range(6):
+        start, got = seqs[0].num_tokens, []
+        for run, seq in zip((fused, plain), seqs):
+            seq.output_token_ids.append((11 * n + 5) % 96)
+            got.append(run.step([ScheduledSeq(seq, start, 1)]))
+        torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+    assert single.calls == 2 * 6 and batch.calls == 0
+    _assert_same_caches(fused, plain, seqs[:1])
+
+
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "panels"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str,
@@ -261,7 +293,7 @@ def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> No
     model = _model(CONFIGS["llama"])
     pack_linear_weights(model)  # without native kernels: no compact copies, no panels
     assert install_fused_decode(model, kernels) == {
-        "linears with neither all compact copies nor all panels": 2}
+        "linears with neither a compact copy nor panels": 2}
     odd = _model(CONFIGS["llama"])
     odd.model.layers[1].post_attention_layernorm.eps = 1e-3  # the C layer takes one eps
     pack_linear_weights(odd, kernels)

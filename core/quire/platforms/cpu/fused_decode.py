@@ -23,10 +23,12 @@ SiLU and products, the rotary's roll) and the Python around them took ~40 ms of 
 
 A layer qualifies when its description fits the C layer (any of its norms, q/k norms,
 SiLU or GELU-tanh, no logit soft cap), it runs on one device (no all-reduce), its norms
-are float32 with one eps, and its four linears are
-:class:`~quire.platforms.cpu.packed_linear.PackedLinear` s that either all have a
-compact encoding (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q8_0 weights and
-bf16 checkpoints) or all keep float32 panels (the native panel kernel, AVX2 hosts). The
+are float32 with one eps, and each of its linears is a
+:class:`~quire.platforms.cpu.packed_linear.PackedLinear` with a compact encoding
+(:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q5_0/Q8_0 weights and bf16
+checkpoints) or float32 panels (the native panel kernel, AVX2 hosts). A one-row step
+streams the compact weights and runs the others on their panels in the same call; the
+other steps need every linear on panels. The
 whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s metadata and a
 float32 contiguous KV cache. What does not fit returns None and the layer runs op by
 op. Results agree with that path to float32 rounding (the same kernels for products,
@@ -83,10 +85,16 @@ class FusedDecodeLayer:
         kernels = [module.kernel for module in modules]
         # ctypes structs pointing into the PackedLinears' tensors and the biases, which
         # live as long as the model; byref()s made once, not per call
+        # one-row steps: each weight's compact encoding, or its panels where it has none
+        # (GGUF K-quants and Q5 blocks have no exact encoding yet); worth it when some
+        # weight is compact
         self._compact = None
-        if all(k.compact is not None for k in kernels):
-            self._compact_args = [LinearArgs.of(k.compact, _bias(m))
-                                  for k, m in zip(kernels, modules)]
+        if (any(k.compact is not None for k in kernels)
+                and all(k.compact is not None or k.panels is not None for k in kernels)):
+            self._compact_args = [
+                LinearArgs.of(k.compact, _bias(m)) if k.compact is not None
+                else LinearArgs.of_panels(k.panels, k.out_features, _bias(m))
+                for k, m in zip(kernels, modules)]
             self._compact = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._compact_args])
         self._panels = None
@@ -255,9 +263,8 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
         return "linears not packed"
     if not all(_bias(m) is None or _bias(m).dtype == torch.float32 for m in linears):
         return "biases not float32"
-    if not (all(m.kernel.compact is not None for m in linears)
-            or all(m.kernel.panels is not None for m in linears)):
-        return "linears with neither all compact copies nor all panels"
+    if not all(m.kernel.compact is not None or m.kernel.panels is not None for m in linears):
+        return "linears with neither a compact copy nor panels"
     return None
 
 

@@ -63,11 +63,21 @@ class LinearArgs(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int32), ("out_features", _i64), ("in_features", _i64),
                 ("codes", _ptr), ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr)]
 
+    #: ``format`` of a weight given as float32 panels (:meth:`NativeKernels.pack_panels`)
+    #: rather than a compact encoding; a layer may mix the two.
+    PANELS = 3
+
     @classmethod
     def of(cls, weight: CompactWeight, bias: torch.Tensor | None) -> LinearArgs:
         return cls(weight.format_id, weight.out_features, weight.in_features,
                    weight.codes.data_ptr(), weight.scales.data_ptr(),
                    weight.offsets.data_ptr() if weight.offsets.numel() else None,
+                   bias.data_ptr() if bias is not None else None)
+
+    @classmethod
+    def of_panels(cls, panels: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None) -> LinearArgs:
+        return cls(cls.PANELS, out_features, panels.shape[1], panels.data_ptr(), None, None,
                    bias.data_ptr() if bias is not None else None)
 
 

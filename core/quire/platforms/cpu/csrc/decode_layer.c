@@ -49,7 +49,9 @@ struct quire_layer_desc {
 #define QUIRE_ACT_SILU 0
 #define QUIRE_ACT_GELU_TANH 1
 
-/* A linear layer's compact weight (quire/platforms/cpu/compact.py's layout). */
+/* A linear layer's compact weight (quire/platforms/cpu/compact.py's layout), or, with
+ * format QUIRE_FORMAT_PANELS, its float32 panels (NativeKernels.pack_panels) in codes:
+ * a layer may mix the two, its weights without an exact compact encoding on panels. */
 struct quire_linear {
     int32_t format;
     int64_t out_features, in_features;
@@ -57,8 +59,15 @@ struct quire_linear {
     const float *scales, *offsets, *bias; /* offsets: a4 only; bias may be NULL */
 };
 
+#define QUIRE_FORMAT_PANELS 3
+
 /* y = W x (+ bias), rows split over the team; call inside a parallel region. */
 static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
+    if (w->format == QUIRE_FORMAT_PANELS) {
+        quire_panel_gemm_team(x, 1, w->in_features, (const float *)w->codes, w->out_features,
+                              w->bias, y);
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < w->out_features; j++) {
         const float v = quire_compact_dot(w->format, x, w->in_features, w->codes, w->scales,
@@ -140,6 +149,46 @@ static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const f
     }
 }
 
+/* out = W_down (act(W_gate a) * W_up a) for one row a (then its own norm, when the layer
+ * has one), each product on the weight's compact encoding or on its panels. gu: 2 inter
+ * floats of scratch, act: inter. Team function. */
+static void mlp_row_team(const struct quire_layer_desc *desc,
+                         const struct quire_linear *gate_up, const struct quire_linear *down,
+                         const float *a, int64_t hidden, int64_t inter, float *gu, float *act,
+                         float *out) {
+    if (gate_up->format == QUIRE_FORMAT_PANELS) {
+        gemv_team(gate_up, a, gu);
+#pragma omp for schedule(static)
+        for (int64_t i0 = 0; i0 < inter; i0 += 8)
+            act_mul(desc->activation, gu + i0, gu + inter + i0,
+                    inter - i0 < 8 ? inter - i0 : 8, act + i0);
+    } else {
+        /* eight gate/up pairs at a time, so that the activation takes eight lanes */
+#pragma omp for schedule(static)
+        for (int64_t i0 = 0; i0 < inter; i0 += 8) {
+            const int64_t n8 = inter - i0 < 8 ? inter - i0 : 8;
+            float g[8], u[8];
+            for (int64_t k = 0; k < n8; k++) {
+                const int64_t i = i0 + k;
+                g[k] = quire_compact_dot(gate_up->format, a, hidden, gate_up->codes,
+                                         gate_up->scales, gate_up->offsets, i);
+                u[k] = quire_compact_dot(gate_up->format, a, hidden, gate_up->codes,
+                                         gate_up->scales, gate_up->offsets, inter + i);
+                if (gate_up->bias) {
+                    g[k] += gate_up->bias[i];
+                    u[k] += gate_up->bias[inter + i];
+                }
+            }
+            act_mul(desc->activation, g, u, n8, act + i0);
+        }
+    }
+    gemv_team(down, act, out);
+    if (desc->mlp_out_norm) {
+#pragma omp single
+        quire_rms_norm_row(out, desc->mlp_out_norm, desc->eps, hidden, out);
+    }
+}
+
 /*
  * x, residual (NULL on the first layer), out, residual_out: [hidden] rows. k_cache and
  * v_cache: the layer's two halves, [num_blocks * block_size, hkv, d]; slot: where this
@@ -167,12 +216,13 @@ int quire_decode_layer_f32(
     const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t n = seq_len - start;
     const int64_t row = hkv * d; /* floats per cache slot */
-    float *scratch = malloc(sizeof(float) *
-                            (hidden + qkv->out_features + hq * d + hidden + inter + hq * n));
+    float *scratch = malloc(sizeof(float) * (hidden + qkv->out_features + hq * d + hidden +
+                                             3 * inter + hq * n));
     if (scratch == NULL)
         return 2;
     float *normed = scratch, *qkv_out = normed + hidden, *attn = qkv_out + qkv->out_features;
-    float *o_out = attn + hq * d, *act = o_out + hidden, *scores = act + inter;
+    float *o_out = attn + hq * d, *act = o_out + hidden, *gu = act + inter;
+    float *scores = gu + 2 * inter;
 
 #pragma omp parallel
     {
@@ -207,31 +257,8 @@ int quire_decode_layer_f32(
             quire_rms_norm_row(residual_out, desc->norm_pre_mlp, eps, hidden,
                                external ? out : normed);
         }
-        if (!external) {
-        /* eight gate/up pairs at a time, so that the activation takes eight lanes */
-#pragma omp for schedule(static)
-        for (int64_t i0 = 0; i0 < inter; i0 += 8) {
-            const int64_t n8 = inter - i0 < 8 ? inter - i0 : 8;
-            float g[8], u[8];
-            for (int64_t k = 0; k < n8; k++) {
-                const int64_t i = i0 + k;
-                g[k] = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
-                                         gate_up->scales, gate_up->offsets, i);
-                u[k] = quire_compact_dot(gate_up->format, normed, hidden, gate_up->codes,
-                                         gate_up->scales, gate_up->offsets, inter + i);
-                if (gate_up->bias) {
-                    g[k] += gate_up->bias[i];
-                    u[k] += gate_up->bias[inter + i];
-                }
-            }
-            act_mul(desc->activation, g, u, n8, act + i0);
-        }
-        gemv_team(down, act, out);
-        if (desc->mlp_out_norm) {
-#pragma omp single
-            quire_rms_norm_row(out, desc->mlp_out_norm, eps, hidden, out);
-        }
-        }
+        if (!external)
+            mlp_row_team(desc, gate_up, down, normed, hidden, inter, gu, act, out);
     }
     free(scratch);
     return 0;
