@@ -254,9 +254,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context of {model_max_len}"
             )
+        # an embedding's prompt is never chunked: by default the budget holds the longest
+        chunked = self.enable_chunked_prefill and task != "embed"
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+            budget = 2048 if chunked else max(2048, max_model_len)
         if not self.enable_chunked_prefill and budget < max_model_len and task != "embed":
             raise ValueError(
                 f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "

@@ -189,3 +189,18 @@ def test_bert_weights_with_prefix_load_and_a_missing_part_is_named(tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="does not provide layers.1.qkv.weight"):
         LLM(str(path), device="cpu")
+
+
+def test_embedding_prompts_are_never_chunked(tiny_checkpoint):
+    resolved = EngineConfig("m", task="embed").resolve(
+        model_max_len=8192, platform_block_size=16, platform_dtype=torch.float32)
+    assert resolved.max_num_batched_tokens == 8192  # the longest prompt fits one step
+    assert not resolved.enable_chunked_prefill and not resolved.enable_prefix_caching
+    path = tiny_checkpoint("qwen3")
+    with LLM(str(path), device="cpu", task="embed", max_num_batched_tokens=16) as llm:
+        with pytest.raises(ValueError, match="max_num_batched_tokens=16"):
+            llm.embed([list(range(3, 20))])
+        prompt = list(range(3, 19))
+        got = llm.embed([prompt, prompt[:5]])
+    assert _cosines([o.embedding for o in got],
+                    hf_embeddings(path, [prompt, prompt[:5]], "last", True)).min() > 0.99999
