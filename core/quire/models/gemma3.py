@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
 from quire.models.layers import (
-    MergedColumnParallelLinear,
+    GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -149,22 +149,16 @@ class Gemma3Attention(nn.Module):
                              logits_soft_cap=self.logits_soft_cap)
 
 
-class Gemma3MLP(nn.Module):
+class Gemma3MLP(GatedMLP):
     """``down(gelu_tanh(gate(x)) * up(x))``, gate and up in one matmul."""
 
     def __init__(self, config: PretrainedConfig, comm: Communicator) -> None:
-        super().__init__()
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in _GELU_TANH:
             raise ValueError(f"unsupported Gemma 3 hidden_activation {act!r}; supported: "
                              f"{', '.join(_GELU_TANH)}")
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=False, comm=comm)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, comm=comm)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(ctx.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        super().__init__(config.hidden_size, config.intermediate_size, "gelu_tanh",
+                         bias=False, comm=comm)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -195,7 +189,8 @@ class Gemma3DecoderLayer(nn.Module):
             k_norm=norm_spec(attn.k_norm),
             attn_out_norm=norm_spec(self.post_attention_layernorm),
             pre_mlp_norm=norm_spec(self.pre_feedforward_layernorm),
-            mlp_out_norm=norm_spec(self.post_feedforward_layernorm), activation="gelu_tanh",
+            mlp_out_norm=norm_spec(self.post_feedforward_layernorm),
+            activation=self.mlp.activation,
             qkv=attn.qkv_proj, o=attn.o_proj, gate_up=self.mlp.gate_up_proj,
             down=self.mlp.down_proj, world_size=attn.o_proj.comm.world_size)
 
