@@ -25,7 +25,7 @@ from quire.platforms.cpu import native as native_module
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 
 
 def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -44,6 +44,9 @@ def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
         raw[:, 4 + 3] = 0xF0  # weight 3 gets code 0, weight 19 code 15
     elif qtype == "Q4_0":
         raw[:, 2 + 5] &= 0xF0  # weight 5: code 0, the block's largest magnitude
+    elif qtype == "Q5_0":  # w = d (q - 16): weight 0 gets code 0, magnitude 16 d
+        raw[:, 2] &= 0xFE  # its high bit
+        raw[:, 6] &= 0xF0  # its low nibble
     else:  # codes in -127..127, as round(x / (amax / 127)) gives
         raw[raw == 0x80] = 0x81
         raw[:, 2 + 11] = rng.choice(np.array([127, 129], dtype=np.uint8), n)  # +-127
@@ -63,7 +66,7 @@ def _quantized_like_llamacpp(qtype: str, rows: int, cols: int, seed: int) -> tor
 
 
 @pytest.mark.parametrize(("qtype", "expected"), [("Q4_1", "a4"), ("Q4_0", "a4"),
-                                                 ("Q8_0", "s8")])
+                                                 ("Q5_0", "s8"), ("Q8_0", "s8")])
 @pytest.mark.parametrize("make", [_gguf_blocks, _quantized_like_llamacpp])
 def test_gguf_blocks_encode_exactly(qtype: str, expected: str, make) -> None:
     weight = make(qtype, 48, 256, seed=1)
@@ -99,12 +102,14 @@ def test_what_no_encoding_reproduces_is_refused() -> None:
 
 
 def test_formats_are_tried_smallest_first() -> None:
-    """Small integers fit a4 and bf16; the smaller (a4) wins, and a narrower choice of
-    formats is honoured."""
+    """Small integers fit a4, s8 and bf16; the smallest (a4) wins, and a narrower choice
+    of formats is honoured."""
     weight = torch.arange(16.0).repeat(8, 4)  # every block: 0..15 twice
     assert encode(weight).format == "a4"
     assert encode(weight, formats=("bf16",)).format == "bf16"
-    assert encode(weight, formats=("s8",)) is None  # 15 is not +-127 times a float16
+    found = encode(weight, formats=("s8",))  # 15 = 15 d with d = 1: Q5_0's form
+    assert found.format == "s8" and torch.equal(found.decode(), weight)
+    assert encode(weight * 0.1 + 0.37, formats=("s8",)) is None  # an offset: no d * q
 
 
 def test_zero_blocks_and_negative_zeros() -> None:

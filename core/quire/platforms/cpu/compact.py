@@ -16,7 +16,7 @@ Encodings (32 weights per block along the input dimension, which must divide by 
 - ``a4``: ``w = d * q + m``, ``q`` in 0..15, a float32 ``d`` and ``m`` per block
   (0.75 bytes a weight). Q4_1 and Q4_0 blocks are of this form.
 - ``s8``: ``w = d * q``, ``q`` in -128..127, a float32 ``d`` per block (1.125 bytes a
-  weight). Q8_0 blocks are.
+  weight). Q8_0 and Q5_0 blocks are.
 - ``bf16``: the weight's upper 16 bits (2 bytes a weight): any bf16 checkpoint.
 
 The scale ``d`` is looked for among the values a quantiser would have stored, rounded to
@@ -114,17 +114,30 @@ def _encode_bf16(weight: torch.Tensor):
     return codes, torch.empty(0), torch.empty(0)
 
 
+#: Largest code magnitudes a block's largest weight may have, tried in turn: Q8_0's
+#: (+-127 d), then Q5_0's (w = d (q - 16): -16 d, or +15 d when no code is 0).
+_S8_PEAKS = (127, 16, 15)
+
+
 def _encode_s8(weight: torch.Tensor):
     blocks = weight.view(weight.shape[0], -1, BLOCK)
-    # Q8_0: d = amax / 127 rounded to float16; the block's largest magnitude is +-127 d.
-    d = (blocks.abs().amax(-1) / 127).half().float()
+    amax = blocks.abs().amax(-1)
+    d, q = torch.zeros_like(amax), torch.zeros_like(blocks)
+    done = torch.zeros_like(amax, dtype=torch.bool)
+    for peak in _S8_PEAKS:  # d = amax / peak rounded to float16, as the quantiser stored
+        d_try = (amax / peak).half().float()
+        q_try = torch.round(blocks / d_try.clamp_min(torch.finfo(torch.float32).tiny)
+                            .unsqueeze(-1)).clamp_(-128, 127)
+        ok = (q_try * d_try.unsqueeze(-1)).eq(blocks).all(-1)
+        take = ok & ~done
+        d = torch.where(take, d_try, d)
+        q = torch.where(take.unsqueeze(-1), q_try, q)
+        done |= ok
+        if bool(done.all()):
+            break
     if not _few_bits(d, 16):
         return None
-    q = torch.round(blocks / d.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
-    if bool((q.abs() > 128).any()):
-        return None
-    q = q.clamp(-128, 127).to(torch.int8)
-    return q.view(weight.shape), d, torch.empty(0)
+    return q.to(torch.int8).view(weight.shape), d, torch.empty(0)
 
 
 def _encode_a4(weight: torch.Tensor):
