@@ -9,13 +9,15 @@ one-row product over weights in a compact exact encoding (``compact_gemv.c``, se
 the weight to float32 in memory first, which is the traffic it exists to avoid.
 
 Why compiled at run time rather than shipped built: the core distribution stays pure
-Python (it installs anywhere torch does), and ``-march=native`` may use every vector
-unit of the host. The library is built with the system C compiler (``$CC``, else
-``cc``) into ``<cache>/kernels/`` under a name made of the source, the compiler, the
-flags and the host's CPU flags, so a changed source or another machine sharing the
-cache builds its own; a build takes ~1 s, and later processes only load it. There is
-no torch header in the build, hence no minute-long C++ compile: the library takes raw
-pointers through ``ctypes``.
+Python (it installs anywhere torch does). The library is built per ISA level
+(:mod:`~quire.platforms.cpu.isa`: generic, AVX2, AVX-512 on x86; generic, NEON on Arm),
+the best level the running CPU has (or the ``isa`` option's), with the system C
+compiler (``$CC``, else ``cc``) into ``<cache>/kernels/`` under a name made of the
+level, the source, the compiler and the flags: a changed source builds anew, and
+machines sharing the cache share a level's build, which needs only the features the
+level names. A build takes ~1 s, and later processes only load it. There is no torch
+header in the build, hence no minute-long C++ compile: the library takes raw pointers
+through ``ctypes``.
 
 When no compiler is found, the build fails, or ``QUIRE_CPU_NATIVE=0`` is set, the
 platform logs why once and keeps the torch path; results agree either way to float32
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from quire.platforms.cpu.compact import CompactWeight
+from quire.platforms.cpu.isa import IsaLevel, best_level, detect, levels_for
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c",
                                          "decode_layer.c", "panel_gemm.c"))
 HEADERS = (CSRC / "cpu_kernels.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+#: Common to every ISA level; each level adds its target flags (IsaLevel.flags).
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _BUILD_TIMEOUT_S = 120
 
 _i64 = ctypes.c_int64
@@ -113,8 +117,10 @@ class LayerDescArgs(ctypes.Structure):
 class NativeKernels:
     """The loaded library's entry points, with their argument checks."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, library: ctypes.CDLL, path: Path, level: str) -> None:
         self.path = path
+        #: the ISA level this library was built for (:mod:`~quire.platforms.cpu.isa`)
+        self.level = level
         self._decode = library.quire_paged_decode_f32
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
@@ -285,47 +291,70 @@ class NativeKernels:
         return None if failed else out
 
 
-def load_native_kernels(cache_root: Path | None = None,
-                        enabled: bool | None = None) -> NativeKernels | None:
-    """Build (once per source, compiler and host) and load the kernels.
+def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,
+                        isa: str | None = None) -> NativeKernels | None:
+    """Build (once per ISA level, source and compiler) and load the kernels of the best
+    level the running CPU has (:func:`~quire.platforms.cpu.isa.best_level`).
 
     :param cache_root: where built libraries go; default ``<quire cache>/kernels``.
     :param enabled: the platform's ``native`` option; None: ``QUIRE_CPU_NATIVE``'s
         (``0`` turns them off).
+    :param isa: the platform's ``isa`` option: a level to run instead of the best (a
+        lower one, to compare paths); None: the best.
     :returns: the kernels, or None (with the reason logged) when they are turned off,
-        no compiler is found, or the build or load fails.
+        no compiler is found, or every build or load fails.
+    :raises ValueError: when ``isa`` names a level this CPU cannot run.
     """
     if enabled is None:
         enabled = os.environ.get(NATIVE_ENV, "1") != "0"
     if not enabled:
-        logger.info("cpu platform: native kernels off (the native option)")
+        logger.info("cpu platform: native kernels off (the native option, or %s=0)",
+                    NATIVE_ENV)
         return None
+    features = detect()
+    levels = levels_for(features.machine)
+    chosen = best_level(features, levels, forced=isa)
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.warning("cpu platform: no C compiler (%s) found; decode attention uses "
-                       "torch ops (slower). Install gcc, or set %s=0 to silence this.",
+        logger.warning("cpu platform: no C compiler (%s) found; decode attention, norms "
+                       "and fused layers use torch ops, which makes decode steps several "
+                       "times slower (docs/bench.md). Install gcc, or set the native "
+                       "option (%s) to 0 to silence this.",
                        os.environ.get("CC", "cc"), NATIVE_ENV)
         return None
     if cache_root is None:
         from quire.model_store import cache_dir
 
         cache_root = cache_dir() / "kernels"
-    try:
-        path = _build(compiler, cache_root)
-        return NativeKernels(ctypes.CDLL(str(path)), path)
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        logger.warning("cpu platform: native kernels unavailable (%s); decode attention "
-                       "uses torch ops", exc)
-        return None
+    # Forced: that level or none. Else the best, then lower ones (an older compiler may
+    # not know a newer level's flags).
+    candidates = [chosen] if isa is not None else levels[levels.index(chosen)::-1]
+    for level in candidates:
+        try:
+            path = _build(compiler, cache_root, level)
+            kernels = NativeKernels(ctypes.CDLL(str(path)), path, level.name)
+        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+            logger.warning("cpu platform: native kernels for ISA level %s unavailable (%s)",
+                           level.name, exc)
+            continue
+        logger.info("cpu platform: native kernels at ISA level %s%s (cpu features: %s)",
+                    level.name, " (the isa option)" if isa is not None else "",
+                    " ".join(sorted(features.present)) or "none known")
+        return kernels
+    logger.warning("cpu platform: native kernels unavailable; decode attention uses torch "
+                   "ops")
+    return None
 
 
-def _build(compiler: str, cache_root: Path) -> Path:
+def _build(compiler: str, cache_root: Path, level: IsaLevel) -> Path:
+    flags = (*FLAGS, *level.flags)
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), compiler.encode(), _compiler_version(compiler), " ".join(FLAGS).encode(),
-                 platform.machine().encode(), _cpu_flags()):
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), compiler.encode(),
+                 _compiler_version(compiler), " ".join(flags).encode(),
+                 platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
-    target = cache_root / f"quire_cpu-{key.hexdigest()[:16]}.so"
+    target = cache_root / f"quire_cpu-{level.name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -333,7 +362,7 @@ def _build(compiler: str, cache_root: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_root) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
+            [compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"],
             capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -348,14 +377,3 @@ def _compiler_version(compiler: str) -> bytes:
                               check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return b""
-
-
-def _cpu_flags() -> bytes:
-    """The host's CPU feature flags (Linux); ``-march=native`` code may need them all."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode()

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from quire.platforms.cpu.isa import LEVEL_NAMES
+
 #: Option -> the environment variable that may set its default.
 ENV_DEFAULTS = {
     "attention": "QUIRE_CPU_ATTENTION",
@@ -17,6 +19,7 @@ ENV_DEFAULTS = {
     "compact": "QUIRE_CPU_COMPACT",
     "native": "QUIRE_CPU_NATIVE",
     "threads": "QUIRE_CPU_THREADS",
+    "isa": "QUIRE_CPU_ISA",
 }
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch")}
 
@@ -39,6 +42,9 @@ class CpuOptions:
     native: bool = True
     #: torch threads; None: the cores this process may use, unless the user set torch's.
     threads: int | None = None
+    #: The C kernels' ISA level (:mod:`~quire.platforms.cpu.isa`), e.g. ``avx2`` on an
+    #: AVX-512 host to compare paths; None: the best the CPU has.
+    isa: str | None = None
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():
@@ -53,6 +59,9 @@ class CpuOptions:
                                          or self.threads < 1):
             raise ValueError(f"cpu option threads must be a positive integer, got "
                              f"{self.threads!r}")
+        if self.isa is not None and self.isa not in LEVEL_NAMES:
+            raise ValueError(f"cpu option isa={self.isa!r}: expected one of "
+                             f"{', '.join(LEVEL_NAMES)}")
 
     @classmethod
     def parse(cls, options: Mapping[str, Any], env: Mapping[str, str]) -> CpuOptions:
@@ -91,6 +100,8 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{source}={raw!r}: expected true or false (1 or 0)")
+    if name == "isa" and text not in LEVEL_NAMES:
+        raise ValueError(f"{source}={raw!r}: expected one of {', '.join(LEVEL_NAMES)}")
     if name == "threads":
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"{source}={raw!r}: expected a positive integer")

@@ -110,7 +110,8 @@ class CpuPlatform(Platform):
 
     def _native_kernels(self) -> NativeKernels | None:
         if not self._native_tried:
-            self._native = load_native_kernels(enabled=self.options.native)
+            self._native = load_native_kernels(enabled=self.options.native,
+                                               isa=self.options.isa)
             self._native_tried = True
         return self._native
 
