@@ -6,16 +6,27 @@ import shutil
 
 import pytest
 
+from quire.platforms.cpu.isa import detect, levels_for
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 
 
-@pytest.fixture(scope="session")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    """The C kernels, built once per session into a fresh directory (not the user's
-    cache). Skips where there is no C compiler; fails where one exists but the build
-    does not work."""
+def _host_levels() -> list[str]:
+    """Every ISA level this CPU runs, so the lower paths are tested on any host."""
+    features = detect()
+    return [level.name for level in levels_for(features.machine)
+            if not level.missing(features)]
+
+
+@pytest.fixture(scope="session", params=_host_levels())
+def kernels(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
+    """The C kernels of each ISA level this CPU runs, built once per session into a
+    fresh directory (not the user's cache). Skips where there is no C compiler; fails
+    where one exists but the build does not work."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    loaded = load_native_kernels(tmp_path_factory.mktemp(f"kernels-{request.param}"),
+                                 isa=request.param)
     assert loaded is not None, "cc exists but the kernels did not build; see the log"
+    assert loaded.level == request.param
     return loaded

@@ -11,9 +11,6 @@ Products are checked against float64 on random inputs (never zeros) with float32
 
 from __future__ import annotations
 
-import platform
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -21,8 +18,7 @@ import torch.nn.functional as F
 
 from quire.models import gguf_reader
 from quire.platforms.cpu.compact import FORMATS, CompactWeight, encode
-from quire.platforms.cpu import native as native_module
-from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
@@ -122,23 +118,7 @@ def test_zero_blocks_and_negative_zeros() -> None:
 
 # -- the kernel -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def kernels(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    """The kernels as built for this host, and built for a baseline x86-64 / generic
-    target, which compiles the portable C instead of the AVX2 intrinsics."""
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler on this host: the platform uses torch ops")
-    flags = native_module.FLAGS
-    if request.param == "portable":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("the intrinsics are x86 only: the native build is the portable one")
-        flags = tuple("-march=x86-64" if f == "-march=native" else f for f in flags)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native_module, "FLAGS", flags)
-        loaded = load_native_kernels(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "cc exists but the kernels did not build; see the log"
-    return loaded
+# ``kernels`` (tests/unit/conftest.py): one build per ISA level this CPU runs.
 
 
 def _weight(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
