@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from quire.platforms.cpu import native as native_module
 from quire.platforms.cpu.isa import (
@@ -206,3 +207,24 @@ def test_a_level_the_compiler_cannot_build_falls_back_to_a_lower_one(
     assert "ISA level avx512 unavailable" in caplog.text
     # forced: that level or none, never another one
     assert load_native_kernels(tmp_path, isa="avx512") is None
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 5, 13, 131])
+def test_the_avx512_panel_kernel_sums_as_the_avx2_one(tmp_path_factory: pytest.TempPathFactory,
+                                                      rows: int) -> None:
+    """Same FMAs in the same order, 16 lanes to a register instead of 8: equal bit for
+    bit (each level's kernel against float64 is tests/unit/test_cpu_panel_gemm.py)."""
+    features = detect()
+    if best_level(features, levels_for(features.machine)).name != "avx512":
+        pytest.skip("this CPU does not run the avx512 level")
+    cache = tmp_path_factory.getbasetemp() / "isa-panel-kernels"
+    avx2 = load_native_kernels(cache, isa="avx2")
+    avx512 = load_native_kernels(cache, isa="avx512")
+    assert avx2 is not None and avx512 is not None
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(37, 100, generator=gen), torch.randn(rows, 100, generator=gen)
+    bias = torch.randn(37, generator=gen)
+    panels = avx2.pack_panels(weight)
+    assert torch.equal(avx2.panel_linear(x, panels, 37, bias),
+                       avx512.panel_linear(x, panels, 37, bias))

@@ -46,6 +46,44 @@ float *quire_thread_scratch(size_t floats) {
 
 #define TILE_ROWS 6
 
+#if defined(__AVX512F__)
+
+/* AVX-512 (the avx512 ISA level): a row's 16 columns are one register, so a tile step is
+ * one weight load and MR broadcast FMAs, half the instructions of the AVX2 tile below.
+ * The sums are the same, in the same order: results equal the AVX2 path's bit for bit. */
+static inline __attribute__((always_inline)) void tile(int MR, const float *a, int64_t rs,
+                                                       int64_t ks, const float *b, int64_t k,
+                                                       float *out) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
+    for (int64_t i = 0; i < k; i++, b += 16, a += ks) {
+        const __m512 w = _mm512_loadu_ps(b);
+#define ROW(R, C)                                                                          \
+    if (MR > R)                                                                            \
+        C = _mm512_fmadd_ps(_mm512_set1_ps(a[R * rs]), w, C);
+        ROW(0, c0) ROW(1, c1) ROW(2, c2) ROW(3, c3) ROW(4, c4) ROW(5, c5)
+#undef ROW
+    }
+    const __m512 rows[6] = {c0, c1, c2, c3, c4, c5};
+    memcpy(out, rows, sizeof(float) * 16 * MR);
+}
+
+/* One row: four positions of K to four accumulators, as the AVX2 tile1 below. */
+static void tile1(const float *a, const float *b, int64_t k, float *out) {
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4, b += 64) {
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), _mm512_loadu_ps(b), c0);
+        c1 = _mm512_fmadd_ps(_mm512_set1_ps(a[i + 1]), _mm512_loadu_ps(b + 16), c1);
+        c2 = _mm512_fmadd_ps(_mm512_set1_ps(a[i + 2]), _mm512_loadu_ps(b + 32), c2);
+        c3 = _mm512_fmadd_ps(_mm512_set1_ps(a[i + 3]), _mm512_loadu_ps(b + 48), c3);
+    }
+    for (; i < k; i++, b += 16)
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), _mm512_loadu_ps(b), c0);
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)));
+}
+
+#else
+
 /* out[r * 16 + c] = sum_k a[r * rs + k * ks] * b[k * 16 + c] for r < MR: rows read in
  * place (rs = the row length, ks = 1) or packed by pack_rows (rs = 1, ks = 6). MR and ks
  * are compile-time constants at each call, so the unused accumulators fold away and
@@ -102,6 +140,8 @@ static void tile1(const float *a, const float *b, int64_t k, float *out) {
     _mm256_storeu_ps(out, lo);
     _mm256_storeu_ps(out + 8, hi);
 }
+
+#endif
 
 /* x [m, k] as row tiles [ceil(m / 6)][k][6], zero past m; tiles over the team. */
 static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
