@@ -341,8 +341,8 @@ def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = N
                     level.name, " (the isa option)" if isa is not None else "",
                     " ".join(sorted(features.present)) or "none known")
         return kernels
-    logger.warning("cpu platform: native kernels unavailable; decode attention uses torch "
-                   "ops")
+    logger.warning("cpu platform: native kernels unavailable; decode steps use torch ops, "
+                   "several times slower (docs/bench.md)")
     return None
 
 
