@@ -1,6 +1,7 @@
 """vLLM (CPU build) as a benchmark peer (run in the ``vllm`` virtual environment).
 
-Throughput: ``LLM.generate`` over token-id prompts, float32, greedy, ``ignore_eos`` and
+Throughput: ``LLM.generate`` over token-id prompts, float32 unless the job's
+``vllm_dtype`` says otherwise (``quire bench --vllm-dtype``), greedy, ``ignore_eos`` and
 each request's own ``max_tokens``. Latency: one request at a time through the engine
 under ``LLM`` (``add_request`` / ``step``), timestamping every step that adds tokens.
 
@@ -25,7 +26,7 @@ from worker_io import Job, log, main, throughput_result
 
 def _load(job: Job) -> tuple[Any, float]:
     options = job.get("options", {})
-    kwargs: dict[str, Any] = {"model": job["model"], "dtype": "float32", "seed": 0}
+    kwargs: dict[str, Any] = {"model": job["model"], "dtype": _dtype(job), "seed": 0}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if options.get(name):
             kwargs[name] = int(options[name])
@@ -38,8 +39,12 @@ def _params(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
 
 
-def _engine() -> str:
-    return f"vLLM {vllm.__version__} (CPU), float32"
+def _dtype(job: Job) -> str:
+    return job.get("options", {}).get("vllm_dtype") or "float32"
+
+
+def _engine(job: Job) -> str:
+    return f"vLLM {vllm.__version__} (CPU), {_dtype(job)}"
 
 
 def throughput(job: Job) -> dict[str, Any]:
@@ -58,7 +63,7 @@ def throughput(job: Job) -> dict[str, Any]:
         made = sum(len(o.outputs[0].token_ids) for o in outputs)
         runs.append(throughput_result(elapsed, requests, made, peak_rss_bytes()))
         log(f"run {r + 1}/{len(job['runs'])}: {elapsed:.2f}s")
-    return {"engine": _engine(), "load_s": load_s, "peak_rss_load_bytes": load_peak,
+    return {"engine": _engine(job), "load_s": load_s, "peak_rss_load_bytes": load_peak,
             "runs": runs}
 
 
@@ -84,7 +89,7 @@ def latency(job: Job) -> dict[str, Any]:
         reset_peak_rss()
         timings = [_stream_one(engine, f"{r}-{i}", q) for i, q in enumerate(requests)]
         runs.append({"requests": timings, "peak_rss_bytes": peak_rss_bytes()})
-    return {"engine": _engine(), "load_s": load_s, "peak_rss_load_bytes": load_peak,
+    return {"engine": _engine(job), "load_s": load_s, "peak_rss_load_bytes": load_peak,
             "runs": runs}
 
 

@@ -80,6 +80,10 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
                         "(repeatable); see quire bench install-peer")
     parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
                         help="give up on a peer after this long (default: 3600)")
+    parser.add_argument("--vllm-dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="the dtype of the vllm peer, to measure it at its best on the "
+                        "host (default: float32)")
     if name == "throughput":
         parser.add_argument("--structured-json", default=None, metavar="SCHEMA",
                             help="put every request under this JSON schema (its text) "
@@ -424,7 +428,7 @@ def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
 
     columns, failures = [], {}
     options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-               **(where or {})}
+               "vllm_dtype": getattr(args, "vllm_dtype", "float32"), **(where or {})}
     for name in dict.fromkeys(args.peers):
         spec = PEERS[name]
         try:
