@@ -27,7 +27,7 @@ rank = total heads / world size); at world size 1 no collective runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -209,17 +209,22 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         variant: DecoderVariant,
         comm: Communicator,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """:param mlp: called as ``mlp(x, ctx)``; default the family's gated MLP (a
+            mixture-of-experts block on an MoE model's sparse layers)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, variant, comm)
-        self.mlp = LlamaMLP(config, variant, comm)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, variant, comm)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.kernel: DecoderLayerKernel | None = None
 
     def fusion_spec(self) -> DecoderLayerSpec:
-        """This layer as data, for a platform that runs whole layers (``layer.kernel``)."""
-        attn = self.self_attn
+        """This layer as data, for a platform that runs whole layers (``layer.kernel``):
+        a gated MLP as its two linear sites, any other (MoE) as a callable."""
+        attn, mlp = self.self_attn, self.mlp
+        gated = isinstance(mlp, GatedMLP)
         return DecoderLayerSpec(
             layer_idx=attn.layer_idx, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
@@ -228,9 +233,10 @@ class LlamaDecoderLayer(nn.Module):
             q_norm=None if attn.q_norm is None else norm_spec(attn.q_norm),
             k_norm=None if attn.k_norm is None else norm_spec(attn.k_norm),
             attn_out_norm=None, pre_mlp_norm=norm_spec(self.post_attention_layernorm),
-            mlp_out_norm=None, activation=self.mlp.activation, qkv=attn.qkv_proj,
-            o=attn.o_proj, gate_up=self.mlp.gate_up_proj, down=self.mlp.down_proj,
-            world_size=attn.o_proj.comm.world_size)
+            mlp_out_norm=None, activation=mlp.activation if gated else "silu",
+            qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj if gated else None,
+            down=mlp.down_proj if gated else None, world_size=attn.o_proj.comm.world_size,
+            mlp=None if gated else mlp)
 
     def forward(
         self,
@@ -261,14 +267,17 @@ class LlamaModel(nn.Module):
     def __init__(
         self, config: PretrainedConfig, variant: DecoderVariant, comm: Communicator,
         stage: PipelineStage | None = None,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
+        """:param make_mlp: layer index -> that layer's MLP, or None for the default."""
         super().__init__()
         self.stage = stage
         first, last = stage is None or stage.is_first, stage is None or stage.is_last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                     comm=comm) if first else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, variant, comm)
+            LlamaDecoderLayer(config, i, variant, comm,
+                              mlp=None if make_mlp is None else make_mlp(i))
             if stage is None or stage.holds(i) else LayerGap()
             for i in range(config.num_hidden_layers)
         )
@@ -328,7 +337,8 @@ class LlamaForCausalLM(nn.Module):
                 f"window entries for {config.num_hidden_layers} layers"
             )
         self.stage = stage
-        self.model = LlamaModel(config, self.variant, comm, stage)
+        self.model = LlamaModel(config, self.variant, comm, stage,
+                                lambda i: self.make_mlp(config, i, comm))
         #: Global indices of the layers (and KV caches) this rank holds.
         self.kv_layer_ids: tuple[int, ...] = (
             tuple(range(config.num_hidden_layers)) if stage is None
@@ -344,6 +354,12 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and self.lm_head is not None \
                 and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int,
+                 comm: Communicator) -> nn.Module | None:
+        """Layer ``layer_idx``'s MLP when the family's is not the gated MLP (MoE models
+        override this); None: the gated MLP."""
+        return None
 
     @classmethod
     def decoder_variant(cls, config: PretrainedConfig) -> DecoderVariant:
@@ -412,10 +428,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the embedding's weight, already loaded under its own name
-            name = self._stage_name(name)
+            name = self._stage_name(self.checkpoint_name(name))
             if name is None:
                 continue  # another pipeline stage's
-            target, shard_id = _fused_target(name)
+            target, shard_id = self.parameter_of(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(
@@ -434,9 +450,22 @@ class LlamaForCausalLM(nn.Module):
             else:
                 shards.setdefault(target, set()).add(shard_id)
         for target, got in shards.items():
-            if got >= _FUSED_SHARDS[_fused_fragment(target)]:
+            if got >= self.shards_needed(target):
                 loaded.add(target)
         return loaded
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint's tensor name in this model's module layout (Mixtral's
+        ``block_sparse_moe`` is ``mlp`` here). Default: unchanged."""
+        return name
+
+    def parameter_of(self, name: str) -> tuple[str, Any]:
+        """(our parameter's name, shard id or None) for a checkpoint tensor name."""
+        return _fused_target(name)
+
+    def shards_needed(self, target: str) -> frozenset[Any]:
+        """Every shard id a fused parameter needs before it counts as loaded."""
+        return _FUSED_SHARDS[_fused_fragment(target)]
 
 
 def _layer_of(name: str) -> int | None:
