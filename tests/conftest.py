@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# Triton's kernels run in its interpreter in this suite (tests/kernels/conftest.py says
+# why). Set before anything imports triton: importing torch._dynamo (model code does)
+# imports it, and a triton imported before the variable is set keeps compiled
+# standard-library functions that the interpreted kernels then cannot call.
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
