@@ -107,6 +107,48 @@ class PackedLinear:
             if self.compact is None:
                 self.split = self._split(weight)
 
+    @property
+    def impl(self) -> str:
+        """Which implementation runs products of more than one row: ``panels`` (ours)
+        or ``onednn`` (:mod:`~quire.platforms.cpu.dispatch` names)."""
+        return "panels" if self.panels is not None else "onednn"
+
+    def weight(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight, rebuilt from the panels (the original
+        may have been released)."""
+        if self.panels is None:
+            raise ValueError("the weight is rebuilt from panels; this layer keeps none")
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+    def runner(self, impl: str):
+        """A callable computing this layer's product (no bias) on ``impl``, for
+        measuring it (:mod:`~quire.platforms.cpu.dispatch`); oneDNN's runs on a
+        temporary packed copy when the layer keeps panels."""
+        if impl == "panels":
+            if self.panels is None:
+                raise ValueError("this layer keeps no panels")
+            native, panels, n = self.native, self.panels, self.out_features
+            return lambda x: native.panel_linear(x, panels, n, None)
+        if impl == "onednn":
+            packed = (self.packed if self.packed is not None
+                      else torch.ops.mkldnn._reorder_linear_weight(self.weight(),
+                                                                   PACK_FOR_ROWS))
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
+                                                                [], "")
+        raise ValueError(f"unknown linear implementation {impl!r}")
+
+    def use_onednn(self) -> None:
+        """Run products of more than one row on oneDNN's packed layout and drop the
+        panels (one copy of the weight stays). One-row products keep their compact
+        copy when there is one."""
+        if self.panels is None:
+            return
+        weight = self.weight().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+        if self.compact is None:
+            self.split = self._split(weight)
+        self.panels = None
+
     def _split(self, weight: torch.Tensor) -> torch.Tensor:
         # [parts, in, out / parts], the last block zero-padded when parts does not divide
         # out; parts = 1 is the plain transposed copy.

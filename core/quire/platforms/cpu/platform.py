@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +13,14 @@ from torch import nn
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
 from quire.ops.attention import ReferenceAttentionBackend
+from quire.platforms.cpu.dispatch import (
+    TimingCache,
+    cpu_model_name,
+    dispatch_linears,
+    host_key,
+)
 from quire.platforms.cpu.fused_decode import install_fused_decode
+from quire.platforms.cpu.isa import detect
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
@@ -101,6 +109,8 @@ class CpuPlatform(Platform):
         if native is not None:
             install_norm_kernels(model, native)
             install_fused_decode(model, native)  # needs the packed layers' panels or copies
+            if options.linear == "packed":  # the products no fused layer claims
+                dispatch_linears(model, TimingCache(_timing_cache_path(native)))
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""
@@ -126,3 +136,11 @@ class CpuPlatform(Platform):
     def make_memory_profiler(self, device_index: int = 0) -> CpuMemoryProfiler:
         """Host RAM is one pool, so every ``device_index`` (one per local rank) reads it."""
         return CpuMemoryProfiler()
+
+
+def _timing_cache_path(native: NativeKernels) -> Path:
+    """``<quire cache>/dispatch/<host>.json``: this host's measured timings."""
+    from quire.model_store import cache_dir
+
+    key = host_key(detect(), native.level, torch.get_num_threads(), cpu_model_name())
+    return cache_dir() / "dispatch" / f"{key}.json"
