@@ -162,13 +162,13 @@ def test_builds_are_keyed_by_level_not_by_the_host(tmp_path: Path,
     if levels_for(detect().machine) != X86:
         pytest.skip("builds x86 levels")
     monkeypatch.setattr(native_module, "detect", lambda: CPUS["zen3"])
-    on_zen3 = load_native_kernels(tmp_path)
-    generic = load_native_kernels(tmp_path, isa="generic")
+    on_zen3 = load_native_kernels(tmp_path, prebuilt=None)
+    generic = load_native_kernels(tmp_path, isa="generic", prebuilt=None)
     assert on_zen3 is not None and generic is not None
     assert (on_zen3.level, generic.level) == ("avx2", "generic")
     assert on_zen3.has_panel_gemm and not generic.has_panel_gemm  # the kernel needs AVX2
     monkeypatch.setattr(native_module, "detect", lambda: CPUS["sapphire_rapids"])
-    forced = load_native_kernels(tmp_path, isa="avx2")  # another host, same level
+    forced = load_native_kernels(tmp_path, isa="avx2", prebuilt=None)  # another host
     assert forced is not None and forced.path == on_zen3.path
     assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["avx2", "generic"]
     with pytest.raises(ValueError, match="avx512"):
@@ -202,11 +202,11 @@ def test_a_level_the_compiler_cannot_build_falls_back_to_a_lower_one(
         return real(compiler, cache_root, level)
 
     monkeypatch.setattr(native_module, "_build", old_compiler)
-    loaded = load_native_kernels(tmp_path)
+    loaded = load_native_kernels(tmp_path, prebuilt=None)
     assert loaded is not None and loaded.level == "avx2"
     assert "ISA level avx512 unavailable" in caplog.text
     # forced: that level or none, never another one
-    assert load_native_kernels(tmp_path, isa="avx512") is None
+    assert load_native_kernels(tmp_path, isa="avx512", prebuilt=None) is None
 
 
 @needs_cc

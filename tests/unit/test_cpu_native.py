@@ -99,8 +99,8 @@ def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
 def test_a_build_is_reused(tmp_path: Path) -> None:
     if not HAVE_CC:
         pytest.skip("no C compiler on this host")
-    first = load_native_kernels(tmp_path)
-    second = load_native_kernels(tmp_path)
+    first = load_native_kernels(tmp_path, prebuilt=None)
+    second = load_native_kernels(tmp_path, prebuilt=None)
     assert first is not None and second is not None and first.path == second.path
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no leftovers
 
@@ -115,10 +115,10 @@ def test_turned_off_or_without_a_compiler_it_says_why(
     monkeypatch.delenv(NATIVE_ENV)
     caplog.clear()
     monkeypatch.setenv("CC", "no-such-compiler-quire")
-    assert load_native_kernels(tmp_path) is None
+    assert load_native_kernels(tmp_path, prebuilt=None) is None
     assert "no C compiler" in caplog.text
     caplog.clear()
     monkeypatch.setenv("CC", "false")  # found, but every build fails
-    assert load_native_kernels(tmp_path) is None
+    assert load_native_kernels(tmp_path, prebuilt=None) is None
     assert "native kernels unavailable" in caplog.text
     assert list(tmp_path.iterdir()) == []

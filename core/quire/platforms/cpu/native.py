@@ -1,4 +1,4 @@
-"""The cpu platform's native kernels: C sources in ``csrc/``, compiled on first use.
+"""The cpu platform's native kernels: C sources in ``csrc/``, built with the package.
 
 Why C and not torch ops: paged decode attention in torch has to gather every
 sequence's keys and values into a padded copy and read that copy again, three passes
@@ -8,20 +8,20 @@ one-row product over weights in a compact exact encoding (``compact_gemv.c``, se
 :mod:`~quire.platforms.cpu.compact`) has no torch operator: torch would have to expand
 the weight to float32 in memory first, which is the traffic it exists to avoid.
 
-Why compiled at run time rather than shipped built: the core distribution stays pure
-Python (it installs anywhere torch does). The library is built per ISA level
-(:mod:`~quire.platforms.cpu.isa`: generic, AVX2, AVX-512 on x86; generic, NEON on Arm),
-the best level the running CPU has (or the ``isa`` option's), with the system C
-compiler (``$CC``, else ``cc``) into ``<cache>/kernels/`` under a name made of the
-level, the source, the compiler and the flags: a changed source builds anew, and
-machines sharing the cache share a level's build, which needs only the features the
-level names. A build takes ~1 s, and later processes only load it. There is no torch
-header in the build, hence no minute-long C++ compile: the library takes raw pointers
-through ``ctypes``.
+Where the library comes from: the package build compiles one library per ISA level
+(:mod:`~quire.platforms.cpu.isa`: generic, AVX2, AVX-512 on x86; generic, NEON on Arm)
+into the package (:mod:`~quire.platforms.cpu.kernel_build`), so users need no
+compiler; the level is chosen at run time from what the running CPU reports (or the
+``isa`` option). Only when no shipped library fits (none for this machine or level, or
+an editable install whose C files changed since) is the level built at first use with
+the system C compiler (``$CC``, else ``cc``, ~1 s) into ``<cache>/kernels/`` under a
+name made of the level, the sources, the compiler and the flags, which later processes
+only load. There is no torch header in either build, hence no torch ABI to match and
+no minute-long C++ compile: the library takes raw pointers through ``ctypes``.
 
-When no compiler is found, the build fails, or ``QUIRE_CPU_NATIVE=0`` is set, the
-platform logs why once and keeps the torch path; results agree either way to float32
-rounding.
+When no library fits and no compiler is found, a build fails, or ``QUIRE_CPU_NATIVE=0``
+is set, the platform logs why once and keeps the torch path (several times slower
+decode steps, the warning says); results agree either way to float32 rounding.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from quire.platforms.cpu import kernel_build
 from quire.platforms.cpu.compact import CompactWeight
 from quire.platforms.cpu.isa import IsaLevel, best_level, detect, levels_for
 
@@ -292,17 +292,23 @@ class NativeKernels:
 
 
 def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,
-                        isa: str | None = None) -> NativeKernels | None:
-    """Build (once per ISA level, source and compiler) and load the kernels of the best
-    level the running CPU has (:func:`~quire.platforms.cpu.isa.best_level`).
+                        isa: str | None = None,
+                        prebuilt: Path | None = kernel_build.PREBUILT) -> NativeKernels | None:
+    """Load the kernels of the best ISA level the running CPU has
+    (:func:`~quire.platforms.cpu.isa.best_level`): the library the package build left
+    for that level when it fits (:func:`~quire.platforms.cpu.kernel_build.find_prebuilt`),
+    else one built here (once per level, source and compiler); failing both, the next
+    lower level the same way.
 
-    :param cache_root: where built libraries go; default ``<quire cache>/kernels``.
+    :param cache_root: where libraries built here go; default ``<quire cache>/kernels``.
     :param enabled: the platform's ``native`` option; None: ``QUIRE_CPU_NATIVE``'s
         (``0`` turns them off).
     :param isa: the platform's ``isa`` option: a level to run instead of the best (a
         lower one, to compare paths); None: the best.
+    :param prebuilt: where the package build left its libraries; None: build here only.
     :returns: the kernels, or None (with the reason logged) when they are turned off,
-        no compiler is found, or every build or load fails.
+        or no library fits and none can be built (no compiler, or every build or load
+        fails).
     :raises ValueError: when ``isa`` names a level this CPU cannot run.
     """
     if enabled is None:
@@ -315,13 +321,6 @@ def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = N
     levels = levels_for(features.machine)
     chosen = best_level(features, levels, forced=isa)
     compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.warning("cpu platform: no C compiler (%s) found; decode attention, norms "
-                       "and fused layers use torch ops, which makes decode steps several "
-                       "times slower (docs/bench.md). Install gcc, or set the native "
-                       "option (%s) to 0 to silence this.",
-                       os.environ.get("CC", "cc"), NATIVE_ENV)
-        return None
     if cache_root is None:
         from quire.model_store import cache_dir
 
@@ -330,43 +329,53 @@ def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = N
     # not know a newer level's flags).
     candidates = [chosen] if isa is not None else levels[levels.index(chosen)::-1]
     for level in candidates:
-        try:
-            path = _build(compiler, cache_root, level)
-            kernels = NativeKernels(ctypes.CDLL(str(path)), path, level.name)
-        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-            logger.warning("cpu platform: native kernels for ISA level %s unavailable (%s)",
-                           level.name, exc)
-            continue
-        logger.info("cpu platform: native kernels at ISA level %s%s (cpu features: %s)",
-                    level.name, " (the isa option)" if isa is not None else "",
-                    " ".join(sorted(features.present)) or "none known")
-        return kernels
+        found = (kernel_build.find_prebuilt(prebuilt, features.machine, level)
+                 if prebuilt is not None else kernel_build.Prebuilt(None))
+        if found.reason:
+            logger.info("cpu platform: prebuilt kernels not used: %s", found.reason)
+        # the package's library first; a build here when there is none or it fails
+        ways = [*([found.path] if found.path is not None else []),
+                *([None] if compiler is not None else [])]
+        for path in ways:
+            try:
+                path = path or _build(compiler, cache_root, level)
+                kernels = NativeKernels(ctypes.CDLL(str(path)), path, level.name)
+            except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+                logger.warning("cpu platform: native kernels for ISA level %s unavailable "
+                               "(%s)", level.name, exc)
+                continue
+            origin = "prebuilt" if path == found.path else "built here"
+            logger.info("cpu platform: native kernels at ISA level %s%s, %s: %s (cpu "
+                        "features: %s)", level.name,
+                        " (the isa option)" if isa is not None else "", origin, path,
+                        " ".join(sorted(features.present)) or "none known")
+            return kernels
+    if compiler is None:
+        logger.warning("cpu platform: no C compiler (%s) found and no prebuilt kernels fit "
+                       "(ISA level %s); decode attention, norms and fused layers use torch "
+                       "ops, which makes decode steps several times slower (docs/bench.md). "
+                       "Install gcc, or set the native option (%s) to 0 to silence this.",
+                       os.environ.get("CC", "cc"), chosen.name, NATIVE_ENV)
+        return None
     logger.warning("cpu platform: native kernels unavailable; decode steps use torch ops, "
                    "several times slower (docs/bench.md)")
     return None
 
 
 def _build(compiler: str, cache_root: Path, level: IsaLevel) -> Path:
-    flags = (*FLAGS, *level.flags)
+    """Build ``level``'s library into ``cache_root`` unless a build of the same sources,
+    compiler and flags is there already."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), compiler.encode(),
-                 _compiler_version(compiler), " ".join(flags).encode(),
+    for part in (kernel_build.source_digest().encode(), compiler.encode(),
+                 _compiler_version(compiler),
+                 " ".join((*kernel_build.FLAGS, *level.flags)).encode(),
                  platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
     target = cache_root / f"quire_cpu-{level.name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent process sees all or nothing.
-    with tempfile.TemporaryDirectory(dir=cache_root) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"],
-            capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)
+    kernel_build.compile_library(compiler, level, target)
     logger.info("cpu platform: built native kernels %s", target)
     return target
 
