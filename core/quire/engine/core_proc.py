@@ -53,6 +53,7 @@ from quire.engine.messages import (
 from quire.engine.placement import Placement
 from quire.executor.abstract import WorkerDied
 from quire.executor.multiproc import cores_of, die_with_parent, reap
+from quire.platforms.cpu.threads import wait_environment
 
 if TYPE_CHECKING:  # the core imports the model code: only the core process loads it
     from quire.engine.core import EngineCore
@@ -126,12 +127,16 @@ class CoreProcesses:
         with open(os.path.join(self.workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
         cpu = config.device in (None, "cpu")
+        # read by OpenMP when the core imports torch: the cpu wait_policy option
+        env = {**os.environ, **wait_environment(config.device, config.platform_options,
+                                                os.environ)}
         for engine in range(self.count):
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP.format(
                     cores=cores, args=(self.workdir, engine, os.getpid(), sorted(blocked),
-                                       logging.getLogger("quire").getEffectiveLevel()))]))
+                                       logging.getLogger("quire").getEffectiveLevel()))],
+                env=env))
 
     @property
     def pids(self) -> list[int]:

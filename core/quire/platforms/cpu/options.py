@@ -20,8 +20,10 @@ ENV_DEFAULTS = {
     "native": "QUIRE_CPU_NATIVE",
     "threads": "QUIRE_CPU_THREADS",
     "isa": "QUIRE_CPU_ISA",
+    "wait_policy": "QUIRE_CPU_WAIT_POLICY",
 }
-_CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch")}
+_CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
+            "wait_policy": ("auto", "spin", "passive")}
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class CpuOptions:
     #: The C kernels' ISA level (:mod:`~quire.platforms.cpu.isa`), e.g. ``avx2`` on an
     #: AVX-512 host to compare paths; None: the best the CPU has.
     isa: str | None = None
+    #: How idle OpenMP threads of the engine processes Quire starts wait: ``spin``
+    #: (libgomp's default), ``passive``, or ``auto`` (passive when other processes load
+    #: this engine's cores); ``OMP_WAIT_POLICY``, when set, wins
+    #: (:func:`~quire.platforms.cpu.threads.choose_wait_policy`).
+    wait_policy: str = "auto"
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():

@@ -12,26 +12,16 @@ Precedence, first match wins:
    (someone called ``torch.set_num_threads``): the user chose; nothing is changed.
 3. The cores available to the process (affinity, capped by the quota).
 
-How idle threads wait between parallel regions is OpenMP's ``OMP_WAIT_POLICY``, read
-once when torch loads libgomp, so it is the user's to set; Quire leaves libgomp's
-default (spin a little, then sleep). Measured on a 2-core host (SmolLM2-135M float32,
-2 threads, medians of one run each):
-
-=========================================  =============  ==========  ===============
-                                           default (spin) ``PASSIVE``  ``PASSIVE``, 1
-                                                                       thread at 1 token
-=========================================  =============  ==========  ===============
-idle host: 64-row decode step              251-265 ms     295-335 ms
-idle host: one stream, ms per token        41-45 ms       69 ms       57 ms
-one other busy process: 64-row step        737-1186 ms    473 ms
-one other busy process: ms per token       148-312 ms     66 ms
-=========================================  =============  ==========  ===============
-
-So on a host of its own (the case to be fast in) spinning wins by 15-40%, and on a host
-whose cores other busy processes share, ``OMP_WAIT_POLICY=PASSIVE`` is worth 1.6-4x.
-With a passive policy, a second thread woken for each small kernel of a single-token
-step costs more than it gives, so :class:`StepThreads` then runs those steps on one
-thread (when the count is this module's choice, not the user's).
+How idle threads wait between parallel regions is OpenMP's ``OMP_WAIT_POLICY``, which
+libgomp reads once, when torch loads it. libgomp's default (spin a while, then sleep) is
+15-40% faster on a host of its own; where other busy processes share the cores, spinning
+threads steal from them and wait on the straggler, and passive waiting is 1.6-4x faster
+(docs/bench.md, "Waiting on a shared host"). The ``wait_policy`` option chooses
+(:func:`choose_wait_policy`; ``auto`` reads the host's load) for the processes Quire
+starts: :func:`wait_environment` is put into an engine core's or a worker's environment
+before it imports torch. A process that had torch loaded already (an in-process
+``LLM``) keeps what its environment said. With passive waiting, :class:`StepThreads`
+runs single-token steps on one thread.
 """
 
 from __future__ import annotations
@@ -39,7 +29,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +40,12 @@ logger = logging.getLogger(__name__)
 #: Environment variable that fixes the thread count of the cpu platform.
 THREADS_ENV = "QUIRE_CPU_THREADS"
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: OpenMP's own variable: when set, it is the user's choice and wins over the option.
+WAIT_ENV = "OMP_WAIT_POLICY"
+#: Runnable threads of other processes per core of ours (the 1-minute load average,
+#: spread evenly over the host) from which ``auto`` waits passively. Low on purpose:
+#: spinning on a busy host costs 1.6-4x, passive waiting on an idle one 15-40%.
+BUSY_LOAD_PER_CORE = 0.25
 
 
 def available_cores(cgroup: str | os.PathLike[str] = "/sys/fs/cgroup") -> int:
@@ -98,6 +96,70 @@ def configure_threads(forced: int | None = None) -> int | None:
     return wanted
 
 
+@dataclass(frozen=True)
+class WaitDecision:
+    """How OpenMP threads are to wait, and why (for the log)."""
+
+    #: ``spin`` (libgomp's default: spin a while, then sleep) or ``passive`` (sleep at once)
+    policy: str
+    reason: str
+    #: the user's ``OMP_WAIT_POLICY``, which the processes started inherit unchanged
+    user_set: bool = False
+
+    def environment(self) -> dict[str, str]:
+        """Variables to set in a process started to run the engine (before torch loads)."""
+        return {WAIT_ENV: "PASSIVE"} if self.policy == "passive" and not self.user_set else {}
+
+
+def choose_wait_policy(option: str, cores: int, host_cores: int, load: float,
+                       user: str | None = None) -> WaitDecision:
+    """The wait policy for an engine on ``cores`` of a host of ``host_cores`` whose
+    1-minute load average is ``load``, decided before the engine runs (so the load is
+    other processes'). A pure function: the inputs are read by :func:`wait_environment`.
+
+    :param option: the ``wait_policy`` option: ``auto``, ``spin`` or ``passive``.
+    :param user: ``OMP_WAIT_POLICY`` when set; it wins.
+    :raises ValueError: on another ``option``.
+    """
+    if user:
+        policy = "passive" if user.strip().upper() == "PASSIVE" else "spin"
+        return WaitDecision(policy, f"{WAIT_ENV}={user} is set", user_set=True)
+    if option in ("spin", "passive"):
+        return WaitDecision(option, "the wait_policy option")
+    if option != "auto":
+        raise ValueError(f"cpu option wait_policy={option!r}: expected auto, spin or passive")
+    on_ours = load * min(cores, host_cores) / max(1, host_cores)
+    busy = on_ours >= BUSY_LOAD_PER_CORE * cores
+    return WaitDecision(
+        "passive" if busy else "spin",
+        f"load {load:.2f} on the host's {host_cores} cores, ~{on_ours:.2f} of it on the "
+        f"{cores} this engine may use ({'at or above' if busy else 'below'} "
+        f"{BUSY_LOAD_PER_CORE} per core)")
+
+
+def wait_environment(device: str | None, platform_options: Mapping[str, Any] | None,
+                     env: Mapping[str, str]) -> dict[str, str]:
+    """What a process Quire starts for an engine on ``device`` must have in its
+    environment for the ``wait_policy`` option to take effect, with the decision logged;
+    empty on other platforms, or when the user set ``OMP_WAIT_POLICY`` (inherited).
+
+    :raises ValueError: when the option's value is not one it accepts.
+    """
+    if device not in (None, "auto", "cpu"):
+        return {}
+    from quire.platforms.cpu.options import ENV_DEFAULTS, CpuOptions
+
+    options = {k: v for k, v in (platform_options or {}).items() if k == "wait_policy"}
+    option = CpuOptions.parse(options, {ENV_DEFAULTS["wait_policy"]:
+                                        env.get(ENV_DEFAULTS["wait_policy"], "")}).wait_policy
+    decision = choose_wait_policy(option, available_cores(), os.cpu_count() or 1,
+                                  _load_average(), env.get(WAIT_ENV))
+    logger.info("cpu platform: OpenMP threads of the engine processes %s (%s)",
+                "wait passively" if decision.policy == "passive" else "spin, then sleep",
+                decision.reason)
+    return decision.environment()
+
+
 def passive_waiting(env: Mapping[str, str]) -> bool:
     """Whether OpenMP threads sleep as soon as they are idle (``OMP_WAIT_POLICY``)."""
     return env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
@@ -123,6 +185,13 @@ class StepThreads:
         if wanted != self._current:
             torch.set_num_threads(wanted)
             self._current = wanted
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not Unix: no figure, so not busy
+        return 0.0
 
 
 def _affinity_count() -> int:
