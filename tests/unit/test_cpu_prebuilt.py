@@ -44,7 +44,7 @@ def test_a_fitting_prebuilt_library_is_loaded_and_named(
     assert loaded.path == prebuilt / f"quire_cpu-{MACHINE}-{best.name}.so"
     assert list(tmp_path.iterdir()) == []  # nothing built here
     assert f"ISA level {best.name}, prebuilt: {loaded.path}" in caplog.text
-    assert kernel_build.is_prebuilt(loaded.path, prebuilt)
+    assert kernel_build.is_prebuilt(loaded.path)
 
 
 @needs_cc
@@ -81,6 +81,7 @@ def test_a_stale_prebuilt_library_is_rebuilt_here(
     with caplog.at_level(logging.INFO, logger=native_module.__name__):
         loaded = load_native_kernels(cache, prebuilt=stale)
     assert loaded is not None and loaded.path.parent == cache
+    assert not kernel_build.is_prebuilt(loaded.path)
     assert "stale: the C sources changed" in caplog.text
     assert "built here" in caplog.text
 
@@ -161,3 +162,17 @@ def test_a_build_without_a_compiler_succeeds_and_ships_none(tmp_path: Path) -> N
     with zipfile.ZipFile(wheel) as whl:
         assert not [n for n in whl.namelist() if "_prebuilt" in n]
         assert "Tag: py3-none-any" in whl.read("quire-0.1.0.dist-info/WHEEL").decode()
+
+
+@needs_cc
+def test_quire_plugins_names_the_library_and_its_origin(
+        prebuilt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quire.platforms.cpu.platform import CpuPlatform
+
+    loaded = load_native_kernels(tmp_path, prebuilt=prebuilt)
+    assert loaded is not None
+    monkeypatch.setattr("quire.platforms.cpu.platform.load_native_kernels",
+                        lambda **kwargs: loaded)
+    kernels, waiting = CpuPlatform().details()
+    assert kernels == f"C kernels: ISA level {loaded.level}, prebuilt: {loaded.path}"
+    assert waiting.startswith("OpenMP waiting in engine processes: ")

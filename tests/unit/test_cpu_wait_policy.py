@@ -103,3 +103,22 @@ def test_an_engine_core_process_starts_with_the_setting_and_openmp_reads_it(
         timeout=120, check=True)
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in shown.stderr
     assert WAIT_ENV not in os.environ  # this process is left as it was
+
+
+def test_an_in_process_engine_that_cannot_apply_passive_waiting_says_how(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from quire.platforms.cpu.platform import CpuPlatform
+
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    platform = CpuPlatform()
+    platform.configure({"wait_policy": "passive", "threads": torch.get_num_threads()})
+    with caplog.at_level("WARNING"):
+        platform.configure_process()
+    assert f"set {WAIT_ENV}=PASSIVE before starting Python" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(WAIT_ENV, "PASSIVE")  # as a process Quire started has it
+    with caplog.at_level("WARNING"):
+        platform.configure_process()
+    assert WAIT_ENV not in caplog.text

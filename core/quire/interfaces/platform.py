@@ -129,6 +129,14 @@ class Platform(ABC):
         explicitly. Default: nothing.
         """
 
+    def details(self) -> list[str]:
+        """Lines ``quire plugins`` prints for this platform when it is available: what it
+        would run on this host (the cpu platform: which kernel library, how threads
+        wait). May do what an engine start would (load a library); must not start one.
+        Default: none.
+        """
+        return []
+
     def make_ops(self) -> OpSet:
         """The ops model code runs on this platform (:mod:`quire.ops`): the reference
         set with the entries this platform implements natively replaced

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [_HEADER, *(_row(registry, entry) for entry in registry.entries())]
     for line in _table(rows):
         print(line)
+    for line in _details(registry):
+        print(line)
     for note in _notes(registry):
         print(note)
     print(_auto_line(registry))
@@ -46,6 +48,13 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     # The last column (status) is not padded: it can be a long sentence.
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return ["  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]) for row in rows]
+
+
+def _details(registry: PlatformRegistry) -> list[str]:
+    """What each available platform says it would run here (:meth:`Platform.details`)."""
+    return [f"{entry.name}: {line}" for entry in registry.entries()
+            if entry.refused is None and registry.availability(entry.name)
+            for line in registry.create(entry.name).details()]
 
 
 def _notes(registry: PlatformRegistry) -> list[str]:

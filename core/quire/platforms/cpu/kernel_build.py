@@ -134,6 +134,7 @@ def find_prebuilt(directory: Path, machine: str, level: IsaLevel,
     return Prebuilt(library)
 
 
-def is_prebuilt(path: Path, directory: Path = PREBUILT) -> bool:
-    """Whether ``path`` is one of the package build's libraries (else built here)."""
-    return path.parent == directory
+def is_prebuilt(path: Path) -> bool:
+    """Whether ``path`` is a library of the package build (it has a manifest beside it),
+    rather than one built here."""
+    return path.with_suffix(".json").exists()

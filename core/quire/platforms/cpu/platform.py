@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from quire.platforms.cpu.dispatch import (
 )
 from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.isa import detect
+from quire.platforms.cpu.kernel_build import is_prebuilt
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
@@ -28,10 +30,14 @@ from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
+    WAIT_ENV,
     StepThreads,
     configure_threads,
+    host_wait_policy,
     passive_waiting,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class CpuPlatform(Platform):
@@ -89,6 +95,26 @@ class CpuPlatform(Platform):
         user_set = chosen is None or self.options.threads is not None
         switch = not user_set and chosen >= 2 and passive_waiting(os.environ)
         self._step_threads = StepThreads(chosen) if switch else None
+        wanted = host_wait_policy(self.options.wait_policy, os.environ)
+        if wanted.policy == "passive" and not passive_waiting(os.environ):
+            # torch (so OpenMP) was loaded before the engine: an in-process LLM
+            logger.warning("cpu platform: OpenMP threads should wait passively here (%s), "
+                           "but this process loaded OpenMP spinning; run the engine in its "
+                           "own process (quire serve), or set %s=PASSIVE before starting "
+                           "Python", wanted.reason, WAIT_ENV)
+
+    def details(self) -> list[str]:
+        """The C kernels this host runs (loaded, as an engine start would) and how the
+        OpenMP threads of engine processes would wait."""
+        native = self._native_kernels()
+        if native is None:
+            kernels = "C kernels: none, torch ops (the log says why)"
+        else:
+            origin = "prebuilt" if is_prebuilt(native.path) else "built here"
+            kernels = f"C kernels: ISA level {native.level}, {origin}: {native.path}"
+        waiting = host_wait_policy(self.options.wait_policy, os.environ)
+        return [kernels, f"OpenMP waiting in engine processes: {waiting.policy} "
+                         f"({waiting.reason})"]
 
     def begin_step(self, num_tokens: int) -> None:
         if self._step_threads is not None:

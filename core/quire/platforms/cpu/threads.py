@@ -133,8 +133,14 @@ def choose_wait_policy(option: str, cores: int, host_cores: int, load: float,
     return WaitDecision(
         "passive" if busy else "spin",
         f"load {load:.2f} on the host's {host_cores} cores, ~{on_ours:.2f} of it on the "
-        f"{cores} this engine may use ({'at or above' if busy else 'below'} "
-        f"{BUSY_LOAD_PER_CORE} per core)")
+        f"{cores} this engine may use: {'at or above' if busy else 'below'} "
+        f"{BUSY_LOAD_PER_CORE} per core")
+
+
+def host_wait_policy(option: str, env: Mapping[str, str]) -> WaitDecision:
+    """:func:`choose_wait_policy` for this host now (its cores, load and environment)."""
+    return choose_wait_policy(option, available_cores(), os.cpu_count() or 1,
+                              _load_average(), env.get(WAIT_ENV))
 
 
 def wait_environment(device: str | None, platform_options: Mapping[str, Any] | None,
@@ -150,10 +156,9 @@ def wait_environment(device: str | None, platform_options: Mapping[str, Any] | N
     from quire.platforms.cpu.options import ENV_DEFAULTS, CpuOptions
 
     options = {k: v for k, v in (platform_options or {}).items() if k == "wait_policy"}
-    option = CpuOptions.parse(options, {ENV_DEFAULTS["wait_policy"]:
-                                        env.get(ENV_DEFAULTS["wait_policy"], "")}).wait_policy
-    decision = choose_wait_policy(option, available_cores(), os.cpu_count() or 1,
-                                  _load_average(), env.get(WAIT_ENV))
+    variable = ENV_DEFAULTS["wait_policy"]
+    option = CpuOptions.parse(options, {variable: env.get(variable, "")}).wait_policy
+    decision = host_wait_policy(option, env)
     logger.info("cpu platform: OpenMP threads of the engine processes %s (%s)",
                 "wait passively" if decision.policy == "passive" else "spin, then sleep",
                 decision.reason)
