@@ -134,7 +134,8 @@ class Gemma3Attention(nn.Module):
         t = hidden.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(hidden).split([hq * d, hkv * d, hkv * d], dim=-1)
-        qk = torch.cat((self.q_norm(q.view(t, hq, d)), self.k_norm(k.view(t, hkv, d))), dim=1)
+        qk = torch.cat((self.q_norm(q.view(t, hq, d), ops=ctx.ops),
+                        self.k_norm(k.view(t, hkv, d), ops=ctx.ops)), dim=1)
         cos, sin = rotary
         q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
         out = self._attend(q, k, v.view(t, hkv, d), ctx)
@@ -205,12 +206,13 @@ class Gemma3DecoderLayer(nn.Module):
                 return done
         if residual is None:  # first layer: the stream is the scaled embeddings
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, ops=ctx.ops)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, rotary, ctx))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden = self.post_feedforward_layernorm(self.mlp(hidden, ctx))
+            hidden, residual = self.input_layernorm(hidden, residual, ctx.ops)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rotary, ctx),
+                                               ops=ctx.ops)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual, ctx.ops)
+        hidden = self.post_feedforward_layernorm(self.mlp(hidden, ctx), ops=ctx.ops)
         return hidden, residual
 
 
@@ -262,7 +264,7 @@ class Gemma3Model(nn.Module):
         if self.norm is None:
             assert residual is not None
             return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, ctx.ops)
         return hidden
 
 

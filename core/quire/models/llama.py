@@ -164,7 +164,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, hkv, d)
         if self.q_norm is not None:
             q, k = qk.split([hq, hkv], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qk = torch.cat((self.q_norm(q, ops=ctx.ops), self.k_norm(k, ops=ctx.ops)), dim=1)
         cos, sin = rotary
         # q and k heads side by side in one rotation: the same per-element arithmetic as
         # rotating each apart, in half the ops (what a decode step is made of)
@@ -252,11 +252,11 @@ class LlamaDecoderLayer(nn.Module):
                 return done
         if residual is None:  # first layer: the stream is the embeddings
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, ops=ctx.ops)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, ctx.ops)
         hidden = self.self_attn(hidden, rotary, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, ctx.ops)
         return self.mlp(hidden, ctx), residual
 
 
@@ -305,7 +305,7 @@ class LlamaModel(nn.Module):
         if self.norm is None:
             assert residual is not None
             return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, ctx.ops)
         return hidden
 
 

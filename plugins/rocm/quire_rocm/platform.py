@@ -17,7 +17,7 @@ import torch
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig
-from quire.kernels.triton_moe_op import fused_moe as triton_fused_moe
+from quire.kernels.triton_ops import triton_ops
 from quire.ops import OpSet, reference_ops
 from quire_rocm.memory import RocmMemoryProfiler
 
@@ -82,9 +82,10 @@ class RocmPlatform(Platform):
         torch.cuda.synchronize()
 
     def make_ops(self) -> OpSet:
-        """The reference ops with the core's Triton ``fused_moe`` (portable, imported
-        on its first call)."""
-        return reference_ops().with_ops("triton", fused_moe=triton_fused_moe)
+        """The reference ops with the core's Triton kernels (portable, imported on
+        their first call): RMSNorm with the residual add, the gated activations and
+        ``fused_moe``."""
+        return reference_ops().with_ops("triton", **triton_ops())
 
     def make_attention_backend(self) -> TritonAttentionBackend:
         """The core's Triton backend with AMD launch parameters, sized to the GPU's CUs.

@@ -3,12 +3,15 @@ decoder's residual add folded in."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from quire.ops import reference
+
+if TYPE_CHECKING:
+    from quire.ops import OpSet
 
 
 class NormKernel(Protocol):
@@ -48,12 +51,15 @@ class RMSNorm(nn.Module):
         self.kernel: NormKernel | None = None
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+        ops: OpSet | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise ``x``; with ``residual``, normalise ``x + residual`` instead.
 
         :param x: [..., hidden_size].
         :param residual: the running residual stream, same shape and dtype as ``x``.
+        :param ops: the platform's ops (``ctx.ops``), whose ``rms_norm`` runs the norm
+            and the add (a GPU platform's fused kernel); None: the reference.
         :returns: the normalised tensor; with ``residual``, also the new residual
             ``x + residual``. That add is the one a decoder layer does between its
             sublayers, computed as the same single add, so folding it here changes no
@@ -63,15 +69,10 @@ class RMSNorm(nn.Module):
             done = self.kernel(x, residual)
             if done is not None:
                 return done
-        if residual is not None:
-            x = residual + x
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 without offset: torch's fused kernel, the same operations in the same
-        # order (bit-identical; tests/unit/test_models.py checks it)
-        return reference.rms_norm(x, self.weight, self.eps, offset=self.offset)
+        # float32 without offset, the reference is torch's fused kernel: the same
+        # operations in the same order (bit-identical; tests/unit/test_models.py checks it)
+        rms_norm = reference.rms_norm if ops is None else ops.rms_norm
+        return rms_norm(x, self.weight, self.eps, residual, offset=self.offset)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""

@@ -1,0 +1,50 @@
+"""The ops a GPU platform takes from the core's Triton kernels into its
+:class:`~quire.ops.OpSet`: :func:`triton_ops` names them for ``OpSet.with_ops``.
+
+Importing this module does not import triton: a platform names these functions in
+``make_ops()`` at engine build, and the kernels (and triton) are imported on an op's
+first call, as the attention backend does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from quire.kernels.triton_moe_op import fused_moe
+
+
+def triton_ops() -> dict[str, Callable[..., Any]]:
+    """Op name -> Triton implementation, for
+    ``reference_ops().with_ops("triton", **triton_ops())``."""
+    return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
+            "gelu_tanh_and_mul": gelu_tanh_and_mul, "fused_moe": fused_moe}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, *, offset: float = 0.0
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quire.ops.reference.rms_norm`'s contract, residual add and offset in the
+    same kernel."""
+    return _kernels().rms_norm(x, weight, eps, residual, offset=offset)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`quire.ops.reference.silu_and_mul`'s contract, in one kernel."""
+    kernels = _kernels()
+    return kernels.gated(x, kernels.SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`quire.ops.reference.gelu_tanh_and_mul`'s contract, in one kernel."""
+    kernels = _kernels()
+    return kernels.gated(x, kernels.GELU_TANH)
+
+
+def _kernels() -> ModuleType:
+    from quire.kernels import triton_fused
+
+    return triton_fused

@@ -1,0 +1,93 @@
+"""The decoder models run their norms and gated activations through ``ctx.ops``: a
+platform's ops (the Triton kernels on cuda/rocm) replace the reference in every layer,
+and the reference route computes what it computed before, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quire.interfaces.attention import AttentionBatch
+from quire.interfaces.communicator import Communicator
+from quire.models.context import ForwardContext
+from quire.models.loader import load_model
+from quire.ops import reference_ops
+from quire.ops.attention import ReferenceAttentionBackend
+
+PROMPT = [5, 17, 42, 9, 77, 3, 101, 64, 8]
+#: arch -> (rms_norm calls, activation op, its calls) for one step of the two-layer model:
+#: Llama 2 per layer + the final norm; Qwen3 adds q and k norms; Gemma 3 six per layer.
+CALLS = {"llama": (5, "silu_and_mul", 2), "qwen3": (9, "silu_and_mul", 2),
+         "gemma3": (13, "gelu_tanh_and_mul", 2)}
+
+
+class SingleRank(Communicator):
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+
+def run_steps(model, steps, ops):
+    """One sequence fed ``steps`` chunk after chunk through paged KV; every logit."""
+    backend, block = ReferenceAttentionBackend(), 4
+    caches = [backend.allocate_kv_cache(8, block, model.num_kv_heads, model.head_dim,
+                                        torch.float32, torch.device("cpu"))
+              for _ in range(model.num_layers)]
+    table = torch.arange(8, dtype=torch.int32)[None]
+    done, out = 0, []
+    for chunk in steps:
+        n, end = len(chunk), done + len(chunk)
+        pos = torch.arange(done, end)
+        batch = AttentionBatch(
+            slot_mapping=pos.long(), query_start_loc=torch.tensor([0, n]),
+            seq_lens=torch.tensor([end]), block_tables=table, block_size=block,
+            max_query_len=n, max_seq_len=end, query_lens=(n,))
+        ctx = ForwardContext(backend, backend.build_metadata(batch), caches, ops=ops)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(torch.tensor(chunk), pos, ctx)))
+        done = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("arch", sorted(CALLS))
+def test_every_norm_and_activation_goes_through_the_ops(arch, tiny_checkpoint):
+    model, _ = load_model(str(tiny_checkpoint(arch)), SingleRank(), "cpu", torch.float32)
+    ref = reference_ops()
+    calls: list[str] = []
+
+    def counted(name):
+        def op(*args, **kwargs):
+            calls.append(name)
+            return getattr(ref, name)(*args, **kwargs)
+        return op
+
+    norms, act, acts = CALLS[arch]
+    ops = ref.with_ops("counting", rms_norm=counted("rms_norm"), **{act: counted(act)})
+    counted_logits = run_steps(model, [PROMPT], ops)
+    assert calls.count("rms_norm") == norms and calls.count(act) == acts
+    assert torch.equal(counted_logits, run_steps(model, [PROMPT], ref))
+
+
+@pytest.mark.parametrize("arch", sorted(CALLS))
+def test_the_triton_ops_in_a_model_match_the_reference(arch, tiny_checkpoint):
+    """The cuda platform's op set, kernels in Triton's interpreter, through prefill and
+    decode steps of a tiny model (float32, rtol = atol = 1e-4, as the conformance
+    suite's attention)."""
+    pytest.importorskip("triton")
+    from quire_cuda.platform import CudaPlatform
+
+    model, _ = load_model(str(tiny_checkpoint(arch)), SingleRank(), "cpu", torch.float32)
+    steps = [PROMPT[:6], PROMPT[6:7], PROMPT[7:8]]
+    got = run_steps(model, steps, CudaPlatform().make_ops())
+    torch.testing.assert_close(got, run_steps(model, steps, reference_ops()),
+                               rtol=1e-4, atol=1e-4)
