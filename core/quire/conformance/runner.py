@@ -32,6 +32,7 @@ from quire.conformance.collectives import check_communicator
 from quire.conformance.context import CheckContext, FromRegistry, SamePlatform
 from quire.conformance.embedding_ops import check_embedding_ops
 from quire.conformance.end_to_end import check_end_to_end
+from quire.conformance.layer_ops import check_layer_ops
 from quire.conformance.moe_ops import check_moe_ops
 from quire.conformance.report import CheckResult, Outcome, Report
 from quire.interfaces.platform import Availability, Platform
@@ -56,6 +57,7 @@ CHECKS: tuple[Check, ...] = (
     Check("platform", "platform contract", check_platform_contract, NEEDS_NOTHING),
     Check("kv-write", "kv write", check_kv_write, NEEDS_BACKEND),
     Check("attention", "paged attention", check_paged_attention, NEEDS_BACKEND),
+    Check("layer-ops", "layer ops", check_layer_ops, NEEDS_BACKEND),
     Check("moe", "moe ops", check_moe_ops, NEEDS_BACKEND),
     Check("embedding", "embedding ops", check_embedding_ops, NEEDS_BACKEND),
     Check("memory", "memory profiler", check_memory_profiler, NEEDS_DEVICE),

@@ -26,8 +26,8 @@ from quire.entrypoints.cli.common import UsageError, open_registry
 TRITON_INTERPRET = "TRITON_INTERPRET"
 #: Kept in step with quire.conformance.runner.CHECK_IDS (a test checks it), so that
 #: building the parser, which every command does, does not import the suite.
-_CHECK_IDS = ("platform", "kv-write", "attention", "moe", "embedding", "memory",
-              "communicator", "end-to-end")
+_CHECK_IDS = ("platform", "kv-write", "attention", "layer-ops", "moe", "embedding",
+              "memory", "communicator", "end-to-end")
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "conformance",
         help="check a platform plugin against the cpu reference",
         description="Run the conformance suite against one platform: platform contract, "
-        "KV writes, paged attention, MoE ops, memory profiler, communicator and "
+        "KV writes, paged attention, layer ops (norm, activations), MoE ops, embedding "
+        "ops, memory profiler, communicator and "
         "end-to-end generation, each compared with the cpu reference. See docs/conformance.md.",
     )
     parser.add_argument("--device", required=True, metavar="NAME",
