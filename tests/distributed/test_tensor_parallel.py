@@ -61,9 +61,9 @@ def test_pp2_keeps_two_micro_batches_in_flight(tiny_checkpoint):
         core = engine.core
         submit, depths = core.executor.submit, []
 
-        def counting(items):
+        def counting(items, released=None):
             depths.append(len(core._in_flight) + 1)
-            return submit(items)
+            return submit(items, released)
 
         core.executor.submit = counting
         rids = [engine.add_request(p, GREEDY) for p in prompts]

@@ -36,7 +36,7 @@ from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
 from quire.executor import check_parallel, make_executor
 from quire.executor.abstract import Executor
-from quire.executor.messages import StepItem
+from quire.executor.messages import ItemBuilder
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
@@ -197,6 +197,8 @@ class EngineCore:
         # steps submitted and not yet completed, oldest first (pipeline micro-batches)
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = \
             collections.deque()
+        # what the workers' input batches hold: each sequence's pages cross once
+        self._items = ItemBuilder()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
         self._requests: dict[str, _Request] = {}
@@ -285,8 +287,10 @@ class EngineCore:
                 self._thinking[seq.seq_id] = _Thinking(thinking)
 
     def _release(self, seq: Sequence) -> None:
-        """What a finished sequence held besides its pages: its generator, its matcher."""
+        """What a finished sequence held besides its pages: its generator, its matcher,
+        its table in the workers' input batches."""
         self.sampler.release(seq.seq_id)
+        self._items.release(seq.seq_id)
         self._matchers.pop(seq.seq_id, None)
         self._thinking.pop(seq.seq_id, None)
 
@@ -336,10 +340,13 @@ class EngineCore:
         """
         while len(self._in_flight) < self.scheduler.depth:
             out = self.scheduler.schedule()
+            for seq in out.preempted:
+                self._items.release(seq.seq_id)
             if not out:
                 break
+            items = self._items.items(out.scheduled)
             self._in_flight.append(
-                (out, self.executor.submit([StepItem.of(s) for s in out.scheduled])))
+                (out, self.executor.submit(items, self._items.take_released())))
         if not self._in_flight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler found no work it could run; this is a bug")

@@ -47,8 +47,10 @@ class Executor(ABC):
         """Allocate ``num_blocks`` pages per layer on every rank."""
 
     @abstractmethod
-    def execute(self, items: list[StepItem]) -> StepResult:
-        """One forward on every rank; the logits of the rank that has them.
+    def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
+        """One forward on every rank; the logits of the rank that has them. Each rank
+        forgets the ``released`` sequences first (see :class:`~quire.executor.messages.
+        ItemBuilder`).
 
         :raises WorkerDied: when a worker died or raised (the step is lost).
         """
@@ -57,10 +59,10 @@ class Executor(ABC):
     #: micro-batch. 1 where ranks cannot run ahead (no pipeline, or one process).
     max_in_flight: int = 1
 
-    def submit(self, items: list[StepItem]) -> object:
+    def submit(self, items: list[StepItem], released: list[int] | None = None) -> object:
         """Start a step and return a handle for :meth:`wait`, without waiting for it
         where the workers run elsewhere; steps complete in submission order."""
-        return self.execute(items)
+        return self.execute(items, released)
 
     def wait(self, handle: object) -> StepResult:
         """The result of the oldest step not yet waited for (``handle``).

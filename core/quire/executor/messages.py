@@ -1,9 +1,12 @@
 """What the engine and its workers send each other, as msgspec structs.
 
 A step travels as :class:`StepPlan`: per scheduled sequence only what the forward needs
-(its new tokens, where they start, its page table, which logits are due), never the
-``Sequence`` itself. Tensors travel as :class:`Array` (dtype, shape, raw bytes), so no
-pickle crosses a process boundary; msgspec's msgpack encoding is both typed and fast.
+(its new tokens, where they start, the pages of its table the workers have not seen,
+which logits are due), never the ``Sequence`` itself, and the sequences the workers may
+forget. :class:`ItemBuilder` remembers, on the engine's side, what every worker's
+:class:`~quire.executor.input_batch.InputBatch` holds. Tensors travel as :class:`Array`
+(dtype, shape, raw bytes), so no pickle crosses a process boundary; msgspec's msgpack
+encoding is both typed and fast.
 """
 
 from __future__ import annotations
@@ -21,35 +24,79 @@ if TYPE_CHECKING:
 class StepItem(msgspec.Struct, array_like=True, frozen=True):
     """One sequence's share of a step: tokens ``start .. start + len(token_ids)``."""
 
+    #: The sequence's id: the workers keep its page table across steps under it.
+    seq_id: int
     token_ids: list[int]
     start: int
-    #: Physical page ids, in order (the runner only reads them).
+    #: Physical page ids from page ``first_page`` on, in order: the whole table when
+    #: ``first_page`` is 0, else only the pages added since the workers last saw it (the
+    #: runner only reads them). The table is the first ``first_page`` pages held, then these.
     block_table: list[int]
     #: The step reaches the sequence's last known token: its logits are sampled.
     samples: bool
     #: Prompt positions from ``start`` whose logits are due for prompt logprobs (0: none).
     prompt_logit_rows: int = 0
+    first_page: int = 0
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
     @classmethod
-    def of(cls, s: ScheduledSeq) -> "StepItem":
-        """What the forward needs of one scheduled sequence (the page table is shared,
-        not copied: the runner only reads it, and a process boundary copies anyway)."""
+    def of(cls, s: ScheduledSeq, first_page: int = 0) -> "StepItem":
+        """What the forward needs of one scheduled sequence, with its pages from
+        ``first_page`` on (the whole table by default)."""
         seq = s.seq
         rows = 0
         if seq.params.prompt_logprobs is not None:
             rows = max(0, min(s.end, seq.num_prompt_tokens - 1) - s.start)
-        return cls(seq.token_slice(s.start, s.end), s.start, seq.block_table, s.samples,
-                   rows)
+        # the whole table is shared, not copied: the runner only reads it, and a process
+        # boundary copies anyway
+        table = seq.block_table[first_page:] if first_page else seq.block_table
+        return cls(seq.seq_id, seq.token_slice(s.start, s.end), s.start, table, s.samples,
+                   rows, first_page)
+
+
+class ItemBuilder:
+    """The engine's side of the persistent input batch: builds each step's items so
+    that a sequence's pages cross to the workers once, and collects the sequences they
+    may forget. Plans must reach every worker in the order they were built."""
+
+    def __init__(self) -> None:
+        # seq_id -> (its preemptions, pages the workers hold for it): a preempted
+        # sequence's table starts over, whether or not it was released
+        self._known: dict[int, tuple[int, int]] = {}
+        self._released: list[int] = []
+
+    def items(self, scheduled: list[ScheduledSeq]) -> list[StepItem]:
+        """The step's items; afterwards the workers are taken to hold every page."""
+        known = self._known
+        out = []
+        for s in scheduled:
+            seq = s.seq
+            preemptions, pages = known.get(seq.seq_id, (-1, 0))
+            out.append(StepItem.of(s, pages if preemptions == seq.num_preemptions else 0))
+            known[seq.seq_id] = (seq.num_preemptions, len(seq.block_table))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        """``seq_id`` finished or lost its pages (preempted): the next plan tells the
+        workers to drop its table, and a later step sends its table whole."""
+        if self._known.pop(seq_id, None) is not None:
+            self._released.append(seq_id)
+
+    def take_released(self) -> list[int]:
+        """The sequences released since the previous call."""
+        released, self._released = self._released, []
+        return released
 
 
 class StepPlan(msgspec.Struct, array_like=True, frozen=True):
     """One forward for every rank."""
 
     items: list[StepItem]
+    #: Sequences to forget before the step (finished, aborted or preempted).
+    released: list[int] = msgspec.field(default_factory=list)
 
 
 class Array(msgspec.Struct, array_like=True, frozen=True):

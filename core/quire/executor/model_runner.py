@@ -1,9 +1,10 @@
 """The model runner: turns one scheduled step into one flattened forward pass.
 
-It owns the model and the per-layer KV tensors. A step arrives as
-:class:`~quire.executor.messages.StepItem` s (each sequence's new tokens, start and page
-table: what a worker process receives), never as sequences. Per step it builds, on the
-device:
+It owns the model, the per-layer KV tensors and the persistent
+:class:`~quire.executor.input_batch.InputBatch`. A step arrives as
+:class:`~quire.executor.messages.StepItem` s (each sequence's new tokens, start and the
+pages of its table the workers have not seen: what a worker process receives), never as
+sequences. Per step the input batch fills, on the device:
 
 - ``input_ids`` and ``positions`` [T]: each sequence's new tokens, concatenated;
 - the :class:`~quire.interfaces.attention.AttentionBatch` (slot mapping, query offsets,
@@ -14,31 +15,21 @@ device:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
-from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.interfaces.attention import AttentionBackend
 from quire.models.context import ForwardContext
 from quire.models.pipeline import PipelineLink
 from quire.models.pooling import PoolingConfig
 from quire.ops import OpSet, reference_ops
 
-
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    batch: AttentionBatch
-    #: Rows of the flattened batch whose logits are sampled, and their sequences' indices
-    #: in the scheduled list.
-    sample_rows: torch.Tensor
-    sample_items: tuple[int, ...]
-    #: For sequences that want prompt logprobs: (index in the scheduled list, position of
-    #: the first row, the rows) of prompt positions whose next token is a prompt token.
-    prompt_rows: tuple[tuple[int, int, torch.Tensor], ...] = ()
+__all__ = ["ModelRunner", "StepInputs", "StepResult", "StepLimits"]
 
 
 @dataclass(frozen=True)
@@ -68,13 +59,16 @@ class ModelRunner:
         link: PipelineLink | None = None,
         ops: OpSet | None = None,
         pooling: PoolingConfig | None = None,
+        limits: StepLimits | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
         :param link: this pipeline stage's neighbours, or None without pipelining.
         :param ops: the platform's ops (the reference set when None).
         :param pooling: for an embedding model, how each finished prompt becomes one
-            vector (then no logits are computed); None to generate."""
+            vector (then no logits are computed); None to generate.
+        :param limits: the largest step, for the input batch's buffers (they grow from
+            small ones when None)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -83,65 +77,17 @@ class ModelRunner:
         self.link = link
         self.ops = ops if ops is not None else reference_ops()
         self.pooling = pooling
+        self.input_batch = InputBatch(block_size, device, limits)
 
-    def prepare(self, scheduled: list[StepItem]) -> StepInputs:
-        """Build the flattened inputs of one step."""
-        bs = self.block_size
-        query_lens = [len(s.token_ids) for s in scheduled]
-        starts = [s.start for s in scheduled]
-        token_ids: list[int] = []
-        for s in scheduled:
-            token_ids.extend(s.token_ids)
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table))
-                  for s in scheduled]
-
-        dev = self.device
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
-        # position of token t = its sequence's start + its offset within the sequence's rows
-        positions = (torch.arange(int(query_start_loc[-1]))
-                     - query_start_loc[:-1][seq_index]
-                     + torch.tensor(starts, dtype=torch.int64)[seq_index])
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        slots = (block_tables[seq_index, positions // bs].to(torch.int64) * bs
-                 + positions % bs)
-        sample_items = tuple(i for i, s in enumerate(scheduled) if s.samples)
-        sample_rows = query_start_loc[1:][list(sample_items)] - 1
-        prompt_rows = []
-        for i, s in enumerate(scheduled):
-            count = s.prompt_logit_rows
-            if count > 0:
-                first_row = int(query_start_loc[i])
-                prompt_rows.append((i, s.start, torch.arange(first_row, first_row + count,
-                                                             device=dev)))
-
-        seq_lens = [s.end for s in scheduled]
-        batch = AttentionBatch(
-            slot_mapping=slots.to(dev),
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
-            block_size=bs,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens=tuple(query_lens),
-        )
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            batch=batch,
-            sample_rows=sample_rows.to(dev),
-            sample_items=sample_items,
-            prompt_rows=tuple(prompt_rows),
-        )
+    def prepare(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepInputs:
+        """The flattened inputs of one step (valid until the next call); forgets the
+        ``released`` sequences first."""
+        return self.input_batch.prepare(scheduled, released)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[StepItem]) -> StepResult:
+    def execute(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepResult:
         """Run one forward. Writes the step's K/V into the pages."""
-        inputs = self.prepare(scheduled)
+        inputs = self.prepare(scheduled, released)
         ctx = ForwardContext(
             backend=self.backend,
             metadata=self.backend.build_metadata(inputs.batch),

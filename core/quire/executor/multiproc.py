@@ -46,6 +46,7 @@ from quire.executor.messages import (
 )
 from quire.executor.remote import RemoteExecutor
 from quire.executor.worker import Worker
+from quire.platforms.cpu.threads import wait_environment
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class MultiprocExecutor(RemoteExecutor):
                                          self._zmq, self._workdir)
         with open(os.path.join(self._workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
+        # read by OpenMP when a worker imports torch: the cpu wait_policy option
+        env = {**os.environ, **wait_environment(device_type, config.platform_options,
+                                                os.environ)}
         try:
             for rank in range(world_size):
                 sock = self._zmq.socket(zmq.PAIR)
@@ -87,7 +91,7 @@ class MultiprocExecutor(RemoteExecutor):
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP.format(
                         cores=cores_of(rank, world_size) if device_type == "cpu" else None,
-                        args=(self._workdir, rank, world_size, os.getpid()))]))
+                        args=(self._workdir, rank, world_size, os.getpid()))], env=env))
             started = self._gather(timeout=START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -263,7 +267,7 @@ def handle_request(worker: Worker, payload: bytes) -> Reply:
 
 def _handle(worker: Worker, request: Call | Step) -> Reply:
     if isinstance(request, Step):
-        result = worker.execute(request.plan.items)
+        result = worker.execute(request.plan.items, request.plan.released)
         if not worker.returns_logits:
             return Reply()
         return Reply(output=StepOutput(

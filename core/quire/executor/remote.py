@@ -46,11 +46,11 @@ class RemoteExecutor(Executor):
     def _call(self, request: Call | Step) -> list[Reply]:
         return self._receive(self._send_all(request))
 
-    def execute(self, items: list[StepItem]) -> StepResult:
-        return self.wait(self.submit(items))
+    def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
+        return self.wait(self.submit(items, released))
 
-    def submit(self, items: list[StepItem]) -> object:
-        return self._send_all(Step(StepPlan(items)))
+    def submit(self, items: list[StepItem], released: list[int] | None = None) -> object:
+        return self._send_all(Step(StepPlan(items, released or [])))
 
     def wait(self, handle: object) -> StepResult:
         """The logits come from the rank that has them (the last stage's first rank)."""

@@ -29,8 +29,8 @@ class UniProcExecutor(Executor):
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks)
 
-    def execute(self, items: list[StepItem]) -> StepResult:
-        return self.worker.execute(items)
+    def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
+        return self.worker.execute(items, released or ())
 
     def shutdown(self) -> None:
         pass

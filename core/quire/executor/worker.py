@@ -10,13 +10,14 @@ then answers three calls: how many KV pages its memory holds, make that many, ru
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig
 from quire.executor.messages import StepItem
-from quire.executor.model_runner import ModelRunner, StepResult
+from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
@@ -176,14 +177,18 @@ class Worker:
         num_blocks = -(-num_tokens // bs)
         runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
                              self.device, self.link, self.ops, self.pooling)
-        runner.execute([StepItem([0] * num_tokens, 0, list(range(num_blocks)), True)])
+        runner.execute([StepItem(0, [0] * num_tokens, 0, list(range(num_blocks)), True)])
         self.platform.synchronize()
 
     def init_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV pages per layer and the runner that uses them."""
+        cfg = self.config
+        limits = StepLimits(max_num_seqs=cfg.max_num_seqs,
+                            max_num_tokens=cfg.max_num_batched_tokens,
+                            max_pages=-(-cfg.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
-                                  self.config.block_size, self.device, self.link, self.ops,
-                                  self.pooling)
+                                  cfg.block_size, self.device, self.link, self.ops,
+                                  self.pooling, limits)
 
     def _allocate(self, num_blocks: int) -> list[torch.Tensor | None]:
         """One KV tensor per layer this rank holds, by global layer index."""
@@ -196,10 +201,10 @@ class Worker:
                 for layer in range(self.model.num_layers)]
 
     # -- steps -----------------------------------------------------------------------------
-    def execute(self, items: list[StepItem]) -> StepResult:
-        """One forward over ``items``; every rank gets the whole logits (the LM head
-        gathers the vocabulary)."""
+    def execute(self, items: list[StepItem], released: Iterable[int] = ()) -> StepResult:
+        """One forward over ``items``, after forgetting the ``released`` sequences; every
+        rank gets the whole logits (the LM head gathers the vocabulary)."""
         if self.runner is None:
             raise RuntimeError("init_cache must be called before the first step")
         self.platform.begin_step(sum(len(item.token_ids) for item in items))
-        return self.runner.execute(items)
+        return self.runner.execute(items, released)
