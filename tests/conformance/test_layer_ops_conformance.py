@@ -29,7 +29,7 @@ def test_cpu_platform_passes_every_declared_dtype():
                                       for d in platform.supported_dtypes]
     for row in rows:
         assert row.outcome is Outcome.PASS, row.reason
-        assert "rms_norm: reference" in row.figure and "11 cases" in row.figure
+        assert "rms_norm: reference" in row.figure and "14 cases" in row.figure
 
 
 def _offset_ignored(x, weight, eps, residual=None, *, offset=0.0):
@@ -63,6 +63,37 @@ def _swapped_halves(x):
     return F.silu(gate) * up
 
 
+def _unrotated_keys(qk, value, cos, sin, kv_cache, slot_mapping):
+    q = reference.rotary_write_kv(qk, value, cos, sin, kv_cache, slot_mapping)
+    pages = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    pages[0].index_copy_(0, slot_mapping, qk[:, q.shape[1]:])
+    return q
+
+
+def _values_not_written(qk, value, cos, sin, kv_cache, slot_mapping):
+    keep = kv_cache[1].clone()
+    q = reference.rotary_write_kv(qk, value, cos, sin, kv_cache, slot_mapping)
+    kv_cache[1].copy_(keep)
+    return q
+
+
+def _next_slot(qk, value, cos, sin, kv_cache, slot_mapping):
+    slots = (slot_mapping + 1) % (kv_cache.shape[1] * kv_cache.shape[2])
+    return reference.rotary_write_kv(qk, value, cos, sin, kv_cache, slots)
+
+
+def _interleaved_pairs(qk, value, cos, sin, kv_cache, slot_mapping):
+    # GPT-J's rotation (pairs 2i, 2i + 1) where the models use rotate-half (i, i + D/2)
+    d = qk.shape[-1]
+    perm = torch.arange(d).view(2, d // 2).t().reshape(-1)
+    inv = torch.argsort(perm)
+    q = reference.rotary_write_kv(qk[..., perm], value, cos[..., perm], sin[..., perm],
+                                  kv_cache, slot_mapping)
+    pages = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    pages[0][slot_mapping] = pages[0][slot_mapping][..., inv]
+    return q[..., inv]
+
+
 @pytest.mark.parametrize("ops, words", [
     ({"rms_norm": _offset_ignored}, "rms_norm, T=5, H=99, residual=True, offset=1: "),
     ({"rms_norm": _stale_residual}, "rms_norm, T=37, H=576, residual=True, offset=0 "
@@ -71,6 +102,11 @@ def _swapped_halves(x):
     ({"rms_norm": _half_precision_sum}, "rms_norm, T="),
     ({"gelu_tanh_and_mul": _exact_gelu}, "gelu_tanh_and_mul, T=1, I=48"),
     ({"silu_and_mul": _swapped_halves}, "silu_and_mul, T=1, I=48"),
+    ({"rotary_write_kv": _unrotated_keys}, "rotary_write_kv, T=1, Hq=4, Hkv=2, D=64 "
+                                           "(the KV cache)"),
+    ({"rotary_write_kv": _values_not_written}, "(the KV cache)"),
+    ({"rotary_write_kv": _next_slot}, "rotary_write_kv, T=1, Hq=4, Hkv=2, D=64 (the KV"),
+    ({"rotary_write_kv": _interleaved_pairs}, "rotary_write_kv, T=1, Hq=4, Hkv=2, D=64: "),
 ])
 def test_broken_ops_fail_naming_the_op_and_case(ops, words):
     options = ConformanceOptions(checks=("layer-ops",), dtypes=(torch.float32,))

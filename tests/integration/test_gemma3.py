@@ -137,6 +137,7 @@ def test_attention_soft_cap_reaches_the_backend(tiny_checkpoint):
 
     class Recorder:
         ops = reference_ops()
+        kv_slots = None  # the backend writes K/V itself: the attention() route
 
         def attention(self, layer_idx, q, k, v, *, scale, sliding_window, logits_soft_cap):
             seen.append((layer_idx, sliding_window, logits_soft_cap))

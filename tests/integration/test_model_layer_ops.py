@@ -1,6 +1,7 @@
-"""The decoder models run their norms and gated activations through ``ctx.ops``: a
-platform's ops (the Triton kernels on cuda/rocm) replace the reference in every layer,
-and the reference route computes what it computed before, bit for bit."""
+"""The decoder models run their norms, gated activations and (where the backend names
+the KV slots) rotary-with-KV-write through ``ctx.ops``: a platform's ops (the Triton
+kernels on cuda/rocm) replace the reference in every layer, and the reference route
+computes what it computed before, bit for bit."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ class SingleRank(Communicator):
         pass
 
 
-def run_steps(model, steps, ops):
+def run_steps(model, steps, ops, backend=None):
     """One sequence fed ``steps`` chunk after chunk through paged KV; every logit."""
-    backend, block = ReferenceAttentionBackend(), 4
+    backend, block = backend or ReferenceAttentionBackend(), 4
     caches = [backend.allocate_kv_cache(8, block, model.num_kv_heads, model.head_dim,
                                         torch.float32, torch.device("cpu"))
               for _ in range(model.num_layers)]
@@ -89,5 +90,63 @@ def test_the_triton_ops_in_a_model_match_the_reference(arch, tiny_checkpoint):
     model, _ = load_model(str(tiny_checkpoint(arch)), SingleRank(), "cpu", torch.float32)
     steps = [PROMPT[:6], PROMPT[6:7], PROMPT[7:8]]
     got = run_steps(model, steps, CudaPlatform().make_ops())
+    torch.testing.assert_close(got, run_steps(model, steps, reference_ops()),
+                               rtol=1e-4, atol=1e-4)
+
+
+class SlotNamingReference(ReferenceAttentionBackend):
+    """The reference backend, letting the op set write K/V; counts its own writes."""
+
+    def __init__(self):
+        self.writes = 0
+
+    def kv_slots(self, metadata):
+        return metadata.slot_mapping
+
+    def write_kv(self, key, value, kv_cache, metadata):
+        self.writes += 1
+        super().write_kv(key, value, kv_cache, metadata)
+
+
+@pytest.mark.parametrize("arch", sorted(CALLS))
+def test_where_the_backend_names_slots_the_op_writes_kv_and_the_backend_does_not(
+        arch, tiny_checkpoint):
+    """The reference rotary_write_kv is apply_rotary and the reference backend's write,
+    so the logits are those of the usual route bit for bit; the backend writes nothing."""
+    model, _ = load_model(str(tiny_checkpoint(arch)), SingleRank(), "cpu", torch.float32)
+    ref = reference_ops()
+    calls: list[str] = []
+
+    def rotary_write_kv(*args):
+        calls.append("rotary_write_kv")
+        return ref.rotary_write_kv(*args)
+
+    backend = SlotNamingReference()
+    steps = [PROMPT[:6], PROMPT[6:7], PROMPT[7:]]
+    ops = ref.with_ops("counting", rotary_write_kv=rotary_write_kv)
+    got = run_steps(model, steps, ops, backend)
+    assert backend.writes == 0 and len(calls) == 2 * len(steps)  # two layers per step
+    assert torch.equal(got, run_steps(model, steps, ref))
+
+
+@pytest.mark.parametrize("arch", sorted(CALLS))
+def test_the_triton_backend_and_ops_in_a_model_match_the_reference(arch, tiny_checkpoint):
+    """The cuda platform's backend and op set together (rotation and KV write in the
+    fused kernel), in Triton's interpreter, through prefill and decode steps."""
+    pytest.importorskip("triton")
+    from quire.kernels import TritonAttentionBackend
+    from quire_cuda.platform import CudaPlatform
+
+    class Counting(TritonAttentionBackend):
+        writes = 0
+
+        def write_kv(self, *args):
+            Counting.writes += 1
+            super().write_kv(*args)
+
+    model, _ = load_model(str(tiny_checkpoint(arch)), SingleRank(), "cpu", torch.float32)
+    steps = [PROMPT[:6], PROMPT[6:7], PROMPT[7:8]]
+    got = run_steps(model, steps, CudaPlatform().make_ops(), Counting())
+    assert Counting.writes == 0
     torch.testing.assert_close(got, run_steps(model, steps, reference_ops()),
                                rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
-"""The Triton RMSNorm (with residual add, with Gemma's offset) and gated-activation kernels
-against the torch reference ops, in Triton's interpreter on CPU tensors.
+"""The Triton RMSNorm (with residual add, with Gemma's offset), gated-activation and
+rotary-with-KV-write kernels against the torch reference ops, in Triton's interpreter on
+CPU tensors.
 
 Inputs are seeded random (never zeros); shapes cover one row, many rows, hidden sizes
 that are not powers of two (odd ones too), rows that are not contiguous (a head view of
@@ -14,6 +15,8 @@ Tolerances, against :mod:`quire.ops.reference` in the same dtype, from the same 
   where the reference rounds, so most elements are equal bit for bit; a float32
   intermediate that differs in its last bit may round to the neighbouring value. The
   residual sum is a single rounded add on both sides: it must be equal bit for bit.
+  The rotation rounds three times on both sides (two products, their sum); values are
+  copied into the cache, bit for bit.
 """
 
 from __future__ import annotations
@@ -115,6 +118,63 @@ def test_gated_activation_refuses_an_odd_width():
         ops().silu_and_mul(torch.randn(2, 7))
 
 
+def rotary_case(t, hq, hkv, d, dtype, seed, num_blocks=4, block_size=4):
+    """Views as the models make them: q/k heads and values split from one projection,
+    cos/sin halves of one table row; a cache of random contents (what is not written
+    must stay as it was); distinct random slots."""
+    from quire.models.layers.rotary import RotaryEmbedding, default_inv_freq
+
+    g = torch.Generator().manual_seed(seed)
+    table = RotaryEmbedding(d, default_inv_freq(10000.0, d), max_position=512)
+    cos, sin = table(torch.randint(0, 512, (t,), generator=g), dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    return qk.view(t, hq + hkv, d), v.view(t, hkv, d), cos, sin, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, hq, hkv, d", [
+    (1, 2, 1, 8),       # one token
+    (9, 4, 2, 64),      # GQA
+    (13, 3, 3, 18),     # no GQA; D/2 odd, D not a power of two
+    (16, 8, 1, 32),     # every slot of the cache written
+])
+def test_rotary_write_kv_matches_the_reference(t, hq, hkv, d, dtype):
+    qk, v, cos, sin, cache, slots = rotary_case(t, hq, hkv, d, dtype, seed=t + d)
+    want_cache = cache.clone()
+    want = reference.rotary_write_kv(qk, v, cos, sin, want_cache, slots)
+    got = ops().rotary_write_kv(qk, v, cos, sin, cache, slots)
+    close(got, want)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(cache, want_cache, atol=atol, rtol=rtol)
+    assert torch.equal(cache[1], want_cache[1])  # values are copied, not computed
+
+
+def test_rotary_write_kv_skips_padding_slots_and_keeps_its_inputs():
+    qk, v, cos, sin, cache, _ = rotary_case(3, 2, 1, 16, torch.float32, seed=2)
+    before, qk_before = cache.clone(), qk.clone()
+    slots = torch.tensor([5, -1, 0])
+    q = ops().rotary_write_kv(qk, v, cos, sin, cache, slots)
+    want_cache = before.clone()
+    reference.rotary_write_kv(qk[[0, 2]], v[[0, 2]], cos[[0, 2]], sin[[0, 2]], want_cache,
+                              slots[[0, 2]])
+    close(cache, want_cache)
+    close(q, reference.rotary_write_kv(qk, v, cos, sin, before.clone(), slots.abs()))
+    assert torch.equal(qk, qk_before)
+
+
+def test_rotary_write_kv_refuses_mismatched_shapes_by_name():
+    qk, v, cos, sin, cache, slots = rotary_case(2, 2, 1, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="kv_cache"):
+        ops().rotary_write_kv(qk, v, cos, sin, cache[:, :, :, :, :4], slots)
+    with pytest.raises(ValueError, match="share one dtype"):
+        ops().rotary_write_kv(qk, v, cos, sin, cache.double(), slots)
+    with pytest.raises(ValueError, match="cos"):
+        ops().rotary_write_kv(qk, v, cos[:1], sin, cache, slots)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_rows_and_model_sized_rows(dtype):
@@ -129,6 +189,12 @@ def test_many_rows_and_model_sized_rows(dtype):
     x = torch.randn(256, 2 * 1536, generator=torch.Generator().manual_seed(1)).to(dtype)
     close(ops().silu_and_mul(x), reference.silu_and_mul(x))
     close(ops().gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x))
+    qk, v, cos, sin, cache, slots = rotary_case(256, 32, 8, 128, dtype, seed=3,
+                                                num_blocks=32, block_size=16)
+    want_cache = cache.clone()
+    close(ops().rotary_write_kv(qk, v, cos, sin, cache, slots),
+          reference.rotary_write_kv(qk, v, cos, sin, want_cache, slots))
+    close(cache, want_cache)
 
 
 def test_importing_the_ops_does_not_import_triton():
@@ -151,7 +217,7 @@ def test_the_gpu_platforms_take_these_ops():
 
     for platform in (CudaPlatform(), RocmPlatform()):
         made = platform.make_ops()
-        for name in ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul"):
+        for name in ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_write_kv"):
             assert getattr(made, name) is getattr(triton_ops, name)
             assert made.source_of(name) == "triton"
         assert made.source_of("layer_norm") == "reference"

@@ -1,6 +1,7 @@
 """The decoder layer's elementwise ops of a platform's ``make_ops()`` against the reference:
 ``rms_norm`` (alone, with the residual add, with Gemma's ``1 + w`` offset),
-``silu_and_mul`` and ``gelu_tanh_and_mul``.
+``silu_and_mul``, ``gelu_tanh_and_mul``, and ``rotary_write_kv`` (the rotated queries,
+and the whole KV cache after the write: written slots and untouched ones).
 
 Per dtype the platform declares, one row, every op over several shapes (one row; many
 rows; hidden sizes that are not powers of two). Inputs are random, rounded to the dtype;
@@ -11,8 +12,9 @@ Tolerances (``|out - ref| <= atol + rtol * |ref|``; outputs of order 1 to 10): f
 1e-5 (sums in another order and a last-bit ``exp`` cost about 1e-6); float16 2e-3 and
 bfloat16 1.6e-2. The reference itself, run in the dtype, rounds twice (the normalised
 value or the activation, then the product): at most about ``2u`` relative, ``u`` the
-dtype's half unit (2**-11, 2**-8); measured, 40% of the tolerance. The residual sum is
-one rounded add and is held to the same tolerance.
+dtype's half unit (2**-11, 2**-8); measured, about 40% of the tolerance. The residual sum (one
+rounded add) and the rotation (three roundings of values below about 6) are held to the
+same tolerance.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from quire.conformance.tolerances import Comparison, Tolerance, compare
 from quire.ops import reference
 
 LAYER = "layer ops"
+#: What an op's second output is, for failure messages.
+PART_NAMES = {"rms_norm": "the residual sum", "rotary_write_kv": "the KV cache"}
 TOLERANCE: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
     torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
@@ -39,11 +43,15 @@ NORM_CASES = ((1, 64, False, 0.0), (37, 576, True, 0.0), (5, 99, True, 1.0),
 #: Gated activation cases: (rows, intermediate size); the input is [rows, 2 * size].
 GATED_CASES = ((1, 48), (37, 200), (70, 99))
 GATED_OPS = ("silu_and_mul", "gelu_tanh_and_mul")
-OPS = ("rms_norm", *GATED_OPS)
+#: rotary_write_kv cases: (tokens, query heads, kv heads, head size); the cache has 8
+#: pages of 4 slots and random contents, which must stay where nothing is written.
+ROTARY_CASES = ((1, 4, 2, 64), (23, 8, 2, 128), (5, 3, 3, 18))
+OPS = ("rms_norm", *GATED_OPS, "rotary_write_kv")
 
 
 def check_layer_ops(ctx: CheckContext) -> list[CheckResult]:
-    """One row per dtype: the platform's ``rms_norm`` and gated activations."""
+    """One row per dtype: the platform's ``rms_norm``, gated activations and
+    ``rotary_write_kv``."""
     try:
         ops = ctx.platform.make_ops()
     except Exception as exc:  # reported, not raised: the table names the check
@@ -65,7 +73,7 @@ def _row(ctx: CheckContext, ops: Any, dtype: torch.dtype) -> CheckResult:
             failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
             continue
         for part, (out, ref) in enumerate(zip(_tensors(got), want, strict=False)):
-            what = label if part == 0 else f"{label} (the residual sum)"
+            what = label if part == 0 else f"{label} ({PART_NAMES[label.split(',')[0]]})"
             if not isinstance(out, torch.Tensor) or out.shape != ref.shape \
                     or out.dtype != dtype:
                 shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)
@@ -82,7 +90,7 @@ def _row(ctx: CheckContext, ops: Any, dtype: torch.dtype) -> CheckResult:
             failures.append(f"{label}: returned {len(_tensors(got))} tensors, expected "
                             f"{len(want)}")
     sources = ", ".join(f"{op}: {ops.source_of(op)}" for op in OPS)
-    count = len(NORM_CASES) + len(GATED_CASES) * len(GATED_OPS)
+    count = len(NORM_CASES) + len(GATED_CASES) * len(GATED_OPS) + len(ROTARY_CASES)
     figure = (f"max |err| {worst.max_abs_err:.1e}, {worst.worst_ratio:.0%} of tol {tol}; "
               f"{count} cases; {sources}")
     if failures:
@@ -113,7 +121,33 @@ def _cases(ctx: CheckContext, ops: Any, dtype: torch.dtype
         for op in GATED_OPS:
             ref = getattr(reference, op)(x.float())
             cases.append((f"{op}, T={rows}, I={size}", _gated_call(ops, op, x, dev), (ref,)))
+    for n, (t, hq, hkv, d) in enumerate(ROTARY_CASES):
+        g = torch.Generator().manual_seed(ctx.seed * 1000 + 200 + n)
+        angles = torch.rand(t, 1, d // 2, generator=g) * 100
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+        qk = torch.randn(t, hq + hkv, d, generator=g).to(dtype)
+        v = torch.randn(t, hkv, d, generator=g).to(dtype)
+        cache = torch.randn(2, 8, 4, hkv, d, generator=g).to(dtype)
+        slots = torch.randperm(32, generator=g)[:t]
+        ref_cache = cache.float().clone()  # .float() of a float32 tensor is the tensor
+        ref = reference.rotary_write_kv(qk.float(), v.float(), cos.float(), sin.float(),
+                                        ref_cache, slots)
+        cases.append((f"rotary_write_kv, T={t}, Hq={hq}, Hkv={hkv}, D={d}",
+                      _rotary_call(ops, qk, v, cos, sin, cache, slots, dev),
+                      (ref, ref_cache)))
     return cases
+
+
+def _rotary_call(ops: Any, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                 dev: torch.device) -> Callable[[], Any]:
+    def call() -> Any:  # the rotated queries, then the whole cache after the write
+        pages = cache.to(dev, copy=True)  # a fresh cache per call, the input kept
+        query = ops.rotary_write_kv(qk.to(dev), v.to(dev), cos.to(dev), sin.to(dev), pages,
+                                    slots.to(dev))
+        return query, pages
+    return call
 
 
 def _norm_call(ops: Any, x: torch.Tensor, weight: torch.Tensor,

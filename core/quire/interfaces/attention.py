@@ -128,6 +128,22 @@ class AttentionBackend(ABC):
             at the slots of ``slot_mapping`` and nowhere else.
         """
 
+    def kv_slots(self, metadata: Any) -> torch.Tensor | None:
+        """Where this step's new K/V go, for the op set's ``rotary_write_kv`` to write
+        them (``quire.ops.reference.rotary_write_kv``); None: this backend writes them.
+
+        A backend returns the slots only when its cache is the paged layout of
+        ``quire.ops.attention`` (``[2, num_blocks, block_size, Hkv, D]``, slot ``s`` at
+        ``[:, s // block_size, s % block_size]``). A model layer then rotates and writes
+        through the op and calls :meth:`attend` alone, never :meth:`forward`. Called once
+        per step, after :meth:`build_metadata`; must not sync the device.
+        Default: None.
+
+        :returns: int [T] on the cache's device (entries < 0: padding, not written), or
+            None.
+        """
+        return None
+
     @abstractmethod
     def attend(
         self,

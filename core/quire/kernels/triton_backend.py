@@ -194,6 +194,11 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.slot_mapping, num_warps=self.config.num_warps,
         )
 
+    def kv_slots(self, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        """The step's slots: the cache is the paged layout, so the op set's
+        ``rotary_write_kv`` writes K/V with the rotation, and layers call :meth:`attend`."""
+        return metadata.slot_mapping
+
     def attend(
         self,
         query: torch.Tensor,

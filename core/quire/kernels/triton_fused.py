@@ -1,5 +1,6 @@
 """Portable Triton kernels for the elementwise ops a decoder layer runs between its
-products: RMSNorm with the residual add folded in, and the gated activations.
+products: RMSNorm with the residual add folded in, the gated activations, and the rotary
+embedding fused with the KV-page write.
 
 Importing this module imports triton; :mod:`quire.kernels.triton_ops` imports it on an
 op's first call. No vendor API: the same source compiles for any GPU Triton targets and
@@ -11,6 +12,9 @@ Kernels (one program = one Triton program instance):
   also stores ``x + residual`` (the new residual stream) in the same pass.
 - ``_gated_kernel``, grid ``(rows, cdiv(I, BLOCK))``: ``act(gate) * up`` for one tile of
   one row, the activation chosen at compile time (SiLU or tanh-GELU).
+- ``_rotary_write_kv_kernel``, grid ``(T,)``: one token's query and key heads rotated
+  (rotate-half pairs read straight from memory), the queries stored, the keys and the
+  values stored into the token's KV slot: the rotation and the KV write in one pass.
 
 Numerics follow :mod:`quire.ops.reference` step by step, so half-precision results round
 where the reference rounds: statistics and activations in float32; the residual sum,
@@ -112,6 +116,43 @@ def _gated_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rotary_write_kv_kernel(
+    qk_ptr, v_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qkt, stride_qkh, stride_vt, stride_vh, stride_cos, stride_sin,
+    stride_qt, stride_qh, stride_cb, stride_co, stride_ch,
+    num_heads, num_kv_heads, head_size, block_size,
+    H_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    half = head_size // 2
+    partner = tl.where(d < half, d + half, d - half)  # roll by D/2: i pairs with i + D/2
+    heads = (h < num_heads + num_kv_heads) & (d < head_size)
+    row = qk_ptr + t * stride_qkt + h * stride_qkh
+    x = tl.load(row + d, mask=heads, other=0.0)
+    xr = tl.load(row + partner, mask=heads, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_cos + d, mask=d < head_size, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_sin + d, mask=d < head_size, other=0.0).to(tl.float32)
+    # the reference's three rounded operations, in x's dtype: x * cos, roll(x) * sin, sum
+    a = _round(x.to(tl.float32) * c, x.dtype, INTERPRETED)
+    b = _round(xr * s, x.dtype, INTERPRETED)
+    out = _round(a + b, x.dtype, INTERPRETED).to(x.dtype)
+    tl.store(q_ptr + t * stride_qt + h * stride_qh + d, out, mask=heads & (h < num_heads))
+    # keys (heads num_heads..) and values to the token's slot; a negative slot is padding
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+    kh = h - num_heads
+    written = heads & (h >= num_heads) & ((kh * 0 + slot) >= 0)
+    tl.store(k_cache_ptr + page + kh * stride_ch + d, out, mask=written)
+    vh = tl.arange(0, HKV_PAD)[:, None]
+    vmask = (vh < num_kv_heads) & (d < head_size) & ((vh * 0 + slot) >= 0)
+    val = tl.load(v_ptr + t * stride_vt + vh * stride_vh + d, mask=vmask)
+    tl.store(v_cache_ptr + page + vh * stride_ch + d, val, mask=vmask)
+
+
 # -- launchers ------------------------------------------------------------------------------
 
 
@@ -173,6 +214,57 @@ def gated(x: torch.Tensor, activation: int) -> torch.Tensor:
             ACT=activation, BLOCK=block, INTERPRETED=INTERPRETED, num_warps=_warps(block),
         )
     return out
+
+
+def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """:func:`quire.ops.reference.rotary_write_kv` in one kernel launch; in addition,
+    an entry < 0 in ``slot_mapping`` (a padding token) is not written, as in the Triton
+    backend's own KV write.
+
+    :raises ValueError: naming the shapes when ``qk``, ``value``, ``cos``/``sin`` or the
+        cache do not fit together, or the cache's dtype differs from the inputs'.
+    """
+    t, heads, d = qk.shape
+    hkv = value.shape[1]
+    if value.shape != (t, hkv, d) or heads <= hkv or d % 2:
+        raise ValueError(f"rotary_write_kv: qk {tuple(qk.shape)} and value "
+                         f"{tuple(value.shape)} are not [T, Hq + Hkv, D] and [T, Hkv, D] "
+                         "with an even D")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (hkv, d):
+        raise ValueError(f"rotary_write_kv: kv_cache {tuple(kv_cache.shape)} is not "
+                         f"[2, num_blocks, block_size, {hkv}, {d}]")
+    if not qk.dtype == value.dtype == kv_cache.dtype:
+        raise ValueError(f"rotary_write_kv: qk {qk.dtype}, value {value.dtype} and the "
+                         f"cache {kv_cache.dtype} must share one dtype")
+    for name, f in (("cos", cos), ("sin", sin)):
+        if f.shape[0] != t or f.shape[-1] != d or f.numel() != t * d:
+            raise ValueError(f"rotary_write_kv: {name} {tuple(f.shape)} is not [T, 1, D]")
+    _check_host(qk)
+    query = torch.empty(t, heads - hkv, d, dtype=qk.dtype, device=qk.device)
+    if t == 0:
+        return query
+    qk, value = _dense_last(qk), _dense_last(value)
+    cos, sin = _dense_last(cos), _dense_last(sin)
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("rotary_write_kv: the cache's head dim must be contiguous")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rotary_write_kv_kernel[(t,)](
+        qk, value, cos, sin, query, k_cache, v_cache, slot_mapping,
+        qk.stride(0), qk.stride(1), value.stride(0), value.stride(1),
+        cos.stride(0), sin.stride(0), query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        heads - hkv, hkv, d, k_cache.shape[1],
+        H_PAD=triton.next_power_of_2(heads), HKV_PAD=triton.next_power_of_2(hkv),
+        D_PAD=triton.next_power_of_2(d), INTERPRETED=INTERPRETED,
+        num_warps=_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(d)),
+    )
+    return query
+
+
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

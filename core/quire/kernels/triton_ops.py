@@ -21,7 +21,8 @@ def triton_ops() -> dict[str, Callable[..., Any]]:
     """Op name -> Triton implementation, for
     ``reference_ops().with_ops("triton", **triton_ops())``."""
     return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
-            "gelu_tanh_and_mul": gelu_tanh_and_mul, "fused_moe": fused_moe}
+            "gelu_tanh_and_mul": gelu_tanh_and_mul, "rotary_write_kv": rotary_write_kv,
+            "fused_moe": fused_moe}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -42,6 +43,14 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """:func:`quire.ops.reference.gelu_tanh_and_mul`'s contract, in one kernel."""
     kernels = _kernels()
     return kernels.gated(x, kernels.GELU_TANH)
+
+
+def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """:func:`quire.ops.reference.rotary_write_kv`'s contract, rotation and KV write in
+    one kernel (a negative slot is padding and not written)."""
+    return _kernels().rotary_write_kv(qk, value, cos, sin, kv_cache, slot_mapping)
 
 
 def _kernels() -> ModuleType:

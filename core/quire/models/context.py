@@ -30,6 +30,13 @@ class ForwardContext:
     #: The step's flattened batch (sequence boundaries), for models that attend without
     #: the backend (an encoder's bidirectional attention); None when not given.
     batch: AttentionBatch | None = None
+    #: Where this step's K/V go when the backend lets the op set write them
+    #: (``AttentionBackend.kv_slots``): layers then call :meth:`rotary_attention`;
+    #: None: they rotate, then call :meth:`attention`.
+    kv_slots: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.kv_slots = self.backend.kv_slots(self.metadata)
 
     def attention(
         self,
@@ -57,3 +64,33 @@ class ForwardContext:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+
+    def rotary_attention(
+        self,
+        layer_idx: int,
+        qk: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Rotate, write this layer's K/V and attend, where :attr:`kv_slots` is set: the
+        rotation and the write in the platform's ``rotary_write_kv`` (one pass on a GPU
+        platform), then the backend's ``attend`` alone.
+
+        :param qk: [T, Hq + Hkv, D], query heads then key heads, not yet rotated.
+        :param value: [T, Hkv, D]. ``cos``/``sin``: ``RotaryEmbedding.forward``'s.
+        :returns: [T, Hq, D].
+        :raises ValueError: when the backend named no slots this step.
+        """
+        if self.kv_slots is None:
+            raise ValueError("rotary_attention needs a backend that names the KV slots "
+                             "(AttentionBackend.kv_slots); rotate, then call attention()")
+        kv_cache = self.kv_caches[layer_idx]
+        query = self.ops.rotary_write_kv(qk, value, cos, sin, kv_cache, self.kv_slots)
+        return self.backend.attend(query, kv_cache, self.metadata, scale=scale,
+                                   sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap)

@@ -137,8 +137,11 @@ class Gemma3Attention(nn.Module):
         qk = torch.cat((self.q_norm(q.view(t, hq, d), ops=ctx.ops),
                         self.k_norm(k.view(t, hkv, d), ops=ctx.ops)), dim=1)
         cos, sin = rotary
-        q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
-        out = self._attend(q, k, v.view(t, hkv, d), ctx)
+        if ctx.kv_slots is not None:  # the platform's op rotates and writes K/V at once
+            out = self._rotate_and_attend(qk, v.view(t, hkv, d), cos, sin, ctx)
+        else:
+            q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
+            out = self._attend(q, k, v.view(t, hkv, d), ctx)
         return self.o_proj(out.reshape(t, hq * d))
 
     # Not traced by torch.compile, as LlamaAttention._attend (per-step Python metadata).
@@ -148,6 +151,13 @@ class Gemma3Attention(nn.Module):
         return ctx.attention(self.layer_idx, q, k, v, scale=self.scale,
                              sliding_window=self.sliding_window,
                              logits_soft_cap=self.logits_soft_cap)
+
+    @torch.compiler.disable
+    def _rotate_and_attend(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.rotary_attention(self.layer_idx, qk, v, cos, sin, scale=self.scale,
+                                    sliding_window=self.sliding_window,
+                                    logits_soft_cap=self.logits_soft_cap)
 
 
 class Gemma3MLP(GatedMLP):

@@ -166,10 +166,13 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([hq, hkv], dim=1)
             qk = torch.cat((self.q_norm(q, ops=ctx.ops), self.k_norm(k, ops=ctx.ops)), dim=1)
         cos, sin = rotary
-        # q and k heads side by side in one rotation: the same per-element arithmetic as
-        # rotating each apart, in half the ops (what a decode step is made of)
-        q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
-        out = self._attend(q, k, v, ctx)
+        if ctx.kv_slots is not None:  # the platform's op rotates and writes K/V at once
+            out = self._rotate_and_attend(qk, v, cos, sin, ctx)
+        else:
+            # q and k heads side by side in one rotation: the same per-element arithmetic
+            # as rotating each apart, in half the ops (what a decode step is made of)
+            q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
+            out = self._attend(q, k, v, ctx)
         return self.o_proj(out.reshape(t, hq * d))
 
     # Never traced by torch.compile (quire.models.compile): the backend's metadata is
@@ -181,6 +184,12 @@ class LlamaAttention(nn.Module):
         return ctx.attention(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
+
+    @torch.compiler.disable
+    def _rotate_and_attend(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.rotary_attention(self.layer_idx, qk, v, cos, sin, scale=self.scale,
+                                    sliding_window=self.sliding_window)
 
 
 class LlamaMLP(GatedMLP):

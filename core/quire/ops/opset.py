@@ -21,6 +21,9 @@ class OpSet:
     layer_norm: Callable[..., Any] = reference.layer_norm
     silu_and_mul: Callable[..., Any] = reference.silu_and_mul
     gelu_tanh_and_mul: Callable[..., Any] = reference.gelu_tanh_and_mul
+    #: Rotary embedding fused with the layer's KV write; models call it only where the
+    #: attention backend names the slots (``AttentionBackend.kv_slots``).
+    rotary_write_kv: Callable[..., Any] = reference.rotary_write_kv
     #: Embedding models (:mod:`quire.ops.pooling`): one vector per sequence, and an
     #: encoder's attention within each sequence.
     pool: Callable[..., Any] = pooling.pool

@@ -63,3 +63,35 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> [..., I]: ``gelu_tanh(x[..., :I]) * x[..., I:]`` (Gemma's MLP)."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate queries and keys, and write the rotated keys and the values into the pages:
+    one layer's rotary embedding fused with its KV write.
+
+    The rotation is ``quire.models.layers.rotary.apply_rotary``'s, ``x * cos + roll(x,
+    D/2) * sin`` in ``x``'s dtype (rotate-half pairs: dimension ``i`` with ``i + D/2``);
+    the write is the paged backends' (``quire.ops.attention``): key and value of token
+    ``t`` to ``kv_cache[0 / 1].view(-1, Hkv, D)[slot_mapping[t]]``. The model calls this
+    only where its attention backend names the slots (``AttentionBackend.kv_slots``), and
+    then attends without writing.
+
+    :param qk: [T, Hq + Hkv, D]: the query heads, then the key heads.
+    :param value: [T, Hkv, D], the cache's dtype.
+    :param cos: [T, 1, D] and :param sin: [T, 1, D]: ``RotaryEmbedding.forward``'s
+        factors (``cos | cos`` and ``-sin | sin``), any strides.
+    :param kv_cache: [2, num_blocks, block_size, Hkv, D]; changed in place at the slots
+        of ``slot_mapping`` and nowhere else.
+    :param slot_mapping: int [T], each token's slot (``AttentionBatch.slot_mapping``).
+    :returns: the rotated queries, [T, Hq, D] (new memory; ``qk`` is not changed).
+    """
+    num_kv_heads = value.shape[1]
+    rotated = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+    q, k = rotated.split([qk.shape[1] - num_kv_heads, num_kv_heads], dim=1)
+    # a view, never a copy: a copy would silently drop the write
+    pages = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    pages[0].index_copy_(0, slot_mapping.long(), k)
+    pages[1].index_copy_(0, slot_mapping.long(), value)
+    return q
