@@ -225,3 +225,82 @@ def test_invariants_hold_after_random_operations(seed, block_size):
         bm.free(seq)
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+class _LookEveryTime(BlockManager):
+    """The oracle: names pages by looking at every full page on each call."""
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full):
+            block_id = seq.block_table[i]
+            h = seq.block_hashes[i]
+            if self._hash[block_id] is None and h not in self._by_hash:
+                self._hash[block_id] = h
+                self._by_hash[h] = block_id
+
+
+def test_a_page_left_unnamed_for_a_duplicate_is_named_once_the_duplicate_goes():
+    bm = BlockManager(num_blocks=5, block_size=2)
+    a, b = make_seq([1, 2, 3]), make_seq([1, 2, 3])
+    assert bm.allocate(a, 3) and bm.allocate(b, 3)
+    bm.cache_full_blocks(a, 3)
+    bm.cache_full_blocks(b, 3)
+    assert bm.block_hash(b.block_table[0]) is None
+    bm.free(a)  # a's first page: evictable, then taken for c, which unnames it
+    c = make_seq([9] * 6)
+    assert bm.allocate(c, 6) and bm.num_evictions == 1
+    b.output_token_ids.append(4)
+    bm.cache_full_blocks(b, 4)
+    assert bm.block_hash(b.block_table[0]) is not None
+    assert bm.block_hash(b.block_table[1]) is not None
+    bm.check_invariants([b, c])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_skipping_named_pages_names_what_looking_at_every_page_names(seed):
+    """Two pools driven alike (pages taken in the same order) end every step with the
+    same names, though one skips the pages it already named."""
+    rng = random.Random(seed)
+    pools = BlockManager(num_blocks=16, block_size=2), _LookEveryTime(16, 2)
+    live: list[tuple[Sequence, Sequence]] = []
+    heads = [[rng.randrange(9) for _ in range(5)] for _ in range(2)]
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3:
+            tokens = rng.choice(heads)[: rng.randrange(1, 6)] + [rng.randrange(9)]
+            pair = make_seq(tokens), make_seq(tokens)
+            cached = [bm.find_cached_prefix(s) for bm, s in zip(pools, pair)]
+            ok = [bm.allocate(s, s.num_tokens - len(c) * 2, c)
+                  for bm, s, c in zip(pools, pair, cached)]
+            assert ok[0] == ok[1]
+            if ok[0]:
+                live.append(pair)
+                computed = pair[0].num_tokens - rng.randrange(2)
+                for bm, s in zip(pools, pair):
+                    s.num_computed_tokens = computed
+                    bm.cache_full_blocks(s, computed)
+        elif op < 0.8 and live:
+            pair = rng.choice(live)
+            token = rng.randrange(9)
+            if all(bm.allocate(s, 1) for bm, s in zip(pools, pair)):
+                for bm, s in zip(pools, pair):
+                    s.output_token_ids.append(token)
+                    s.num_computed_tokens = s.num_tokens - 1
+                    bm.cache_full_blocks(s, s.num_computed_tokens)
+        elif live:
+            pair = live.pop(rng.randrange(len(live)))
+            for bm, s in zip(pools, pair):
+                bm.free(s)
+            if rng.random() < 0.5:  # preempted: admitted again on what is still cached
+                cached = [bm.find_cached_prefix(s) for bm, s in zip(pools, pair)]
+                if all(bm.allocate(s, s.num_tokens - len(c) * 2, c)
+                       for bm, s, c in zip(pools, pair, cached)):
+                    live.append(pair)
+                    for bm, s in zip(pools, pair):
+                        s.num_computed_tokens = s.num_tokens
+                        bm.cache_full_blocks(s, s.num_tokens)
+        assert pools[0]._hash == pools[1]._hash and pools[0]._by_hash == pools[1]._by_hash
+        assert [p[0].block_table for p in live] == [p[1].block_table for p in live]
+        pools[0].check_invariants(p[0] for p in live)

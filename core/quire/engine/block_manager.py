@@ -120,20 +120,28 @@ class BlockManager:
         """Make the full pages among ``seq``'s first ``num_computed_tokens`` findable.
 
         Call only once their K/V are in the cache. A page whose hash another page already
-        carries stays unnamed: the older copy keeps serving the prefix.
+        carries stays unnamed: the older copy keeps serving the prefix (and it is looked
+        at again next time). The leading pages already named are skipped: a page keeps
+        its name while a table holds it, so a decoding sequence costs O(new pages).
         """
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        first = seq.num_named_blocks
+        if first >= num_full:
+            return
         self._extend_hashes(seq, num_full)
-        for i in range(num_full):
+        named = first  # the leading run of named pages, once this call is done
+        for i in range(first, num_full):
             block_id = seq.block_table[i]
-            if self._hash[block_id] is not None:
-                continue
-            h = seq.block_hashes[i]
-            if h not in self._by_hash:
-                self._hash[block_id] = h
-                self._by_hash[h] = block_id
+            if self._hash[block_id] is None:
+                h = seq.block_hashes[i]
+                if h not in self._by_hash:
+                    self._hash[block_id] = h
+                    self._by_hash[h] = block_id
+            if named == i and self._hash[block_id] is not None:
+                named = i + 1
+        seq.num_named_blocks = named
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(
@@ -206,6 +214,7 @@ class BlockManager:
                 else:
                     self._evictable[block_id] = None
         seq.block_table.clear()
+        seq.num_named_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page that nobody uses (they become free)."""

@@ -45,6 +45,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     #: Chained hashes of the leading full pages (prefix caching), block_hashes[i] for page i.
     block_hashes: list[int] = field(default_factory=list)
+    #: Leading pages of ``block_table`` known to be findable by their hash (the block
+    #: manager's: a held page stays findable, so it is not looked at again).
+    num_named_blocks: int = 0
     #: Times this sequence lost its pages to preemption.
     num_preemptions: int = 0
     #: ``time.monotonic()`` when the scheduler first admitted it (statistic).
