@@ -153,7 +153,16 @@ class BlockManager:
         table) are shared first; the tokens they hold count as already computed.
         :returns: False, changing nothing, when the pool cannot supply the pages.
         """
-        if cached_blocks and seq.block_table:
+        if not cached_blocks:  # the common case: a running sequence grows
+            new_needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) \
+                - len(seq.block_table)
+            if new_needed <= 0:
+                return True
+            if new_needed > len(self._free) + len(self._evictable):
+                return False
+            seq.block_table.extend(self._take_new() for _ in range(new_needed))
+            return True
+        if seq.block_table:
             raise ValueError("cached prefix pages can only start an empty block table")
         held = len(seq.block_table) + len(cached_blocks)
         computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size

@@ -115,7 +115,14 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.outputs) == self.params.n and all(o.is_finished for o in self.outputs)
+        """Every one of the ``n`` samples exists and finished (read twice per request per
+        step: a plain loop, not a generator)."""
+        if len(self.outputs) != self.params.n:
+            return False
+        for out in self.outputs:
+            if out.finish_reason is None:
+                return False
+        return True
 
     def output(self, index: int) -> SeqOutput | None:
         """Sample ``index``'s state, or None before the core forked it."""
