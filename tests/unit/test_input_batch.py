@@ -155,7 +155,7 @@ def test_a_preempted_sequence_sends_its_table_whole_even_unreleased():
 def test_buffers_keep_their_addresses_within_the_limits_and_grow_past_them():
     batch = InputBatch(BS, torch.device("cpu"), StepLimits(4, 16, 4))
     first = batch.prepare([StepItem(0, [1, 2, 3], 0, [7], True)])
-    second = batch.prepare([StepItem(0, [4], 3, [], True),
+    second = batch.prepare([StepItem(0, [4], 3, [], True, first_page=1),
                             StepItem(1, [9] * 13, 0, [1, 2, 3, 4], True)])
     assert second.input_ids.data_ptr() == first.input_ids.data_ptr()
     assert second.batch.block_tables.data_ptr() == first.batch.block_tables.data_ptr()
@@ -177,3 +177,30 @@ def test_a_continuation_the_batch_never_saw_is_refused():
     batch.prepare([StepItem(5, [1, 2], 0, [6], True)])
     with pytest.raises(ValueError, match="holds only 1 of its pages"):
         batch.prepare([StepItem(5, [3], 8, [9], True, first_page=2)])
+    with pytest.raises(ValueError, match="sequence 5 reaches position 4 with 1 page"):
+        batch.prepare([StepItem(5, [3], 4, [], True, first_page=1)])
+
+
+def test_device_twins_receive_every_input():
+    """Where the device is not the host, each step's inputs are copied into buffers of
+    their own (tested here with host twins: no accelerator on this machine)."""
+    from quire.executor.input_batch import _Buffers
+
+    plain = InputBatch(BS, torch.device("cpu"), StepLimits(4, 32, 8))
+    twins = InputBatch(BS, torch.device("cpu"), StepLimits(4, 32, 8))
+    twins._dev = _Buffers(4, 32, 8, torch.device("cpu"))
+    steps = [
+        ([StepItem(0, list(range(9)), 0, [3, 1, 4], True),
+          StepItem(1, [5, 6], 0, [2], False)], []),
+        ([StepItem(0, [7], 9, [], True, first_page=3),
+          StepItem(1, [8, 9, 10], 2, [6], True, first_page=1)], []),
+        ([StepItem(1, [11], 5, [], True, first_page=2),
+          StepItem(2, [1, 2, 3, 4, 5], 0, [0, 5], True)], [0]),
+    ]
+    for items, released in steps:
+        a, b = plain.prepare(items, released), twins.prepare(items, released)
+        assert b.input_ids.data_ptr() != a.input_ids.data_ptr()
+        for name in ("input_ids", "positions", "sample_rows"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            assert torch.equal(getattr(a.batch, name), getattr(b.batch, name)), name

@@ -176,7 +176,8 @@ class InputBatch:
     def prepare(self, items: Sequence[StepItem], released: Iterable[int] = ()) -> StepInputs:
         """Release ``released``, apply the items' pages, and fill the step's buffers.
 
-        :raises ValueError: as :meth:`_update`, or for an empty step.
+        :raises ValueError: as :meth:`_update`, for an empty step, or for a sequence
+            whose pages do not hold its new tokens.
         """
         if not items:
             raise ValueError("a step needs at least one sequence")
@@ -189,14 +190,20 @@ class InputBatch:
         q_lens = np.array(q_lens_list, dtype=np.int64)
         starts = np.fromiter((item.start for item in items), dtype=np.int64, count=b)
         t = int(q_lens.sum())
-        width = int(self._num_pages[rows].max())
+        ends = starts + q_lens
+        held = self._num_pages[rows]
+        short = np.flatnonzero(held * bs < ends)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"sequence {items[i].seq_id} reaches position {ends[i] - 1} "
+                             f"with {held[i]} page(s) of {bs} tokens")
+        width = int(held.max())
         self._fit(b, t, width)
         ids, pos, slots, qsl, lens, sample, tables = self._np
 
         ids[:t] = list(chain.from_iterable(item.token_ids for item in items))
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1 : b + 1])
-        ends = starts + q_lens
         lens[:b] = ends
         step_tables = tables[: b * width].reshape(b, width)
         np.take(self._tables[:, :width], rows, axis=0, out=step_tables)
