@@ -86,9 +86,30 @@ def test_decode_reads_a_row_of_a_wider_table(kernels: NativeKernels) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(4, 4, 16, 16), (9, 3, 64, 7), (2, 1, 5, 1)])
+def test_decode_reads_bfloat16_pages(kernels: NativeKernels, query_dtype: torch.dtype,
+                                     hq: int, hkv: int, d: int, block_size: int) -> None:
+    """bfloat16 pages are widened exactly, so against float64 on the same rounded keys
+    and values the float32 result holds float32's tolerance; a bfloat16 query's result
+    is rounded to bfloat16 (2^-8 relative)."""
+    lens = [1, 17, 40, 3]
+    q, cache, tables, seq_lens, keys, values = _paged(hq + d, lens, hq, hkv, d, block_size)
+    q = q.to(query_dtype)
+    keys = [k.bfloat16().double() for k in keys]
+    values = [v.bfloat16().double() for v in values]
+    for window in (None, 6):
+        out = kernels.paged_decode(q, cache.bfloat16(), tables, seq_lens, 0.3, window)
+        assert out is not None and out.shape == q.shape and out.dtype == query_dtype
+        tol = 1e-5 if query_dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.3, window),
+                                   rtol=tol, atol=tol)
+
+
 def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
     q, cache, tables, seq_lens, _, _ = _paged(4, [5, 9], 4, 2, 8, 4)
-    assert kernels.paged_decode(q.bfloat16(), cache.bfloat16(), tables, seq_lens, 1.0,
+    assert kernels.paged_decode(q.half(), cache.half(), tables, seq_lens, 1.0, None) is None
+    assert kernels.paged_decode(q.half(), cache.bfloat16(), tables, seq_lens, 1.0,
                                 None) is None
     assert kernels.paged_decode(q, cache, tables.int(), seq_lens, 1.0, None) is None
     assert kernels.paged_decode(q, cache.transpose(1, 2), tables, seq_lens, 1.0,

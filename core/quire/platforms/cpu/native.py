@@ -45,14 +45,6 @@ logger = logging.getLogger(__name__)
 
 #: ``0`` turns the native kernels off (torch ops only).
 NATIVE_ENV = "QUIRE_CPU_NATIVE"
-CSRC = Path(__file__).with_name("csrc")
-#: Compiled together into one library; HEADERS only count towards its cache key.
-SOURCES = tuple(CSRC / name for name in ("paged_decode.c", "compact_gemv.c", "rms_norm.c",
-                                         "decode_layer.c", "panel_gemm.c"))
-HEADERS = (CSRC / "cpu_kernels.h",)
-#: Common to every ISA level; each level adds its target flags (IsaLevel.flags).
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_BUILD_TIMEOUT_S = 120
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -121,10 +113,13 @@ class NativeKernels:
         self.path = path
         #: the ISA level this library was built for (:mod:`~quire.platforms.cpu.isa`)
         self.level = level
-        self._decode = library.quire_paged_decode_f32
-        self._decode.restype = ctypes.c_int
-        self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                 _i64, ctypes.c_float, _i64, _ptr]
+        # by the KV cache's dtype: float32 pages, or bfloat16 ones read widened
+        self._decode = {torch.float32: library.quire_paged_decode_f32,
+                        torch.bfloat16: library.quire_paged_decode_bf16}
+        for entry in self._decode.values():
+            entry.restype = ctypes.c_int
+            entry.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                              _i64, ctypes.c_float, _i64, _ptr]
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -261,8 +256,10 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """Attention of one query token per sequence over its pages.
 
-        :param query: float32 [B, Hq, D], each sequence's newest token.
-        :param kv_cache: float32 [2, num_blocks, block_size, Hkv, D], contiguous.
+        :param query: [B, Hq, D], each sequence's newest token (float32, or the cache's
+            dtype: computed in float32 and returned in the query's dtype).
+        :param kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D],
+            contiguous (bfloat16 pages are read widened to float32, exactly).
         :param block_tables: int64 [B, max_blocks], contiguous rows.
         :param seq_lens: int64 [B]: the query sits at position ``seq_lens[i] - 1`` and
             reads positions ``0 .. seq_lens[i] - 1`` (the last ``window`` with a window).
@@ -270,25 +267,26 @@ class NativeKernels:
             (another dtype, device or layout) or it could not allocate scratch memory;
             the caller then uses the torch path.
         """
-        if not (query.dtype == kv_cache.dtype == torch.float32
+        entry = self._decode.get(kv_cache.dtype)
+        if not (entry is not None and query.dtype in (torch.float32, kv_cache.dtype)
                 and query.device.type == kv_cache.device.type == "cpu"
                 and kv_cache.dim() == 5 and kv_cache.is_contiguous()
                 and block_tables.dtype == seq_lens.dtype == torch.int64
                 and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
             return None
-        query = query.contiguous()
-        b, hq, d = query.shape
+        q = query.to(torch.float32).contiguous()
+        b, hq, d = q.shape
         _, num_blocks, block_size, hkv, dk = kv_cache.shape
         if dk != d or hq % hkv or block_tables.shape[0] != b or seq_lens.shape[0] != b:
             return None
-        out = torch.empty_like(query)
+        out = torch.empty_like(q)
         half = num_blocks * block_size * hkv * d * kv_cache.element_size()
         base = kv_cache.data_ptr()
-        failed = self._decode(
-            query.data_ptr(), base, base + half, block_tables.data_ptr(),
+        failed = entry(
+            q.data_ptr(), base, base + half, block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), b, hq, hkv, d, block_size,
             scale, window or 0, out.data_ptr())
-        return None if failed else out
+        return None if failed else out.to(query.dtype)
 
 
 def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,

@@ -95,6 +95,52 @@ static inline void axpy(float *out, float w, const float *v, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] += w * v[i];
 }
 
+/* bfloat16 (the upper 16 bits of a float32) widened exactly: for KV pages in bf16. */
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline v8f load8_bf16(const uint16_t *p) {
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u32) << 16);
+}
+
+static inline const uint16_t *slot_row_bf16(const uint16_t *half, const int64_t *table,
+                                            int64_t pos, int64_t block_size, int64_t row) {
+    return half + (table[pos / block_size] * block_size + pos % block_size) * row;
+}
+
+static inline void prefetch_row_bf16(const uint16_t *row_start, int64_t row) {
+    const char *p = (const char *)row_start;
+    for (int64_t c = 0; c < row * (int64_t)sizeof(uint16_t); c += 64) __builtin_prefetch(p + c);
+}
+
+/* dot() of a float32 a and a bfloat16 b (a KV row): two 8-wide partial sums. */
+static inline float kv_dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+    int64_t i = 0;
+    v8f s0 = {0}, s1 = {0};
+    for (; i + 16 <= n; i += 16) {
+        s0 += load8(a + i) * load8_bf16(b + i);
+        s1 += load8(a + i + 8) * load8_bf16(b + i + 8);
+    }
+    for (; i + 8 <= n; i += 8) s0 += load8(a + i) * load8_bf16(b + i);
+    float total = hsum(s0 + s1);
+    for (; i < n; ++i) total += a[i] * bf16_to_f32(b[i]);
+    return total;
+}
+
+/* out[i] += w * v[i], v in bfloat16 */
+static inline void kv_axpy_bf16(float *out, float w, const uint16_t *v, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] += w * bf16_to_f32(v[i]);
+}
+
 #if defined(__AVX__)
 #include <immintrin.h>
 /* Four 8-wide partial sums to their four totals (3 hadds and an add, where four
