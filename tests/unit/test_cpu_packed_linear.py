@@ -80,8 +80,26 @@ def test_keeps_leading_dimensions() -> None:
 
 
 def test_refuses_what_it_cannot_pack() -> None:
-    with pytest.raises(ValueError, match="float32"):
-        PackedLinear(_randn(8, 8).bfloat16())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PackedLinear(_randn(8, 8).half())
+    with pytest.raises(ValueError, match="2-D"):
+        PackedLinear(_randn(8))
+
+
+def test_bfloat16_weights_run_on_onednn_at_every_row_count() -> None:
+    """bfloat16 products in bfloat16 with float32 accumulation: against F.linear in
+    float32 on the same bfloat16 values, within the output's bfloat16 rounding
+    (2^-8 relative) plus a summation-order term."""
+    weight = _randn(40, 48, seed=8).bfloat16()
+    bias = _randn(40, seed=9).bfloat16()
+    kernel = PackedLinear(weight)
+    assert kernel.impl == "onednn" and kernel.panels is None and kernel.compact is None
+    for rows in (1, 3, 64):
+        x = _randn(rows, 48, seed=10 + rows).bfloat16()
+        got = kernel(x, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+        want = F.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
 
 
 def _tiny_llama(tied: bool) -> LlamaForCausalLM:

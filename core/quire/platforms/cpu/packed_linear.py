@@ -83,12 +83,20 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, native: NativeKernels | None = None,
                  compact: bool = True) -> None:
-        if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"need a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+            raise ValueError(f"need a 2-D float32 or bfloat16 weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
         weight = weight.detach()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.native = native
+        if weight.dtype == torch.bfloat16:
+            # bfloat16 products run on oneDNN's packed layout at every row count: with
+            # AVX512_BF16 or AMX it multiplies in bf16 with float32 accumulation, where
+            # F.linear's bfloat16 mm was ~50x slower for one row (docs/bench.md)
+            self.compact = self.panels = self.split = None
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+            return
         #: the weight in an exact compact encoding, for one-row products; None when
         #: there are no native kernels or no encoding reproduces the weight.
         self.compact: CompactWeight | None = (
@@ -187,7 +195,7 @@ class PackedLinear:
 
 def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
                         compact: bool = True) -> int:
-    """Give every float32 ``linear`` site of ``model`` (``quire.ops.layer_spec``) a
+    """Give every float32 or bfloat16 ``linear`` site of ``model`` (``quire.ops.layer_spec``) a
     :class:`PackedLinear` kernel.
 
     :param native: the C kernels; with them, layers with an exact compact encoding run
@@ -202,7 +210,10 @@ def pack_linear_weights(model: nn.Module, native: NativeKernels | None = None,
     shared = _shared_parameters(model)
     packed = encoded = 0
     for module in model.modules():
-        if getattr(module, "op_site", None) != "linear" or module.weight.dtype != torch.float32:
+        if (getattr(module, "op_site", None) != "linear"
+                or module.weight.dtype not in (torch.float32, torch.bfloat16)):
+            continue
+        if module.weight.dtype == torch.bfloat16 and not onednn_available():
             continue
         if module.weight.device.type != "cpu":
             continue
