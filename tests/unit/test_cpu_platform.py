@@ -17,6 +17,7 @@ from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu import CpuPlatform
 from quire.platforms.cpu import plugin as cpu_plugin
 from quire.platforms.cpu.memory import CpuMemoryProfiler
+from quire.platforms.cpu.packed_linear import onednn_available
 from quire.plugins import hookspecs
 from quire.plugins.spec import PLUGIN_API_VERSION
 
@@ -39,6 +40,37 @@ def test_platform_attributes() -> None:
     availability = platform.availability()
     assert availability and platform.is_available()
     assert availability.reason == ""
+
+
+@pytest.mark.parametrize("machine,flags,bf16", [
+    ("x86_64", ["avx2", "fma"], False),                                  # Zen 3
+    ("x86_64", ["avx2", "fma", "avx512f", "avx512_bf16"], True),          # Zen 4
+    ("x86_64", ["avx2", "fma", "avx512f", "amx_tile", "amx_bf16"], True),  # Sapphire Rapids
+    ("aarch64", ["asimd", "asimddp"], False),                             # Graviton 2
+    ("aarch64", ["asimd", "asimddp", "bf16", "i8mm"], True),              # Graviton 3
+])
+def test_auto_dtype_is_bfloat16_only_for_bf16_checkpoints_on_cpus_with_bf16_products(
+        monkeypatch, machine: str, flags: list[str], bf16: bool) -> None:
+    from quire.platforms.cpu import platform as platform_module
+    from quire.platforms.cpu.isa import CpuFeatures, has_bf16_products
+
+    features = CpuFeatures.of(machine, flags)
+    assert has_bf16_products(features) == bf16
+    monkeypatch.setattr(platform_module, "detect", lambda: features)
+    platform = CpuPlatform()
+    want = torch.bfloat16 if bf16 and onednn_available() else torch.float32
+    assert platform.auto_dtype(torch.bfloat16) == want
+    for stored in (torch.float32, torch.float16, None):
+        assert platform.auto_dtype(stored) == torch.float32
+
+
+def test_checkpoint_dtype_reads_the_config() -> None:
+    from quire.models.loader import checkpoint_dtype
+    from transformers import LlamaConfig
+
+    assert checkpoint_dtype(LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    assert checkpoint_dtype(LlamaConfig(dtype=torch.float16)) == torch.float16
+    assert checkpoint_dtype(LlamaConfig()) is None
 
 
 def test_check_dtype() -> None:

@@ -203,19 +203,24 @@ def test_incompatible_platform_is_listed_refused_and_names_both_versions() -> No
     assert registry.auto_choice() == "cpu"
 
 
-def test_this_core_provides_api_1_1_and_keeps_plugins_built_for_1_0() -> None:
-    """1.1 added Communicator.send/recv; a MINOR bump must not refuse 1.0 plugins."""
-    assert PLUGIN_API_VERSION == "1.1"
+def test_this_core_provides_api_1_2_and_keeps_plugins_built_for_1_0_and_1_1() -> None:
+    """1.1 added Communicator.send/recv, 1.2 Platform.auto_dtype and details; a MINOR
+    bump must not refuse older plugins, and a 1.1 platform gets the defaults."""
+    assert PLUGIN_API_VERSION == "1.2"
     registry = PlatformRegistry(entry_points=[
         ep("old", platform("old", api="1.0"), dist="quire-old"),
-        ep("new", platform("new", api="1.1"), dist="quire-new"),
-        ep("next", PlatformSpec("next", "1.2", never_built), dist="quire-next"),
+        ep("mid", platform("mid", api="1.1"), dist="quire-mid"),
+        ep("new", platform("new", api="1.2"), dist="quire-new"),
+        ep("next", PlatformSpec("next", "1.3", never_built), dist="quire-next"),
     ])
     refused = {e.name: e.refused for e in registry.entries()}
-    assert refused["new"] is None and refused["old"] is None
+    assert refused["new"] is None and refused["mid"] is None and refused["old"] is None
     assert refused["next"] is not None
-    assert "built for plugin API 1.2, but this Quire provides plugin API 1.1" in refused["next"]
-    assert "built for plugin API 1.x (at most 1.1)" in refused["next"]
+    assert "built for plugin API 1.3, but this Quire provides plugin API 1.2" in refused["next"]
+    assert "built for plugin API 1.x (at most 1.2)" in refused["next"]
+    mid = registry.resolve("mid")
+    assert mid.auto_dtype(torch.bfloat16) == mid.supported_dtypes[0]
+    assert mid.auto_dtype(None) == mid.supported_dtypes[0]
 
 
 def test_a_communicator_written_for_api_1_0_still_works_without_send_recv() -> None:

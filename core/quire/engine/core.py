@@ -40,7 +40,7 @@ from quire.executor.messages import ItemBuilder
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
-from quire.models.loader import load_model_config
+from quire.models.loader import checkpoint_dtype, load_model_config
 from quire.models.pooling import check_task, context_length, model_task
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, compute_prompt_logprobs
@@ -153,10 +153,11 @@ class EngineCore:
         model_path = model_path_of(config)
         self.model_config = load_model_config(model_path)
         self._model_max_len = context_length(model_path, model_max_len(self.model_config))
+        auto_dtype = self.platform.auto_dtype(checkpoint_dtype(self.model_config))
         self.config: ResolvedConfig = config.resolve(
             model_max_len=self._model_max_len,
             platform_block_size=self.platform.default_block_size,
-            platform_dtype=self.platform.supported_dtypes[0],
+            platform_dtype=auto_dtype,
             model_task=model_task(model_path, self.model_config),
         )
         self.platform.check_dtype(self.config.dtype)
@@ -211,7 +212,7 @@ class EngineCore:
         self.info = CoreInfo(
             platform_name=self.platform.name, device_type=self.platform.device_type,
             platform_block_size=self.platform.default_block_size,
-            platform_dtype=str(self.platform.supported_dtypes[0]).removeprefix("torch."),
+            platform_dtype=str(auto_dtype).removeprefix("torch."),
             model_max_len=self._model_max_len, vocab_size=self.vocab_size,
             num_blocks=num_blocks, eos_token_ids=sorted(self.eos_token_ids),
             world_size=self.executor.world_size,

@@ -24,7 +24,7 @@ from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
-from quire.models.loader import load_model, load_model_config
+from quire.models.loader import checkpoint_dtype, load_model, load_model_config
 from quire.models.pipeline import PipelineLink, PipelineStage
 from quire.models.pooling import (
     PoolingConfig,
@@ -57,7 +57,7 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     return config.resolve(model_max_len=context_length(model_path,
                                                        model_max_len(model_config)),
                           platform_block_size=platform.default_block_size,
-                          platform_dtype=platform.supported_dtypes[0],
+                          platform_dtype=platform.auto_dtype(checkpoint_dtype(model_config)),
                           model_task=model_task(model_path, model_config))
 
 

@@ -89,6 +89,13 @@ class Platform(ABC):
                 f"'{self.name}' platform; choose one of: {names}"
             )
 
+    def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype ``dtype="auto"`` runs a checkpoint at, given the dtype it is stored
+        in (None: unknown, e.g. GGUF). By default the first of :attr:`supported_dtypes`;
+        a platform whose speed depends on the host may choose per checkpoint (plugin
+        API 1.2; must return one of :attr:`supported_dtypes`)."""
+        return self.supported_dtypes[0]
+
     def synchronize(self) -> None:
         """Wait for queued device work (for timing). Host platforms need nothing."""
 

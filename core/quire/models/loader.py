@@ -43,6 +43,16 @@ def load_model_config(path: str) -> PretrainedConfig:
     raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
 
 
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The floating dtype a checkpoint's config says its weights are stored in (its
+    ``dtype``, formerly ``torch_dtype``), or None when it says none (GGUF files: their
+    blocks are dequantised to the engine's dtype)."""
+    value = getattr(config, "dtype", None) or config.to_dict().get("torch_dtype")
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
 def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(Hugging Face name, tensor)`` for every weight, on the host.
 

@@ -76,6 +76,16 @@ class CpuFeatures:
         return frozenset(name for name in self.names() if getattr(self, name))
 
 
+def has_bf16_products(features: CpuFeatures) -> bool:
+    """Whether the CPU multiplies bfloat16 natively with float32 accumulation (x86:
+    AVX512_BF16 or AMX-BF16; Arm: the BF16 extension), which oneDNN's bfloat16
+    products use: bfloat16 then halves the bytes a product reads without converting
+    in software."""
+    if features.machine == "aarch64":
+        return features.bf16
+    return features.avx512_bf16 or features.amx_bf16
+
+
 @dataclass(frozen=True)
 class IsaLevel:
     """A build target of the C kernels: what it is called, how it is compiled, and what

@@ -21,13 +21,13 @@ from quire.platforms.cpu.dispatch import (
     host_key,
 )
 from quire.platforms.cpu.fused_decode import install_fused_decode
-from quire.platforms.cpu.isa import detect
+from quire.platforms.cpu.isa import detect, has_bf16_products
 from quire.platforms.cpu.kernel_build import is_prebuilt
 from quire.platforms.cpu.memory import CpuMemoryProfiler
 from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.options import CpuOptions
-from quire.platforms.cpu.packed_linear import pack_linear_weights
+from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
     WAIT_ENV,
@@ -89,6 +89,22 @@ class CpuPlatform(Platform):
         if self._options is None:
             self._options = CpuOptions.parse({}, os.environ)
         return self._options
+
+    def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """bfloat16 for a bfloat16 checkpoint on a CPU with bfloat16 products (and
+        oneDNN to run them), as vLLM does; float32 otherwise (every CPU computes it
+        natively, and our C kernels are float32). The choice and why are logged."""
+        features = detect()
+        bf16 = (checkpoint_dtype == torch.bfloat16 and has_bf16_products(features)
+                and onednn_available())
+        chosen = torch.bfloat16 if bf16 else torch.float32
+        logger.info("cpu platform: dtype auto -> %s (checkpoint %s; %s)",
+                    str(chosen).removeprefix("torch."),
+                    str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype
+                    else "dtype unstated",
+                    "the CPU has bfloat16 products" if has_bf16_products(features)
+                    else "no bfloat16 products on this CPU")
+        return chosen
 
     def configure_process(self) -> None:
         chosen = configure_threads(self.options.threads)
