@@ -179,7 +179,7 @@ def test_rotary_write_kv_refuses_mismatched_shapes_by_name():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_rows_and_model_sized_rows(dtype):
     """Sizes of real models: SmolLM2's hidden 576 and MLP 1536 over 256 rows; a 4096
-    hidden; 2048 rows of a head (per-head norm). About a minute per dtype, interpreted."""
+    hidden; 2048 rows of a head (per-head norm). About ten seconds per dtype, interpreted."""
     for shape in ((256, 576), (16, 4096), (2048, 64)):
         x, residual, weight = norm_case(shape, dtype, seed=shape[0])
         got = ops().rms_norm(x, weight, 1e-6, residual)
