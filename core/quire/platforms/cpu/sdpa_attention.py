@@ -54,8 +54,11 @@ class _Group:
     #: int64 [Tg]: those rows' cells in the padded ``[b * max_q]`` layout; None when the
     #: group has no padding (every sequence has ``max_q`` new tokens).
     padded_idx: torch.Tensor | None
-    #: int64 [b, L]: cache slot of each sequence's key position ``j``.
-    key_slots: torch.Tensor
+    #: int64 [b, ceil(L / block_size)]: the group's block tables, cut to what it reads;
+    #: the first layer that gathers keys turns them into slots (a native decode reads the
+    #: pages in place and never does).
+    tables: torch.Tensor
+    block_size: int
     #: int64 [b, max_q]: position of each padded query row; padding rows repeat the last
     #: real one, so no row is fully masked.
     q_pos: torch.Tensor
@@ -206,17 +209,17 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
     r = torch.arange(max_q, device=device)
     q_pos = (lens - q_lens)[:, None] + torch.minimum(r[None, :], q_lens[:, None] - 1)
     token_idx, padded_idx = _row_maps(starts, q_lens, max_q, ragged=min(q_lens_host) < max_q)
-    decode_tables = None
-    if max_q == 1:
-        n_blocks = -(-key_len // batch.block_size)
-        decode_tables = batch.block_tables[seq_idx, :n_blocks].long().contiguous()
+    n_blocks = -(-key_len // batch.block_size)
+    tables = batch.block_tables[seq_idx, :n_blocks].long().contiguous()
+    decode_tables = tables if max_q == 1 else None
     fresh_rows = None
     if all(q == seq_lens[i] for q, i in zip(q_lens_host, members)):
         fresh_rows = tuple(zip(starts.tolist(), q_lens_host))
     return _Group(
         token_idx=None if len(members) == batch.num_seqs else token_idx,
         padded_idx=padded_idx,
-        key_slots=_key_slots(batch, seq_idx, lens, key_len),
+        tables=tables,
+        block_size=batch.block_size,
         q_pos=q_pos,
         num_seqs=len(members),
         max_q=max_q,
@@ -227,19 +230,16 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
     )
 
 
-def _key_slots(
-    batch: AttentionBatch, seq_idx: torch.Tensor, lens: torch.Tensor, key_len: int
-) -> torch.Tensor:
+def _key_slots(group: _Group) -> torch.Tensor:
     """int64 [b, L]: the slot of each sequence's key position ``j``.
 
     Position ``j`` lives in ``table[j // bs] * bs + j % bs``. Past a sequence's end,
     position 0 stands in: written, so finite, and the mask drops it.
     """
-    bs = batch.block_size
-    j = torch.arange(key_len, device=lens.device)
+    bs, lens = group.block_size, group.lens
+    j = torch.arange(group.key_len, device=lens.device)
     j = torch.where(j[None, :] < lens[:, None], j[None, :], 0)
-    tables = batch.block_tables[seq_idx].long()
-    return torch.gather(tables, 1, j // bs) * bs + j % bs
+    return torch.gather(group.tables, 1, j // bs) * bs + j % bs
 
 
 def _row_maps(
@@ -279,7 +279,7 @@ def _attend_group(
         outs = [_fresh_prompt(query, fresh, rows, scale) for rows in group.fresh_rows]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
-    b, max_q, length = group.num_seqs, group.max_q, group.key_len
+    b, length = group.num_seqs, group.key_len
     g = query.shape[1] // hkv
 
     q = _fold_queries(query, group, hkv)  # [b, Hkv, G * max_q, D]
@@ -297,8 +297,9 @@ def _gather(kv_cache: torch.Tensor, group: _Group) -> torch.Tensor:
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     rows = group.key_rows.get(hkv)
     if rows is None:  # first layer of the step
-        heads = torch.arange(hkv, device=group.key_slots.device)
-        rows = (group.key_slots[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
+        key_slots = _key_slots(group)
+        heads = torch.arange(hkv, device=key_slots.device)
+        rows = (key_slots[:, None, :] * hkv + heads[None, :, None]).reshape(-1)
         group.key_rows[hkv] = rows
     out = group.gathered.get((kv_cache.dtype, hkv, d))
     if out is None:
