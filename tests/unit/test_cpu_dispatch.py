@@ -22,6 +22,7 @@ from quire.platforms.cpu.dispatch import (
     TimingCache,
     candidates,
     choose,
+    describe_cache,
     dispatch_linears,
     host_key,
 )
@@ -93,6 +94,20 @@ def test_the_timing_cache_round_trips_and_survives_a_bad_file(tmp_path) -> None:
     assert TimingCache(path).get((10, 20)) == _timings(1.0, 2.0)
     path.write_text("{not json")
     assert TimingCache(path).get((10, 20)) is None
+
+
+def test_quire_plugins_describes_what_a_start_would_choose(tmp_path) -> None:
+    cache = TimingCache(tmp_path / "host.json")
+    assert "timed at the first start" in describe_cache(cache, ZEN4, True, True)[0]
+    assert describe_cache(cache, OLD_X86, True, True) == [
+        "linear products: onednn (nothing to choose between on this host)"]
+    cache.put((64, 64), _timings(1.0, 0.5))
+    cache.put((4096, 512), _timings(0.5, 1.0))
+    assert describe_cache(cache, ZEN4, True, True) == [
+        "linear [4096x512]: panels (timed here)", "linear [64x64]: onednn (timed here)"]
+    lines = describe_cache(cache, ZEN4, True, True, limit=1)
+    assert lines[0] == "linear [4096x512]: panels (timed here)"
+    assert lines[1].startswith("... and 1 smaller shapes")
 
 
 def _llama() -> LlamaForCausalLM:

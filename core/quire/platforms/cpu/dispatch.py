@@ -152,6 +152,11 @@ class TimingCache:
     def get(self, shape: tuple[int, int]) -> dict[str, dict[int, float]] | None:
         return self._entries.get(self.shape_key(shape))
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """The shapes with timings, in the file's order."""
+        return [tuple(int(n) for n in key.removeprefix("linear-f32-").split("x"))
+                for key in self._entries]
+
     def put(self, shape: tuple[int, int], timings: Mapping[str, Mapping[int, float]]) -> None:
         self._entries[self.shape_key(shape)] = {i: dict(t) for i, t in timings.items()}
 
@@ -250,3 +255,23 @@ def _unfused_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules()
             if getattr(m, "op_site", None) == "linear"
             and not any(name.startswith(prefix + ".") for prefix in fused)]
+
+
+def describe_cache(cache: TimingCache, features: CpuFeatures, has_panels: bool,
+                   onednn: bool, limit: int = 6) -> list[str]:
+    """What a start on this host would choose for each shape already timed here (for
+    ``quire plugins``); one line when nothing was timed yet."""
+    found = candidates(features, has_panels=has_panels, onednn=onednn)
+    if len(found) < 2:
+        return [f"linear products: {found[0] if found else 'torch'} (nothing to choose "
+                f"between on this host)"]
+    shapes = cache.shapes()
+    if not shapes:
+        return [f"linear products outside fused layers: {' or '.join(found)}, timed at "
+                f"the first start ({cache.path})"]
+    shapes.sort(key=lambda shape: -shape[0] * shape[1])  # the costliest first
+    lines = [f"linear [{n}x{k}]: {choose(found, cache.get((n, k)))} (timed here)"
+             for n, k in shapes[:limit]]
+    if len(shapes) > limit:
+        lines.append(f"... and {len(shapes) - limit} smaller shapes ({cache.path})")
+    return lines

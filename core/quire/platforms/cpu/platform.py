@@ -17,6 +17,7 @@ from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.dispatch import (
     TimingCache,
     cpu_model_name,
+    describe_cache,
     dispatch_linears,
     host_key,
 )
@@ -129,8 +130,16 @@ class CpuPlatform(Platform):
             origin = "prebuilt" if is_prebuilt(native.path) else "built here"
             kernels = f"C kernels: ISA level {native.level}, {origin}: {native.path}"
         waiting = host_wait_policy(self.options.wait_policy, os.environ)
-        return [kernels, f"OpenMP waiting in engine processes: {waiting.policy} "
-                         f"({waiting.reason})"]
+        lines = [kernels, f"OpenMP waiting in engine processes: {waiting.policy} "
+                          f"({waiting.reason})"]
+        features = detect()
+        lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
+                     if has_bf16_products(features) and onednn_available() else
+                     "dtype auto: float32 (no bfloat16 products on this CPU)")
+        if native is not None and self.options.linear == "packed":
+            lines += describe_cache(TimingCache(_timing_cache_path(native)), features,
+                                    native.has_panel_gemm, onednn_available())
+        return lines
 
     def begin_step(self, num_tokens: int) -> None:
         if self._step_threads is not None:
