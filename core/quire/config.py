@@ -139,6 +139,11 @@ class EngineConfig:
                        "step, but minutes of compilation at the first start; on the cpu "
                        "platform it replaces the C kernels and is slower"),
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_help("run every step eagerly: capture no device graphs of decode steps "
+                       "(cuda and rocm capture them by default; other platforms have none)"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -182,7 +187,8 @@ class EngineConfig:
                                     or not all(isinstance(k, str) for k in options)):
             raise ValueError(f"platform_options must map option names to values, got "
                              f"{options!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile",
+                     "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

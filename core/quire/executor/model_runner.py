@@ -15,15 +15,17 @@ sequences. Per step the input batch fills, on the device:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.platform import GraphCapture
 from quire.models.context import ForwardContext
 from quire.models.pipeline import PipelineLink
 from quire.models.pooling import PoolingConfig
@@ -78,6 +80,26 @@ class ModelRunner:
         self.ops = ops if ops is not None else reference_ops()
         self.pooling = pooling
         self.input_batch = InputBatch(block_size, device, limits)
+        #: Captured decode forwards (:meth:`capture_graphs`), or None: all steps eager.
+        self.graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def capture_graphs(self, capture: GraphCapture, sizes: Sequence[int],
+                       max_seq_len: int) -> None:
+        """Capture the decode forward at each batch size of ``sizes``; later decode-only
+        steps that fit replay them (:mod:`quire.executor.graphs`). Call once, after the
+        KV cache holds its final tensors.
+
+        :raises ValueError: for a pipeline stage or an embedding model (they run eagerly).
+        :raises RuntimeError: from :meth:`DecodeGraphs.capture_all`.
+        """
+        if self.link is not None or self.pooling is not None:
+            raise ValueError("graphs capture a whole model's decode forward: not a pipeline "
+                             "stage's, nor an embedding model's")
+        graphs = DecodeGraphs(capture, sizes, block_size=self.block_size,
+                              max_seq_len=max_seq_len, device=self.device)
+        graphs.capture_all(self.model, self.backend, self.kv_caches, self.ops)
+        self.graphs = graphs
 
     def prepare(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepInputs:
         """The flattened inputs of one step (valid until the next call); forgets the
@@ -88,16 +110,12 @@ class ModelRunner:
     def execute(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepResult:
         """Run one forward. Writes the step's K/V into the pages."""
         inputs = self.prepare(scheduled, released)
-        ctx = ForwardContext(
-            backend=self.backend,
-            metadata=self.backend.build_metadata(inputs.batch),
-            kv_caches=self.kv_caches,
-            ops=self.ops,
-            batch=inputs.batch,
-        )
-        if self.link is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        else:  # a pipeline stage: continue the previous stage's, hand on to the next
+        # a decode step that fits a captured graph replays it
+        hidden = None if self.graphs is None else self.graphs.replay(inputs)
+        if hidden is None and self.link is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs))
+        elif hidden is None:  # a pipeline stage: continue the previous stage's, hand on
+            ctx = self._context(inputs)
             intermediate = (None if self.link.stage.is_first
                             else self.link.recv(inputs.input_ids.shape[0]))
             out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
@@ -117,6 +135,11 @@ class ModelRunner:
             for i, first, rows in inputs.prompt_rows
         )
         return StepResult(logits, inputs.sample_items, prompt_logits)
+
+    def _context(self, inputs: StepInputs) -> ForwardContext:
+        return ForwardContext(backend=self.backend,
+                              metadata=self.backend.build_metadata(inputs.batch),
+                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs,
               pooling: PoolingConfig) -> StepResult:

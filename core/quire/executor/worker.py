@@ -9,13 +9,16 @@ then answers three calls: how many KV pages its memory holds, make that many, ru
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig
+from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
 from quire.interfaces.attention import AttentionBackend
@@ -34,6 +37,8 @@ from quire.models.pooling import (
 )
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,28 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
                                   cfg.block_size, self.device, self.link, self.ops,
                                   self.pooling, limits)
+        self._capture_graphs(self.runner)
+
+    def _capture_graphs(self, runner: ModelRunner) -> None:
+        """Capture the decode graphs when the platform records graphs and nothing turns
+        them off: ``enforce_eager``, pipeline stages and embedding models (which run
+        eagerly), or more than one rank (collectives inside a capture are untested).
+        Logs the time and the device memory the capture took."""
+        cfg = self.config
+        if (cfg.engine.enforce_eager or self.link is not None or self.pooling is not None
+                or cfg.engine.world_size > 1):
+            return
+        capture = self.platform.graph_capture(self.rank)
+        if capture is None:
+            return
+        profiler = self.platform.make_memory_profiler(self.rank)
+        sizes = capture_sizes(cfg.max_num_seqs)
+        free, start = profiler.free_memory(), time.perf_counter()
+        runner.capture_graphs(capture, sizes, cfg.max_model_len)
+        self.platform.synchronize()
+        logger.info("captured decode graphs for %d batch sizes (1..%d) in %.2f s, using "
+                    "%.1f MiB of device memory", len(sizes), sizes[-1],
+                    time.perf_counter() - start, (free - profiler.free_memory()) / 2**20)
 
     def _allocate(self, num_blocks: int) -> list[torch.Tensor | None]:
         """One KV tensor per layer this rank holds, by global layer index."""

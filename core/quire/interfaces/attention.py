@@ -116,6 +116,20 @@ class AttentionBackend(ABC):
         Must not read or change any KV cache. The result is opaque to the core.
         """
 
+    def update_metadata(self, metadata: Any, batch: AttentionBatch) -> bool:
+        """Refill ``metadata`` in place for ``batch``, so that device work captured while
+        reading it (a graph, ``quire.executor.graphs``) serves a later step.
+
+        ``metadata`` came from :meth:`build_metadata` for a batch of the same query
+        lengths and tensor shapes, with a ``max_seq_len`` no smaller than ``batch``'s;
+        its tensors keep their addresses, and its host-side fields stay those of the
+        capture. Must not sync the device. Plugin API 1.2.
+
+        :returns: True when refilled; False when this backend cannot (the default), or
+            not for this batch: the step then runs eagerly.
+        """
+        return False
+
     @abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any

@@ -10,7 +10,7 @@ available. Vendor imports belong inside :meth:`Platform.availability` and the fa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,6 +42,28 @@ class Availability:
         if not reason:
             raise ValueError("an unavailable platform must say why")
         return cls(False, reason)
+
+
+class GraphCapture(ABC):
+    """Records a stretch of device work once and replays it with one launch (CUDA or HIP
+    graphs): what :meth:`Platform.graph_capture` returns. One per worker; the graphs it
+    captures share one memory pool, so capture the largest first and replay one at a
+    time. Created without touching the device."""
+
+    @abstractmethod
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Run ``fn`` once while recording its device work.
+
+        ``fn`` reads its inputs from tensors that outlive the graph and must not sync the
+        host (no ``.item()``, no data-dependent shapes); its kernels are already compiled
+        (the caller ran it eagerly first). Host-side decisions ``fn`` makes (grid sizes,
+        which kernels run) are frozen at capture.
+
+        :returns: ``replay``: re-runs the recorded work on the same memory, reading the
+            inputs' current contents, and returns the tensor ``fn`` returned at capture
+            (the same tensor each time, overwritten by each replay).
+        :raises RuntimeError: when the work cannot be recorded (a sync inside ``fn``).
+        """
 
 
 class Platform(ABC):
@@ -116,6 +138,15 @@ class Platform(ABC):
         for tuning that depends on the step's size (the cpu platform runs single-token
         steps on one thread). Must not change results. Default: nothing.
         """
+
+    def graph_capture(self, device_index: int = 0) -> GraphCapture | None:
+        """A recorder of device graphs for local device ``device_index``, or None: this
+        platform runs every step eagerly (the default). With one, the model runner
+        captures its decode forward for a ladder of batch sizes after the KV cache is
+        allocated and replays it for decode-only steps (``quire.executor.graphs``);
+        ``EngineConfig.enforce_eager`` turns it off. Plugin API 1.2.
+        """
+        return None
 
     def configure(self, options: Mapping[str, Any]) -> None:
         """Take the user's platform options (``EngineConfig.platform_options``), checked

@@ -180,6 +180,26 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
         )
 
+    def update_metadata(self, metadata: TritonAttentionMetadata, batch: AttentionBatch) -> bool:
+        """For a graph's replay: a batch of one new token per sequence, as many sequences
+        as ``metadata`` was built for, copied into its tensors (the int32 conversion in
+        the copy). The decode split stays the capture's, sized for its ``max_seq_len``:
+        a shorter sequence leaves some shares empty, which the merge weighs as 0."""
+        b = metadata.seq_lens.shape[0]
+        if (batch.num_seqs != b or batch.num_tokens != b
+                or metadata.slot_mapping.shape[0] != b
+                or batch.block_size != metadata.block_size
+                or batch.block_tables.shape != metadata.block_tables.shape
+                or batch.max_seq_len > metadata.max_seq_len):
+            return False
+        for dst, src in ((metadata.slot_mapping, batch.slot_mapping),
+                         (metadata.query_start_loc, batch.query_start_loc),
+                         (metadata.seq_lens, batch.seq_lens),
+                         (metadata.block_tables, batch.block_tables)):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        return True
+
     def write_kv(
         self,
         key: torch.Tensor,

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from quire.distributed import TorchDistributedCommunicator
-from quire.interfaces.platform import Availability, Platform
+from quire.interfaces.platform import Availability, GraphCapture, Platform
 from quire.kernels import TritonAttentionBackend, TritonAttentionConfig
 from quire.kernels.triton_ops import triton_ops
 from quire.ops import OpSet, reference_ops
@@ -80,6 +80,13 @@ class RocmPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def graph_capture(self, device_index: int = 0) -> GraphCapture:
+        """HIP graphs (torch's CUDA graph API on ROCm) of the decode forward, one memory pool per worker (imported here,
+        so listing the platform stays cheap). Untested on a GPU so far."""
+        from quire_rocm.graphs import TorchGraphCapture
+
+        return TorchGraphCapture(device_index)
 
     def make_ops(self) -> OpSet:
         """The reference ops with the core's Triton kernels (portable, imported on

@@ -64,16 +64,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                                 help=f"{help_text}, or a built-in name (default: {DEFAULT_MODEL})")
             continue
         kind = _TYPES.get(f.name)
+        bare: dict[str, Any] = {}
         if kind is None:
-            if f.type in ("bool", bool):
-                kind = _parse_bool
+            if f.type in ("bool", bool):  # a bare flag means true (vLLM's --enforce-eager)
+                kind, bare = _parse_bool, {"nargs": "?", "const": True}
             elif "int" in str(f.type):
                 kind = int
             else:
                 kind = str
         default = f.default if f.default is not dataclasses.MISSING else None
         parser.add_argument(_flag(f.name), type=kind, default=default, metavar=f.name.upper(),
-                            help=f"{help_text} (default: {default})")
+                            help=f"{help_text} (default: {default})", **bare)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,39 @@
+"""CUDA graphs for the cuda platform: the decode forward recorded once per batch size
+and replayed with one launch (torch's ``torch.cuda.graph``).
+
+Imported by :meth:`~quire_cuda.platform.CudaPlatform.graph_capture` only. Creating a
+:class:`TorchGraphCapture` touches no device: the memory pool is made at the first capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from quire.interfaces.platform import GraphCapture
+
+
+class TorchGraphCapture(GraphCapture):
+    """``torch.cuda.CUDAGraph`` captures on one device, sharing one memory pool."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device = torch.device("cuda", device_index)
+        self._pool: tuple[int, int] | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        with torch.cuda.device(self.device):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            # torch.cuda.graph captures on a side stream of its own
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = fn()
+            torch.cuda.synchronize()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
