@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 #: 1.0: Platform, AttentionBackend, Communicator (collectives), MemoryProfiler.
 #: 1.1: Communicator.send and Communicator.recv, for pipeline parallelism; a 1.0
 #:      communicator inherits defaults that raise NotImplementedError.
-#: 1.2: Platform.auto_dtype (what ``dtype="auto"`` means per checkpoint) and
-#:      Platform.details (lines for ``quire plugins``); a 1.1 platform inherits defaults
-#:      (its first supported dtype; no lines).
+#: 1.2: Platform.auto_dtype (what ``dtype="auto"`` means per checkpoint),
+#:      Platform.details (lines for ``quire plugins``), Platform.graph_capture with
+#:      AttentionBackend.update_metadata (decode steps replayed from device graphs); a 1.1
+#:      platform inherits defaults (its first supported dtype; no lines; no graphs).
 PLUGIN_API_VERSION = "1.2"
 
 
