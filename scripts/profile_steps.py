@@ -5,7 +5,9 @@
 Adds ``--batch`` requests of ``--prompt-len`` distinct random tokens (greedy,
 ``ignore_eos``), runs steps until every prompt is in the cache, then profiles
 ``--steps`` pure decode steps. Prints the median step time and the top entries by self
-host time; on a GPU also by self device time, and how busy the device was. Torch
+host time; on a GPU also by self device time, how busy the device was, and the kernel
+launches per step (host launch calls, a graph's replay counting as one) beside the
+kernels that ran per step (``--enforce-eager`` compares without graphs). Torch
 operators and CUDA kernels are all the profiler sees: time spent in the cpu platform's C
 kernels (called through ctypes) shows up as the host time of the Python frame around
 them, so for the cpu platform use py-spy with ``--native`` as well.
@@ -27,6 +29,10 @@ from quire.plugins.registry import PlatformRegistry
 from quire.sampling_params import SamplingParams
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+#: Runtime calls that launch device work (CUDA and HIP names): a graph's replay is one.
+LAUNCH_CALLS = ("LaunchKernel", "cuLaunchKernel", "GraphLaunch", "hipModuleLaunchKernel",
+                "hipExtModuleLaunchKernel")
 
 
 def main() -> None:
@@ -76,6 +82,12 @@ def main() -> None:
         busy = sum(e.self_device_time_total for e in table
                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
         print(f"device busy {busy:.3f} s of {wall:.3f} s wall ({busy / wall:.0%})")
+        kernels = sum(e.count for e in table
+                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+        launches = sum(e.count for e in table if e.device_type == DeviceType.CPU
+                       and any(name in e.key for name in LAUNCH_CALLS))
+        print(f"launches per step {launches / args.steps:.0f}, kernels per step "
+              f"{kernels / args.steps:.0f}")
 
 
 if __name__ == "__main__":
