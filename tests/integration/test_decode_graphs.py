@@ -11,6 +11,7 @@ GPU check in ``scripts/device_cuda_check.sh``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -199,12 +200,14 @@ def _page_bytes(path: str) -> int:
 
 @pytest.mark.slow  # about 40 s each: every step's kernels in Triton's interpreter
 @pytest.mark.parametrize("scenario", ["preemption", "chunked-prefill"])
-def test_greedy_outputs_with_graphs_equal_eager_ones(scenario, tiny_checkpoint):
+def test_greedy_outputs_with_graphs_equal_eager_ones(scenario, tiny_checkpoint, caplog):
     path = str(tiny_checkpoint("llama"))
     options = ({"kv_cache_memory": 12 * _page_bytes(path)} if scenario == "preemption"
                else {"max_num_batched_tokens": 8})
     eager, eager_llm = _generate(path, True, **options)
-    graphed, llm = _generate(path, False, **options)
+    with caplog.at_level(logging.INFO, logger="quire.executor.worker"):
+        graphed, llm = _generate(path, False, **options)
+    assert "captured decode graphs for 4 batch sizes (1..6)" in caplog.text
     assert graphed == eager
     assert [len(t) for t in graphed] == MAX_TOKENS
     assert eager_llm.engine.core.executor.worker.runner.graphs is None
