@@ -96,3 +96,60 @@ def test_enforce_eager_is_a_bare_flag_like_vllms():
     assert parse_args(parser, ["generate"]).enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager must be true or false"):
         EngineConfig(model="m", enforce_eager="yes")  # type: ignore[arg-type]
+
+
+class _FakeCuda:
+    """The slice of ``torch.cuda`` the recorders call, logging each call."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.replays = 0
+
+    def _context(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx(*args, **kwargs):
+            self.log.append(f"enter {name} {kwargs.get('pool', '')}".strip())
+            yield
+            self.log.append(f"exit {name}")
+        return ctx
+
+    def __getattr__(self, name: str):
+        if name in ("device", "stream", "graph"):
+            return self._context(name)
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                fake.log.append("wait_stream")
+
+        class CUDAGraph:
+            def replay(self) -> None:
+                fake.replays += 1
+
+        return {"graph_pool_handle": lambda: "pool-1", "Stream": Stream,
+                "current_stream": Stream, "CUDAGraph": CUDAGraph,
+                "synchronize": lambda *a: self.log.append("synchronize")}[name]
+
+
+@pytest.mark.parametrize("module", ["quire_cuda.graphs", "quire_rocm.graphs"])
+def test_the_torch_recorders_warm_up_on_a_side_stream_and_share_one_pool(module,
+                                                                         monkeypatch):
+    graphs = pytest.importorskip(module)
+    cuda = _FakeCuda()
+    monkeypatch.setattr(graphs.torch, "cuda", cuda)
+    recorder = graphs.TorchGraphCapture(0)
+    runs: list[torch.Tensor] = []
+
+    def fn() -> torch.Tensor:
+        runs.append(torch.full((2,), float(len(runs))))
+        return runs[-1]
+
+    replay_a = recorder.capture(fn)
+    replay_b = recorder.capture(fn)
+    assert len(runs) == 4  # a warm-up and the capture, each time
+    assert cuda.log.count("enter graph pool-1") == 2  # one pool for every graph
+    first = cuda.log.index("enter stream")
+    assert first < cuda.log.index("enter graph pool-1")  # the warm-up comes first
+    assert replay_a() is runs[1] and replay_b() is runs[3] and cuda.replays == 2

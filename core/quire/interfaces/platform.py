@@ -52,7 +52,8 @@ class GraphCapture(ABC):
 
     @abstractmethod
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """Run ``fn`` once while recording its device work.
+        """Run ``fn`` while recording its device work (a recorder may run it once more
+        before, to warm up: ``fn`` must give the same result each time).
 
         ``fn`` reads its inputs from tensors that outlive the graph and must not sync the
         host (no ``.item()``, no data-dependent shapes); its kernels are already compiled

@@ -25,9 +25,14 @@ class TorchGraphCapture(GraphCapture):
         with torch.cuda.device(self.device):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            # torch's recipe: one run on a side stream first (libraries set up their
+            # per-stream state there, not inside the capture), then capture on its own
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            # torch.cuda.graph captures on a side stream of its own
             with torch.cuda.graph(graph, pool=self._pool):
                 out = fn()
             torch.cuda.synchronize()
