@@ -179,12 +179,15 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64, 8], [12, 7, 7], [99, 98, 97, 96, 95, 9
 MAX_TOKENS = [12, 3, 9, 14, 6, 10]  # sequences finish at different steps
 
 
-def _generate(path: str, enforce_eager: bool, **options) -> tuple[list[list[int]], LLM]:
-    platform = FakeGraphPlatform()
+def _llm(path: str, enforce_eager: bool, **options) -> LLM:
     config = EngineConfig.from_kwargs(path, device="fakegraph", dtype="float32",
                                       max_model_len=48, max_num_seqs=6,
                                       enforce_eager=enforce_eager, **options)
-    llm = LLM.from_engine(LLMEngine(config, OnePlatform(platform)))
+    return LLM.from_engine(LLMEngine(config, OnePlatform(FakeGraphPlatform())))
+
+
+def _generate(path: str, enforce_eager: bool, **options) -> tuple[list[list[int]], LLM]:
+    llm = _llm(path, enforce_eager, **options)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     return [o.outputs[0].token_ids for o in outs], llm
@@ -216,3 +219,28 @@ def test_greedy_outputs_with_graphs_equal_eager_ones(scenario, tiny_checkpoint, 
     assert graphs.replays > 0 and graphs.eager_steps > 0
     if scenario == "preemption":
         assert llm.engine.core.scheduler.stats.num_preemptions > 0
+
+
+@pytest.mark.slow  # about 40 s
+def test_seeded_samples_and_prefix_hits_with_graphs_equal_eager_ones(tiny_checkpoint):
+    """n=2 seeded samples (the forks share their prompt's pages), twice: the second pass
+    finds the prompts in the prefix cache. Sampling runs outside the graphs, on logits
+    the replay computed."""
+    path = str(tiny_checkpoint("llama"))
+    prompts = [PROMPTS[0], PROMPTS[0] + [6, 6], PROMPTS[2]]
+    params = [SamplingParams(n=2, temperature=0.8, seed=7 + i, max_tokens=8,
+                             ignore_eos=True) for i in range(len(prompts))]
+
+    def run(enforce_eager: bool) -> tuple[list[list[list[int]]], int, LLM]:
+        llm = _llm(path, enforce_eager)
+        passes = [llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                  for _ in range(2)]
+        tokens = [[c.token_ids for o in outs for c in o.outputs] for outs in passes]
+        return tokens, sum(o.num_cached_tokens for o in passes[1]), llm
+
+    eager, _, _ = run(True)
+    graphed, cached, llm = run(False)
+    assert graphed == eager
+    assert cached > 0
+    graphs = llm.engine.core.executor.worker.runner.graphs
+    assert graphs is not None and graphs.replays > 0
