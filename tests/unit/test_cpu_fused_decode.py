@@ -77,10 +77,11 @@ class Counting:
 class Run:
     """One model, its caches and runner; sequences decode greedily step by step."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.backend = CpuSdpaAttentionBackend()
         self.caches = [self.backend.allocate_kv_cache(num_blocks, BLOCK, model.num_kv_heads,
-                                                      model.head_dim, torch.float32,
+                                                      model.head_dim, dtype,
                                                       torch.device("cpu"))
                        for _ in range(model.num_layers)]
         self.runner = ModelRunner(model, self.backend, self.caches, BLOCK, torch.device("cpu"))
@@ -193,6 +194,48 @@ def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, nam
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     assert single.calls + batch.calls == taken.calls
     _assert_same_caches(fused, plain, seqs[:1])
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-biases", "gemma3", "qwen3-moe"])
+def test_a_bfloat16_model_decodes_a_lone_sequence_in_c(kernels: NativeKernels,
+                                                       name: str) -> None:
+    """A bfloat16 model's lone sequence runs the C layer: rows widened to float32,
+    weights streamed from their compact bf16 copies, KV pages in bfloat16 (written
+    rounded). Oracle: the same weights in a float32 model; tolerance ``atol=0.05,
+    rtol=0.02`` on logits (bfloat16 keeps 8 bits; gaps seen up to 0.032 at logits of 7.8,
+    where the op-by-op bfloat16 path was 0.044 away). The pages it wrote hold the
+    float32 run's keys and values to bfloat16 rounding."""
+    config, cls = CONFIGS[name] if isinstance(CONFIGS[name], tuple) else (CONFIGS[name],
+                                                                          LlamaForCausalLM)
+    reference, fused = _model(config, cls), _model(config, cls).to(torch.bfloat16)
+    pack_linear_weights(fused, kernels)
+    install_norm_kernels(fused, kernels)
+    assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
+    single = Counting(kernels.decode_layer_f32)
+    for layer in fused.model.layers:
+        layer.kernel.native = _Proxy(kernels, single, Counting(kernels.decode_batch_f32),
+                                     Counting(kernels.layer_front_f32))
+    runs = (Run(reference), Run(fused, dtype=torch.bfloat16))
+    prompt = [5, 17, 90, 3, 64, 11, 7]
+    seqs = [_seq(0, prompt, [9, 2, 30, 4, 17, 6]) for _ in runs]
+    for run, seq in zip(runs, seqs):
+        run.step([ScheduledSeq(seq, 0, len(prompt))])
+    for n in range(12):  # past a page boundary and the window
+        start = seqs[0].num_tokens
+        outs = []
+        for run, seq in zip(runs, seqs):
+            seq.output_token_ids.append((7 * n + 3) % 96)
+            outs.append(run.step([ScheduledSeq(seq, start, 1)]))
+        want, got = outs
+        assert got.dtype == torch.float32  # the LM head's logits
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
+    assert single.calls == 12 * config.num_hidden_layers
+    for ref_cache, cache in zip(runs[0].caches, runs[1].caches):
+        assert cache.dtype == torch.bfloat16
+        for pos in range(seqs[0].num_tokens):
+            block, offset = seqs[0].block_table[pos // BLOCK], pos % BLOCK
+            torch.testing.assert_close(cache[:, block, offset].float(),
+                                       ref_cache[:, block, offset], rtol=2**-6, atol=0.02)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3-moe"])

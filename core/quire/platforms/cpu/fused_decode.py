@@ -23,16 +23,23 @@ SiLU and products, the rotary's roll) and the Python around them took ~40 ms of 
 
 A layer qualifies when its description fits the C layer (any of its norms, q/k norms,
 SiLU or GELU-tanh, no logit soft cap), it runs on one device (no all-reduce), its norms
-are float32 with one eps, and each of its linears is a
+are float32 (or all bfloat16, below) with one eps, and each of its linears is a
 :class:`~quire.platforms.cpu.packed_linear.PackedLinear` with a compact encoding
 (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q5_0/Q8_0 weights and bf16
 checkpoints) or float32 panels (the native panel kernel, AVX2 hosts). A one-row step
 streams the compact weights and runs the others on their panels in the same call; the
 other steps need every linear on panels. The
 whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s metadata and a
-float32 contiguous KV cache. What does not fit returns None and the layer runs op by
-op. Results agree with that path to float32 rounding (the same kernels for products,
-norms and attention; the activation and rotary in C instead of torch).
+contiguous KV cache of the model's dtype. What does not fit returns None and the layer
+runs op by op. Results agree with that path to float32 rounding (the same kernels for
+products, norms and attention; the activation and rotary in C instead of torch).
+
+A bfloat16 model's layers qualify too, for a lone sequence's decode steps only: the C
+layer computes in float32 from the bf16 weights' compact copies, reads and writes
+bfloat16 KV pages, and its rows are widened on the way in and rounded on the way out.
+Batches run op by op on oneDNN's bfloat16 products, faster than float32 panels there.
+Numbers differ from the op-by-op bfloat16 path by bfloat16 rounding (the C layer
+rounds less often), not float32's.
 """
 
 from __future__ import annotations
@@ -71,18 +78,23 @@ class FusedDecodeLayer:
         self.scale = float(spec.scale)
         self.window = spec.sliding_window or 0
         self.hidden = spec.input_norm.weight.shape[0]
-        # the norms' weights with their offsets added (kept alive: the struct points
-        # into them); _qualifies checked that they share one eps
+        #: the model's dtype: float32, or bfloat16 (rows converted at the call's edges,
+        #: KV pages in bfloat16, weights streamed from their compact bf16 copies)
+        self.dtype = spec.input_norm.weight.dtype
+        # the norms' weights with their offsets added, in float32 (kept alive: the
+        # struct points into them); _qualifies checked that they share one eps
         self._norms = {name: _effective_weight(getattr(spec, name)) for name in _NORMS}
         self._desc = LayerDescArgs(
             spec.input_norm.eps, LayerDescArgs.ACTIVATIONS[spec.activation],
             *(None if w is None else w.data_ptr() for w in self._norms.values()),
-            spec.mlp is not None)
+            spec.mlp is not None, self.dtype == torch.bfloat16)
         self.desc = ctypes.byref(self._desc)
         #: the MLP the C layer leaves to the model (mixture of experts), or None
         self.mlp = spec.mlp
         modules = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
         kernels = [module.kernel for module in modules]
+        # float32 biases (copies of a bfloat16 model's), kept alive for the structs
+        biases = [_bias(m) for m in modules]
         # ctypes structs pointing into the PackedLinears' tensors and the biases, which
         # live as long as the model; byref()s made once, not per call
         # one-row steps: each weight's compact encoding, or its panels where it has none
@@ -92,17 +104,18 @@ class FusedDecodeLayer:
         if (any(k.compact is not None for k in kernels)
                 and all(k.compact is not None or k.panels is not None for k in kernels)):
             self._compact_args = [
-                LinearArgs.of(k.compact, _bias(m)) if k.compact is not None
-                else LinearArgs.of_panels(k.panels, k.out_features, _bias(m))
-                for k, m in zip(kernels, modules)]
+                LinearArgs.of(k.compact, b) if k.compact is not None
+                else LinearArgs.of_panels(k.panels, k.out_features, b)
+                for k, b in zip(kernels, biases)]
             self._compact = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._compact_args])
         self._panels = None
         if all(k.panels is not None for k in kernels):
-            self._panel_args = [PanelArgs.of(k.panels, k.out_features, _bias(m))
-                                for k, m in zip(kernels, modules)]
+            self._panel_args = [PanelArgs.of(k.panels, k.out_features, b)
+                                for k, b in zip(kernels, biases)]
             self._panels = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._panel_args])
+        self._biases = biases
 
     def __call__(
         self,
@@ -113,6 +126,16 @@ class FusedDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = hidden.shape[0]
         cos, sin = rotary
+        if hidden.dtype != self.dtype:
+            return None
+        if self.dtype != torch.float32:
+            # the C layer computes in float32: a bfloat16 model's rows are widened
+            # here and its outputs rounded back at the end (only a lone sequence's
+            # decode step runs here: its products need the compact copies)
+            if not (rows == 1 and self._compact is not None):
+                return None
+            hidden, cos, sin = hidden.float(), cos.float(), sin.float()
+            residual = None if residual is None else residual.float()
         if not (rows > 0 and hidden.dtype == cos.dtype == sin.dtype == torch.float32
                 and cos.shape[0] == sin.shape[0] == rows
                 and cos.shape[-1] == sin.shape[-1] == self.d == cos.numel() // rows
@@ -126,6 +149,8 @@ class FusedDecodeLayer:
             done = self._decode(hidden, residual, cos, sin, ctx)
         if done is None and self._panels is not None:
             done = self._halves(hidden, residual, cos, sin, ctx)
+        if done is not None and self.dtype != torch.float32:
+            done = (done[0].to(self.dtype), done[1].to(self.dtype))
         if done is None or self.mlp is None:
             return done
         return self.mlp(done[0], ctx), done[1]  # the C layer stopped at the MLP's input
@@ -148,7 +173,7 @@ class FusedDecodeLayer:
         meta = ctx.metadata
         group = meta.groups[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
-        if not (kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        if not (kv_cache.dtype == self.dtype and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)):
             return None
         use_compact = rows == 1 and self._compact is not None
@@ -230,13 +255,14 @@ def _effective_weight(norm: NormSpec | None) -> torch.Tensor | None:
     """The weight the C norm multiplies by: ``offset + weight`` (Gemma's ``1 + w``)."""
     if norm is None:
         return None
-    weight = norm.weight.detach()
+    weight = norm.weight.detach().float()
     return (weight + norm.offset).contiguous() if norm.offset else weight.contiguous()
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
+    """A linear's bias in float32 (the C layer's), or None."""
     bias = getattr(module, "bias", None)
-    return None if bias is None else bias.detach()
+    return None if bias is None else bias.detach().float().contiguous()
 
 
 def decline_reason(spec: DecoderLayerSpec) -> str | None:
@@ -254,15 +280,17 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
     if spec.mlp is None and (spec.gate_up is None or spec.down is None):
         return "neither gated MLP sites nor an MLP to call"
     norms = spec.norms()
-    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
-        return "norm weights not float32 on the host"
+    dtypes = {n.weight.dtype for n in norms}
+    if len(dtypes) != 1 or dtypes - {torch.float32, torch.bfloat16} or any(
+            n.weight.device.type != "cpu" for n in norms):
+        return "norm weights not float32 or bfloat16 on the host"
     if len({n.eps for n in norms}) != 1:
         return "norms with different eps"
     linears = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
     if not all(isinstance(getattr(m, "kernel", None), PackedLinear) for m in linears):
         return "linears not packed"
-    if not all(_bias(m) is None or _bias(m).dtype == torch.float32 for m in linears):
-        return "biases not float32"
+    if not all(getattr(m, "bias", None) is None or m.bias.dtype in dtypes for m in linears):
+        return "biases of another dtype than the norms"
     if not all(m.kernel.compact is not None or m.kernel.panels is not None for m in linears):
         return "linears with neither a compact copy nor panels"
     return None

@@ -94,13 +94,14 @@ class PanelArgs(ctypes.Structure):
 class LayerDescArgs(ctypes.Structure):
     """``struct quire_layer_desc`` of ``csrc/decode_layer.c``: which norms a decoder layer
     has (NULL: absent; offsets already added to the weights), its activation, and
-    whether its MLP runs outside (mixture of experts). Holds
+    whether its MLP runs outside (mixture of experts), and whether its KV pages hold
+    bfloat16. Holds
     raw pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("eps", ctypes.c_float), ("activation", ctypes.c_int32),
                 ("norm_in", _ptr), ("norm_pre_mlp", _ptr), ("q_norm", _ptr),
                 ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
-                ("mlp_external", ctypes.c_int32)]
+                ("mlp_external", ctypes.c_int32), ("kv_bf16", ctypes.c_int32)]
 
     #: ``activation`` values, by the name a layer description uses.
     ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -90,11 +90,17 @@ class PackedLinear:
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.native = native
+        #: the weight's dtype, which the inputs share
+        self.dtype = weight.dtype
         if weight.dtype == torch.bfloat16:
-            # bfloat16 products run on oneDNN's packed layout at every row count: with
-            # AVX512_BF16 or AMX it multiplies in bf16 with float32 accumulation, where
-            # F.linear's bfloat16 mm was ~50x slower for one row (docs/bench.md)
-            self.compact = self.panels = self.split = None
+            # bfloat16 products run on oneDNN's packed layout: with AVX512_BF16 or AMX
+            # it multiplies in bf16 with float32 accumulation, where F.linear's
+            # bfloat16 mm took milliseconds per one-row product. The compact copy (the
+            # same bf16 values, exactly) serves the fused C layer of a lone sequence,
+            # which computes in float32 (fused_decode.py).
+            self.panels = self.split = None
+            self.compact = (encode(weight.float()) if native is not None and compact
+                            else None)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
             return
         #: the weight in an exact compact encoding, for one-row products; None when
@@ -169,6 +175,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # the operators take 2-D input
         y = None
+        if self.dtype == torch.bfloat16:  # oneDNN at every row count
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)
         if self.compact is not None and rows.shape[0] <= COMPACT_MAX_ROWS:
             y = self.native.compact_linear(rows, self.compact, bias)
         if y is None and self.panels is not None:

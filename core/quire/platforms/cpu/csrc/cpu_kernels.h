@@ -122,6 +122,27 @@ static inline void prefetch_row_bf16(const uint16_t *row_start, int64_t row) {
     for (int64_t c = 0; c < row * (int64_t)sizeof(uint16_t); c += 64) __builtin_prefetch(p + c);
 }
 
+/* float32 to bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* One slot's row of `row` elements into a cache half of float32 or bfloat16 (rounded). */
+static inline void store_kv_row(void *half, int kv_bf16, int64_t slot, int64_t row,
+                                const float *src) {
+    if (kv_bf16) {
+        uint16_t *dst = (uint16_t *)half + slot * row;
+        for (int64_t i = 0; i < row; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)half + slot * row, src, sizeof(float) * row);
+    }
+}
+
 /* dot() of a float32 a and a bfloat16 b (a KV row): two 8-wide partial sums. */
 static inline float kv_dot_bf16(const float *a, const uint16_t *b, int64_t n) {
     int64_t i = 0;
@@ -161,6 +182,26 @@ void quire_attend_heads(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                         int64_t h_end, int64_t groups, int64_t row, int64_t d,
                         int64_t block_size, float scale, float *scores, float *out);
+
+/* paged_decode.c: the same over bfloat16 pages. */
+void quire_attend_heads_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
+                             int64_t h_end, int64_t groups, int64_t row, int64_t d,
+                             int64_t block_size, float scale, float *scores, float *out);
+
+/* quire_attend_heads or its bfloat16 twin, by the cache's element type. */
+static inline void attend_heads_kv(int kv_bf16, const float *q, const void *k_cache,
+                                   const void *v_cache, const int64_t *table, int64_t start,
+                                   int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,
+                                   int64_t row, int64_t d, int64_t block_size, float scale,
+                                   float *scores, float *out) {
+    if (kv_bf16)
+        quire_attend_heads_bf16(q, k_cache, v_cache, table, start, n, h_begin, h_end, groups,
+                                row, d, block_size, scale, scores, out);
+    else
+        quire_attend_heads(q, k_cache, v_cache, table, start, n, h_begin, h_end, groups, row,
+                           d, block_size, scale, scores, out);
+}
 
 /* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,

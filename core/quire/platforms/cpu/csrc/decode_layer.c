@@ -25,6 +25,10 @@
  * A layer whose MLP is not a gated pair of products (mixture of experts) says
  * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
  *
+ * KV pages may hold bfloat16 (desc->kv_bf16: a bfloat16 model's): this token's key and
+ * value are rounded into them and the attention reads them widened; everything else
+ * stays float32, the caller converting the layer's input and output rows.
+ *
  * The same operations as the model's op-by-op layer with the cpu platform's kernels
  * (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order; the products and
  * norms sum in their own orders, so results agree with the op-by-op path to float32
@@ -44,6 +48,7 @@ struct quire_layer_desc {
     const float *q_norm, *k_norm;          /* [d], over each head; both or neither */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden] */
     int32_t mlp_external;  /* stop at the MLP's input; gate_up and down may be NULL */
+    int32_t kv_bf16;       /* the KV pages hold bfloat16 (written rounded, read widened) */
 };
 
 #define QUIRE_ACT_SILU 0
@@ -199,8 +204,8 @@ int quire_decode_layer_f32(
     const float *x, const float *residual, int64_t hidden,
     const struct quire_layer_desc *desc, const struct quire_linear *qkv,
     const struct quire_linear *o, const struct quire_linear *gate_up,
-    const struct quire_linear *down, const float *cos, const float *sin, float *k_cache,
-    float *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
+    const struct quire_linear *down, const float *cos, const float *sin, void *k_cache,
+    void *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
     int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
     float *residual_out) {
     const int external = desc->mlp_external;
@@ -240,13 +245,13 @@ int quire_decode_layer_f32(
                 norm_heads(qkv_out + hq * d, hkv, d, desc->k_norm, eps);
             }
             rotate(qkv_out, hq + hkv, d, cos, sin); /* q heads then k heads */
-            memcpy(k_cache + slot * row, qkv_out + hq * d, sizeof(float) * row);
-            memcpy(v_cache + slot * row, qkv_out + (hq + hkv) * d, sizeof(float) * row);
+            store_kv_row(k_cache, desc->kv_bf16, slot, row, qkv_out + hq * d);
+            store_kv_row(v_cache, desc->kv_bf16, slot, row, qkv_out + (hq + hkv) * d);
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < hq; h++)
-            quire_attend_heads(qkv_out, k_cache, v_cache, table, start, n, h, h + 1, hq / hkv,
-                               row, d, block_size, scale, scores + h * n, attn);
+            attend_heads_kv(desc->kv_bf16, qkv_out, k_cache, v_cache, table, start, n, h, h + 1,
+                            hq / hkv, row, d, block_size, scale, scores + h * n, attn);
         gemv_team(o, attn, o_out);
 #pragma omp single
         {
@@ -473,7 +478,7 @@ int quire_decode_batch_f32(
     const struct quire_layer_desc *desc, const struct quire_panels *qkv,
     const struct quire_panels *o, const struct quire_panels *gate_up,
     const struct quire_panels *down, const float *cos, const float *sin, int64_t rot_stride,
-    float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables,
+    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables,
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
     if (rows <= 0 || !desc_fits(desc) ||
@@ -507,17 +512,17 @@ int quire_decode_batch_f32(
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *kv = qkv_out + r * qkv_n + hq * d;
-            memcpy(k_cache + slots[r] * row, kv, sizeof(float) * row);
-            memcpy(v_cache + slots[r] * row, kv + row, sizeof(float) * row);
+            store_kv_row(k_cache, desc->kv_bf16, slots[r], row, kv);
+            store_kv_row(v_cache, desc->kv_bf16, slots[r], row, kv + row);
         }
         float *my_scores = scores + omp_get_thread_num() * hq * longest;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < rows; s++) {
             const int64_t len = seq_lens[s];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            quire_attend_heads(qkv_out + s * qkv_n, k_cache, v_cache, tables + s * table_stride,
-                               start, len - start, 0, hq, hq / hkv, row, d, block_size, scale,
-                               my_scores, attn + s * hq * d);
+            attend_heads_kv(desc->kv_bf16, qkv_out + s * qkv_n, k_cache, v_cache,
+                            tables + s * table_stride, start, len - start, 0, hq, hq / hkv, row,
+                            d, block_size, scale, my_scores, attn + s * hq * d);
         }
         back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
     }
