@@ -204,3 +204,37 @@ def test_device_twins_receive_every_input():
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             assert torch.equal(getattr(a.batch, name), getattr(b.batch, name)), name
+
+
+def test_an_engine_s_input_batch_mirrors_its_sequences(tiny_checkpoint):
+    """Through an engine with preemptions, forks (n=2) and an abort: after every step the
+    worker's batch holds, for each sequence the core says it sent, exactly the pages the
+    sequence had then, and nothing for the rest once their release has gone out."""
+    from quire.config import EngineConfig
+    from quire.engine import LLMEngine
+
+    path = str(tiny_checkpoint("llama"))
+    probe = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", block_size=4))
+    spec = probe.core.kv_spec
+    page = 2 * spec.num_layers * 4 * spec.num_kv_heads * spec.head_size * 4
+    probe.shutdown()
+    engine = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", block_size=4,
+                                                kv_cache_memory=18 * page, max_num_seqs=4))
+    core, batch = engine.core, engine.core.executor.worker.runner.input_batch
+    rids = [engine.add_request([5 + i, 9, 14, 3, 7 + i], SamplingParams(
+        max_tokens=14, n=2 if i % 2 else 1, ignore_eos=True, seed=i))
+        for i in range(6)]
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.abort_request(rids[0])
+        known = core._items._known
+        seqs = {s.seq_id: s for s in core.scheduler.live_sequences()}
+        for seq_id, (_, pages) in known.items():
+            assert batch.pages_of(seq_id) == seqs[seq_id].block_table[:pages]
+        assert batch.num_seqs <= len(known) + len(core._items._released)
+    assert core.scheduler.stats.num_preemptions > 0
+    assert not core._items._known and batch.num_seqs == len(core._items._released)
+    engine.shutdown()
