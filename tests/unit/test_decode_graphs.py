@@ -94,6 +94,11 @@ def test_enforce_eager_is_a_bare_flag_like_vllms():
     assert parse_args(parser, ["generate", "--enforce-eager", "-p", "x"]).enforce_eager is True
     assert parse_args(parser, ["generate", "--enforce-eager", "false"]).enforce_eager is False
     assert parse_args(parser, ["generate"]).enforce_eager is False
+    # a positional model after the bare flag stays the model (vLLM's usual order)
+    served = parse_args(parser, ["serve", "--enforce-eager", "gemma3-270m"])
+    assert served.enforce_eager is True and served.model_tag == "gemma3-270m"
+    served = parse_args(parser, ["serve", "--enforce-eager", "off", "gemma3-270m"])
+    assert served.enforce_eager is False and served.model_tag == "gemma3-270m"
     with pytest.raises(ValueError, match="enforce_eager must be true or false"):
         EngineConfig(model="m", enforce_eager="yes")  # type: ignore[arg-type]
 

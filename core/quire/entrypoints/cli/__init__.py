@@ -24,6 +24,7 @@ from quire.entrypoints.cli import (
     serve,
 )
 from quire.entrypoints.cli.config_file import add_config_option, apply_config_file
+from quire.entrypoints.cli.engine_options import expand_bare_flags
 
 #: Subcommand modules, in the order ``quire --help`` lists them.
 COMMANDS = (generate, serve, bench, models, plugins, conformance)
@@ -72,7 +73,8 @@ def parse_args(parser: argparse.ArgumentParser,
 
     :raises UsageError: for a bad config file; argparse's own errors exit as usual.
     """
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_bare_flags(parser, sys.argv[1:] if argv is None
+                                               else argv))
     args = apply_config_file(parser, _chosen_command(args), args, argv)
     # what a command that starts copies of itself (serve's API servers) parses again
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from quire.config import EngineConfig
@@ -26,6 +27,30 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def expand_bare_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``true`` after each bare boolean flag (``--enforce-eager``) that a
+    word other than a boolean follows: argparse would otherwise take that word (a
+    positional model name: ``quire serve --enforce-eager MODEL``) as the flag's value."""
+    bare = set()
+    stack = [parser]
+    while stack:
+        for action in stack.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+            elif action.nargs == "?" and action.const is True and action.type is _parse_bool:
+                bare.update(action.option_strings)
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        out.append(word)
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if word in bare and following is not None and not following.startswith("-"):
+            try:
+                _parse_bool(following)
+            except argparse.ArgumentTypeError:
+                out.append("true")
+    return out
 
 
 def _parse_memory(text: str) -> int | float:
