@@ -25,6 +25,7 @@ from quire.platforms.cpu.dispatch import (
     describe_cache,
     dispatch_linears,
     host_key,
+    split_choice,
 )
 from quire.platforms.cpu.fused_decode import install_fused_decode
 from quire.platforms.cpu.isa import CpuFeatures
@@ -68,13 +69,24 @@ def test_choose_keeps_ours_unless_another_is_clearly_faster() -> None:
     assert choose(both, _timings(panels=1.0, onednn=0.96), margin=0.0) == ONEDNN
     # the sum over the row counts decides: a loss at 64 rows outweighs a win at 8
     mixed = {PANELS: {8: 0.010, 64: 0.100}, ONEDNN: {8: 0.005, 64: 0.120}}
-    assert choose(both, mixed) == PANELS
+    assert choose(both, mixed, rows=(8, 64)) == PANELS
+    assert choose(both, mixed, rows=(8,)) == ONEDNN  # a regime of its own
     # timings missing for a row count: that candidate is not considered
-    assert choose(both, {PANELS: {8: 1.0, 64: 1.0}, ONEDNN: {8: 0.1}}) == PANELS
-    assert choose(both, {ONEDNN: {8: 0.1, 64: 0.1}}) == PANELS  # the incumbent unmeasured
+    assert choose(both, {PANELS: {8: 1.0, 64: 1.0}, ONEDNN: {8: 0.1}}, (8, 64)) == PANELS
+    assert choose(both, {ONEDNN: {8: 0.1, 64: 0.1}}, (8, 64)) == PANELS  # incumbent unmeasured
     assert choose((ONEDNN,), {}) == ONEDNN
     with pytest.raises(ValueError, match="no implementation"):
         choose((), {})
+
+
+def test_one_row_moves_to_another_layout_only_when_clearly_faster_there() -> None:
+    both = (PANELS, ONEDNN)
+    batches_onednn = {8: 1.0, 64: 2.0}
+    clear = {PANELS: {1: 1.0, 8: 2.0, 64: 4.0}, ONEDNN: {1: 1.5, **batches_onednn}}
+    assert split_choice(both, clear) == (ONEDNN, PANELS)
+    tie = {PANELS: {1: 1.0, 8: 2.0, 64: 4.0}, ONEDNN: {1: 1.02, **batches_onednn}}
+    assert split_choice(both, tie) == (ONEDNN, ONEDNN)  # one copy of the weight
+    assert split_choice(both, _timings(panels=1.0, onednn=2.0)) == (PANELS, PANELS)
 
 
 def test_the_host_key_changes_with_what_the_timings_depend_on() -> None:
@@ -103,11 +115,15 @@ def test_quire_plugins_describes_what_a_start_would_choose(tmp_path) -> None:
         "linear products: onednn (nothing to choose between on this host)"]
     cache.put((64, 64), _timings(1.0, 0.5))
     cache.put((4096, 512), _timings(0.5, 1.0))
+    cache.put((1024, 64), {PANELS: {1: 1.0, 8: 2.0, 64: 4.0},
+                           ONEDNN: {1: 1.5, 8: 1.0, 64: 2.0}})
     assert describe_cache(cache, ZEN4, True, True) == [
-        "linear [4096x512]: panels (timed here)", "linear [64x64]: onednn (timed here)"]
+        "linear [4096x512]: panels (timed here)",
+        "linear [1024x64]: panels for one row, onednn for more (timed here)",
+        "linear [64x64]: onednn (timed here)"]
     lines = describe_cache(cache, ZEN4, True, True, limit=1)
     assert lines[0] == "linear [4096x512]: panels (timed here)"
-    assert lines[1].startswith("... and 1 smaller shapes")
+    assert lines[1].startswith("... and 2 smaller shapes")
 
 
 def _llama() -> LlamaForCausalLM:
@@ -155,6 +171,31 @@ def test_cached_timings_decide_and_the_winners_layout_is_kept(
     # the fused layers kept their panels
     for layer in model.model.layers:
         assert layer.self_attn.qkv_proj.kernel.panels is not None
+
+
+def test_a_split_decision_keeps_both_layouts(kernels: NativeKernels, tmp_path,
+                                             monkeypatch) -> None:
+    """Ours faster for one row, oneDNN for batches: one-row products on the panels,
+    the rest on oneDNN, both layouts kept."""
+    if not kernels.has_panel_gemm:
+        pytest.skip("this build has no panel kernel")
+    model, head = _prepared(kernels)
+    cache = TimingCache(tmp_path / "host.json")
+    cache.put((300, 64), {PANELS: {1: 1.0, 8: 2.0, 64: 4.0},
+                          ONEDNN: {1: 1.5, 8: 1.0, 64: 2.0}})
+    (decision,) = dispatch_linears(model, cache, ZEN4)
+    assert (decision.chosen, decision.one_row) == (ONEDNN, PANELS)
+    assert "panels for one row, onednn for more" in decision.describe()
+    kernel = model.lm_head.kernel
+    assert kernel.panels is not None and kernel.packed is not None
+    calls = []
+    real = kernels.panel_linear
+    monkeypatch.setattr(kernels, "panel_linear",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, 5, 1, 64):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(kernel(x, None), F.linear(x, head), atol=1e-5, rtol=1e-5)
+    assert calls == [1, 1]
 
 
 def test_a_first_start_measures_and_caches(kernels: NativeKernels, tmp_path) -> None:

@@ -5,16 +5,21 @@ oneDNN's packed product on every layer of a small model; on an AVX-512 host oneD
 Gemma 3's 262,144-row LM head 1.4x faster than our panels at 64 rows (docs/bench.md).
 Which one is faster is a property of the CPU, the shape and the thread count, so it
 is measured: at first start, each product that no fused decoder layer claims (the LM
-head, an encoder's layers) is timed on both at a few row counts, and the winner's
-layout is kept (one copy of the weight, not two). The timings are cached per host
-(:func:`host_key`) in ``<quire cache>/dispatch/``, so later starts only read them.
+head, an encoder's layers) is timed on both at one row (a lone sequence's latency) and
+at 8 and 64 (a batch's throughput). Each regime gets its winner; the layer keeps one
+layout when both regimes pick the same, two (one more copy of that weight) when ours
+is clearly faster for one row and oneDNN for batches, as it is for SmolLM2's LM head
+on an AVX-512 host. The timings are cached per host (:func:`host_key`) in
+``<quire cache>/dispatch/``, so later starts only read them; timings taken while other
+processes loaded the cores are cached too, so delete that folder to time again.
 
 Linears inside a fused decoder layer (:mod:`~quire.platforms.cpu.fused_decode`) stay
 on panels: the C layer reads them in place, and its fusion is worth more than the
 product's choice.
 
-The choice itself, :func:`choose`, is a pure function of the candidates (from the CPU's
-features: :func:`candidates`) and the timings, so tests feed it made-up hosts.
+The choice itself (:func:`choose`, :func:`split_choice`) is a pure function of the
+candidates (from the CPU's features: :func:`candidates`) and the timings, so tests feed
+it made-up hosts.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ logger = logging.getLogger(__name__)
 PANELS = "panels"
 #: oneDNN's product on its own packed layout (``torch.ops.mkldnn``).
 ONEDNN = "onednn"
-#: Rows a product is timed at: a small and a full decode batch (prompts' LM head rows
-#: are one per sequence too).
-ROWS = (8, 64)
+#: Rows a product is timed at: a lone sequence, a small and a full decode batch
+#: (prompts' LM head rows are one per sequence too).
+ROWS = (1, 8, 64)
+#: The two regimes chosen for apart: one row (a lone sequence's latency) and several
+#: (a batch's throughput). When they pick different implementations, the layer keeps
+#: both layouts (one more copy of that weight) rather than lose either.
+ONE_ROW, SEVERAL_ROWS = (1,), (8, 64)
 #: Another implementation replaces the incumbent (ours) only when its summed time over
-#: :data:`ROWS` is at least this fraction lower: timing noise must not flip a choice.
+#: a regime's rows is at least this fraction lower: timing noise must not flip a choice.
 MARGIN = 0.05
 #: Timed calls per (implementation, rows); the fastest counts.
 REPEATS = 3
@@ -55,17 +64,23 @@ class Decision:
 
     site: str
     shape: tuple[int, int]
+    #: the implementation of products of several rows
     chosen: str
     #: implementation -> rows -> seconds (the fastest of :data:`REPEATS` calls)
     timings: Mapping[str, Mapping[int, float]]
     cached: bool
+    #: the implementation of one-row products (may differ from :attr:`chosen`)
+    one_row: str = PANELS
 
     def describe(self) -> str:
         n, k = self.shape
-        parts = ", ".join(
-            f"{impl} {1e3 * self.timings[impl][max(ROWS)]:.2f} ms"
-            for impl in self.timings if max(ROWS) in self.timings[impl])
-        return (f"{self.site} [{n}x{k}] -> {self.chosen} ({parts} at {max(ROWS)} rows; "
+        parts = "; ".join(
+            f"{impl} " + ", ".join(f"{1e3 * t:.2f}" for _, t in sorted(times.items()))
+            for impl, times in self.timings.items())
+        rows = "/".join(str(r) for r in ROWS)
+        route = (self.chosen if self.one_row == self.chosen
+                 else f"{self.one_row} for one row, {self.chosen} for more")
+        return (f"{self.site} [{n}x{k}] -> {route} (ms at {rows} rows: {parts}; "
                 f"{'cached' if self.cached else 'measured'})")
 
 
@@ -108,6 +123,16 @@ def choose(candidates: Sequence[str], timings: Mapping[str, Mapping[int, float]]
         if t is not None and t < best_time:
             best, best_time = impl, t
     return best
+
+
+def split_choice(candidates: Sequence[str],
+                 timings: Mapping[str, Mapping[int, float]]) -> tuple[str, str]:
+    """(several rows, one row): :func:`choose` over :data:`SEVERAL_ROWS`, then over
+    :data:`ONE_ROW` with that winner as the incumbent, so one-row products move to
+    another layout (a second copy of the weight) only when it is clearly faster there."""
+    several = choose(candidates, timings, SEVERAL_ROWS)
+    ordered = (several, *(c for c in candidates if c != several))
+    return several, choose(ordered, timings, ONE_ROW)
 
 
 def host_key(features: CpuFeatures, level: str, threads: int, model_name: str) -> str:
@@ -215,19 +240,19 @@ def dispatch_linears(model: nn.Module, cache: TimingCache | None,
             continue
         shape = (kernel.out_features, kernel.in_features)
         timings = cache.get(shape) if cache is not None else None
-        cached = timings is not None and all(i in timings for i in found)
+        cached = timings is not None and all(set(ROWS) <= set(timings.get(i, ())) for i in found)
         if forced in found:
-            chosen = forced
+            chosen = one_row = forced
             timings = timings or {}
         else:
             if not cached:
                 timings = _measure(kernel, found)
                 if cache is not None:
                     cache.put(shape, timings)
-            chosen = choose(found, timings)
+            chosen, one_row = split_choice(found, timings)
         if chosen == ONEDNN:
-            kernel.use_onednn()
-        decisions.append(Decision(name, shape, chosen, timings, cached))
+            kernel.use_onednn(keep_panels=one_row == PANELS)
+        decisions.append(Decision(name, shape, chosen, timings, cached, one_row))
     if cache is not None and any(not d.cached for d in decisions):
         cache.save()
     for decision in decisions:
@@ -270,8 +295,12 @@ def describe_cache(cache: TimingCache, features: CpuFeatures, has_panels: bool,
         return [f"linear products outside fused layers: {' or '.join(found)}, timed at "
                 f"the first start ({cache.path})"]
     shapes.sort(key=lambda shape: -shape[0] * shape[1])  # the costliest first
-    lines = [f"linear [{n}x{k}]: {choose(found, cache.get((n, k)))} (timed here)"
-             for n, k in shapes[:limit]]
+    lines = []
+    for n, k in shapes[:limit]:
+        timings = cache.get((n, k))
+        several, one = split_choice(found, timings)
+        route = several if one == several else f"{one} for one row, {several} for more"
+        lines.append(f"linear [{n}x{k}]: {route} (timed here)")
     if len(shapes) > limit:
         lines.append(f"... and {len(shapes) - limit} smaller shapes ({cache.path})")
     return lines

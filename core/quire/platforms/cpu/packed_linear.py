@@ -125,7 +125,7 @@ class PackedLinear:
     def impl(self) -> str:
         """Which implementation runs products of more than one row: ``panels`` (ours)
         or ``onednn`` (:mod:`~quire.platforms.cpu.dispatch` names)."""
-        return "panels" if self.panels is not None else "onednn"
+        return "onednn" if self.packed is not None else "panels"
 
     def weight(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight, rebuilt from the panels (the original
@@ -151,17 +151,17 @@ class PackedLinear:
                                                                 [], "")
         raise ValueError(f"unknown linear implementation {impl!r}")
 
-    def use_onednn(self) -> None:
-        """Run products of more than one row on oneDNN's packed layout and drop the
-        panels (one copy of the weight stays). One-row products keep their compact
-        copy when there is one."""
-        if self.panels is None:
+    def use_onednn(self, keep_panels: bool = False) -> None:
+        """Run products of more than one row on oneDNN's packed layout. One-row
+        products stay on the compact copy when there is one, else on the panels when
+        ``keep_panels`` (two copies of the weight: what a host where ours is faster for
+        one row and oneDNN for batches pays), else on oneDNN too."""
+        if self.panels is None or self.packed is not None:
             return
-        weight = self.weight().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-        if self.compact is None:
-            self.split = self._split(weight)
-        self.panels = None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight().contiguous(),
+                                                              PACK_FOR_ROWS)
+        if not keep_panels or self.compact is not None:
+            self.panels = None
 
     def _split(self, weight: torch.Tensor) -> torch.Tensor:
         # [parts, in, out / parts], the last block zero-padded when parts does not divide
@@ -180,7 +180,8 @@ class PackedLinear:
             return y.view(*x.shape[:-1], self.out_features)
         if self.compact is not None and rows.shape[0] <= COMPACT_MAX_ROWS:
             y = self.native.compact_linear(rows, self.compact, bias)
-        if y is None and self.panels is not None:
+        if y is None and self.panels is not None and (self.packed is None
+                                                      or rows.shape[0] == 1):
             y = self.native.panel_linear(rows, self.panels, self.out_features, bias)
             if y is None:  # only for inputs the model never makes
                 raise ValueError(
