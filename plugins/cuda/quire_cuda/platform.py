@@ -64,7 +64,7 @@ class CudaPlatform(Platform):
     def graph_capture(self, device_index: int = 0) -> GraphCapture:
         """CUDA graphs of the decode forward, one memory pool per worker (imported here,
         so listing the platform stays cheap). Untested on a GPU so far."""
-        from quire_cuda.graphs import TorchGraphCapture
+        from quire.kernels.torch_graphs import TorchGraphCapture
 
         return TorchGraphCapture(device_index)
 

@@ -82,9 +82,10 @@ class RocmPlatform(Platform):
         torch.cuda.synchronize()
 
     def graph_capture(self, device_index: int = 0) -> GraphCapture:
-        """HIP graphs (torch's CUDA graph API on ROCm) of the decode forward, one memory pool per worker (imported here,
-        so listing the platform stays cheap). Untested on a GPU so far."""
-        from quire_rocm.graphs import TorchGraphCapture
+        """HIP graphs (torch's CUDA graph API on ROCm) of the decode forward, one memory
+        pool per worker (imported here, so listing the platform stays cheap). Untested on
+        a GPU so far."""
+        from quire.kernels.torch_graphs import TorchGraphCapture
 
         return TorchGraphCapture(device_index)
 

@@ -1,8 +1,11 @@
-"""CUDA graphs for the cuda platform: the decode forward recorded once per batch size
-and replayed with one launch (torch's ``torch.cuda.graph``).
+"""Device graphs through torch's ``torch.cuda.graph`` API, shared by the cuda and rocm
+plugins: a ROCm build of torch records HIP graphs through the same calls, so, as with the
+Triton kernels beside it, one recorder serves both vendors and neither plugin imports the
+other.
 
-Imported by :meth:`~quire_cuda.platform.CudaPlatform.graph_capture` only. Creating a
-:class:`TorchGraphCapture` touches no device: the memory pool is made at the first capture.
+Imported by the plugins' ``graph_capture`` only. Creating a :class:`TorchGraphCapture`
+touches no device: the memory pool is made at the first capture. Untested on a GPU so
+far (docs/backends/cuda-rocm.md).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from quire.interfaces.platform import GraphCapture
 
 
 class TorchGraphCapture(GraphCapture):
-    """``torch.cuda.CUDAGraph`` captures on one device, sharing one memory pool."""
+    """``torch.cuda.CUDAGraph`` captures on one device (CUDA graphs, or HIP graphs on a
+    ROCm build), sharing one memory pool."""
 
     def __init__(self, device_index: int = 0) -> None:
         self.device = torch.device("cuda", device_index)
