@@ -50,47 +50,14 @@
 #define ATTEND_ROWS4 rows4_bf16
 #include "attend_heads.h"
 
-/*
- * Returns 0 on success, 1 when scratch memory could not be allocated (the caller
- * falls back to the torch path).
- */
-int quire_paged_decode_f32(
-    const float *q, const float *k_cache, const float *v_cache,
-    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-    float scale, int64_t window, float *out) {
-    const int64_t groups = hq / hkv; /* query heads per KV head (GQA) */
-    const int64_t row = hkv * d; /* floats between consecutive slots */
-    int failed = 0;
-
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t len = seq_lens[s];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start;
-        float *os = out + s * hq * d;
-        if (n <= 0) {
-            memset(os, 0, sizeof(float) * hq * d);
-            continue;
-        }
-        float *scores = malloc(sizeof(float) * hq * n);
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
-        quire_attend_heads(q + s * hq * d, k_cache, v_cache, block_tables + s * table_stride,
-                           start, n, 0, hq, groups, row, d, block_size, scale, scores, os);
-        free(scores);
-    }
-    return failed;
-}
-
-/* The same over bfloat16 pages (float32 query and output). */
-int quire_paged_decode_bf16(
-    const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-    float scale, int64_t window, float *out) {
+/* Both entry points: every sequence's query heads over its pages, sequences over the
+ * team. Returns 0 on success, 1 when scratch memory could not be allocated (the caller
+ * falls back to the torch path). */
+static int paged_decode(int kv_bf16, const float *q, const void *k_cache, const void *v_cache,
+                        const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *seq_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
+                        int64_t d, int64_t block_size, float scale, int64_t window,
+                        float *out) {
     const int64_t groups = hq / hkv; /* query heads per KV head (GQA) */
     const int64_t row = hkv * d; /* elements between consecutive slots */
     int failed = 0;
@@ -110,9 +77,30 @@ int quire_paged_decode_bf16(
             failed = 1;
             continue;
         }
-        quire_attend_heads_bf16(q + s * hq * d, k_cache, v_cache, block_tables + s * table_stride,
-                           start, n, 0, hq, groups, row, d, block_size, scale, scores, os);
+        attend_heads_kv(kv_bf16, q + s * hq * d, k_cache, v_cache,
+                        block_tables + s * table_stride, start, n, 0, hq, groups, row, d,
+                        block_size, scale, scores, os);
         free(scores);
     }
     return failed;
+}
+
+/* Float32 pages. */
+int quire_paged_decode_f32(
+    const float *q, const float *k_cache, const float *v_cache,
+    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
+    float scale, int64_t window, float *out) {
+    return paged_decode(0, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                        num_seqs, hq, hkv, d, block_size, scale, window, out);
+}
+
+/* bfloat16 pages (float32 query and output). */
+int quire_paged_decode_bf16(
+    const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
+    float scale, int64_t window, float *out) {
+    return paged_decode(1, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                        num_seqs, hq, hkv, d, block_size, scale, window, out);
 }
