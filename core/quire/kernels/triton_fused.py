@@ -24,23 +24,12 @@ before the next product, as torch does between its operators.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreter_on() -> bool:
-    """What ``@triton.jit`` will decide below (``triton.knobs`` exists from triton 3.4)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-#: Whether the kernels run in Triton's interpreter (numpy on CPU tensors), fixed at import.
-INTERPRETED: bool = _interpreter_on()
+# whether the kernels run in Triton's interpreter, fixed at import
+from quire.kernels.triton_attention import INTERPRETED
 
 #: Largest row the one-tile norm takes: 64k elements of float32 in one program.
 MAX_NORM_SIZE = 65536
