@@ -1,5 +1,6 @@
 """How OpenMP threads wait on a shared host: the decision as a pure function of (cores,
-load, option), and the engine processes Quire starts getting it before torch loads."""
+load, option), the load sampled from /proc/stat, and the engine processes Quire starts
+getting it before torch loads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from quire.config import EngineConfig
 from quire.engine import core_proc
 from quire.platforms.cpu import threads
 from quire.platforms.cpu.options import CpuOptions
-from quire.platforms.cpu.threads import WAIT_ENV, choose_wait_policy, wait_environment
+from quire.platforms.cpu.threads import (
+    WAIT_ENV,
+    CpuTimes,
+    choose_wait_policy,
+    host_load,
+    host_wait_policy,
+    sample_busy_cpus,
+    wait_environment,
+)
 
 
 @pytest.mark.parametrize(("option", "cores", "host_cores", "load", "policy"), [
@@ -56,7 +65,7 @@ def test_the_environment_reads_the_host_and_the_option(monkeypatch: pytest.Monke
                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(threads, "_load_average", lambda: 1.5)
+    monkeypatch.setattr(threads, "host_load", lambda: 1.5)
     with caplog.at_level("INFO", logger=threads.__name__):
         assert wait_environment("cpu", None, {}) == {WAIT_ENV: "PASSIVE"}
     assert "wait passively (load 1.50" in caplog.text
@@ -66,6 +75,70 @@ def test_the_environment_reads_the_host_and_the_option(monkeypatch: pytest.Monke
     assert wait_environment("cuda", {"wait_policy": "passive"}, {}) == {}  # not ours
     with pytest.raises(ValueError, match="platform option wait_policy"):
         wait_environment("cpu", {"wait_policy": "never"}, {})
+
+
+def _stat(*cpus: tuple[int, ...]) -> str:
+    """A /proc/stat of these CPUs' tick counts (user nice system idle iowait irq softirq
+    steal guest guest_nice), the ``cpu`` line their sum, as Linux writes it."""
+    summed = [sum(column) for column in zip(*cpus)]
+    lines = ["cpu  " + " ".join(map(str, summed))]
+    lines += [f"cpu{i} " + " ".join(map(str, ticks)) for i, ticks in enumerate(cpus)]
+    return "\n".join(lines + ["intr 1 2 3", "ctxt 99", "procs_running 3", ""])
+
+
+#: 2 CPUs after some uptime
+_IDLE = _stat((500, 10, 200, 9000, 30, 0, 5, 0, 0, 0), (400, 0, 100, 9200, 10, 0, 3, 0, 0, 0))
+#: 100 ticks per CPU later: cpu0 busy 60 (user, of it 20 a guest's: counted once), system
+#: 10, steal 10), idle 20; cpu1 idle 90, iowait 10 (waiting on a disk is not busy)
+_LATER = _stat((560, 10, 210, 9020, 30, 0, 5, 10, 20, 0),
+               (400, 0, 100, 9290, 20, 0, 3, 0, 0, 0))
+
+
+def test_a_proc_stat_reading_counts_busy_ticks_and_online_cpus() -> None:
+    before, after = CpuTimes.parse(_IDLE), CpuTimes.parse(_LATER)
+    assert (after.cpus, after.total - before.total) == (2, 200)
+    assert after.busy - before.busy == 80
+    assert after.busy_cpus_since(before) == pytest.approx(0.8)
+    assert after.busy_cpus_since(before, own_ticks=30) == pytest.approx(0.5)  # ours: not
+    assert after.busy_cpus_since(before, own_ticks=500) == 0.0
+    assert before.busy_cpus_since(before) is None  # no tick passed
+    with pytest.raises(ValueError, match="no 'cpu' line"):
+        CpuTimes.parse("intr 1 2 3\n")
+
+
+def test_the_sampler_reads_proc_stat_twice_and_gives_the_busy_cpus() -> None:
+    readings = iter([_IDLE, _LATER])
+    busy = sample_busy_cpus(lambda: next(readings), seconds=0.0)
+    # less this process's own ticks over the (empty) window: at most one clock tick
+    assert busy == pytest.approx(0.8, abs=0.02)
+    assert next(readings, None) is None
+
+
+def test_an_idle_host_right_after_a_benchmark_is_idle(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The 1-minute load average still says 2 (a benchmark just ended); /proc/stat says
+    0.8 CPUs of 2 are busy now. Without /proc/stat (macOS) the load average it is."""
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (2.0, 1.0, 0.5))
+    readings = iter([_IDLE, _LATER])
+    assert host_load(lambda: next(readings), seconds=0.0) == pytest.approx(0.8, abs=0.02)
+
+    def no_proc() -> str:
+        raise FileNotFoundError("/proc/stat")
+
+    assert host_load(no_proc) == 2.0
+    with caplog.at_level("WARNING", logger=threads.__name__):
+        assert host_load(lambda: "cpu 1 2\n") == 2.0
+    assert "no 'cpu' line" in caplog.text
+    idle = iter([_IDLE, _stat((500, 10, 200, 9100, 30, 0, 5, 0, 0, 0),
+                              (400, 0, 100, 9300, 10, 0, 3, 0, 0, 0))])
+    decision = host_wait_policy("auto", {}, lambda: host_load(lambda: next(idle), 0.0))
+    assert decision.policy == "spin", decision.reason
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat (not Linux)")
+def test_this_hosts_proc_stat_gives_a_figure_between_none_and_every_cpu() -> None:
+    busy = sample_busy_cpus(seconds=0.05)
+    assert busy is not None and 0.0 <= busy <= os.cpu_count()
 
 
 class _Recorded:
@@ -108,7 +181,6 @@ def test_an_engine_core_process_starts_with_the_setting_and_openmp_reads_it(
 def test_an_in_process_engine_that_cannot_apply_passive_waiting_says_how(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import torch
-
     from quire.platforms.cpu.platform import CpuPlatform
 
     monkeypatch.delenv(WAIT_ENV, raising=False)

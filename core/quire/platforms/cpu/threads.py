@@ -17,7 +17,8 @@ libgomp reads once, when torch loads it. libgomp's default (spin a while, then s
 15-40% faster on a host of its own; where other busy processes share the cores, spinning
 threads steal from them and wait on the straggler, and passive waiting is 1.6-4x faster
 (docs/bench.md, "Waiting on a shared host"). The ``wait_policy`` option chooses
-(:func:`choose_wait_policy`; ``auto`` reads the host's load) for the processes Quire
+(:func:`choose_wait_policy`; ``auto`` samples how busy the host's CPUs are,
+:func:`host_load`) for the processes Quire
 starts: :func:`wait_environment` is put into an engine core's or a worker's environment
 before it imports torch. A process that had torch loaded already (an in-process
 ``LLM``) keeps what its environment said. With passive waiting, :class:`StepThreads`
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,10 +44,13 @@ THREADS_ENV = "QUIRE_CPU_THREADS"
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: OpenMP's own variable: when set, it is the user's choice and wins over the option.
 WAIT_ENV = "OMP_WAIT_POLICY"
-#: Runnable threads of other processes per core of ours (the 1-minute load average,
-#: spread evenly over the host) from which ``auto`` waits passively. Low on purpose:
-#: spinning on a busy host costs 1.6-4x, passive waiting on an idle one 15-40%.
+#: CPUs kept busy by other processes, per core of ours (the host's figure spread evenly
+#: over it), from which ``auto`` waits passively. Low on purpose: spinning on a busy
+#: host costs 1.6-4x, passive waiting on an idle one 15-40%.
 BUSY_LOAD_PER_CORE = 0.25
+#: Seconds :func:`host_load` watches ``/proc/stat``: long enough for a few clock ticks
+#: per CPU, short enough to add little to an engine's start.
+LOAD_SAMPLE_S = 0.15
 
 
 def available_cores(cgroup: str | os.PathLike[str] = "/sys/fs/cgroup") -> int:
@@ -113,9 +118,9 @@ class WaitDecision:
 
 def choose_wait_policy(option: str, cores: int, host_cores: int, load: float,
                        user: str | None = None) -> WaitDecision:
-    """The wait policy for an engine on ``cores`` of a host of ``host_cores`` whose
-    1-minute load average is ``load``, decided before the engine runs (so the load is
-    other processes'). A pure function: the inputs are read by :func:`wait_environment`.
+    """The wait policy for an engine on ``cores`` of a host of ``host_cores`` on which
+    other processes keep ``load`` CPUs busy (:func:`host_load`), decided before the
+    engine runs. A pure function: :func:`host_wait_policy` reads the inputs.
 
     :param option: the ``wait_policy`` option: ``auto``, ``spin`` or ``passive``.
     :param user: ``OMP_WAIT_POLICY`` when set; it wins.
@@ -137,10 +142,79 @@ def choose_wait_policy(option: str, cores: int, host_cores: int, load: float,
         f"{BUSY_LOAD_PER_CORE} per core")
 
 
-def host_wait_policy(option: str, env: Mapping[str, str]) -> WaitDecision:
-    """:func:`choose_wait_policy` for this host now (its cores, load and environment)."""
+def host_wait_policy(option: str, env: Mapping[str, str],
+                     load: Callable[[], float] | None = None) -> WaitDecision:
+    """:func:`choose_wait_policy` for this host now (its cores, load and environment).
+
+    :param load: what reads the load; :func:`host_load` by default.
+    """
     return choose_wait_policy(option, available_cores(), os.cpu_count() or 1,
-                              _load_average(), env.get(WAIT_ENV))
+                              (load or host_load)(), env.get(WAIT_ENV))
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The host's CPU time, in clock ticks, from the ``cpu`` line of ``/proc/stat``."""
+
+    busy: int
+    total: int
+    #: online CPUs (the ``cpuN`` lines)
+    cpus: int
+
+    @classmethod
+    def parse(cls, text: str) -> CpuTimes:
+        """:raises ValueError: when ``text`` has no ``cpu`` line of at least 8 numbers."""
+        lines = [line.split() for line in text.splitlines()]
+        summed = next((f for f in lines if f and f[0] == "cpu"), None)
+        if summed is None or len(summed) < 9 or not all(v.isdigit() for v in summed[1:]):
+            raise ValueError("/proc/stat has no 'cpu' line of at least 8 tick counts")
+        # user nice system idle iowait irq softirq steal [guest guest_nice: inside user, nice]
+        ticks = [int(v) for v in summed[1:9]]
+        cpus = sum(1 for f in lines if f and f[0].startswith("cpu") and f[0][3:].isdigit())
+        return cls(busy=sum(ticks) - ticks[3] - ticks[4], total=sum(ticks),
+                   cpus=max(1, cpus))
+
+    def busy_cpus_since(self, before: CpuTimes, own_ticks: float = 0.0) -> float | None:
+        """CPUs kept busy on average since ``before``, less ``own_ticks`` (this
+        process's); None when no tick passed."""
+        elapsed = self.total - before.total
+        if elapsed <= 0:
+            return None
+        busy = max(0.0, self.busy - before.busy - own_ticks)
+        return busy * self.cpus / elapsed
+
+
+def sample_busy_cpus(read_stat: Callable[[], str] | None = None,
+                     seconds: float = LOAD_SAMPLE_S) -> float | None:
+    """CPUs other processes keep busy now: ``/proc/stat``'s busy ticks (user, nice,
+    system, irq, softirq, steal; not idle or iowait) over ``seconds``, less this
+    process's own, since what counts is what competes with the engine right now.
+
+    :param read_stat: returns ``/proc/stat``'s text (the file by default).
+    :returns: None when no tick passed.
+    :raises OSError: when there is no ``/proc/stat`` (macOS).
+    :raises ValueError: when it has no ``cpu`` line.
+    """
+    read = read_stat or _read_proc_stat
+    before, own_before = CpuTimes.parse(read()), _own_cpu_s()
+    time.sleep(seconds)
+    after, own = CpuTimes.parse(read()), _own_cpu_s() - own_before
+    return after.busy_cpus_since(before, own * _ticks_per_s())
+
+
+def host_load(read_stat: Callable[[], str] | None = None,
+              seconds: float = LOAD_SAMPLE_S) -> float:
+    """How many CPUs other processes keep busy: :func:`sample_busy_cpus`, or where
+    that gives nothing (no ``/proc/stat``) the 1-minute load average, which lags (a
+    benchmark that just ended still counts for a minute)."""
+    try:
+        busy = sample_busy_cpus(read_stat, seconds)
+    except OSError:
+        busy = None
+    except ValueError as exc:
+        logger.warning("cpu platform: %s; using the 1-minute load average", exc)
+        busy = None
+    return busy if busy is not None else _load_average()
 
 
 def wait_environment(device: str | None, platform_options: Mapping[str, Any] | None,
@@ -190,6 +264,23 @@ class StepThreads:
         if wanted != self._current:
             torch.set_num_threads(wanted)
             self._current = wanted
+
+
+def _read_proc_stat() -> str:
+    with open("/proc/stat") as f:
+        return f.read()
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _ticks_per_s() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError):  # not Unix: Linux's usual figure
+        return 100
 
 
 def _load_average() -> float:
