@@ -17,6 +17,11 @@ The parts live in :mod:`quire.sampling` (the argmax too: :mod:`quire.sampling.ar
 The sampler owns three pieces of state: the cached
 :class:`~quire.sampling.batch.BatchParams` of the last composition, the token counts
 inside it, and the generators (:class:`~quire.sampling.noise.NoiseSource`).
+
+A call is two halves: :meth:`Sampler.sample_on_device` launches the work and the copies
+to the host and returns at once; :meth:`Sampler.to_host` waits for those copies only and
+builds the lists. Async scheduling submits the next step between the two, which then
+reads the tokens on the device (:class:`DeviceSample`'s ``token_ids``).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from quire.sampling.filters import apply_min_p, apply_top_k_top_p
 from quire.sampling.logprobs import (
     TokenLogprobs,
     compute_prompt_logprobs,
-    gather_token_logprobs,
+    token_logprob_tensors,
+    token_logprobs_of,
 )
 from quire.sampling.noise import NoiseSource
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "compute_prompt_logprobs"]
+__all__ = ["DeviceSample", "Sampler", "SamplerOutput", "TokenLogprobs",
+           "compute_prompt_logprobs"]
 
 
 @dataclass
@@ -48,6 +55,22 @@ class SamplerOutput:
     #: Per row: the chosen token's raw logprob, rank and top ``params.logprobs``
     #: alternatives; None for rows whose ``params.logprobs`` is None.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class DeviceSample:
+    """What :meth:`Sampler.sample_on_device` chose, before it reaches the host."""
+
+    #: int64 [N], one token id per row, on the logits' device.
+    token_ids: torch.Tensor
+    #: The rows that asked for logprobs, and their alternatives (resolved).
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_ks: list[int] = field(default_factory=list)
+    #: Host copies (started, maybe not done): the token ids, then the logprob tensors
+    #: (:func:`~quire.sampling.logprobs.token_logprob_tensors`) when any row asked.
+    host: tuple[torch.Tensor, ...] = ()
+    #: Recorded after the copies on a device that copies asynchronously; None on the cpu.
+    copied: torch.Event | None = None
 
 
 class Sampler:
@@ -85,8 +108,18 @@ class Sampler:
         :returns: the tokens, and logprobs for the rows that asked for them.
         :raises ValueError: mismatched shapes, or a ``logit_bias`` id past the vocabulary.
         """
+        return self.to_host(self.sample_on_device(logits, seqs))
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """:meth:`sample`'s device half: the same choice, left on the device, with its
+        copies to the host started (nothing here waits for the device). The sequences'
+        host state (outputs for penalties and ``min_tokens``) is read now.
+
+        :raises ValueError: as :meth:`sample`.
+        """
         if not seqs and logits.shape[0] == 0:  # any width: runners may return [0, 0]
-            return SamplerOutput([], [])
+            empty = torch.empty(0, dtype=torch.long)
+            return DeviceSample(empty, host=(empty,))
         if logits.dim() != 2 or logits.shape != (len(seqs), self.vocab_size):
             raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}] (one row per "
                              f"sequence), got {list(logits.shape)}")
@@ -96,7 +129,33 @@ class Sampler:
                         if batch.logprobs else None)
         self._adjust(logits, batch)
         tokens = self._choose(logits, batch)
-        return SamplerOutput(tokens.tolist(), self._logprobs(batch, raw_logprobs, tokens))
+        out = DeviceSample(tokens)
+        wanted: tuple[torch.Tensor, ...] = (tokens,)
+        if batch.logprobs is not None and raw_logprobs is not None:
+            out.logprob_rows, out.logprob_ks = batch.logprobs.rows, batch.logprobs.ks
+            wanted += token_logprob_tensors(raw_logprobs, tokens[batch.logprobs.index],
+                                            max(out.logprob_ks, default=0))
+        if tokens.device.type == "cpu":
+            out.host = wanted
+        else:  # the copies queue behind this step's work, ahead of the next step's
+            out.host = tuple(t.to("cpu", non_blocking=True) for t in wanted)
+            out.copied = torch.Event(device=tokens.device)
+            out.copied.record()
+        return out
+
+    @staticmethod
+    def to_host(sample: DeviceSample) -> SamplerOutput:
+        """:meth:`sample`'s host half: waits for the copies that
+        :meth:`sample_on_device` started (not for later work on the device)."""
+        if sample.copied is not None:
+            sample.copied.synchronize()
+        tokens = sample.host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if sample.logprob_rows:
+            for row, entry in zip(sample.logprob_rows,
+                                  token_logprobs_of(sample.host[1:], sample.logprob_ks)):
+                logprobs[row] = entry
+        return SamplerOutput(tokens, logprobs)
 
     def release(self, seq_id: int) -> None:
         """Forget what the sampler keeps for a finished or aborted sequence (its
@@ -154,14 +213,3 @@ class Sampler:
                                         rnd.seeded, rnd.unseeded)
         return row_argmax(probs.div_(noise))
 
-    @staticmethod
-    def _logprobs(batch: BatchParams, raw: torch.Tensor | None,
-                  tokens: torch.Tensor) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * batch.num_rows
-        if batch.logprobs is None or raw is None:
-            return out
-        chosen = tokens[batch.logprobs.index]
-        for row, entry in zip(batch.logprobs.rows,
-                              gather_token_logprobs(raw, chosen, batch.logprobs.ks)):
-            out[row] = entry
-        return out

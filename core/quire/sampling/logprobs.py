@@ -42,19 +42,30 @@ def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
     :param token_ids: int64 [R] on the same device.
     :param ks: R counts, each in [0, V] (already resolved with :func:`resolve_k`).
     """
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs >= chosen).sum(dim=-1)
-    k_max = max(ks, default=0)
+    return token_logprobs_of(token_logprob_tensors(logprobs, token_ids, max(ks, default=0)),
+                             ks)
+
+
+def token_logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                          k_max: int) -> tuple[torch.Tensor, ...]:
+    """:func:`gather_token_logprobs`' device half: the token ids [R], their logprobs [R],
+    ranks [R], and the top ``k_max`` logprobs and ids [R, k_max], on the device."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
     if k_max > 0:
         top_values, top_ids = logprobs.topk(k_max, dim=-1)
-        top_values_l, top_ids_l = top_values.tolist(), top_ids.tolist()
-    out = []
-    for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.squeeze(1).tolist(),
-                                            ranks.tolist())):
-        k = ks[i]
-        top = list(zip(top_ids_l[i][:k], top_values_l[i][:k])) if k else []
-        out.append(TokenLogprobs(tok, lp, rank, top))
-    return out
+    else:
+        top_values = logprobs.new_empty((logprobs.shape[0], 0))
+        top_ids = token_ids.new_empty((logprobs.shape[0], 0))
+    return token_ids, chosen, ranks, top_values, top_ids
+
+
+def token_logprobs_of(tensors: tuple[torch.Tensor, ...], ks: list[int]) -> list[TokenLogprobs]:
+    """:func:`gather_token_logprobs`' host half, from :func:`token_logprob_tensors`."""
+    token_ids, chosen, ranks, top_values, top_ids = (t.tolist() for t in tensors)
+    return [TokenLogprobs(tok, lp, rank, list(zip(ids[:k], values[:k])) if k else [])
+            for tok, lp, rank, ids, values, k in zip(token_ids, chosen, ranks, top_ids,
+                                                     top_values, ks)]
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int,
