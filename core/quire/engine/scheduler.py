@@ -18,6 +18,14 @@ another stage. A sequence in a step not yet completed is skipped (it waits for i
 token), never preempted, and each micro-batch takes at most its share of the live
 sequences (``ceil(live / depth)``), so that decoding sequences split into ``depth``
 groups that take turns and every stage stays busy.
+
+With async scheduling the engine schedules the next step before the host has the tokens
+the current one sampled: each such sequence carries one *pending* token
+(``Sequence.num_pending_tokens``), counted as known here (its uncomputed tokens, whether
+the step samples, the pages it needs), and the step computes it from the device. A
+sequence whose pending token will surely end it by length is not scheduled, so no
+sequence outgrows the K/V it was admitted for. Depth is 1 then: the previous step is
+complete when the next is scheduled, so every running sequence may be preempted.
 """
 
 from __future__ import annotations
@@ -46,8 +54,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the last known token, so its logits are sampled."""
-        return self.end == self.seq.num_tokens
+        """True when this step reaches the last known (or pending) token, so its logits
+        are sampled."""
+        return self.end == self.seq.num_tokens_with_pending
 
 
 @dataclass
@@ -161,8 +170,11 @@ class Scheduler:
         self.finish(seq, "abort")
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished and release its pages (it may still be listed as running)."""
-        if seq in self.running:
+        """Mark ``seq`` finished and release its pages (it may still be listed as running,
+        or waiting: preempted while its last token was pending)."""
+        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -196,7 +208,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
             seq = self.running[i]
-            if seq.seq_id in self._in_flight:
+            if seq.seq_id in self._in_flight or seq.pending_finishes_it:
                 i += 1
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
@@ -235,7 +247,7 @@ class Scheduler:
                 cached = bm.find_cached_prefix(seq)
             start = seq.num_computed_tokens + len(cached) * bm.block_size
             num_cached = len(cached) * bm.block_size
-            num = seq.num_tokens - start
+            num = seq.num_tokens_with_pending - start
             if num > budget:
                 if not self.enable_chunked_prefill:
                     break

@@ -7,6 +7,7 @@ manager alone writes ``block_table`` and ``block_hashes``; the model runner only
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 from quire.sampling_params import SamplingParams
@@ -54,6 +55,12 @@ class Sequence:
     first_scheduled_time: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: Tokens sampled on the device and not yet on the host (0 or 1; async scheduling):
+    #: the scheduler counts them as known, so the next step can compute them.
+    num_pending_tokens: int = 0
+    #: The longest the sequence may grow (prompt + output limit): a token that reaches it
+    #: ends it by length. The scheduler never schedules a pending token that will.
+    max_num_tokens: int = sys.maxsize
 
     @property
     def order(self) -> tuple[int, int]:
@@ -78,9 +85,22 @@ class Sequence:
         return len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens the scheduler counts: those on the host and those pending."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) \
+            + self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        """Known tokens whose K/V are not yet in the cache (1 for a decoding sequence)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Known or pending tokens whose K/V are not yet in the cache (1 for a decoding
+        sequence)."""
+        return self.num_tokens_with_pending - self.num_computed_tokens
+
+    @property
+    def pending_finishes_it(self) -> bool:
+        """A pending token that will surely end the sequence by length (so the next step
+        has nothing to compute for it)."""
+        return self.num_pending_tokens > 0 and self.num_tokens_with_pending >= self.max_num_tokens
 
     @property
     def is_finished(self) -> bool:
