@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from quire.executor.messages import StepItem
+import torch
+
+from quire.executor.messages import StepItem, resolve_pending
 from quire.executor.model_runner import StepResult
 from quire.executor.worker import KVCacheSpec
 
@@ -59,9 +61,18 @@ class Executor(ABC):
     #: micro-batch. 1 where ranks cannot run ahead (no pipeline, or one process).
     max_in_flight: int = 1
 
-    def submit(self, items: list[StepItem], released: list[int] | None = None) -> object:
+    def submit(self, items: list[StepItem], released: list[int] | None = None,
+               sampled: torch.Tensor | None = None) -> object:
         """Start a step and return a handle for :meth:`wait`, without waiting for it
-        where the workers run elsewhere; steps complete in submission order."""
+        where the workers run elsewhere; steps complete in submission order.
+
+        :param sampled: the previous step's sampled token ids (int64 [N], on the device
+            of its logits), for the items whose ``prev_row`` points into it (async
+            scheduling). Here they are read on the host and written into the items;
+            an executor whose runner shares the device may copy them there instead.
+        """
+        if sampled is not None:
+            items = resolve_pending(items, sampled.tolist())
         return self.execute(items, released)
 
     def wait(self, handle: object) -> StepResult:

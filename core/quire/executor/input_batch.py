@@ -14,6 +14,10 @@ later graph capture needs stay fixed while the engine serves, as long as no step
 the sizes the buffers were made for (the worker makes them at the configuration's
 limits; beyond them they grow, which moves them). A step's tensors are valid until the
 next call to :meth:`InputBatch.prepare`.
+
+A token still on the device (async scheduling: ``StepItem.prev_row``) is copied into the
+device's ``input_ids`` from the previous step's sampled ids, after the host's copy, so a
+replayed graph, which copies ``input_ids`` into its own buffer, reads it too.
 """
 
 from __future__ import annotations
@@ -173,11 +177,15 @@ class InputBatch:
         return row
 
     # -- the step --------------------------------------------------------------------------
-    def prepare(self, items: Sequence[StepItem], released: Iterable[int] = ()) -> StepInputs:
+    def prepare(self, items: Sequence[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None) -> StepInputs:
         """Release ``released``, apply the items' pages, and fill the step's buffers.
 
-        :raises ValueError: as :meth:`_update`, for an empty step, or for a sequence
-            whose pages do not hold its new tokens.
+        :param sampled: the previous step's sampled token ids (int64 [N], on this
+            device), whose row ``item.prev_row`` is the item's last token.
+        :raises ValueError: as :meth:`_update`, for an empty step, for a sequence
+            whose pages do not hold its new tokens, or for a pending token without
+            ``sampled``.
         """
         if not items:
             raise ValueError("a step needs at least one sequence")
@@ -219,6 +227,7 @@ class InputBatch:
         sample[: len(sample_items)] = qsl[1 : b + 1][list(sample_items)] - 1
 
         self._copy_to_device(t, b, len(sample_items), b * width)
+        self._fill_pending(items, qsl, sampled)
         dev = self._dev
         batch = AttentionBatch(
             slot_mapping=dev.slot_mapping[:t],
@@ -247,6 +256,23 @@ class InputBatch:
         for n, src, dst in zip((t, t, t, b + 1, b, s, cells), self._host.tensors(),
                                self._dev.tensors()):
             dst[:n].copy_(src[:n])
+
+    def _fill_pending(self, items: Sequence[StepItem], qsl: np.ndarray,
+                      sampled: torch.Tensor | None) -> None:
+        """Write each pending token (an item's last) into the device's ``input_ids``
+        from row ``prev_row`` of ``sampled``, without a trip through the host."""
+        pending = [(int(qsl[i + 1]) - 1, item.prev_row)
+                   for i, item in enumerate(items) if item.prev_row >= 0]
+        if not pending:
+            return
+        if sampled is None:
+            first = next(item.seq_id for item in items if item.prev_row >= 0)
+            raise ValueError(f"sequence {first} has a pending token, but the step came "
+                             "without the sampled token ids")
+        where = torch.tensor([p for p, _ in pending], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([r for _, r in pending], dtype=torch.int64, device=sampled.device)
+        tokens = sampled.index_select(0, rows).to(device=self.device, dtype=torch.int64)
+        self._dev.input_ids.index_copy_(0, where, tokens)
 
     def _prompt_rows(self, items: Sequence[StepItem],
                      qsl: np.ndarray) -> tuple[tuple[int, int, torch.Tensor], ...]:

@@ -7,10 +7,17 @@ forget. :class:`ItemBuilder` remembers, on the engine's side, what every worker'
 :class:`~quire.executor.input_batch.InputBatch` holds. Tensors travel as :class:`Array`
 (dtype, shape, raw bytes), so no pickle crosses a process boundary; msgspec's msgpack
 encoding is both typed and fast.
+
+With async scheduling a step may be built before the previous step's sampled tokens reach
+the host: such a sequence's last new token is :data:`PENDING_TOKEN`, and its item's
+``prev_row`` names the row of the previous step's sampled token ids that holds it. The
+executor fills it in: on the device for the in-process runner, on the host
+(:func:`resolve_pending`) before a plan crosses to worker processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -19,6 +26,10 @@ import torch
 
 if TYPE_CHECKING:
     from quire.engine.scheduler import ScheduledSeq
+
+
+#: The stand-in id of a token sampled on the device and not yet on the host.
+PENDING_TOKEN = -1
 
 
 class StepItem(msgspec.Struct, array_like=True, frozen=True):
@@ -37,24 +48,44 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
     #: Prompt positions from ``start`` whose logits are due for prompt logprobs (0: none).
     prompt_logit_rows: int = 0
     first_page: int = 0
+    #: -1, or the row of the previous step's sampled token ids that holds the last of
+    #: ``token_ids`` (then :data:`PENDING_TOKEN`; async scheduling).
+    prev_row: int = -1
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
     @classmethod
-    def of(cls, s: ScheduledSeq, first_page: int = 0) -> "StepItem":
+    def of(cls, s: ScheduledSeq, first_page: int = 0, prev_row: int = -1) -> "StepItem":
         """What the forward needs of one scheduled sequence, with its pages from
-        ``first_page`` on (the whole table by default)."""
+        ``first_page`` on (the whole table by default); ``prev_row`` holds its pending
+        token, if the step reaches it."""
         seq = s.seq
+        tokens = seq.token_slice(s.start, min(s.end, seq.num_tokens))
+        if s.end > seq.num_tokens:  # the pending token: on the device, not here
+            if prev_row < 0 or s.end != seq.num_tokens + 1:
+                raise ValueError(f"sequence {seq.seq_id} is scheduled up to {s.end} with "
+                                 f"{seq.num_tokens} tokens on the host and no sampled row")
+            tokens.append(PENDING_TOKEN)
+        else:
+            prev_row = -1
         rows = 0
         if seq.params.prompt_logprobs is not None:
             rows = max(0, min(s.end, seq.num_prompt_tokens - 1) - s.start)
         # the whole table is shared, not copied: the runner only reads it, and a process
         # boundary copies anyway
         table = seq.block_table[first_page:] if first_page else seq.block_table
-        return cls(seq.seq_id, seq.token_slice(s.start, s.end), s.start, table, s.samples,
-                   rows, first_page)
+        return cls(seq.seq_id, tokens, s.start, table, s.samples, rows, first_page,
+                   prev_row)
+
+
+def resolve_pending(items: list[StepItem], sampled: list[int]) -> list[StepItem]:
+    """``items`` with each pending token replaced by its id from ``sampled`` (the
+    previous step's sampled token ids, on the host)."""
+    return [item if item.prev_row < 0 else msgspec.structs.replace(
+                item, token_ids=[*item.token_ids[:-1], sampled[item.prev_row]], prev_row=-1)
+            for item in items]
 
 
 class ItemBuilder:
@@ -68,14 +99,20 @@ class ItemBuilder:
         self._known: dict[int, tuple[int, int]] = {}
         self._released: list[int] = []
 
-    def items(self, scheduled: list[ScheduledSeq]) -> list[StepItem]:
-        """The step's items; afterwards the workers are taken to hold every page."""
+    def items(self, scheduled: list[ScheduledSeq],
+              pending_rows: Mapping[int, int] | None = None) -> list[StepItem]:
+        """The step's items; afterwards the workers are taken to hold every page.
+
+        :param pending_rows: seq_id -> its row of the previous step's sampled token ids,
+            for the sequences whose last token is pending (async scheduling)."""
         known = self._known
+        rows = pending_rows or {}
         out = []
         for s in scheduled:
             seq = s.seq
             preemptions, pages = known.get(seq.seq_id, (-1, 0))
-            out.append(StepItem.of(s, pages if preemptions == seq.num_preemptions else 0))
+            out.append(StepItem.of(s, pages if preemptions == seq.num_preemptions else 0,
+                                   rows.get(seq.seq_id, -1)))
             known[seq.seq_id] = (seq.num_preemptions, len(seq.block_table))
         return out
 

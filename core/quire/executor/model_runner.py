@@ -101,15 +101,20 @@ class ModelRunner:
         graphs.capture_all(self.model, self.backend, self.kv_caches, self.ops)
         self.graphs = graphs
 
-    def prepare(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepInputs:
+    def prepare(self, scheduled: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None) -> StepInputs:
         """The flattened inputs of one step (valid until the next call); forgets the
         ``released`` sequences first."""
-        return self.input_batch.prepare(scheduled, released)
+        return self.input_batch.prepare(scheduled, released, sampled)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[StepItem], released: Iterable[int] = ()) -> StepResult:
-        """Run one forward. Writes the step's K/V into the pages."""
-        inputs = self.prepare(scheduled, released)
+    def execute(self, scheduled: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None) -> StepResult:
+        """Run one forward. Writes the step's K/V into the pages.
+
+        :param sampled: the previous step's sampled token ids on this device, for items
+            with a pending token (``StepItem.prev_row``; async scheduling)."""
+        inputs = self.prepare(scheduled, released, sampled)
         # a decode step that fits a captured graph replays it
         hidden = None if self.graphs is None else self.graphs.replay(inputs)
         if hidden is None and self.link is None:

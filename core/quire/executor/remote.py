@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
+import torch
+
 from quire.executor.abstract import Executor
-from quire.executor.messages import Call, Reply, Step, StepItem, StepPlan
+from quire.executor.messages import (
+    Call,
+    Reply,
+    Step,
+    StepItem,
+    StepPlan,
+    resolve_pending,
+)
 from quire.executor.model_runner import StepResult
 from quire.executor.worker import KVCacheSpec
 
@@ -49,7 +58,12 @@ class RemoteExecutor(Executor):
     def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
         return self.wait(self.submit(items, released))
 
-    def submit(self, items: list[StepItem], released: list[int] | None = None) -> object:
+    def submit(self, items: list[StepItem], released: list[int] | None = None,
+               sampled: torch.Tensor | None = None) -> object:
+        """Pending tokens are resolved here, on the host: the plan crosses a process
+        boundary, and the core sampled them in this process anyway."""
+        if sampled is not None:
+            items = resolve_pending(items, sampled.tolist())
         return self._send_all(Step(StepPlan(items, released or [])))
 
     def wait(self, handle: object) -> StepResult:

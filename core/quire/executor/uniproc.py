@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from quire.config import EngineConfig
 from quire.executor.abstract import Executor
 from quire.executor.messages import StepItem
@@ -31,6 +33,12 @@ class UniProcExecutor(Executor):
 
     def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
         return self.worker.execute(items, released or ())
+
+    def submit(self, items: list[StepItem], released: list[int] | None = None,
+               sampled: torch.Tensor | None = None) -> object:
+        """The pending tokens stay on the device: the runner copies them into its
+        inputs there (no host round trip)."""
+        return self.worker.execute(items, released or (), sampled)
 
     def shutdown(self) -> None:
         pass

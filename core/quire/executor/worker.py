@@ -228,10 +228,12 @@ class Worker:
                 for layer in range(self.model.num_layers)]
 
     # -- steps -----------------------------------------------------------------------------
-    def execute(self, items: list[StepItem], released: Iterable[int] = ()) -> StepResult:
+    def execute(self, items: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None) -> StepResult:
         """One forward over ``items``, after forgetting the ``released`` sequences; every
-        rank gets the whole logits (the LM head gathers the vocabulary)."""
+        rank gets the whole logits (the LM head gathers the vocabulary). ``sampled``
+        holds the pending tokens (:meth:`ModelRunner.execute`)."""
         if self.runner is None:
             raise RuntimeError("init_cache must be called before the first step")
         self.platform.begin_step(sum(len(item.token_ids) for item in items))
-        return self.runner.execute(items, released)
+        return self.runner.execute(items, released, sampled)
