@@ -144,6 +144,14 @@ class EngineConfig:
         metadata=_help("run every step eagerly: capture no device graphs of decode steps "
                        "(cuda and rocm capture them by default; other platforms have none)"),
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help("vLLM's --async-scheduling: schedule and submit the next step "
+                       "before the current step's sampled tokens reach the host, so the "
+                       "host's work overlaps the device's (same outputs); not with "
+                       "pipeline_parallel_size > 1; an embedding model runs synchronously; "
+                       "untested on a GPU, and no gain on the cpu platform"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -188,9 +196,13 @@ class EngineConfig:
             raise ValueError(f"platform_options must map option names to values, got "
                              f"{options!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "compile",
-                     "enforce_eager"):
+                     "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling cannot run with pipeline_parallel_size > 1 "
+                             f"(got {self.pipeline_parallel_size}): a pipeline already keeps "
+                             "several steps in flight; turn one of them off")
 
     def _check_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -8,12 +8,15 @@ process with a busy loop (:mod:`quire.engine.core_proc`); either way its front s
 :class:`~quire.engine.messages.CoreOutputs` per step. Token rules end sequences here
 (EOS, stop token ids, ``max_tokens``, the context); stop strings are found by the front,
 which then calls :meth:`stop_sequence`.
+
+With ``async_scheduling`` one :meth:`EngineCore.step` completes step k and submits step
+k+1 before step k's tokens reach the host (:meth:`EngineCore._step_async`), so the host's
+work overlaps the device's; outputs and stops are the same, found one step later.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,13 +40,14 @@ from quire.engine.sequence import Sequence
 from quire.executor import check_parallel, make_executor
 from quire.executor.abstract import Executor
 from quire.executor.messages import ItemBuilder
+from quire.executor.model_runner import StepResult
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.loader import checkpoint_dtype, load_model_config
 from quire.models.pooling import check_task, context_length, model_task
 from quire.plugins.registry import PlatformRegistry
-from quire.sampler import Sampler, compute_prompt_logprobs
+from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import (
     GrammarBackend,
@@ -202,6 +206,8 @@ class EngineCore:
         self._items = ItemBuilder()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
+        # generate only: an embedding's step ends its request, with nothing to overlap
+        self._async = config.async_scheduling and self.config.task == "generate"
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarBackend | None = None
         self._matchers: dict[int, Matcher] = {}  # by seq_id, for structured outputs
@@ -220,9 +226,10 @@ class EngineCore:
             task=self.config.task)
         logger.info(
             "engine core ready: platform=%s dtype=%s block_size=%d kv_pages=%d (%d tokens) "
-            "executor=%s world_size=%d", self.platform.name, self.config.dtype,
-            self.config.block_size, num_blocks, num_blocks * self.config.block_size,
-            config.executor_backend, self.executor.world_size,
+            "executor=%s world_size=%d async_scheduling=%s", self.platform.name,
+            self.config.dtype, self.config.block_size, num_blocks,
+            num_blocks * self.config.block_size, config.executor_backend,
+            self.executor.world_size, "on" if self._async else "off",
         )
 
     def shutdown(self) -> None:
@@ -257,10 +264,13 @@ class EngineCore:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         # each sample gets its own parameters (n=1, a seeded request's seed + index)
+        params = request.params.for_sequence(index)
+        longest = len(tokens) + max(1, params.max_output_tokens(len(tokens),
+                                                                self.config.max_model_len))
         return Sequence(seq_id=seq_id, request_id=request.request_id,
-                        prompt_token_ids=tokens, params=request.params.for_sequence(index),
+                        prompt_token_ids=tokens, params=params,
                         arrival=seq_id if arrival is None else arrival, index=index,
-                        priority=request.priority + index)
+                        priority=request.priority + index, max_num_tokens=longest)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests now and free their pages; unknown or finished ids are ignored."""
@@ -338,21 +348,14 @@ class EngineCore:
 
         With a pipeline, first fill it: schedule and submit micro-batches (each of
         sequences in no other) until ``depth`` are in flight, then complete the oldest.
+        With async scheduling, see :meth:`_step_async`.
         """
-        while len(self._in_flight) < self.scheduler.depth:
-            out = self.scheduler.schedule()
-            for seq in out.preempted:
-                self._items.release(seq.seq_id)
-            if not out:
-                break
-            items = self._items.items(out.scheduled)
-            self._in_flight.append(
-                (out, self.executor.submit(items, self._items.take_released())))
+        if self._async:
+            return self._step_async()
+        while len(self._in_flight) < self.scheduler.depth and self._schedule_next():
+            pass
         if not self._in_flight:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler found no work it could run; this is a bug")
-            return CoreOutputs(time=time.monotonic(), stats=self.stats(),
-                               finished=self.take_finished())
+            return self._idle()
         out, handle = self._in_flight.popleft()
         result = self.executor.wait(handle)
         self.scheduler.complete_step(out)
@@ -360,6 +363,79 @@ class EngineCore:
         if result.pooled is not None:
             self._finish_embeddings(out, result.sample_items, result.pooled, outputs)
             return self._report(outputs)
+        seqs, logits = self._live_rows(out, result, outputs)
+        if seqs:
+            self._mask(logits, seqs)
+            self._take_tokens(seqs, self.sampler.sample(logits, seqs), outputs)
+        return self._report(outputs)
+
+    def _step_async(self) -> CoreOutputs:
+        """Complete step k and submit step k+1 before step k's tokens reach the host.
+
+        1. wait for step k (on a device this need not sync) and complete it;
+        2. sample it on the device, reading host state that holds every token up to k-1
+           (penalties, ``min_tokens``, grammar masks: what a synchronous step reads);
+        3. schedule step k+1, each sequence that sampled counting one pending token;
+        4. submit it with the sampled ids, which the executor puts in its inputs;
+        5. bring step k's tokens to the host (on a device: waiting for step k's copies
+           only, while step k+1 runs) and do each token's work: append, fork, stop
+           checks, grammar, finish. A sequence that a stop token, EOS or a complete
+           grammar ended was scheduled once more for nothing: the row is dropped when
+           step k+1 completes. Its pages are freed now, while step k+1 may still write
+           them: safe, because steps run in order (one stream, or in order in each
+           worker), so any later owner's writes come after.
+        The first step after an idle spell is submitted and completed in one call.
+        """
+        if not self._in_flight:
+            self._schedule_next()
+        if not self._in_flight:
+            return self._idle()
+        out, handle = self._in_flight.popleft()
+        result = self.executor.wait(handle)
+        self.scheduler.complete_step(out)
+        outputs = CoreOutputs()
+        seqs, logits = self._live_rows(out, result, outputs)
+        if not seqs:
+            self._schedule_next()
+            return self._report(outputs)
+        self._mask(logits, seqs)
+        sample = self.sampler.sample_on_device(logits, seqs)
+        for seq in seqs:
+            seq.num_pending_tokens = 1
+        self._schedule_next(sample.token_ids, {seq.seq_id: row for row, seq in enumerate(seqs)})
+        for seq in seqs:
+            seq.num_pending_tokens = 0
+        self._take_tokens(seqs, self.sampler.to_host(sample), outputs)
+        return self._report(outputs)
+
+    def _schedule_next(self, sampled: torch.Tensor | None = None,
+                       pending_rows: dict[int, int] | None = None) -> bool:
+        """Schedule a step and submit it; False when there was nothing to run.
+
+        :param sampled: the previous step's token ids on the device, and each pending
+            sequence's row of it (async scheduling)."""
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            self._items.release(seq.seq_id)
+        if not out:
+            return False
+        items = self._items.items(out.scheduled, pending_rows)
+        self._in_flight.append(
+            (out, self.executor.submit(items, self._items.take_released(), sampled)))
+        return True
+
+    def _idle(self) -> CoreOutputs:
+        """A step with nothing to run: only what finished meanwhile."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler found no work it could run; this is a bug")
+        return CoreOutputs(time=time.monotonic(), stats=self.stats(),
+                           finished=self.take_finished())
+
+    def _live_rows(self, out: SchedulerOutput, result: StepResult,
+                   outputs: CoreOutputs) -> tuple[list[Sequence], torch.Tensor]:
+        """Report the step's prompt logprobs; its sampling sequences not finished while
+        it was in flight (aborted, a stop string, async scheduling's one step late), and
+        their logits rows."""
         for item_idx, first_pos, logits in result.prompt_logits:
             seq = out.scheduled[item_idx].seq
             if seq.request_id not in self._requests:
@@ -369,36 +445,38 @@ class EngineCore:
                 outputs.prompt_logprobs.append(entry)
         rows = [(row, out.scheduled[i].seq) for row, i in enumerate(result.sample_items)]
         live = [(row, seq) for row, seq in rows if not seq.is_finished]
-        if len(live) < len(rows):  # finished while in flight (aborted, a stop string)
-            result = dataclasses.replace(result, logits=result.logits[[r for r, _ in live]])
-        seqs = [seq for _, seq in live]
-        if seqs:
-            self._mask(result.logits, seqs)
-            sampled = self.sampler.sample(result.logits, seqs)
-            for row, seq in enumerate(seqs):
-                req = self._requests[seq.request_id]
-                if seq.index == 0 and seq.num_output_tokens == 0 and req.request.params.n > 1:
-                    self._fork(req, seq)  # before the parent can finish and free its pages
-                token = sampled.token_ids[row]
-                seq.output_token_ids.append(token)
-                reason = self._stop_reason(seq, token)
-                matcher = self._matchers.get(seq.seq_id)
-                gate = self._thinking.get(seq.seq_id)
-                if matcher is not None and (gate is None or gate.answering(token)):
-                    matcher.accept(token)
-                    if reason is None and matcher.is_terminated():
-                        reason = "stop"  # the grammar is complete (vLLM stops it too)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                    self._release(seq)
-                outputs.updates.append(SeqUpdate(
-                    seq.request_id, seq.index, token, sampled.logprobs[row], reason,
-                    seq.stop_reason if isinstance(seq.stop_reason, int) else None,
-                    seq.num_cached_tokens, seq.first_scheduled_time))
-                if reason is not None and req.finished:
-                    del self._requests[seq.request_id]
-                    self._finished.append(seq.request_id)
-        return self._report(outputs)
+        logits = result.logits
+        if len(live) < len(rows):
+            logits = logits[[r for r, _ in live]]
+        return [seq for _, seq in live], logits
+
+    def _take_tokens(self, seqs: list[Sequence], sampled: SamplerOutput,
+                     outputs: CoreOutputs) -> None:
+        """Each sequence's sampled token: append it, fork the other samples after a
+        prompt, apply the token rules and the grammar, finish, report."""
+        for row, seq in enumerate(seqs):
+            req = self._requests[seq.request_id]
+            if seq.index == 0 and seq.num_output_tokens == 0 and req.request.params.n > 1:
+                self._fork(req, seq)  # before the parent can finish and free its pages
+            token = sampled.token_ids[row]
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            matcher = self._matchers.get(seq.seq_id)
+            gate = self._thinking.get(seq.seq_id)
+            if matcher is not None and (gate is None or gate.answering(token)):
+                matcher.accept(token)
+                if reason is None and matcher.is_terminated():
+                    reason = "stop"  # the grammar is complete (vLLM stops it too)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._release(seq)
+            outputs.updates.append(SeqUpdate(
+                seq.request_id, seq.index, token, sampled.logprobs[row], reason,
+                seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+                seq.num_cached_tokens, seq.first_scheduled_time))
+            if reason is not None and req.finished:
+                del self._requests[seq.request_id]
+                self._finished.append(seq.request_id)
 
     def _report(self, outputs: CoreOutputs) -> CoreOutputs:
         outputs.time = time.monotonic()  # one clock read per step: the tokens exist from here
