@@ -9,8 +9,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from quire.config import EngineConfig
 from quire.engine import core_proc
+from quire.executor import multiproc
+from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.communicator import Communicator
+from quire.interfaces.memory import MemoryProfiler
+from quire.interfaces.platform import Availability, Platform
 from quire.platforms.cpu import threads
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.threads import (
@@ -61,20 +67,51 @@ def test_the_option_is_typed_and_may_come_from_its_variable() -> None:
         CpuOptions(wait_policy="active")
 
 
-def test_the_environment_reads_the_host_and_the_option(monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_the_cpu_platforms_child_environment_reads_the_host_and_the_option(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from quire.platforms.cpu.platform import CpuPlatform
+
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(threads, "host_load", lambda: 1.5)
+    platform = CpuPlatform()  # not configured: the hook takes the options itself
     with caplog.at_level("INFO", logger=threads.__name__):
-        assert wait_environment("cpu", None, {}) == {WAIT_ENV: "PASSIVE"}
+        assert platform.child_environment({}, {}) == {WAIT_ENV: "PASSIVE"}
     assert "wait passively (load 1.50" in caplog.text
-    assert wait_environment("cpu", {"wait_policy": "spin", "isa": "avx2"}, {}) == {}
-    assert wait_environment("auto", None, {"QUIRE_CPU_WAIT_POLICY": "spin"}) == {}
-    assert wait_environment("cpu", None, {WAIT_ENV: "ACTIVE"}) == {}
-    assert wait_environment("cuda", {"wait_policy": "passive"}, {}) == {}  # not ours
+    assert wait_environment("auto", {}) == {WAIT_ENV: "PASSIVE"}
+    assert platform.child_environment({"wait_policy": "spin", "isa": "avx2"}, {}) == {}
+    assert platform.child_environment({}, {"QUIRE_CPU_WAIT_POLICY": "spin"}) == {}
+    assert platform.child_environment({}, {WAIT_ENV: "ACTIVE"}) == {}
     with pytest.raises(ValueError, match="platform option wait_policy"):
-        wait_environment("cpu", {"wait_policy": "never"}, {})
+        platform.child_environment({"wait_policy": "never"}, {})
+    with pytest.raises(ValueError, match="unknown cpu option"):
+        platform.child_environment({"waitpolicy": "passive"}, {})
+
+
+class _Bare(Platform):
+    """A platform with none of the optional hooks (as one built for API 1.1)."""
+
+    name, device_type, distributed_backend = "bare", "cpu", "gloo"
+    supported_dtypes, default_block_size = (torch.float32,), 16
+
+    def availability(self) -> Availability:
+        return Availability.yes()
+
+    def make_attention_backend(self) -> AttentionBackend:
+        raise NotImplementedError
+
+    def make_communicator(self, rank: int = 0, world_size: int = 1,
+                          group: object | None = None) -> Communicator:
+        raise NotImplementedError
+
+    def make_memory_profiler(self, device_index: int = 0) -> MemoryProfiler:
+        raise NotImplementedError
+
+
+def test_another_platform_adds_nothing_to_its_processes_environment() -> None:
+    """The hook's default (plugin API 1.2) puts nothing into the environment, whatever
+    options it is given."""
+    assert _Bare().child_environment({"wait_policy": "passive"}, {}) == {}
 
 
 def _stat(*cpus: tuple[int, ...]) -> str:
@@ -178,9 +215,39 @@ def test_an_engine_core_process_starts_with_the_setting_and_openmp_reads_it(
     assert WAIT_ENV not in os.environ  # this process is left as it was
 
 
+def test_the_core_processes_ask_the_platform_the_device_resolves_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolved in the starting process, so a device that cannot run starts nothing."""
+    _Recorded.calls.clear()
+    monkeypatch.setattr(core_proc.subprocess, "Popen", _Recorded)
+    with pytest.raises(ValueError, match="nosuch"):
+        core_proc.CoreProcesses(EngineConfig(model="unused", device="nosuch"))
+    with pytest.raises(ValueError, match="platform option wait_policy"):
+        core_proc.CoreProcesses(EngineConfig(model="unused", device="cpu",
+                                             platform_options={"wait_policy": "never"}))
+    assert _Recorded.calls == []
+
+
+def test_mp_workers_start_with_what_the_engines_platform_asks_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor asks the platform it was given, not the cpu platform's module."""
+
+    class Asks(_Bare):
+        def child_environment(self, options, env):  # type: ignore[no-untyped-def]
+            assert options == {"knob": 1} and env is os.environ
+            return {"QUIRE_TEST_CHILD": "set"}
+
+    _Recorded.calls.clear()
+    monkeypatch.setattr(multiproc.subprocess, "Popen", _Recorded)
+    config = EngineConfig(model="unused", device="cpu", platform_options={"knob": 1},
+                          tensor_parallel_size=2)
+    with pytest.raises(multiproc.WorkerDied, match="exit code 0"):  # _Recorded "exits"
+        multiproc.MultiprocExecutor(config, 2, Asks())
+    assert [c["env"] for c in _Recorded.calls] == [{**os.environ, "QUIRE_TEST_CHILD": "set"}] * 2
+
+
 def test_an_in_process_engine_that_cannot_apply_passive_waiting_says_how(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import torch
     from quire.platforms.cpu.platform import CpuPlatform
 
     monkeypatch.delenv(WAIT_ENV, raising=False)

@@ -53,7 +53,7 @@ from quire.engine.messages import (
 from quire.engine.placement import Placement
 from quire.executor.abstract import WorkerDied
 from quire.executor.multiproc import cores_of, die_with_parent, reap
-from quire.platforms.cpu.threads import wait_environment
+from quire.plugins.registry import PlatformRegistry
 
 if TYPE_CHECKING:  # the core imports the model code: only the core process loads it
     from quire.engine.core import EngineCore
@@ -119,7 +119,14 @@ class CoreProcesses:
     """
 
     def __init__(self, config: EngineConfig, blocked: frozenset[str] = frozenset()) -> None:
-        """:param blocked: plugin entry points to skip (``--disable-plugins``)."""
+        """:param blocked: plugin entry points to skip (``--disable-plugins``).
+        :raises ValueError, RuntimeError: the device cannot run, or its options are bad
+            (before any process starts)."""
+        # what the platform's libraries read once, when a core imports torch (cpu: how
+        # OpenMP threads wait); this process may have torch already, the cores not yet
+        platform = PlatformRegistry(blocked=blocked).resolve(config.device)
+        env = {**os.environ, **platform.child_environment(config.platform_options or {},
+                                                          os.environ)}
         self.count = config.data_parallel_size
         self.workdir = tempfile.mkdtemp(prefix="quire-core-")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -127,9 +134,6 @@ class CoreProcesses:
         with open(os.path.join(self.workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
         cpu = config.device in (None, "cpu")
-        # read by OpenMP when the core imports torch: the cpu wait_policy option
-        env = {**os.environ, **wait_environment(config.device, config.platform_options,
-                                                os.environ)}
         for engine in range(self.count):
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
             self.procs.append(subprocess.Popen(

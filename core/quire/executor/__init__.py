@@ -26,14 +26,14 @@ def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
         from quire.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config, registry)
-    device_type = registry.resolve(config.device).device_type
+    platform = registry.resolve(config.device)
     if backend == "ray":
         from quire.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config, config.world_size, device_type)
+        return RayExecutor(config, config.world_size, platform.device_type)
     from quire.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, config.world_size, device_type)
+    return MultiprocExecutor(config, config.world_size, platform)
 
 
 def check_parallel(config: EngineConfig, model_config: Any) -> None:

@@ -46,7 +46,7 @@ from quire.executor.messages import (
 )
 from quire.executor.remote import RemoteExecutor
 from quire.executor.worker import Worker
-from quire.platforms.cpu.threads import wait_environment
+from quire.interfaces.platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,10 @@ _SHUTDOWN = _encoder.encode(Call("shutdown", []))
 class MultiprocExecutor(RemoteExecutor):
     """``world_size`` worker processes on this node, one per rank."""
 
-    def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
+    def __init__(self, config: EngineConfig, world_size: int, platform: Platform) -> None:
+        """:param platform: the engine's, resolved from ``config.device``: its device type
+            and the environment its workers need (:meth:`Platform.child_environment`)."""
+        device_type = platform.device_type
         self.world_size = world_size
         self.max_in_flight = config.pipeline_parallel_size
         self._workdir = tempfile.mkdtemp(prefix="quire-mp-")
@@ -80,9 +83,10 @@ class MultiprocExecutor(RemoteExecutor):
                                          self._zmq, self._workdir)
         with open(os.path.join(self._workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
-        # read by OpenMP when a worker imports torch: the cpu wait_policy option
-        env = {**os.environ, **wait_environment(device_type, config.platform_options,
-                                                os.environ)}
+        # what the platform's libraries read once, when a worker imports torch (cpu: how
+        # OpenMP threads wait)
+        env = {**os.environ, **platform.child_environment(config.platform_options or {},
+                                                          os.environ)}
         try:
             for rank in range(world_size):
                 sock = self._zmq.socket(zmq.PAIR)

@@ -160,6 +160,26 @@ class Platform(ABC):
             raise ValueError(f"the '{self.name}' platform takes no options; got "
                              f"{', '.join(sorted(options))}")
 
+    def child_environment(self, options: Mapping[str, Any],
+                          env: Mapping[str, str]) -> dict[str, str]:
+        """Variables a process that will run this platform's work (an engine core, a
+        ``mp`` worker) must have before it imports torch: settings its libraries read
+        once, when they load (the cpu platform: OpenMP's ``OMP_WAIT_POLICY``).
+
+        Called in the process that starts the child, which may have loaded torch
+        already and need not have called :meth:`configure` on this instance; the child
+        inherits ``env`` with the result laid over it. Must not touch the device.
+        Plugin API 1.2.
+
+        :param options: the user's ``platform_options``, unchecked, as :meth:`configure`
+            gets them.
+        :param env: the environment the child would inherit; a variable the user set
+            there is theirs (leave it out of the result to keep it).
+        :returns: the variables to set; empty, the default, for none.
+        :raises ValueError: naming a bad option.
+        """
+        return {}
+
     def configure_process(self) -> None:
         """Process-wide tuning, called once by the engine before it builds the model.
 

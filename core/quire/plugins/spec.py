@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 #:      communicator inherits defaults that raise NotImplementedError.
 #: 1.2: Platform.auto_dtype (what ``dtype="auto"`` means per checkpoint),
 #:      Platform.details (lines for ``quire plugins``), Platform.graph_capture with
-#:      AttentionBackend.update_metadata (decode steps replayed from device graphs); a 1.1
-#:      platform inherits defaults (its first supported dtype; no lines; no graphs).
+#:      AttentionBackend.update_metadata (decode steps replayed from device graphs),
+#:      Platform.child_environment (variables for the processes Quire starts); a 1.1
+#:      platform inherits defaults (its first supported dtype; no lines; no graphs; no
+#:      variables).
 PLUGIN_API_VERSION = "1.2"
 
 

@@ -26,6 +26,7 @@ import time
 
 from quire.config import EngineConfig
 from quire.engine.core_proc import CoreProcesses
+from quire.entrypoints.cli.common import UsageError
 from quire.entrypoints.server.metrics import MULTIPROC_DIR_ENV
 from quire.executor.multiproc import die_with_parent, reap
 
@@ -47,7 +48,11 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig,
     listener.listen(2048)
     listener.set_inheritable(True)
     host, port = listener.getsockname()[:2]
-    cores = CoreProcesses(config, blocked)
+    try:
+        cores = CoreProcesses(config, blocked)
+    except (ValueError, RuntimeError) as exc:  # the device or its options, refused here
+        listener.close()
+        raise UsageError(str(exc)) from exc
     # the API servers' request metrics, summed by whichever of them answers /metrics
     metrics_dir = tempfile.mkdtemp(prefix="quire-metrics-")
     env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir}

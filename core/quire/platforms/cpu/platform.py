@@ -36,6 +36,7 @@ from quire.platforms.cpu.threads import (
     configure_threads,
     host_wait_policy,
     passive_waiting,
+    wait_environment,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,16 @@ class CpuPlatform(Platform):
                     "the CPU has bfloat16 products" if has_bf16_products(features)
                     else "no bfloat16 products on this CPU")
         return chosen
+
+    def child_environment(self, options: Mapping[str, Any],
+                          env: Mapping[str, str]) -> dict[str, str]:
+        """``OMP_WAIT_POLICY=PASSIVE`` when the ``wait_policy`` option says so (``auto``:
+        when other processes load the host now), unless the user set it
+        (:func:`~quire.platforms.cpu.threads.wait_environment`).
+
+        :raises ValueError: naming a bad option.
+        """
+        return wait_environment(CpuOptions.parse(options, env).wait_policy, env)
 
     def configure_process(self) -> None:
         chosen = configure_threads(self.options.threads)

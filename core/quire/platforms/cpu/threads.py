@@ -18,11 +18,11 @@ libgomp reads once, when torch loads it. libgomp's default (spin a while, then s
 threads steal from them and wait on the straggler, and passive waiting is 1.6-4x faster
 (docs/bench.md, "Waiting on a shared host"). The ``wait_policy`` option chooses
 (:func:`choose_wait_policy`; ``auto`` samples how busy the host's CPUs are,
-:func:`host_load`) for the processes Quire
-starts: :func:`wait_environment` is put into an engine core's or a worker's environment
-before it imports torch. A process that had torch loaded already (an in-process
-``LLM``) keeps what its environment said. With passive waiting, :class:`StepThreads`
-runs single-token steps on one thread.
+:func:`host_load`) for the processes Quire starts: the platform's ``child_environment``
+puts :func:`wait_environment` into an engine core's or a worker's environment before it
+imports torch. A process that had torch loaded already (an in-process ``LLM``) keeps
+what its environment said. With passive waiting, :class:`StepThreads` runs
+single-token steps on one thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -217,21 +216,13 @@ def host_load(read_stat: Callable[[], str] | None = None,
     return busy if busy is not None else _load_average()
 
 
-def wait_environment(device: str | None, platform_options: Mapping[str, Any] | None,
-                     env: Mapping[str, str]) -> dict[str, str]:
-    """What a process Quire starts for an engine on ``device`` must have in its
-    environment for the ``wait_policy`` option to take effect, with the decision logged;
-    empty on other platforms, or when the user set ``OMP_WAIT_POLICY`` (inherited).
+def wait_environment(option: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What a process Quire starts for a cpu engine must have in its environment for
+    the ``wait_policy`` option ``option`` to take effect, with the decision logged;
+    empty when the user set ``OMP_WAIT_POLICY`` in ``env`` (inherited).
 
-    :raises ValueError: when the option's value is not one it accepts.
+    :raises ValueError: when ``option`` is not one :func:`choose_wait_policy` accepts.
     """
-    if device not in (None, "auto", "cpu"):
-        return {}
-    from quire.platforms.cpu.options import ENV_DEFAULTS, CpuOptions
-
-    options = {k: v for k, v in (platform_options or {}).items() if k == "wait_policy"}
-    variable = ENV_DEFAULTS["wait_policy"]
-    option = CpuOptions.parse(options, {variable: env.get(variable, "")}).wait_policy
     decision = host_wait_policy(option, env)
     logger.info("cpu platform: OpenMP threads of the engine processes %s (%s)",
                 "wait passively" if decision.policy == "passive" else "spin, then sleep",
