@@ -37,7 +37,7 @@ from quire.engine.messages import (
 )
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
-from quire.executor import check_parallel, make_executor
+from quire.executor import check_parallel, make_executor, worker_config
 from quire.executor.abstract import Executor
 from quire.executor.messages import ItemBuilder
 from quire.executor.model_runner import StepResult
@@ -172,7 +172,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(tokenizer, self.model_config, model_path)
         self.vocab_size: int = self.model_config.vocab_size
 
-        self.executor: Executor = make_executor(config, registry)
+        # the workers run at this core's dtype, not at what auto means on their hosts
+        self.executor: Executor = make_executor(worker_config(config, self.config.dtype),
+                                                registry)
         if not self.executor.runs_model_here:
             # The model runs in the workers; this process only samples, and OpenMP
             # threads spinning after each sampling op took the workers' cores (W2's

@@ -8,15 +8,25 @@ size 1, ``mp`` above) after :func:`check_parallel` refused what cannot shard.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from quire.config import EngineConfig
 
 if TYPE_CHECKING:  # the runner imports this package's messages; keep its import light
+    import torch
+
     from quire.executor.abstract import Executor
     from quire.plugins.registry import PlatformRegistry
 
-__all__ = ["check_parallel", "make_executor"]
+__all__ = ["check_parallel", "make_executor", "worker_config"]
+
+
+def worker_config(config: EngineConfig, dtype: torch.dtype) -> EngineConfig:
+    """``config`` with the dtype the engine core settled made explicit, for its workers:
+    what ``dtype="auto"`` means depends on the host (the cpu platform's bfloat16 needs
+    the CPU's bfloat16 products), and ranks on different hosts must run at one dtype."""
+    return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
 
 
 def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
