@@ -13,8 +13,10 @@
 #   bash scripts/device_cuda_check.sh [conformance] [bench] [profile] [graphs]
 # (default: conformance bench; profile: scripts/profile_steps.py on W1's and W2's shapes;
 # graphs: decode graphs on and off: greedy outputs compared, W1 and W2 against the hf
-# peer, launches per step and the device's busy share. `conformance graphs` should fit
-# one call of about 450 s.)
+# peer, launches per step and the device's busy share; then async scheduling on and off
+# with graphs on: greedy outputs compared, W1 and W2 ITL with it on. `conformance graphs`
+# fitted one call of about 450 s before the async part (about 150 s more, unmeasured):
+# give `graphs` a call of its own.)
 set -u
 parts=${*:-conformance bench}
 wants() { [[ " $parts " == *" $1 "* ]]; }
@@ -116,6 +118,36 @@ EOF
   bench w1_eager throughput --workload W1 --dtype bfloat16 --enforce-eager true
   bench w2_graphs latency --workload W2 --dtype bfloat16 --peer hf
   bench w2_eager latency --workload W2 --dtype bfloat16 --enforce-eager true
+  step "graphs + async scheduling: greedy outputs with it on and off (preemption included)"
+  timeout 150 python3 - <<'EOF'
+import torch, transformers
+from quire import LLM, SamplingParams
+cfg = transformers.AutoConfig.from_pretrained("/tmp/smol")
+head = cfg.hidden_size // cfg.num_attention_heads
+prompts = [[(7 * i + 13 * j) % 40000 + 10 for j in range(8 + 9 * i)] for i in range(24)]
+params = [SamplingParams(temperature=0, max_tokens=16 + 8 * (i % 5), ignore_eos=True)
+          for i in range(24)]
+page = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head * 2
+for pages in (4096, 40):  # plenty, and few enough to preempt
+    outs = {}
+    for on in (False, True):
+        llm = LLM("/tmp/smol", device="cuda", dtype="bfloat16", max_model_len=320,
+                  max_num_seqs=16, kv_cache_memory=pages * page, async_scheduling=on)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs[on] = [o.outputs[0].token_ids for o in got]
+        preempted = llm.engine.core.scheduler.stats.num_preemptions
+        del llm, got
+        torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(outs[False], outs[True]))
+    parted = [next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+              for a, b in zip(outs[False], outs[True]) if a != b]
+    print(f"bfloat16, graphs on, {pages} pages ({preempted} preemptions with async): {same}/"
+          f"{len(prompts)} sequences identical with async scheduling on and off; diverging "
+          f"at tokens {parted}")
+EOF
+  echo "async outputs exit: $?"
+  bench w1_graphs_async throughput --workload W1 --dtype bfloat16 --async-scheduling true
+  bench w2_graphs_async latency --workload W2 --dtype bfloat16 --async-scheduling true
   for eager in false true; do
     step "profile: 64 sequences, bfloat16, enforce_eager=$eager (launches per step, busy share)"
     timeout 90 python3 scripts/profile_steps.py --model /tmp/smol --device cuda \
