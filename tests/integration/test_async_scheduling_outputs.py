@@ -144,3 +144,48 @@ def test_async_outputs_with_worker_processes_equal_synchronous_ones(setup):
     sync, _ = _generate(path, False, params, tensor_parallel_size=2, max_model_len=128)
     async_, _ = _generate(path, True, params, tensor_parallel_size=2, max_model_len=128)
     assert async_ == sync
+
+
+def test_a_replayed_decode_step_takes_pending_tokens_from_the_device(tiny_checkpoint):
+    """A graph reads fixed buffers: the pending tokens, written into the input batch on
+    the device, must reach them, each from its own row."""
+    import torch
+    from quire.executor.messages import PENDING_TOKEN
+    from quire.models.loader import load_model
+    from test_decode_graphs import STEPS, _items, _runner, _single_rank
+
+    model, _ = load_model(str(tiny_checkpoint("llama")), _single_rank(), "cpu",
+                          torch.float32)
+    eager, _ = _runner(model, with_graphs=False)
+    graphed, _ = _runner(model, with_graphs=True)
+    assert graphed.graphs is not None
+    prefill, decode = STEPS[0][0], STEPS[1][0]  # three prompts, then one token each
+    eager.execute(_items(prefill))
+    graphed.execute(_items(prefill))
+    want = eager.execute(_items(decode))
+    # the decode tokens as the previous step's sampled ids, in another order than items
+    sampled = torch.tensor([tokens[0] for _, tokens, _ in reversed(decode)])
+    items = [item.__class__(item.seq_id, [PENDING_TOKEN], item.start, item.block_table,
+                            True, prev_row=len(decode) - 1 - i)
+             for i, item in enumerate(_items(decode))]
+    replays = graphed.graphs.replays
+    got = graphed.execute(items, sampled=sampled)
+    assert graphed.graphs.replays == replays + 1
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
+@pytest.mark.slow  # about 45 s: every step's kernels in Triton's interpreter, twice
+def test_async_outputs_with_graphs_equal_synchronous_ones(tiny_checkpoint):
+    """The engine with (fake) graphs replaying its decode steps, under preemption."""
+    from test_decode_graphs import _generate as generate_with_graphs
+    from test_decode_graphs import _page_bytes
+
+    path = str(tiny_checkpoint("llama"))
+    options = {"kv_cache_memory": 12 * _page_bytes(path)}
+    sync, _ = generate_with_graphs(path, False, **options)
+    async_, llm = generate_with_graphs(path, False, async_scheduling=True, **options)
+    assert async_ == sync
+    graphs = llm.engine.core.executor.worker.runner.graphs
+    assert graphs is not None and graphs.replays > 0
+    assert llm.engine.core.scheduler.stats.num_preemptions > 0
