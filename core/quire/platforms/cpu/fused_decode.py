@@ -26,7 +26,8 @@ SiLU or GELU-tanh, no logit soft cap), it runs on one device (no all-reduce), it
 are float32 (or all bfloat16, below) with one eps, and each of its linears is a
 :class:`~quire.platforms.cpu.packed_linear.PackedLinear` with a compact encoding
 (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q5_0/Q8_0 weights and bf16
-checkpoints) or float32 panels (the native panel kernel, AVX2 hosts). A one-row step
+checkpoints), float32 panels (the native panel kernel, AVX2 hosts) or, in a bfloat16
+model, oneDNN's packed bfloat16 copy. A one-row step
 streams the compact weights and runs the others on their panels in the same call; the
 other steps need every linear on panels. The
 whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s metadata and a
@@ -34,12 +35,18 @@ contiguous KV cache of the model's dtype. What does not fit returns None and the
 runs op by op. Results agree with that path to float32 rounding (the same kernels for
 products, norms and attention; the activation and rotary in C instead of torch).
 
-A bfloat16 model's layers qualify too, for a lone sequence's decode steps only: the C
-layer computes in float32 from the bf16 weights' compact copies, reads and writes
-bfloat16 KV pages, and its rows are widened on the way in and rounded on the way out.
-Batches run op by op on oneDNN's bfloat16 products, faster than float32 panels there.
-Numbers differ from the op-by-op bfloat16 path by bfloat16 rounding (the C layer
-rounds less often), not float32's.
+A bfloat16 model's layers qualify too. A lone sequence's decode step runs the whole C
+layer in float32 from the bf16 weights' compact copies, reading and writing bfloat16
+KV pages, its rows widened on the way in and rounded on the way out. Every other step
+(decode batches, prompts, mixed steps; a lone sequence without compact copies) keeps
+its four products on oneDNN's bfloat16 kernels (faster than float32 panels on hosts
+with bf16 products) and runs what lies between them in C, one call per gap
+(``quire_bf16_*``): residual and norms, q/k norms and rotary, for decode steps the KV
+writes and paged attention too (other steps attend through the backend), the
+activation. The residual stream stays float32 through a layer there and is rounded
+once, where the op-by-op path rounds it after each add. Numbers differ from the
+op-by-op bfloat16 path by bfloat16 rounding (the C pieces round less often), not
+float32's.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from torch import nn
 
 from quire.ops.layer_spec import DecoderLayerSpec, NormSpec
 from quire.platforms.cpu.native import (
+    Bf16RowsArgs,
     LayerDescArgs,
     LinearArgs,
     NativeKernels,
@@ -116,6 +124,20 @@ class FusedDecodeLayer:
             self._panels = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._panel_args])
         self._biases = biases
+        # a bfloat16 layer's batches: its products on oneDNN's bfloat16 kernels
+        # (the PackedLinears' packed copies, the modules' own biases), the rest in C
+        self._onednn = None
+        if self.dtype == torch.bfloat16 and all(
+                k.dtype == torch.bfloat16 and k.packed is not None for k in kernels):
+            self._onednn = _with_absent_mlp(
+                [(k.packed, getattr(m, "bias", None)) for k, m in zip(kernels, modules)])
+            inter = 0 if spec.gate_up is None else kernels[2].out_features // 2
+            self._rows = Bf16RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
+                                      desc=ctypes.pointer(self._desc), window=self.window,
+                                      scale=self.scale,
+                                      inter=inter)
+            self.rows_args = ctypes.byref(self._rows)
+            self._out_norm = spec.mlp_out_norm is not None
 
     def __call__(
         self,
@@ -126,34 +148,54 @@ class FusedDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = hidden.shape[0]
         cos, sin = rotary
-        if hidden.dtype != self.dtype:
-            return None
-        if self.dtype != torch.float32:
-            # the C layer computes in float32: a bfloat16 model's rows are widened
-            # here and its outputs rounded back at the end (only a lone sequence's
-            # decode step runs here: its products need the compact copies)
-            if not (rows == 1 and self._compact is not None):
-                return None
-            hidden, cos, sin = hidden.float(), cos.float(), sin.float()
-            residual = None if residual is None else residual.float()
-        if not (rows > 0 and hidden.dtype == cos.dtype == sin.dtype == torch.float32
-                and cos.shape[0] == sin.shape[0] == rows
-                and cos.shape[-1] == sin.shape[-1] == self.d == cos.numel() // rows
-                and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)):
+        if hidden.dtype != self.dtype or not self._rotary_fits(rows, cos, sin):
             return None
         # kept in variables: a temporary's pointer would dangle once it is collected
         hidden = hidden.contiguous()
         residual = None if residual is None else residual.contiguous()
-        done = None
-        if self._pure_decode(rows, ctx):
-            done = self._decode(hidden, residual, cos, sin, ctx)
-        if done is None and self._panels is not None:
-            done = self._halves(hidden, residual, cos, sin, ctx)
-        if done is not None and self.dtype != torch.float32:
-            done = (done[0].to(self.dtype), done[1].to(self.dtype))
+        if self.dtype == torch.float32:
+            done = self._float32(hidden, residual, cos, sin, ctx)
+        elif rows == 1 and self._compact is not None and self._pure_decode(rows, ctx):
+            done = self._lone_bf16(hidden, residual, cos, sin, ctx)
+        elif self._onednn is not None and (residual is None
+                                           or residual.dtype == torch.bfloat16):
+            done = self._bf16_rows(hidden, residual, cos, sin, ctx)
+        else:
+            return None
         if done is None or self.mlp is None:
             return done
         return self.mlp(done[0], ctx), done[1]  # the C layer stopped at the MLP's input
+
+    def _rotary_fits(self, rows: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the step's rotary factors are rows of ``d`` the C layer reads: the
+        model's dtype or float32, row r at ``r * stride(0)``."""
+        return (rows > 0 and cos.dtype == sin.dtype
+                and cos.dtype in (torch.float32, self.dtype)
+                and cos.shape[0] == sin.shape[0] == rows
+                and cos.shape[-1] == sin.shape[-1] == self.d == cos.numel() // rows
+                and cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0))
+
+    def _float32(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A float32 layer's step: whole in C for decode steps, else its halves."""
+        if cos.dtype != torch.float32:
+            return None
+        done = None
+        if self._pure_decode(hidden.shape[0], ctx):
+            done = self._decode(hidden, residual, cos, sin, ctx)
+        if done is None and self._panels is not None:
+            done = self._halves(hidden, residual, cos, sin, ctx)
+        return done
+
+    def _lone_bf16(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor,
+                   ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A bfloat16 lone sequence's decode step, in float32 from the compact copies:
+        its rows widened here and its outputs rounded back."""
+        residual = None if residual is None else residual.float()
+        done = self._decode(hidden.float(), residual, cos.float(), sin.float(), ctx)
+        return None if done is None else (done[0].to(self.dtype), done[1].to(self.dtype))
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
@@ -240,6 +282,86 @@ class FusedDecodeLayer:
             raise RuntimeError("quire_layer_back_f32 refused shapes its front accepted")
         return out, new_residual
 
+    def _bf16_rows(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor,
+                   ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A bfloat16 layer's step of several rows (or one without compact copies): each
+        product one oneDNN bfloat16 call, what lies between them one C call
+        (``quire_bf16_*``); a decode step's attention in C too, any other step's by the
+        attention backend. None when the inputs do not fit (nothing written yet)."""
+        rows, hq, hkv, d = hidden.shape[0], self.hq, self.hkv, self.d
+        native, args, ref = self.native, self._rows, self.rows_args
+        (qkv_w, qkv_b), (o_w, o_b), gate_up, down = self._onednn
+        stream = torch.empty(rows, self.hidden, dtype=torch.float32)
+        normed = torch.empty_like(hidden)
+        args.rows, args.x, args.stream, args.normed = (rows, hidden.data_ptr(),
+                                                       stream.data_ptr(), normed.data_ptr())
+        args.residual = None if residual is None else residual.data_ptr()
+        if native.bf16_front(ref):
+            return None
+        qkv = _onednn(normed, qkv_w, qkv_b)
+        args.qkv, args.cos, args.sin = qkv.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        args.rot_stride, args.rot_bf16 = cos.stride(0), cos.dtype == torch.bfloat16
+        attn = self._bf16_decode_attention(rows, ctx) if self._pure_decode(rows, ctx) else None
+        if attn is None:  # the backend writes the cache and attends
+            if native.bf16_rotate(ref):
+                return None
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            attn = ctx.attention(self.layer_idx, q.view(rows, hq, d), k.view(rows, hkv, d),
+                                 v.view(rows, hkv, d), scale=self.scale,
+                                 sliding_window=self.window or None)
+            attn = attn.reshape(rows, hq * d).to(torch.bfloat16).contiguous()
+        # the cache is written now: a refusal below is a bug, not a decline
+        o_out = _onednn(attn, o_w, o_b)
+        new_residual = torch.empty_like(hidden)
+        args.o_out, args.residual_out = o_out.data_ptr(), new_residual.data_ptr()
+        _check(native.bf16_post_attn(ref), "quire_bf16_post_attn")
+        if gate_up is None:  # the MLP runs outside, on normed
+            return normed, new_residual
+        gu = _onednn(normed, *gate_up)
+        act = hidden.new_empty(rows, self._rows.inter)
+        args.gate_up, args.act = gu.data_ptr(), act.data_ptr()
+        _check(native.bf16_act(ref), "quire_bf16_act")
+        out = _onednn(act, *down)
+        if self._out_norm:
+            args.out = out.data_ptr()
+            _check(native.bf16_out_norm(ref), "quire_bf16_out_norm")
+        return out, new_residual
+
+    def _bf16_decode_attention(self, rows: int, ctx: ForwardContext) -> torch.Tensor | None:
+        """A decode step's q/k norms, rotary, cache writes and attention in one C call:
+        the bfloat16 attention rows, or None when the cache or tables do not fit it
+        (nothing written then)."""
+        group, slots = ctx.metadata.groups[0], ctx.metadata.slot_mapping
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        tables, lens = group.decode_tables, group.lens
+        if not (kv_cache.dtype == self.dtype and kv_cache.is_contiguous()
+                and kv_cache.shape[3:] == (self.hkv, self.d)
+                and tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
+                and lens.dtype == slots.dtype == tables.dtype == torch.int64):
+            return None
+        attn = torch.empty(rows, self.hq * self.d, dtype=self.dtype)
+        args = self._rows
+        base = kv_cache.data_ptr()
+        args.k_cache = base
+        args.v_cache = base + kv_cache[0].numel() * kv_cache.element_size()
+        args.slots, args.tables, args.seq_lens = (slots.data_ptr(), tables.data_ptr(),
+                                                  lens.data_ptr())
+        args.table_stride, args.block_size = tables.stride(0), kv_cache.shape[2]
+        args.attn = attn.data_ptr()
+        return None if self.native.bf16_attend(self.rows_args) else attn
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` on oneDNN's bfloat16 kernel and ``W``'s packed copy
+    (:class:`~quire.platforms.cpu.packed_linear.PackedLinear`'s)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _check(failed: int, entry: str) -> None:
+    if failed:
+        raise RuntimeError(f"{entry} refused shapes quire_bf16_front accepted")
+
 
 #: The description's norms, in ``struct quire_layer_desc`` order after norm_in.
 _NORMS = ("input_norm", "pre_mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
@@ -291,7 +413,9 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
         return "linears not packed"
     if not all(getattr(m, "bias", None) is None or m.bias.dtype in dtypes for m in linears):
         return "biases of another dtype than the norms"
-    if not all(m.kernel.compact is not None or m.kernel.panels is not None for m in linears):
+    if not all(m.kernel.compact is not None or m.kernel.panels is not None
+               or (m.kernel.dtype == torch.bfloat16 and m.kernel.packed is not None)
+               for m in linears):  # (a bfloat16 layer's products may run on oneDNN)
         return "linears with neither a compact copy nor panels"
     return None
 

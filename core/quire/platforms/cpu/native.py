@@ -107,6 +107,23 @@ class LayerDescArgs(ctypes.Structure):
     ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+class Bf16RowsArgs(ctypes.Structure):
+    """``struct quire_bf16_rows`` of ``csrc/decode_layer.c``: one step of a bfloat16
+    layer whose products run on oneDNN, the shapes and the rows between the products
+    (bfloat16 but ``stream``, the float32 residual stream). Every ``quire_bf16_*`` entry
+    point takes it. Holds raw pointers, as :class:`LinearArgs` does."""
+
+    _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
+                ("desc", ctypes.POINTER(LayerDescArgs)), ("x", _ptr), ("residual", _ptr),
+                ("stream", _ptr), ("normed", _ptr), ("qkv", _ptr), ("cos", _ptr),
+                ("sin", _ptr), ("rot_stride", _i64), ("rot_bf16", ctypes.c_int32),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("slots", _ptr), ("tables", _ptr),
+                ("seq_lens", _ptr), ("table_stride", _i64), ("block_size", _i64),
+                ("window", _i64), ("scale", ctypes.c_float), ("attn", _ptr),
+                ("o_out", _ptr), ("gate_up", _ptr), ("inter", _i64), ("act", _ptr),
+                ("out", _ptr), ("residual_out", _ptr)]
+
+
 class NativeKernels:
     """The loaded library's entry points, with their argument checks."""
 
@@ -152,6 +169,14 @@ class NativeKernels:
         self.layer_back_f32.restype = ctypes.c_int
         self.layer_back_f32.argtypes = [
             _i64, _ptr, _i64, _ptr, desc, panel, panel, panel, _ptr]
+        # Raw as well: a bfloat16 layer's steps between its oneDNN products, each taking
+        # a pointer to one Bf16RowsArgs (fused_decode.py's FusedDecodeLayer._bf16_rows).
+        rows = ctypes.POINTER(Bf16RowsArgs)
+        for name in ("front", "attend", "rotate", "post_attn", "act", "out_norm"):
+            entry = getattr(library, f"quire_bf16_{name}")
+            entry.restype = ctypes.c_int
+            entry.argtypes = [rows]
+            setattr(self, f"bf16_{name}", entry)
         self._panel = library.quire_panel_gemm_f32
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]

@@ -528,3 +528,254 @@ int quire_decode_batch_f32(
     }
     return 0;
 }
+
+/*
+ * A bfloat16 model's layer for a batch of rows, its products left to oneDNN's bfloat16
+ * kernels (faster than float32 panels on a host with AVX512_BF16 or AMX): everything
+ * between the products runs here, one call and one parallel region per gap, rows over
+ * the team. quire/platforms/cpu/fused_decode.py calls them in this order, the
+ * products between:
+ *
+ *   quire_bf16_front       stream = residual + x (float32); normed = rms_norm(stream)
+ *   [qkv = W_qkv normed]
+ *   quire_bf16_attend      decode steps: q/k norms, rotary, this step's K/V into the
+ *                          pages, each row's attention over its sequence's pages -> attn
+ *   quire_bf16_rotate      other steps: q/k norms and rotary on qkv in place; the
+ *                          attention backend writes the cache and attends
+ *   [o_out = W_o attn]
+ *   quire_bf16_post_attn   stream += attn_out_norm(o_out); normed = pre_mlp_norm(stream);
+ *                          residual_out = stream
+ *   [gate_up = W_gate_up normed]
+ *   quire_bf16_act         act = act(gate) * up
+ *   [out = W_down act]
+ *   quire_bf16_out_norm    out = mlp_out_norm(out) in place (layers that have one)
+ *
+ * Every bfloat16 row is widened to float32 on the way in and rounded (to nearest even,
+ * as torch) on the way out; the residual stream stays float32 through the layer and is
+ * rounded once, into residual_out, where the op-by-op path rounds it after each add.
+ * All take one struct quire_bf16_rows, whose pointers the caller sets for the step.
+ */
+struct quire_bf16_rows {
+    int64_t rows, hidden, hq, hkv, d;
+    const struct quire_layer_desc *desc;
+    const uint16_t *x, *residual;  /* [rows, hidden]; residual NULL on the first layer */
+    float *stream;                 /* [rows, hidden]: the float32 residual stream */
+    uint16_t *normed;              /* [rows, hidden]: a product's input */
+    uint16_t *qkv;                 /* [rows, (hq + 2 hkv) d]: q, k, v heads */
+    const void *cos, *sin;         /* row r's rotary factors at r * rot_stride */
+    int64_t rot_stride;
+    int32_t rot_bf16;              /* cos and sin hold bfloat16 (else float32) */
+    void *k_cache, *v_cache;       /* the layer's halves, [slots, hkv, d] */
+    const int64_t *slots, *tables, *seq_lens; /* [rows], [rows, table_stride], [rows] */
+    int64_t table_stride, block_size, window;
+    float scale;
+    uint16_t *attn;                /* [rows, hq d] */
+    const uint16_t *o_out;         /* [rows, hidden] */
+    const uint16_t *gate_up;       /* [rows, 2 inter]: gate then up */
+    int64_t inter;
+    uint16_t *act;                 /* [rows, inter] */
+    uint16_t *out, *residual_out;  /* [rows, hidden] */
+};
+
+static void widen_row(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = load8_bf16(src + i);
+        memcpy(dst + i, &v, sizeof v);
+    }
+    for (; i < n; i++)
+        dst[i] = bf16_to_f32(src[i]);
+}
+
+static void round_row(const float *src, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = f32_to_bf16(src[i]);
+}
+
+static int bf16_rows_fit(const struct quire_bf16_rows *a) {
+    return a->rows > 0 && a->hidden > 0 && a->hq > 0 && a->hkv > 0 && a->hq % a->hkv == 0 &&
+           a->d > 0 && a->d % 2 == 0 && desc_fits(a->desc);
+}
+
+/* Row r of qkv widened into q (qkv's width), its q and k heads normalised (with q/k
+ * norms) and rotated. rot: 2 d floats of scratch for bfloat16 factors. */
+static void qk_row(const struct quire_bf16_rows *a, int64_t r, float *q, float *rot) {
+    const int64_t d = a->d, hq = a->hq, hkv = a->hkv;
+    const struct quire_layer_desc *desc = a->desc;
+    widen_row(a->qkv + r * (hq + 2 * hkv) * d, (hq + 2 * hkv) * d, q);
+    if (desc->q_norm) {
+        norm_heads(q, hq, d, desc->q_norm, desc->eps);
+        norm_heads(q + hq * d, hkv, d, desc->k_norm, desc->eps);
+    }
+    const float *cos, *sin;
+    if (a->rot_bf16) {
+        widen_row((const uint16_t *)a->cos + r * a->rot_stride, d, rot);
+        widen_row((const uint16_t *)a->sin + r * a->rot_stride, d, rot + d);
+        cos = rot, sin = rot + d;
+    } else {
+        cos = (const float *)a->cos + r * a->rot_stride;
+        sin = (const float *)a->sin + r * a->rot_stride;
+    }
+    rotate(q, hq + hkv, d, cos, sin);
+}
+
+/* Each returns 0; 1 when the shapes disagree; 2 when scratch memory is short. */
+int quire_bf16_front(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a))
+        return 1;
+    const int64_t hidden = a->hidden;
+    const struct quire_layer_desc *desc = a->desc;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    {
+        float *normed = scratch + omp_get_thread_num() * hidden;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            float *h = a->stream + r * hidden;
+            widen_row(a->x + r * hidden, hidden, h);
+            if (a->residual)
+                for (int64_t i = 0; i < hidden; i++)
+                    h[i] += bf16_to_f32(a->residual[r * hidden + i]);
+            quire_rms_norm_row(h, desc->norm_in, desc->eps, hidden, normed);
+            round_row(normed, hidden, a->normed + r * hidden);
+        }
+    }
+    return 0;
+}
+
+/* Decode rows (row r the one new token of sequence r): this step's keys and values into
+ * the pages, then each row's attention over its sequence's pages. Returns 2 when
+ * scratch memory is short. */
+int quire_bf16_attend(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a))
+        return 1;
+    const int64_t d = a->d, hq = a->hq, row = a->hkv * d, qkv_n = (a->hq + 2 * a->hkv) * d;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < a->rows; s++) {
+        if (a->seq_lens[s] < 1)
+            return 1;
+        const int64_t len = a->seq_lens[s];
+        const int64_t n = (a->window > 0 && len > a->window) ? a->window : len;
+        if (n > longest)
+            longest = n;
+    }
+    const int64_t per_thread = 2 * d + hq * longest + hq * d;
+    float *scratch = quire_thread_scratch(
+        (size_t)(a->rows * qkv_n + omp_get_max_threads() * per_thread));
+    if (scratch == NULL)
+        return 2;
+    const int kv_bf16 = a->desc->kv_bf16;
+#pragma omp parallel
+    {
+        float *mine = scratch + a->rows * qkv_n + omp_get_thread_num() * per_thread;
+        float *rot = mine, *scores = rot + 2 * d, *attn = scores + hq * longest;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            float *q = scratch + r * qkv_n;
+            qk_row(a, r, q, rot);
+            store_kv_row(a->k_cache, kv_bf16, a->slots[r], row, q + hq * d);
+            store_kv_row(a->v_cache, kv_bf16, a->slots[r], row, q + hq * d + row);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < a->rows; s++) {
+            const int64_t len = a->seq_lens[s];
+            const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
+            attend_heads_kv(kv_bf16, scratch + s * qkv_n, a->k_cache, a->v_cache,
+                            a->tables + s * a->table_stride, start, len - start, 0, hq,
+                            hq / a->hkv, row, d, a->block_size, a->scale, scores, attn);
+            round_row(attn, hq * d, a->attn + s * hq * d);
+        }
+    }
+    return 0;
+}
+
+/* Any rows: qkv's q and k heads normalised and rotated in place (v untouched), for the
+ * attention backend. */
+int quire_bf16_rotate(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a))
+        return 1;
+    const int64_t d = a->d, qk_n = (a->hq + a->hkv) * d, qkv_n = qk_n + a->hkv * d;
+    const int64_t per_thread = 2 * d + qkv_n;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * per_thread));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    {
+        float *rot = scratch + omp_get_thread_num() * per_thread, *q = rot + 2 * d;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            qk_row(a, r, q, rot);
+            round_row(q, qk_n, a->qkv + r * qkv_n);
+        }
+    }
+    return 0;
+}
+
+int quire_bf16_post_attn(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a))
+        return 1;
+    const int64_t hidden = a->hidden;
+    const struct quire_layer_desc *desc = a->desc;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    {
+        float *t = scratch + omp_get_thread_num() * hidden;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            float *h = a->stream + r * hidden;
+            widen_row(a->o_out + r * hidden, hidden, t);
+            if (desc->attn_out_norm)
+                quire_rms_norm_row(t, desc->attn_out_norm, desc->eps, hidden, t);
+            for (int64_t i = 0; i < hidden; i++)
+                h[i] += t[i];
+            round_row(h, hidden, a->residual_out + r * hidden);
+            quire_rms_norm_row(h, desc->norm_pre_mlp, desc->eps, hidden, t);
+            round_row(t, hidden, a->normed + r * hidden);
+        }
+    }
+    return 0;
+}
+
+int quire_bf16_act(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a) || a->inter <= 0)
+        return 1;
+    const int64_t inter = a->inter;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * 3 * inter));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    {
+        float *gu = scratch + omp_get_thread_num() * 3 * inter, *act = gu + 2 * inter;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            widen_row(a->gate_up + r * 2 * inter, 2 * inter, gu);
+            act_mul(a->desc->activation, gu, gu + inter, inter, act);
+            round_row(act, inter, a->act + r * inter);
+        }
+    }
+    return 0;
+}
+
+int quire_bf16_out_norm(const struct quire_bf16_rows *a) {
+    if (!bf16_rows_fit(a) || !a->desc->mlp_out_norm)
+        return 1;
+    const int64_t hidden = a->hidden;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
+    if (scratch == NULL)
+        return 2;
+#pragma omp parallel
+    {
+        float *t = scratch + omp_get_thread_num() * hidden;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            widen_row(a->out + r * hidden, hidden, t);
+            quire_rms_norm_row(t, a->desc->mlp_out_norm, a->desc->eps, hidden, t);
+            round_row(t, hidden, a->out + r * hidden);
+        }
+    }
+    return 0;
+}
