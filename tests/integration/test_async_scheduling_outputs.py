@@ -189,3 +189,20 @@ def test_async_outputs_with_graphs_equal_synchronous_ones(tiny_checkpoint):
     graphs = llm.engine.core.executor.worker.runner.graphs
     assert graphs is not None and graphs.replays > 0
     assert llm.engine.core.scheduler.stats.num_preemptions > 0
+
+
+def test_the_host_overhead_bench_measures_async_steps(tiny_checkpoint):
+    """``quire bench host --async-scheduling true``: every part timed, nothing left."""
+    from quire.bench.host_overhead import measure
+    from quire.config import EngineConfig
+    from quire.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
+                                                async_scheduling=True))
+    try:
+        figures = measure(engine, batch=4, steps=3).figures()
+        assert all(figures[f"{part}_ms"] > 0 for part in ("schedule", "inputs", "sample"))
+        assert not engine.has_unfinished_requests()
+        assert engine.core.block_manager.num_used_blocks == 0
+    finally:
+        engine.shutdown()

@@ -86,35 +86,39 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
     timed = _Timed()
     logits = torch.randn(batch, engine.vocab_size, generator=gen)
     executor, scheduler, sampler = core.executor, core.scheduler, core.sampler
-    saved = (executor.submit, executor.wait, scheduler.schedule, sampler.sample,
-             core.step)
+    saved = (executor.submit, executor.wait, scheduler.schedule, sampler.sample_on_device,
+             sampler.to_host, core.step)
 
     runner = getattr(getattr(executor, "worker", None), "runner", None)
     if runner is None:
         raise ValueError("host overhead needs the model in the engine's process "
                          "(world size 1, the uni executor)")
 
-    def submit(items: list[Any], released: list[int] | None = None) -> StepResult:
+    def submit(items: list[Any], released: list[int] | None = None,
+               sampled: torch.Tensor | None = None) -> StepResult:
         """The step's inputs and attention metadata, as a forward builds them; no model.
 
         The logits are handed out as they are, not copied: making them is the forward's
         work (a copy of 256 x 49152 floats costs ~10 ms on this host's CPU), and these
         greedy requests without bias or penalties make the sampler only read them."""
-        inputs = runner.prepare(items, released or ())
+        inputs = runner.prepare(items, released or (), sampled)
         runner.backend.build_metadata(inputs.batch)
         return StepResult(logits[: len(inputs.sample_items)], inputs.sample_items)
 
     executor.submit = timed.wrap("inputs", submit)  # type: ignore[method-assign]
     executor.wait = lambda handle: handle  # type: ignore[method-assign]
     scheduler.schedule = timed.wrap("schedule", scheduler.schedule)  # type: ignore[method-assign]
-    sampler.sample = timed.wrap("sample", sampler.sample)  # type: ignore[method-assign]
+    # sample() is its two halves in a row; async scheduling calls them apart
+    sampler.sample_on_device = timed.wrap(  # type: ignore[method-assign]
+        "sample", sampler.sample_on_device)
+    sampler.to_host = timed.wrap("sample", sampler.to_host)  # type: ignore[method-assign]
     host, parts = [], []
     try:
         for _ in range(steps):
             timed.spent = dict.fromkeys(PARTS, 0.0)
             core_spent = [0.0]
 
-            def core_step(step: Callable[[], Any] = saved[4]) -> Any:
+            def core_step(step: Callable[[], Any] = saved[-1]) -> Any:
                 started = time.perf_counter()
                 try:
                     return step()
@@ -129,8 +133,8 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
             timed.spent["front"] = total - core_spent[0]
             parts.append(dict(timed.spent))
     finally:
-        (executor.submit, executor.wait, scheduler.schedule, sampler.sample,
-         core.step) = saved
+        (executor.submit, executor.wait, scheduler.schedule, sampler.sample_on_device,
+         sampler.to_host, core.step) = saved
         for rid in rids:
             engine.abort_request(rid)
         while core.has_unfinished_requests():

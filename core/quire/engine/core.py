@@ -422,8 +422,12 @@ class EngineCore:
         if not out:
             return False
         items = self._items.items(out.scheduled, pending_rows)
-        self._in_flight.append(
-            (out, self.executor.submit(items, self._items.take_released(), sampled)))
+        released = self._items.take_released()
+        # a synchronous step calls submit(items, released) as before async scheduling
+        # existed (wrappers of it, like the host-overhead bench's, keep working)
+        handle = (self.executor.submit(items, released) if sampled is None
+                  else self.executor.submit(items, released, sampled=sampled))
+        self._in_flight.append((out, handle))
         return True
 
     def _idle(self) -> CoreOutputs:

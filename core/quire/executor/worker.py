@@ -236,4 +236,6 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("init_cache must be called before the first step")
         self.platform.begin_step(sum(len(item.token_ids) for item in items))
-        return self.runner.execute(items, released, sampled)
+        if sampled is None:
+            return self.runner.execute(items, released)
+        return self.runner.execute(items, released, sampled=sampled)
