@@ -404,9 +404,12 @@ class EngineCore:
         sample = self.sampler.sample_on_device(logits, seqs)
         for seq in seqs:
             seq.num_pending_tokens = 1
-        self._schedule_next(sample.token_ids, {seq.seq_id: row for row, seq in enumerate(seqs)})
-        for seq in seqs:
-            seq.num_pending_tokens = 0
+        try:
+            self._schedule_next(sample.token_ids,
+                                {seq.seq_id: row for row, seq in enumerate(seqs)})
+        finally:
+            for seq in seqs:
+                seq.num_pending_tokens = 0
         self._take_tokens(seqs, self.sampler.to_host(sample), outputs)
         return self._report(outputs)
 
