@@ -210,11 +210,17 @@ def test_a_level_the_compiler_cannot_build_falls_back_to_a_lower_one(
 
 
 @needs_cc
-@pytest.mark.parametrize("rows", [1, 5, 13, 131])
+@pytest.mark.parametrize("rows", [*range(1, 14), 131, 300])
+@pytest.mark.parametrize("out_features", [8, 37, 64, 80, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
 def test_the_avx512_panel_kernel_sums_as_the_avx2_one(tmp_path_factory: pytest.TempPathFactory,
-                                                      rows: int) -> None:
-    """Same FMAs in the same order, 16 lanes to a register instead of 8: equal bit for
-    bit (each level's kernel against float64 is tests/unit/test_cpu_panel_gemm.py)."""
+                                                      rows: int, out_features: int,
+                                                      with_bias: bool) -> None:
+    """Same FMAs in the same order, 16 lanes to a register instead of 8 and up to 4
+    panels to a tile instead of 1: equal bit for bit, rows read in place (1-13) or
+    packed (131, 300), N below one panel, a multiple of 64, and with 2- and 1-panel
+    groups (37, 80, 200). Each level's kernel against float64 is
+    tests/unit/test_cpu_panel_gemm.py."""
     features = detect()
     if best_level(features, levels_for(features.machine)).name != "avx512":
         pytest.skip("this CPU does not run the avx512 level")
@@ -222,9 +228,10 @@ def test_the_avx512_panel_kernel_sums_as_the_avx2_one(tmp_path_factory: pytest.T
     avx2 = load_native_kernels(cache, isa="avx2")
     avx512 = load_native_kernels(cache, isa="avx512")
     assert avx2 is not None and avx512 is not None
-    gen = torch.Generator().manual_seed(rows)
-    weight, x = torch.randn(37, 100, generator=gen), torch.randn(rows, 100, generator=gen)
-    bias = torch.randn(37, generator=gen)
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, 100, generator=gen)
+    x = torch.randn(rows, 100, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
     panels = avx2.pack_panels(weight)
-    assert torch.equal(avx2.panel_linear(x, panels, 37, bias),
-                       avx512.panel_linear(x, panels, 37, bias))
+    assert torch.equal(avx2.panel_linear(x, panels, out_features, bias),
+                       avx512.panel_linear(x, panels, out_features, bias))

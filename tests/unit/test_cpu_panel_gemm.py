@@ -3,9 +3,10 @@
 Tolerance: float32 ``rtol = atol = 1e-5`` relative to the output's largest magnitude
 (one float32 sum along K per output, in order; ~1e-7 seen). Inputs are seeded
 N(0, 1), never zeros. Shapes cover every row tile (1-6 rows and tails past 6, rows read
-in place and, from 128 rows on, packed first), column counts that are not a multiple of the 16-wide panel, and K below the 4-way unroll of
-the one-row tile.
-"""
+in place and, from 128 rows on, packed first), column counts that are not a multiple of
+the 16-wide panel, K below the 4-way unroll of the one-row tile, and every group the
+AVX-512 tile walks a thread's panels in (4, 2 and 1 panels: N a multiple of 64, 32 + 16,
+below 16), on teams of 1 to 3 threads (each takes a share of the panels)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got.double() / scale, expected / scale, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 127, 128, 131, 300, 1031])
+@pytest.mark.parametrize("rows", [*range(1, 14), 64, 127, 128, 131, 300, 1031])
 @pytest.mark.parametrize(("out_features", "in_features"),
-                         [(1, 1), (16, 3), (17, 8), (100, 37), (48, 576)])
+                         [(1, 1), (8, 20), (16, 3), (17, 8), (100, 37), (48, 576),
+                          (64, 40), (80, 24), (128, 5), (200, 19)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64(kernels: NativeKernels, rows: int, out_features: int,
                          in_features: int, with_bias: bool) -> None:
@@ -43,6 +45,27 @@ def test_matches_float64(kernels: NativeKernels, rows: int, out_features: int,
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     _close(got, F.linear(x.double(), weight.double(),
                          None if bias is None else bias.double()))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_panels", range(1, 12))
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 131])
+def test_every_share_of_panels(kernels: NativeKernels, threads: int, num_panels: int,
+                               rows: int) -> None:
+    """Each thread's share, from 0 panels (more threads than panels) to 11: every mix of
+    4-, 2- and 1-panel groups; the last panel 9 columns wide."""
+    out_features, in_features = 16 * num_panels - 7, 33
+    gen = torch.Generator().manual_seed(num_panels * 100 + rows)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.panel_linear(x, kernels.pack_panels(weight), out_features, bias)
+    finally:
+        torch.set_num_threads(before)
+    _close(got, F.linear(x.double(), weight.double(), bias.double()))
 
 
 def test_declines_what_it_does_not_take(kernels: NativeKernels) -> None:

@@ -12,9 +12,11 @@
  * prompt step then measured 3.05 s against oneDNN's 3.58 s.
  *
  * Weight layout ("panels"): panel p holds columns 16p .. 16p + 15 as [K][16] floats,
- * zero past N. Work is split over panels with OpenMP (the libgomp torch loaded).
- * Arithmetic: float32 FMAs along K in order, one sum per output, packed or not; results
- * agree with other GEMMs to float32 rounding.
+ * zero past N. Work is split over panels with OpenMP (the libgomp torch loaded), each
+ * thread a contiguous share; the AVX-512 build walks its share 4 panels to a tile.
+ * Arithmetic: float32 FMAs along K in order, one sum per output, packed or not, at every
+ * ISA level (AVX-512's results equal AVX2's bit for bit); results agree with other
+ * GEMMs to float32 rounding.
  *
  * Without AVX2 and FMA the entry point returns 1 and the caller keeps oneDNN.
  */
@@ -43,28 +45,52 @@ float *quire_thread_scratch(size_t floats) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <omp.h>
 
 #define TILE_ROWS 6
 
 #if defined(__AVX512F__)
 
-/* AVX-512 (the avx512 ISA level): a row's 16 columns are one register, so a tile step is
- * one weight load and MR broadcast FMAs, half the instructions of the AVX2 tile below.
- * The sums are the same, in the same order: results equal the AVX2 path's bit for bit. */
+/* AVX-512 (the avx512 ISA level): a row's 16 columns are one register, so a 6 x 16 tile
+ * holds 6 accumulators, too few to cover the FMA latency on two pipes; a tile spans NP
+ * adjacent panels instead (up to TILE_PANELS = 4: 6 rows x 64 columns, 24 accumulators,
+ * four weight loads and 6 broadcasts per K step; 4 measured 3% above 2 panels, most on
+ * row tails, and 8 x 32 no better than 6 x 32). Panel j is b + j * pstride; row r's
+ * panel j goes to out[(r * NP + j) * 16]. Each output is still one sum along K in
+ * order: results equal the AVX2 path's bit for bit. */
+#define TILE_PANELS 4
+
+static inline __attribute__((always_inline)) void tile_wide(int MR, int NP, const float *a,
+                                                            int64_t rs, int64_t ks,
+                                                            const float *b, int64_t pstride,
+                                                            int64_t k, float *out) {
+    __m512 c[TILE_ROWS][TILE_PANELS];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) c[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++, b += 16, a += ks) {
+        __m512 w[TILE_PANELS];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) w[j] = _mm512_loadu_ps(b + j * pstride);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const __m512 x = _mm512_set1_ps(a[r * rs]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NP; j++) c[r][j] = _mm512_fmadd_ps(x, w[j], c[r][j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) _mm512_storeu_ps(out + (r * NP + j) * 16, c[r][j]);
+}
+
+/* One panel (the last of a thread's share, when it has an odd count). */
 static inline __attribute__((always_inline)) void tile(int MR, const float *a, int64_t rs,
                                                        int64_t ks, const float *b, int64_t k,
                                                        float *out) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
-    for (int64_t i = 0; i < k; i++, b += 16, a += ks) {
-        const __m512 w = _mm512_loadu_ps(b);
-#define ROW(R, C)                                                                          \
-    if (MR > R)                                                                            \
-        C = _mm512_fmadd_ps(_mm512_set1_ps(a[R * rs]), w, C);
-        ROW(0, c0) ROW(1, c1) ROW(2, c2) ROW(3, c3) ROW(4, c4) ROW(5, c5)
-#undef ROW
-    }
-    const __m512 rows[6] = {c0, c1, c2, c3, c4, c5};
-    memcpy(out, rows, sizeof(float) * 16 * MR);
+    tile_wide(MR, 1, a, rs, ks, b, 0, k, out);
 }
 
 /* One row: four positions of K to four accumulators, as the AVX2 tile1 below. */
@@ -83,6 +109,8 @@ static void tile1(const float *a, const float *b, int64_t k, float *out) {
 }
 
 #else
+
+#define TILE_PANELS 1
 
 /* out[r * 16 + c] = sum_k a[r * rs + k * ks] * b[k * 16 + c] for r < MR: rows read in
  * place (rs = the row length, ks = 1) or packed by pack_rows (rs = 1, ks = 6). MR and ks
@@ -159,38 +187,74 @@ static void pack_rows(const float *x, int64_t m, int64_t k, float *packed) {
     }
 }
 
+/* mr rows (1..TILE_ROWS) by np adjacent panels (TILE_PANELS, 2 or 1; pstride floats
+ * apart) into out, row r's panel j at out[(r * np + j) * 16]. The switches make MR and
+ * NP constants for the tiles. `lone`: one row read in place, by tile1 panel by panel. */
+static inline __attribute__((always_inline)) void tile_rows(int lone, int64_t mr, int np,
+                                                            const float *a, int64_t rs,
+                                                            int64_t ks, const float *b,
+                                                            int64_t pstride, int64_t k,
+                                                            float *out) {
+    if (lone) {
+        for (int j = 0; j < np; j++) tile1(a, b + j * pstride, k, out + 16 * j);
+        return;
+    }
+#define CASES(TILE, ...)                                                                   \
+    switch (mr) {                                                                          \
+    case 6: TILE(6, __VA_ARGS__); break;                                                   \
+    case 5: TILE(5, __VA_ARGS__); break;                                                   \
+    case 4: TILE(4, __VA_ARGS__); break;                                                   \
+    case 3: TILE(3, __VA_ARGS__); break;                                                   \
+    case 2: TILE(2, __VA_ARGS__); break;                                                   \
+    default: TILE(1, __VA_ARGS__); break;                                                  \
+    }
+#if TILE_PANELS > 1
+    if (np == TILE_PANELS) {
+        CASES(tile_wide, TILE_PANELS, a, rs, ks, b, pstride, k, out)
+        return;
+    }
+    if (np == 2) {
+        CASES(tile_wide, 2, a, rs, ks, b, pstride, k, out)
+        return;
+    }
+#endif
+    CASES(tile, a, rs, ks, b, k, out)
+#undef CASES
+}
+
 /* y = a W^T (+ bias) for the rows of a, read in place (packed = 0: x, rows k apart) or
- * packed by pack_rows (packed = 1), panels over the team. `packed` is a constant at
- * each call, so each layout gets its own inlined loops. */
+ * packed by pack_rows (packed = 1). Each thread of the team takes a contiguous share of
+ * the panels, balanced to one panel whatever the team size, and walks it TILE_PANELS
+ * at a time (its last 1-3 as 2 and 1), every row tile per group of panels. `packed` is
+ * a constant at each call, so each layout gets its own inlined loops. */
 static inline __attribute__((always_inline)) void panel_pass(int packed, const float *a0,
                                                              int64_t m, int64_t k,
                                                              const float *panels, int64_t n,
                                                              const float *bias, float *y) {
-    const int64_t num_panels = (n + 15) / 16;
+    const int64_t num_panels = (n + 15) / 16, pstride = k * 16;
     const int64_t rs = packed ? 1 : k, ks = packed ? TILE_ROWS : 1;
+    const int64_t team = omp_get_num_threads();
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const float *b = panels + p * k * 16;
-        const int64_t cols = n - 16 * p < 16 ? n - 16 * p : 16;
-        float out[TILE_ROWS * 16];
-        for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
-            const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
-            const float *a = a0 + r0 * k; /* row r0, or packed tile r0 / 6 */
-            switch (mr) {
-            case 6: tile(6, a, rs, ks, b, k, out); break;
-            case 5: tile(5, a, rs, ks, b, k, out); break;
-            case 4: tile(4, a, rs, ks, b, k, out); break;
-            case 3: tile(3, a, rs, ks, b, k, out); break;
-            case 2: tile(2, a, rs, ks, b, k, out); break;
-            default:
-                if (packed) tile(1, a, rs, ks, b, k, out);
-                else tile1(a, b, k, out);
-                break;
-            }
-            for (int64_t r = 0; r < mr; r++) {
-                float *dst = y + (r0 + r) * n + 16 * p;
-                for (int64_t c = 0; c < cols; c++)
-                    dst[c] = bias ? out[r * 16 + c] + bias[16 * p + c] : out[r * 16 + c];
+    for (int64_t t = 0; t < team; t++) {
+        const int64_t end = num_panels * (t + 1) / team;
+        int np;
+        for (int64_t p = num_panels * t / team; p < end; p += np) {
+            np = end - p >= TILE_PANELS ? TILE_PANELS : end - p >= 2 ? 2 : 1;
+            const float *b = panels + p * pstride;
+            float out[TILE_ROWS * TILE_PANELS * 16];
+            for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+                const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+                /* row r0, or packed tile r0 / 6 */
+                tile_rows(mr == 1 && !packed, mr, np, a0 + r0 * k, rs, ks, b, pstride, k, out);
+                for (int64_t r = 0; r < mr; r++)
+                    for (int j = 0; j < np; j++) {
+                        const int64_t col0 = 16 * (p + j);
+                        const int64_t cols = n - col0 < 16 ? n - col0 : 16;
+                        const float *src = out + (r * np + j) * 16;
+                        float *dst = y + (r0 + r) * n + col0;
+                        for (int64_t c = 0; c < cols; c++)
+                            dst[c] = bias ? src[c] + bias[col0 + c] : src[c];
+                    }
             }
         }
     }
