@@ -66,7 +66,8 @@ class DeviceSample:
     #: The rows that asked for logprobs, and their alternatives (resolved).
     logprob_rows: list[int] = field(default_factory=list)
     logprob_ks: list[int] = field(default_factory=list)
-    #: Host copies (started, maybe not done): the token ids, then the logprob tensors
+    #: Host copies (started, maybe not done; on the cpu, or without ``torch.Event``, the
+    #: tensors themselves): the token ids, then the logprob tensors
     #: (:func:`~quire.sampling.logprobs.token_logprob_tensors`) when any row asked.
     host: tuple[torch.Tensor, ...] = ()
     #: Recorded after the copies on a device that copies asynchronously; None on the cpu.
@@ -135,8 +136,8 @@ class Sampler:
             out.logprob_rows, out.logprob_ks = batch.logprobs.rows, batch.logprobs.ks
             wanted += token_logprob_tensors(raw_logprobs, tokens[batch.logprobs.index],
                                             max(out.logprob_ks, default=0))
-        if tokens.device.type == "cpu":
-            out.host = wanted
+        if tokens.device.type == "cpu" or not hasattr(torch, "Event"):
+            out.host = wanted  # no torch.Event before torch 2.5: to_host then syncs
         else:  # the copies queue behind this step's work, ahead of the next step's
             out.host = tuple(t.to("cpu", non_blocking=True) for t in wanted)
             out.copied = torch.Event(device=tokens.device)
