@@ -54,10 +54,10 @@ float *quire_thread_scratch(size_t floats) {
 /* AVX-512 (the avx512 ISA level): a row's 16 columns are one register, so a 6 x 16 tile
  * holds 6 accumulators, too few to cover the FMA latency on two pipes; a tile spans NP
  * adjacent panels instead (up to TILE_PANELS = 4: 6 rows x 64 columns, 24 accumulators,
- * four weight loads and 6 broadcasts per K step; 4 measured 3% above 2 panels, most on
- * row tails, and 8 x 32 no better than 6 x 32). Panel j is b + j * pstride; row r's
- * panel j goes to out[(r * NP + j) * 16]. Each output is still one sum along K in
- * order: results equal the AVX2 path's bit for bit. */
+ * four weight loads and 6 broadcasts per K step; the blockings compared are in
+ * docs/bench.md). Panel j is b + j * pstride; row r's panel j goes to
+ * out[(r * NP + j) * 16]. Each output is still one sum along K in order: results equal
+ * the AVX2 path's bit for bit. */
 #define TILE_PANELS 4
 
 static inline __attribute__((always_inline)) void tile_wide(int MR, int NP, const float *a,
