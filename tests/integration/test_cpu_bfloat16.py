@@ -10,7 +10,9 @@ Oracles and tolerances:
   bits of mantissa: the worst gap seen was 0.040.
 - float32: the most likely next token, teacher-forced over a fixed text, the same at
   bfloat16 for at least ``TOP1_AGREEMENT`` = 90% of positions (125 of 127 in the run
-  seen; a position whose two best tokens are within bfloat16's rounding may flip).
+  seen; a position whose two best tokens are within bfloat16's rounding may flip); and
+  so are greedy decode batches' tokens, through the C pieces between the products and
+  op by op.
 - ``dtype="auto"``: bfloat16 for a bfloat16 checkpoint exactly when this CPU has
   bfloat16 products (the decision itself is tested on made-up CPUs in
   tests/unit/test_cpu_platform.py).
@@ -82,6 +84,66 @@ def test_bfloat16_agrees_with_float32_on_the_top_token(bf16_checkpoint) -> None:
     same = sum(a == b for a, b in zip(tops["float32"], tops["bfloat16"]))
     assert len(tops["float32"]) > 30
     assert same / len(tops["float32"]) >= TOP1_AGREEMENT
+
+
+def test_bfloat16_decode_batches_in_c_agree_with_float32_on_the_top_token(
+        bf16_checkpoint) -> None:
+    """Greedy decode batches of a bfloat16 model, with the C pieces between oneDNN's
+    products (fused_decode.py) and op by op, each teacher-forced against float32: every
+    generated token float32's most likely next token for ``TOP1_AGREEMENT`` of them
+    (bfloat16 rounding may flip near ties; the two paths round at different points):
+    59 of 60 through C and 57 of 60 op by op in the run seen."""
+    llm = LLM(str(bf16_checkpoint), device="cpu", dtype="bfloat16", block_size=4)
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.encode(TEXT)
+    prompts = [text[:n] for n in (5, 9, 14, 20, 27, 33)]  # scattered lengths, one batch
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    layers = [layer.kernel for layer in llm.engine.core.executor.worker.model.model.layers]
+    assert layers and all(layer is not None and layer._onednn is not None for layer in layers)
+    attend = _count(layers, "bf16_attend")
+    generated = {"c": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
+    assert attend.calls == 9 * len(layers)  # every decode step, every layer
+    for layer in layers:
+        layer._onednn = None  # the op-by-op path, same weights
+    generated["op_by_op"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert attend.calls == 9 * len(layers)
+    del llm
+    reference = LLM(str(bf16_checkpoint), device="cpu", dtype="float32")
+    for path, outputs in generated.items():
+        agree = total = 0
+        for prompt, gen in zip(prompts, outputs):
+            [ref] = reference.generate(prompt + gen, SamplingParams(max_tokens=1,
+                                                                    prompt_logprobs=1))
+            for i, token in enumerate(gen):
+                agree += _rank1(ref.prompt_logprobs[len(prompt) + i]) == token
+                total += 1
+        assert agree / total >= TOP1_AGREEMENT, (path, agree, total)
+
+
+class _Counted:
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+class _Native:
+    def __init__(self, kernels, name: str, counted: _Counted) -> None:
+        self._kernels = kernels
+        setattr(self, name, counted)
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+
+def _count(layers, name: str) -> _Counted:
+    """One counter of entry point ``name``'s calls over every layer's kernels."""
+    counted = _Counted(getattr(layers[0].native, name))
+    for layer in layers:
+        layer.native = _Native(layer.native, name, counted)
+    return counted
 
 
 def test_auto_picks_bfloat16_for_a_bfloat16_checkpoint_on_a_cpu_with_bf16_products(
