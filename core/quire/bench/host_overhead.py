@@ -12,6 +12,7 @@ attack; on the cpu platform it shows what the Python around the C kernels costs.
 
 from __future__ import annotations
 
+import cProfile
 import statistics
 import time
 from collections.abc import Callable
@@ -26,25 +27,35 @@ from quire.sampling_params import SamplingParams
 
 #: Parts of a host-only step, in the order they run: the scheduler's choice, the step's
 #: inputs and attention metadata (``ModelRunner.prepare``, ``build_metadata``), the
-#: sampler, and the front's output processing; the rest of the core's bookkeeping is the
-#: difference between their sum and the host step.
-PARTS = ("schedule", "inputs", "sample", "front")
+#: sampler's device half (``sample_on_device``: the argmax, which an accelerator runs on
+#: the device), its host half (``to_host``: the lists), and the front's output
+#: processing; the rest of the core's bookkeeping is the difference between their sum
+#: and the host step.
+PARTS = ("schedule", "inputs", "sample_device", "sample_host", "front")
 
 
 @dataclass(frozen=True)
 class HostOverhead:
-    """Medians over the timed steps at one batch size, in seconds."""
+    """Medians over the timed steps at one batch size, in seconds.
+
+    ``host_less_device_s`` is the host step without the sampler's device half (what is
+    left on the host when an accelerator runs the argmax)."""
 
     batch: int
     step_s: float
     host_step_s: float
     parts_s: dict[str, float]
+    host_less_device_s: float = 0.0
 
     def figures(self) -> dict[str, float]:
         figures = {"batch": float(self.batch), "step_ms": self.step_s * 1e3,
                    "host_step_ms": self.host_step_s * 1e3,
+                   "host_less_device_ms": self.host_less_device_s * 1e3,
                    "host_share": self.host_step_s / self.step_s if self.step_s else 0.0}
         figures.update({f"{part}_ms": s * 1e3 for part, s in self.parts_s.items()})
+        # both halves together, under the name earlier results used
+        figures["sample_ms"] = (self.parts_s["sample_device"]
+                                + self.parts_s["sample_host"]) * 1e3
         return figures
 
 
@@ -65,9 +76,10 @@ class _Timed:
 
 
 def measure(engine: LLMEngine, batch: int, steps: int = 20,
-            prompt_len: int = 16) -> HostOverhead:
+            prompt_len: int = 16, profile: cProfile.Profile | None = None) -> HostOverhead:
     """Host overhead at ``batch`` decoding sequences; ``engine`` must be idle and run its
-    core in this process. Leaves it idle."""
+    core in this process. Leaves it idle. ``profile``, when given, is enabled around the
+    host-only steps alone (the whole steps would be the model's)."""
     core = engine.core
     params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0.0)
     gen = torch.Generator().manual_seed(batch)
@@ -110,8 +122,8 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
     scheduler.schedule = timed.wrap("schedule", scheduler.schedule)  # type: ignore[method-assign]
     # sample() is its two halves in a row; async scheduling calls them apart
     sampler.sample_on_device = timed.wrap(  # type: ignore[method-assign]
-        "sample", sampler.sample_on_device)
-    sampler.to_host = timed.wrap("sample", sampler.to_host)  # type: ignore[method-assign]
+        "sample_device", sampler.sample_on_device)
+    sampler.to_host = timed.wrap("sample_host", sampler.to_host)  # type: ignore[method-assign]
     host, parts = [], []
     try:
         for _ in range(steps):
@@ -126,9 +138,13 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
                     core_spent[0] = time.perf_counter() - started
 
             core.step = core_step  # type: ignore[method-assign]
+            if profile is not None:
+                profile.enable()
             started = time.perf_counter()
             engine.step()
             total = time.perf_counter() - started
+            if profile is not None:
+                profile.disable()
             host.append(total)
             timed.spent["front"] = total - core_spent[0]
             parts.append(dict(timed.spent))
@@ -140,4 +156,5 @@ def measure(engine: LLMEngine, batch: int, steps: int = 20,
         while core.has_unfinished_requests():
             core.step()
     return HostOverhead(batch, statistics.median(whole), statistics.median(host),
-                        {p: statistics.median(x[p] for x in parts) for p in PARTS})
+                        {p: statistics.median(x[p] for x in parts) for p in PARTS},
+                        statistics.median(h - x["sample_device"] for h, x in zip(host, parts)))

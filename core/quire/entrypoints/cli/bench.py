@@ -227,9 +227,11 @@ def run_host(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
     results = [measure(engine, n, args.steps).figures() for n in sizes]
-    header = ["batch", "step ms", "host ms", "host share", *(f"{p} ms" for p in PARTS)]
+    header = ["batch", "step ms", "host ms", "host less device ms", "host share",
+              *(f"{p} ms" for p in PARTS)]
     rows = [[f"{r['batch']:.0f}", f"{r['step_ms']:.3f}", f"{r['host_step_ms']:.3f}",
-             f"{r['host_share']:.0%}", *(f"{r[p + '_ms']:.3f}" for p in PARTS)]
+             f"{r['host_less_device_ms']:.3f}", f"{r['host_share']:.0%}",
+             *(f"{r[p + '_ms']:.3f}" for p in PARTS)]
             for r in results]
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     table = "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths))
