@@ -73,8 +73,15 @@ class IncrementalDetokenizer:
         Advances ``state`` only when text was emitted, so held-back bytes are retried with
         the next token.
         """
-        prefix, full = self._decode_window(state, token_ids, skip_special_tokens,
-                                           spaces_between_special_tokens)
+        fast = self._backend_decode
+        if fast is not None:  # per token per sequence: no helper call on this path
+            start = state.prefix_offset
+            prefix = fast(token_ids[start : state.read_offset],
+                          skip_special_tokens=skip_special_tokens)
+            full = fast(token_ids[start:], skip_special_tokens=skip_special_tokens)
+        else:
+            prefix, full = self._decode_window(state, token_ids, skip_special_tokens,
+                                               spaces_between_special_tokens)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
         if not full.startswith(prefix):

@@ -126,7 +126,10 @@ class RequestState:
 
     def output(self, index: int) -> SeqOutput | None:
         """Sample ``index``'s state, or None before the core forked it."""
-        for out in self.outputs:
+        outputs = self.outputs
+        if index < len(outputs) and outputs[index].index == index:  # the usual place
+            return outputs[index]
+        for out in outputs:
             if out.index == index:
                 return out
         return None
@@ -178,22 +181,24 @@ class OutputProcessor:
             req.num_cached_tokens = update.num_cached_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = update.first_scheduled_time
-        if out.is_finished:
+        if out.finish_reason is not None:
             return False
-        if update.token_id < 0:  # no token: the core only ended the sequence
+        token = update.token_id
+        if token < 0:  # no token: the core only ended the sequence
             out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
             return False
-        token, params = update.token_id, out.params
+        params = out.params
         out.token_ids.append(token)
         if update.logprobs is not None and out.logprobs is not None:
             entry = self.token_logprobs(update.logprobs)
             out.logprobs.append(entry)
             out.cumulative_logprob += entry[token].logprob
-        decode = {"skip_special_tokens": params.skip_special_tokens,
-                  "spaces_between_special_tokens": params.spaces_between_special_tokens}
-        delta = self.detokenizer.step(out.detok, out.token_ids, **decode)
-        out.text += delta
-        if req.stops is not None and out.stop_scan is not None and delta:
+        delta = self.detokenizer.step(
+            out.detok, out.token_ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        if delta:
+            out.text += delta
+        if delta and req.stops is not None and out.stop_scan is not None:
             found = req.stops.feed(out.stop_scan, delta,
                                    report=out.num_output_tokens >= params.min_tokens)
             if found is not None:
@@ -205,7 +210,9 @@ class OutputProcessor:
         if update.finish_reason is not None:
             out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
             # the last bytes will never complete a character now
-            out.text += self.detokenizer.flush(out.detok, out.token_ids, **decode)
+            out.text += self.detokenizer.flush(
+                out.detok, out.token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
         return False
 
     def abort(self, req: RequestState) -> None:
@@ -249,16 +256,17 @@ class OutputProcessor:
             metrics=req.metrics(),
         )
 
-    def _cumulative(self, req: RequestState, out: SeqOutput) -> CompletionOutput:
+    @staticmethod
+    def _cumulative(req: RequestState, out: SeqOutput) -> CompletionOutput:
+        # called per request per step while streaming: plain reads, no properties
+        finish, text, logprobs = out.finish_reason, out.text, out.logprobs
+        if finish is None and req.stops is not None:
+            text = _visible(text, req.stops)
         return CompletionOutput(
-            index=out.index,
-            text=out.text if out.is_finished else _visible(out.text, req.stops),
-            token_ids=out.output_token_ids,
-            logprobs=list(out.logprobs) if out.logprobs is not None else None,
-            cumulative_logprob=out.cumulative_logprob if out.logprobs is not None else None,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
+            out.index, text, out.token_ids[out.num_prompt_tokens:],
+            None if logprobs is None else list(logprobs),
+            None if logprobs is None else out.cumulative_logprob,
+            finish, out.stop_reason)
 
     def _delta(self, req: RequestState, out: SeqOutput) -> CompletionOutput | None:
         """What ``out`` has that was not reported yet, or None if nothing (visible text
