@@ -463,25 +463,31 @@ class EngineCore:
                      outputs: CoreOutputs) -> None:
         """Each sequence's sampled token: append it, fork the other samples after a
         prompt, apply the token rules and the grammar, finish, report."""
-        for row, seq in enumerate(seqs):
-            req = self._requests[seq.request_id]
-            if seq.index == 0 and seq.num_output_tokens == 0 and req.request.params.n > 1:
+        # per token: names bound once, the grammar dicts looked up only when not empty
+        requests, matchers, updates = self._requests, self._matchers, outputs.updates
+        stop_reason = self._stop_reason
+        for row, (seq, token, logprobs) in enumerate(
+                zip(seqs, sampled.token_ids, sampled.logprobs)):
+            req = requests[seq.request_id]
+            out_ids = seq.output_token_ids
+            if not out_ids and seq.index == 0 and req.request.params.n > 1:
                 self._fork(req, seq)  # before the parent can finish and free its pages
-            token = sampled.token_ids[row]
-            seq.output_token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            matcher = self._matchers.get(seq.seq_id)
-            gate = self._thinking.get(seq.seq_id)
-            if matcher is not None and (gate is None or gate.answering(token)):
-                matcher.accept(token)
-                if reason is None and matcher.is_terminated():
-                    reason = "stop"  # the grammar is complete (vLLM stops it too)
+            out_ids.append(token)
+            reason = stop_reason(seq, token)
+            matcher = matchers.get(seq.seq_id) if matchers else None
+            if matcher is not None:
+                gate = self._thinking.get(seq.seq_id)
+                if gate is None or gate.answering(token):
+                    matcher.accept(token)
+                    if reason is None and matcher.is_terminated():
+                        reason = "stop"  # the grammar is complete (vLLM stops it too)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._release(seq)
-            outputs.updates.append(SeqUpdate(
-                seq.request_id, seq.index, token, sampled.logprobs[row], reason,
-                seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+            stop_id = seq.stop_reason
+            updates.append(SeqUpdate(
+                seq.request_id, seq.index, token, logprobs, reason,
+                stop_id if isinstance(stop_id, int) else None,
                 seq.num_cached_tokens, seq.first_scheduled_time))
             if reason is not None and req.finished:
                 del self._requests[seq.request_id]
@@ -538,15 +544,16 @@ class EngineCore:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The token rules, in vLLM's order (stop strings come first, at the front)."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if len(seq.prompt_token_ids) + num_output >= self.config.max_model_len:
             return "length"
         return None
 

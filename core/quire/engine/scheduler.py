@@ -205,14 +205,22 @@ class Scheduler:
         return seq.seq_id in self._in_flight
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, seats: int) -> int:
+        # per running sequence per step: Sequence's counts inlined, names bound once
+        running, in_flight, scheduled = self.running, self._in_flight, out.scheduled
+        allocate = self.block_manager.allocate
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < seats:
-            seq = self.running[i]
-            if seq.seq_id in self._in_flight or seq.pending_finishes_it:
-                i += 1
+        while i < len(running) and budget > 0 and len(scheduled) < seats:
+            seq = running[i]
+            known = (len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                     + seq.num_pending_tokens)  # seq.num_tokens_with_pending
+            if seq.seq_id in in_flight or (seq.num_pending_tokens
+                                           and known >= seq.max_num_tokens):
+                i += 1  # in flight, or seq.pending_finishes_it
                 continue
-            num = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.allocate(seq, num):
+            num = known - seq.num_computed_tokens  # seq.num_uncomputed_tokens
+            if num > budget:
+                num = budget
+            if not allocate(seq, num):
                 victim = self._victim()
                 if victim is None:  # every other sequence is in flight: wait for them
                     i += 1
@@ -220,7 +228,7 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
                 continue  # retry seq, unless it was the victim (then the loop ends)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
             budget -= num
             i += 1
         return budget
@@ -293,9 +301,13 @@ class Scheduler:
     def complete_step(self, out: SchedulerOutput) -> None:
         """Record that the step's K/V are in the cache; their full pages become findable.
         Sequences that finished meanwhile (aborted, stopped) are only released."""
+        in_flight, cache_full_blocks = self._in_flight, self.block_manager.cache_full_blocks
+        finished = SequenceStatus.FINISHED
         for item in out.scheduled:
-            self._in_flight.discard(item.seq.seq_id)
-            if item.seq.is_finished:
+            seq = item.seq
+            in_flight.discard(seq.seq_id)
+            if seq.status is finished:
                 continue
-            item.seq.num_computed_tokens = item.end
-            self.block_manager.cache_full_blocks(item.seq, item.end)
+            end = item.start + item.num_tokens
+            seq.num_computed_tokens = end
+            cache_full_blocks(seq, end)

@@ -61,23 +61,30 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
         """What the forward needs of one scheduled sequence, with its pages from
         ``first_page`` on (the whole table by default); ``prev_row`` holds its pending
         token, if the step reaches it."""
-        seq = s.seq
-        tokens = seq.token_slice(s.start, min(s.end, seq.num_tokens))
-        if s.end > seq.num_tokens:  # the pending token: on the device, not here
-            if prev_row < 0 or s.end != seq.num_tokens + 1:
-                raise ValueError(f"sequence {seq.seq_id} is scheduled up to {s.end} with "
-                                 f"{seq.num_tokens} tokens on the host and no sampled row")
+        # per sequence per step: ScheduledSeq's and Sequence's properties inlined
+        seq, start = s.seq, s.start
+        end = start + s.num_tokens
+        n_prompt = len(seq.prompt_token_ids)
+        num_tokens = n_prompt + len(seq.output_token_ids)
+        if end == num_tokens and start == num_tokens - 1 and start >= n_prompt:
+            tokens = [seq.output_token_ids[-1]]  # a decode step's one token
+        else:
+            tokens = seq.token_slice(start, min(end, num_tokens))
+        if end > num_tokens:  # the pending token: on the device, not here
+            if prev_row < 0 or end != num_tokens + 1:
+                raise ValueError(f"sequence {seq.seq_id} is scheduled up to {end} with "
+                                 f"{num_tokens} tokens on the host and no sampled row")
             tokens.append(PENDING_TOKEN)
         else:
             prev_row = -1
         rows = 0
         if seq.params.prompt_logprobs is not None:
-            rows = max(0, min(s.end, seq.num_prompt_tokens - 1) - s.start)
+            rows = max(0, min(end, n_prompt - 1) - start)
         # the whole table is shared, not copied: the runner only reads it, and a process
         # boundary copies anyway
         table = seq.block_table[first_page:] if first_page else seq.block_table
-        return cls(seq.seq_id, tokens, s.start, table, s.samples, rows, first_page,
-                   prev_row)
+        samples = end == num_tokens + seq.num_pending_tokens  # s.samples
+        return cls(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row)
 
 
 def resolve_pending(items: list[StepItem], sampled: list[int]) -> list[StepItem]:
