@@ -454,3 +454,39 @@ def test_a_bfloat16_model_runs_batches_between_onednn_products_in_c(
                 block, offset = seq.block_table[pos // BLOCK], pos % BLOCK
                 torch.testing.assert_close(cache[:, block, offset].float(),
                                            ref_cache[:, block, offset], rtol=2**-6, atol=0.03)
+
+
+def test_the_bfloat16_pieces_round_the_residual_stream_as_torch_does(
+        kernels: NativeKernels) -> None:
+    """quire_bf16_front then quire_bf16_post_attn with a zero attention output: the
+    residual they return is x + residual summed in float32 and rounded to nearest even,
+    bit for bit as torch rounds (ties, a width with an 8-lane tail, inf and NaN)."""
+    import ctypes
+
+    from quire.platforms.cpu.native import Bf16RowsArgs, LayerDescArgs
+
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden = 5, 67
+    x = (torch.randn(rows, hidden, generator=gen) * 4).bfloat16()
+    residual = (torch.randn(rows, hidden, generator=gen) * 4).bfloat16()
+    x[0, :8] = 1.0
+    residual[0, :8] = 2.0 ** -8  # 1 + 2^-8: a tie, to even (1.0)
+    x[1, :3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    ones = torch.ones(hidden)
+    desc = LayerDescArgs(1e-6, 0, ones.data_ptr(), ones.data_ptr(), None, None, None, None,
+                         0, 1)
+    stream = torch.empty(rows, hidden)
+    normed, out = torch.empty_like(x), torch.empty_like(x)
+    zeros = torch.zeros_like(x)
+    args = Bf16RowsArgs(rows=rows, hidden=hidden, hq=1, hkv=1, d=2,
+                        desc=ctypes.pointer(desc), x=x.data_ptr(),
+                        residual=residual.data_ptr(), stream=stream.data_ptr(),
+                        normed=normed.data_ptr(), o_out=zeros.data_ptr(),
+                        residual_out=out.data_ptr())
+    assert kernels.bf16_front(ctypes.byref(args)) == 0
+    assert kernels.bf16_post_attn(ctypes.byref(args)) == 0
+    want = (x.float() + residual.float()).bfloat16()
+    assert torch.equal(out.view(torch.int16)[~want.isnan()],
+                       want.view(torch.int16)[~want.isnan()])
+    assert torch.equal(out.isnan(), want.isnan())
+    assert float(out[0, 0]) == 1.0
