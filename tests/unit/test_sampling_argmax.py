@@ -24,11 +24,11 @@ def test_ties_nans_infinities_and_the_short_last_chunk() -> None:
     width = 10 * CHUNK + 300
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, width, generator=gen)
-    x[0, [17, 5000, 9000]] = 50.0                 # a tie: the first wins
+    x[0, [17, 5 * CHUNK - 120, 9 * CHUNK - 216]] = 50.0  # a tie: the first wins
     x[1, [CHUNK - 1, CHUNK]] = 50.0               # a tie across a chunk border
     x[2, width - 1] = 50.0                        # the last logit of a short chunk
     x[3, width - 150] = 50.0                      # inside the short chunk
-    x[4, [300, 7000]] = float("nan")              # NaN is argmax's maximum
+    x[4, [300, 7 * CHUNK - 168]] = float("nan")  # NaN is argmax's maximum
     x[5] = float("-inf")                          # nothing above -inf: index 0
     x[6, 3 * CHUNK + 7] = float("inf")
     x[7, [2, width - 2]] = float("inf")
