@@ -236,11 +236,12 @@ class OutputProcessor:
         """The request as users see it now, in its ``output_kind`` (cumulative unless it
         asked for deltas)."""
         delta = req.params.output_kind is RequestOutputKind.DELTA
-        completions = []
-        for out in req.outputs:
-            c = self._delta(req, out) if delta else self._cumulative(req, out)
-            if c is not None:
-                completions.append(c)
+        if delta:
+            completions = [c for c in (self._delta(req, out) for out in req.outputs)
+                           if c is not None]
+        else:
+            cumulative = self._cumulative
+            completions = [cumulative(req, out) for out in req.outputs]
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not (delta and req.sent_prompt_logprobs):
             prompt_logprobs = list(req.prompt_logprobs)
