@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from quire.platforms.cpu import native as native_module
 from quire.platforms.cpu.isa import (
     LEVEL_NAMES,
