@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -190,14 +189,23 @@ class InputBatch:
         if not items:
             raise ValueError("a step needs at least one sequence")
         self.release(released)
-        rows = np.fromiter((self._update(item) for item in items), dtype=np.int64,
-                           count=len(items))
+        # one pass over the items gathers every per-sequence figure (per step, per item)
+        update = self._update
+        rows_list, q_lens_list, starts_list, token_ids, sampling = [], [], [], [], []
+        for i, item in enumerate(items):
+            rows_list.append(update(item))
+            ids = item.token_ids
+            q_lens_list.append(len(ids))
+            starts_list.append(item.start)
+            token_ids += ids
+            if item.samples:
+                sampling.append(i)
+        rows = np.array(rows_list, dtype=np.int64)
         bs = self.block_size
         b = len(items)
-        q_lens_list = [len(item.token_ids) for item in items]
         q_lens = np.array(q_lens_list, dtype=np.int64)
-        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=b)
-        t = int(q_lens.sum())
+        starts = np.array(starts_list, dtype=np.int64)
+        t = len(token_ids)
         ends = starts + q_lens
         held = self._num_pages[rows]
         short = np.flatnonzero(held * bs < ends)
@@ -209,7 +217,7 @@ class InputBatch:
         self._fit(b, t, width)
         ids, pos, slots, qsl, lens, sample, tables = self._np
 
-        ids[:t] = list(chain.from_iterable(item.token_ids for item in items))
+        ids[:t] = token_ids
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1 : b + 1])
         lens[:b] = ends
@@ -223,8 +231,8 @@ class InputBatch:
             pos[:t] = np.arange(t) - qsl[:b][seq_index] + starts[seq_index]
         p = pos[:t]
         slots[:t] = step_tables[seq_index, p // bs].astype(np.int64) * bs + p % bs
-        sample_items = tuple(i for i, item in enumerate(items) if item.samples)
-        sample[: len(sample_items)] = qsl[1 : b + 1][list(sample_items)] - 1
+        sample_items = tuple(sampling)
+        sample[: len(sample_items)] = qsl[1 : b + 1][sampling] - 1
 
         self._copy_to_device(t, b, len(sample_items), b * width)
         self._fill_pending(items, qsl, sampled)
