@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -20,12 +21,14 @@ from quire.sampling.logprobs import resolve_k
 from quire.sampling.penalties import PenaltyState, uses_penalties
 
 _NEG_INF = float("-inf")
+_seq_id, _params = attrgetter("seq_id"), attrgetter("params")
 
 
 def batch_key(seqs: list[Sequence], device: torch.device) -> Hashable:
     """What identifies a composition. ``id(params)`` is stable while the sequence (which
     holds its params) lives, and sequence ids are never reused."""
-    return device, tuple(s.seq_id for s in seqs), tuple(id(s.params) for s in seqs)
+    # per step: map over C getters, not generator expressions
+    return device, tuple(map(_seq_id, seqs)), tuple(map(id, map(_params, seqs)))
 
 
 @dataclass
