@@ -490,3 +490,31 @@ def test_the_bfloat16_pieces_round_the_residual_stream_as_torch_does(
                        want.view(torch.int16)[~want.isnan()])
     assert torch.equal(out.isnan(), want.isnan())
     assert float(out[0, 0]) == 1.0
+
+
+def test_a_bfloat16_mixed_step_runs_the_c_pieces_around_the_backend(
+        kernels: NativeKernels) -> None:
+    """A decode row beside a prompt in a bfloat16 model: not a pure decode step, so the
+    C pieces rotate q and k in place and the backend writes the cache and attends.
+    Oracles and tolerance as the batch test's: float32 weights, and op by op."""
+    config = CONFIGS["llama"]
+    reference = _model(config)
+    fused, plain = (_model(config).to(torch.bfloat16) for _ in range(2))
+    pack_linear_weights(fused, kernels)
+    install_norm_kernels(fused, kernels)
+    assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
+    pack_linear_weights(plain)
+    attend, rotate = Counting(kernels.bf16_attend), Counting(kernels.bf16_rotate)
+    for layer in fused.model.layers:
+        layer.kernel.native = _Bf16Proxy(kernels, attend, rotate)
+    results = []
+    for run in (Run(reference), Run(fused, dtype=torch.bfloat16),
+                Run(plain, dtype=torch.bfloat16)):
+        a, b = _seq(0, [3, 4, 5, 6, 7], [1, 2, 3]), _seq(1, [40, 41, 42], [4, 5, 6])
+        run.step([ScheduledSeq(a, 0, 5)])
+        a.output_token_ids.append(8)
+        results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 0, 3)]))
+    assert rotate.calls == 2 * config.num_hidden_layers and attend.calls == 0
+    want, got, plain_got = results
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.08)
+    torch.testing.assert_close(got, plain_got, rtol=0.02, atol=0.08)
