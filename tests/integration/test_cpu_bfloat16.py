@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from quire import LLM, SamplingParams
 from quire.platforms.cpu.isa import detect, has_bf16_products
 from quire.platforms.cpu.packed_linear import onednn_available
