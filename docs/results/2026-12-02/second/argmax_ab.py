@@ -1,6 +1,12 @@
-import torch, time, statistics
+"""row_argmax with chunks of 512 and 1024 logits, interleaved, one thread: the second pass of docs/bench.md (2026-12-02)."""
+import statistics
+import time
+
+import torch
+
 torch.set_num_threads(1)
 from quire.sampling import argmax as am
+
 x = torch.randn(256, 49152); x64 = torch.randn(64, 49152)
 res = {c: [] for c in (512, 1024)}
 res64 = {c: [] for c in (512, 1024)}
