@@ -261,3 +261,21 @@ def test_an_in_process_engine_that_cannot_apply_passive_waiting_says_how(
     with caplog.at_level("WARNING"):
         platform.configure_process()
     assert WAIT_ENV not in caplog.text
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_data_parallel_cores_on_the_cpu_each_get_their_share_of_its_cores(
+        monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Pinned by the platform the device resolves to: ``auto`` on a host without an
+    accelerator is the cpu too, and two unpinned replicas would oversubscribe it."""
+    _Recorded.calls.clear()
+    monkeypatch.setattr(core_proc.subprocess, "Popen", _Recorded)
+    monkeypatch.setattr(core_proc, "cores_of", lambda rank, count: [rank])
+    registry = core_proc.PlatformRegistry()
+    if registry.resolve(device).device_type != "cpu":
+        pytest.skip(f"device={device} resolves to an accelerator here")
+    procs = core_proc.CoreProcesses(EngineConfig(model="unused", device=device,
+                                                 data_parallel_size=2))
+    procs.stop()
+    scripts = [call["args"][2] for call in _Recorded.calls]
+    assert ["cores = [0]" in scripts[0], "cores = [1]" in scripts[1]] == [True, True]

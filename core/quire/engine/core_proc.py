@@ -133,7 +133,7 @@ class CoreProcesses:
         self._release = weakref.finalize(self, _release, self.procs, self.workdir)
         with open(os.path.join(self.workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
-        cpu = config.device in (None, "cpu")
+        cpu = platform.device_type == "cpu"  # also what device=auto resolved to
         for engine in range(self.count):
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
             self.procs.append(subprocess.Popen(
