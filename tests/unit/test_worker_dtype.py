@@ -70,3 +70,24 @@ def test_the_engine_core_hands_its_executor_the_dtype_it_settled(
     assert sent.dtype == "bfloat16"
     assert resolve_config(sent, _Fp32Host()).dtype == torch.bfloat16
     assert sent == EngineConfig(**{**vars(config), "dtype": "bfloat16"})
+
+
+class _Asked(CpuPlatform):
+    """Counts what the worker asks it."""
+
+    asked = 0
+
+    def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        type(self).asked += 1
+        return torch.float32
+
+
+def test_a_worker_handed_a_dtype_does_not_decide_one_of_its_own(tiny_checkpoint) -> None:
+    """``auto_dtype`` logs its choice: a worker that makes none must not log one."""
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), device="cpu")
+    _Asked.asked = 0
+    assert resolve_config(worker_config(config, torch.bfloat16), _Asked()).dtype \
+        == torch.bfloat16
+    assert _Asked.asked == 0
+    assert resolve_config(config, _Asked()).dtype == torch.float32
+    assert _Asked.asked == 1

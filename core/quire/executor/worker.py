@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.config import EngineConfig, ResolvedConfig
+from quire.config import EngineConfig, ResolvedConfig, parse_dtype
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
@@ -59,11 +59,13 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     and every worker settle them the same way."""
     model_path = model_path_of(config)
     model_config = load_model_config(model_path)
+    # asked only for dtype=auto: a worker handed the core's dtype (worker_config) would
+    # otherwise log a choice of its own host's that it does not make
+    dtype = parse_dtype(config.dtype) or platform.auto_dtype(checkpoint_dtype(model_config))
     return config.resolve(model_max_len=context_length(model_path,
                                                        model_max_len(model_config)),
                           platform_block_size=platform.default_block_size,
-                          platform_dtype=platform.auto_dtype(checkpoint_dtype(model_config)),
-                          model_task=model_task(model_path, model_config))
+                          platform_dtype=dtype, model_task=model_task(model_path, model_config))
 
 
 def model_max_len(config: object) -> int:
