@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from quire.platforms.cpu import native as native_module
 from quire.platforms.cpu.native import NATIVE_ENV, NativeKernels, load_native_kernels
 
@@ -104,6 +103,31 @@ def test_decode_reads_bfloat16_pages(kernels: NativeKernels, query_dtype: torch.
         tol = 1e-5 if query_dtype == torch.float32 else 8e-3
         torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.3, window),
                                    rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 3, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 80, 72, 20])
+def test_decode_covers_groups_head_dims_and_tails(kernels: NativeKernels,
+                                                  kv_dtype: torch.dtype, groups: int,
+                                                  d: int) -> None:
+    """Each GQA group size the query heads of a KV head are computed together for; head
+    dims that are whole 16- and 8-lane vectors, one with an 8-lane rest (72) and one with
+    a scalar rest (20); contexts from 1 over the kernel's steps (4 positions, 32-position
+    tiles) and the pages' ends, each with and without a window. Against float64 on the
+    same (for bfloat16: rounded) keys and values, float32's tolerance."""
+    lens = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100]
+    hkv = 2
+    q, cache, tables, seq_lens, keys, values = _paged(d + groups, lens, groups * hkv, hkv,
+                                                      d, 16)
+    if kv_dtype == torch.bfloat16:
+        keys = [k.bfloat16().float() for k in keys]
+        values = [v.bfloat16().float() for v in values]
+    for window in (None, 7, 33):
+        out = kernels.paged_decode(q, cache.to(kv_dtype), tables, seq_lens, 0.125, window)
+        assert out is not None
+        torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.125, window),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:

@@ -26,30 +26,6 @@ static inline v8f load8(const float *p) {
     return v;
 }
 
-/* Four independent partial sums: one chain of dependent FMAs would wait on the FMA
- * latency at every step, and a score is one short dot product. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float total = 0.0f;
-    if (n >= 32) {
-        v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        for (; i + 32 <= n; i += 32) {
-            s0 += load8(a + i) * load8(b + i);
-            s1 += load8(a + i + 8) * load8(b + i + 8);
-            s2 += load8(a + i + 16) * load8(b + i + 16);
-            s3 += load8(a + i + 24) * load8(b + i + 24);
-        }
-        total = hsum((s0 + s1) + (s2 + s3));
-    }
-    if (i + 8 <= n) {
-        v8f s = {0};
-        for (; i + 8 <= n; i += 8) s += load8(a + i) * load8(b + i);
-        total += hsum(s);
-    }
-    for (; i < n; ++i) total += a[i] * b[i];
-    return total;
-}
-
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* e^x for 8 lanes, x <= 88: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
@@ -76,25 +52,6 @@ static inline v8f exp8(v8f x) {
     return (v8f)((v8i)(p * (v8f)bits) & ~under);
 }
 
-/* The first float of position pos's row (all KV heads) in one half of the cache. */
-static inline const float *slot_row(const float *half, const int64_t *table, int64_t pos,
-                                    int64_t block_size, int64_t row) {
-    return half + (table[pos / block_size] * block_size + pos % block_size) * row;
-}
-
-/* Ask for the row PREFETCH_AHEAD positions on: pages are scattered, and the hardware
- * prefetcher stops at each page's end (measured: 10-18% faster with 2 threads). */
-#define PREFETCH_AHEAD 6
-static inline void prefetch_row(const float *row_start, int64_t row) {
-    const char *p = (const char *)row_start;
-    for (int64_t c = 0; c < row * (int64_t)sizeof(float); c += 64) __builtin_prefetch(p + c);
-}
-
-/* out[i] += w * v[i] */
-static inline void axpy(float *out, float w, const float *v, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] += w * v[i];
-}
-
 /* bfloat16 (the upper 16 bits of a float32) widened exactly: for KV pages in bf16. */
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
@@ -110,16 +67,6 @@ static inline v8f load8_bf16(const uint16_t *p) {
     v8u16 h;
     memcpy(&h, p, sizeof h);
     return (v8f)(__builtin_convertvector(h, v8u32) << 16);
-}
-
-static inline const uint16_t *slot_row_bf16(const uint16_t *half, const int64_t *table,
-                                            int64_t pos, int64_t block_size, int64_t row) {
-    return half + (table[pos / block_size] * block_size + pos % block_size) * row;
-}
-
-static inline void prefetch_row_bf16(const uint16_t *row_start, int64_t row) {
-    const char *p = (const char *)row_start;
-    for (int64_t c = 0; c < row * (int64_t)sizeof(uint16_t); c += 64) __builtin_prefetch(p + c);
 }
 
 /* float32 to bfloat16, rounding to nearest even as torch does (NaN stays NaN). */
@@ -143,25 +90,6 @@ static inline void store_kv_row(void *half, int kv_bf16, int64_t slot, int64_t r
     }
 }
 
-/* dot() of a float32 a and a bfloat16 b (a KV row): two 8-wide partial sums. */
-static inline float kv_dot_bf16(const float *a, const uint16_t *b, int64_t n) {
-    int64_t i = 0;
-    v8f s0 = {0}, s1 = {0};
-    for (; i + 16 <= n; i += 16) {
-        s0 += load8(a + i) * load8_bf16(b + i);
-        s1 += load8(a + i + 8) * load8_bf16(b + i + 8);
-    }
-    for (; i + 8 <= n; i += 8) s0 += load8(a + i) * load8_bf16(b + i);
-    float total = hsum(s0 + s1);
-    for (; i < n; ++i) total += a[i] * bf16_to_f32(b[i]);
-    return total;
-}
-
-/* out[i] += w * v[i], v in bfloat16 */
-static inline void kv_axpy_bf16(float *out, float w, const uint16_t *v, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] += w * bf16_to_f32(v[i]);
-}
-
 #if defined(__AVX__)
 #include <immintrin.h>
 /* Four 8-wide partial sums to their four totals (3 hadds and an add, where four
@@ -176,6 +104,73 @@ static inline void sum4(v8f a0, v8f a1, v8f a2, v8f a3, float *out) {
     out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
 }
 #endif
+
+/* The attention kernel's vector (attend_heads.h): 16 lanes on the avx512 level, where a
+ * head of 64 is four registers, 8 elsewhere; fused multiply-adds where the level has them
+ * (-std=c11 keeps GCC from contracting a * b + c itself). */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define VW 16
+typedef float vwf __attribute__((vector_size(64)));
+static inline vwf fmaw(vwf a, vwf b, vwf c) {
+    return (vwf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+/* The two 8-lane halves added, then sum4's tree. */
+static inline void sum4w(vwf a0, vwf a1, vwf a2, vwf a3, float *out) {
+#define QUIRE_HALVES(a) ((v8f)_mm512_castps512_ps256((__m512)(a)) + \
+                         (v8f)_mm512_extractf32x8_ps((__m512)(a), 1))
+    sum4(QUIRE_HALVES(a0), QUIRE_HALVES(a1), QUIRE_HALVES(a2), QUIRE_HALVES(a3), out);
+#undef QUIRE_HALVES
+}
+static inline float hsumw(vwf a) {
+    return hsum((v8f)_mm512_castps512_ps256((__m512)a) +
+                (v8f)_mm512_extractf32x8_ps((__m512)a, 1));
+}
+#else
+#define VW 8
+typedef v8f vwf;
+typedef v8u16 vwu16;
+typedef v8u32 vwu32;
+static inline vwf fmaw(vwf a, vwf b, vwf c) {
+#if defined(__FMA__)
+    return (vwf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+static inline void sum4w(vwf a0, vwf a1, vwf a2, vwf a3, float *out) {
+    sum4(a0, a1, a2, a3, out);
+}
+static inline float hsumw(vwf a) { return hsum(a); }
+#endif
+
+static inline vwf loadw(const float *p) {
+    vwf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storew(float *p, vwf v) { memcpy(p, &v, sizeof v); }
+
+/* x in every lane (a plain broadcast; {0} + x would add first, for the sign of zero). */
+static inline vwf splatw(float x) {
+#if VW == 16
+    return (vwf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    return (vwf)_mm256_set1_ps(x);
+#else
+    return (vwf){x, x, x, x, x, x, x, x};
+#endif
+}
+
+static inline vwf loadw_bf16(const uint16_t *p) {
+#if VW == 16 /* one vpmovzxwd: GCC splits the generic conversion into halves */
+    return (vwf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+#else
+    vwu16 h;
+    memcpy(&h, p, sizeof h);
+    return (vwf)(__builtin_convertvector(h, vwu32) << 16);
+#endif
+}
 
 /* paged_decode.c: attention of query heads [h_begin, h_end) of one sequence. */
 void quire_attend_heads(const float *q, const float *k_cache, const float *v_cache,

@@ -27,27 +27,83 @@
 
 #include "cpu_kernels.h"
 
-/* Float32 pages: the helpers of cpu_kernels.h as they are. */
+/* Positions in tiles of ATTEND_TILE: a tile's K (then V) slices stay in L1 while every
+ * query head of a KV head's group reads them. */
+#define ATTEND_TILE 32
+
+/* Where a walk over a sequence's slots stands: its block table, the index of the block
+ * it is in and the slot within it (no division per position). */
+struct slot_cursor {
+    const int64_t *table;
+    int64_t block, offset, block_size;
+};
+
+static inline struct slot_cursor slot_cursor_at(const int64_t *table, int64_t pos,
+                                                int64_t block_size) {
+    return (struct slot_cursor){table, pos / block_size, pos % block_size, block_size};
+}
+
+/* The element offsets (slot * row) of the next min(ATTEND_TILE, left) positions into
+ * offs, the cursor moved past them; returns how many (0 when left <= 0). Reads no table
+ * entry beyond the last position's. */
+static inline int64_t tile_offsets(struct slot_cursor *c, int64_t left, int64_t row,
+                                   int64_t *offs) {
+    const int64_t m = left < ATTEND_TILE ? (left > 0 ? left : 0) : ATTEND_TILE;
+    for (int64_t t = 0; t < m; ++t) {
+        if (c->offset == c->block_size)
+            c->block++, c->offset = 0;
+        offs[t] = (c->table[c->block] * c->block_size + c->offset++) * row;
+    }
+    return m;
+}
+
+/* Prefetch `bytes` from base + offs[t] elements of `elem` bytes, for the m slots. */
+static inline void prefetch_tile(const void *base, size_t elem, const int64_t *offs,
+                                 int64_t m, int64_t bytes) {
+    for (int64_t t = 0; t < m; ++t) {
+        const char *p = (const char *)base + offs[t] * (int64_t)elem;
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
+    }
+}
+
+/* A row of n scores to softmax(scale * s), in place. */
+static void softmax_row(float *s, int64_t n, float scale) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] *= scale;
+        top = s[j] > top ? s[j] : top;
+    }
+    v8f acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const v8f e = exp8(load8(s + j) - top);
+        memcpy(s + j, &e, sizeof e);
+        acc += e;
+    }
+    float total = hsum(acc);
+    for (; j < n; ++j) {
+        s[j] = expf(s[j] - top);
+        total += s[j];
+    }
+    const float inv = 1.0f / total;
+    for (j = 0; j < n; ++j) s[j] *= inv;
+}
+
+/* Float32 pages. */
 #define KV_T float
-#define KV_LOAD8 load8
-#define KV_SLOT_ROW slot_row
-#define KV_PREFETCH prefetch_row
-#define KV_DOT dot
-#define KV_AXPY axpy
+#define KV_LOADW loadw
+#define KV_GET(p) (*(p))
 #define ATTEND_NAME quire_attend_heads
-#define ATTEND_ROWS4 rows4
+#define ATTEND_(x) x##_f32
 #include "attend_heads.h"
 
 /* bfloat16 pages: half the bytes read per position, widened to float32 on load (a
  * bfloat16 is a float32's upper 16 bits, so the widening is exact). */
 #define KV_T uint16_t
-#define KV_LOAD8 load8_bf16
-#define KV_SLOT_ROW slot_row_bf16
-#define KV_PREFETCH prefetch_row_bf16
-#define KV_DOT kv_dot_bf16
-#define KV_AXPY kv_axpy_bf16
+#define KV_LOADW loadw_bf16
+#define KV_GET(p) bf16_to_f32(*(p))
 #define ATTEND_NAME quire_attend_heads_bf16
-#define ATTEND_ROWS4 rows4_bf16
+#define ATTEND_(x) x##_bf16
 #include "attend_heads.h"
 
 /* Both entry points: every sequence's query heads over its pages, sequences over the

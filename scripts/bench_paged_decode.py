@@ -1,0 +1,131 @@
+"""The cpu platform's paged decode attention (csrc/paged_decode.c, attend_heads.h) on
+SmolLM2's decode shapes, A/B against a baseline revision of its sources, in microseconds.
+
+``OMP_WAIT_POLICY=PASSIVE python scripts/bench_paged_decode.py --baseline-rev REV``
+builds two libraries of one ISA level (default: the best this CPU runs) from this
+checkout's ``csrc/``, one as it is and one with REV's ``attend_heads.h``,
+``paged_decode.c`` and ``cpu_kernels.h`` in their place, then times the entry
+``quire_paged_decode_f32``/``_bf16`` of both on every case (64 sequences of one context
+length, Hq=9, Hkv=3, D=64, pages of 16 in shuffled order; and one sequence of 2048, the
+latency path), float32 and bfloat16 pages, at each thread count, the two interleaved
+round after round (a shared host's load hits both alike); each cell keeps its best round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from quire.platforms.cpu import kernel_build
+from quire.platforms.cpu.isa import best_level, detect, levels_for
+from quire.platforms.cpu.threads import configure_threads
+
+HQ, HKV, D, BLOCK = 9, 3, 64, 16
+#: (sequences, context length)
+CASES = ((64, 32), (64, 128), (64, 256), (1, 2048))
+SOURCES = ("attend_heads.h", "paged_decode.c", "cpu_kernels.h")
+CSRC = "core/quire/platforms/cpu/csrc"
+
+
+def _build(csrc: Path, level, target: Path) -> dict:
+    kernel_build.compile_library(shutil.which("cc") or "cc", level, target, csrc)
+    library = ctypes.CDLL(str(target))
+    entries = {"f32": library.quire_paged_decode_f32, "bf16": library.quire_paged_decode_bf16}
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for entry in entries.values():
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                          ctypes.c_float, i64, ptr]
+    return entries
+
+
+def _libraries(rev: str, level, work: Path) -> dict:
+    """{'base': entries, 'new': entries}: the checkout's csrc with and without REV's files."""
+    new_src, base_src = work / "new", work / "base"
+    shutil.copytree(kernel_build.CSRC, new_src)
+    shutil.copytree(kernel_build.CSRC, base_src)
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                          text=True, check=True, cwd=kernel_build.CSRC).stdout.strip()
+    for name in SOURCES:
+        old = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], capture_output=True,
+                             check=True, cwd=root).stdout
+        (base_src / name).write_bytes(old)
+    return {"base": _build(base_src, level, work / "base.so"),
+            "new": _build(new_src, level, work / "new.so")}
+
+
+def _case(seqs: int, length: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
+    """Query, cache, tables, lengths and output of one case, pages in shuffled order."""
+    per_seq = -(-length // BLOCK)
+    num_blocks = seqs * per_seq
+    cache = torch.randn(2, num_blocks, BLOCK, HKV, D, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(seqs, per_seq).contiguous()
+    lens = torch.full((seqs,), length, dtype=torch.int64)
+    q = torch.randn(seqs, HQ, D, generator=gen)
+    return q, cache, tables, lens, torch.empty_like(q)
+
+
+def _time(entry, case, budget_s: float) -> float:
+    """Best seconds per call over calls spanning about ``budget_s``."""
+    q, cache, tables, lens, out = case
+    half = cache[0].numel() * cache.element_size()
+    args = (q.data_ptr(), cache.data_ptr(), cache.data_ptr() + half, tables.data_ptr(),
+            tables.stride(0), lens.data_ptr(), q.shape[0], HQ, HKV, D, BLOCK, D ** -0.5, 0,
+            out.data_ptr())
+    entry(*args)  # warm: pages, caches
+    best, spent = float("inf"), 0.0
+    while spent < budget_s:
+        start = time.perf_counter()
+        entry(*args)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-rev", default="HEAD",
+                        help="git revision whose attention sources are the baseline")
+    parser.add_argument("--isa", default=None, help="ISA level (default: the best here)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--budget", type=float, default=0.05, help="seconds per cell")
+    args = parser.parse_args()
+    features = detect()
+    level = best_level(features, levels_for(features.machine), forced=args.isa)
+    gen = torch.Generator().manual_seed(0)
+    cases = [(kv, seqs, length, _case(seqs, length, dtype, gen))
+             for kv, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16))
+             for seqs, length in CASES]
+    best: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = _libraries(args.baseline_rev, level, Path(tmp))
+        for _ in range(args.rounds):
+            for threads in args.threads:
+                configure_threads(threads)
+                for kv, seqs, length, case in cases:
+                    for which, entries in libs.items():
+                        took = _time(entries[kv], case, args.budget)
+                        key = (threads, kv, seqs, length, which)
+                        best[key] = min(best.get(key, float("inf")), took)
+    print(f"level {level.name}, baseline {args.baseline_rev}, best of {args.rounds} rounds, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print("threads  kv    seqs  context   base us    new us  base/new")
+    for threads in args.threads:
+        for kv, seqs, length, _ in cases:
+            base = best[(threads, kv, seqs, length, "base")] * 1e6
+            new = best[(threads, kv, seqs, length, "new")] * 1e6
+            print(f"{threads:7d}  {kv:4s} {seqs:5d} {length:8d} {base:9.1f} {new:9.1f} "
+                  f"{base / new:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
