@@ -108,6 +108,23 @@ def _since(start: float, end: float | None) -> float | None:
     return None if end is None else end - start
 
 
+def request_metrics(arrival_time: float, first_scheduled_time: float | None,
+                    first_token_time: float | None, last_token_time: float | None,
+                    finished_time: float | None) -> RequestMetrics:
+    """``RequestMetrics(...)`` with these fields, built without its frozen ``__init__``.
+
+    The engine's front builds one per request per step; a frozen dataclass's ``__init__``
+    sets each field through ``object.__setattr__`` (~1 us here), one dict update ~0.3 us.
+    The result equals, hashes and prints as the constructor's (a test checks every field).
+    """
+    metrics = object.__new__(RequestMetrics)
+    metrics.__dict__.update(
+        arrival_time=arrival_time, first_scheduled_time=first_scheduled_time,
+        first_token_time=first_token_time, last_token_time=last_token_time,
+        finished_time=finished_time)
+    return metrics
+
+
 @dataclass
 class RequestOutput:
     """One request's prompt and its outputs so far (``finished`` when all are done)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
 from quire import LLM, SamplingParams
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
+from quire.outputs import RequestMetrics, request_metrics
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -83,3 +85,16 @@ def test_the_offline_api_reports_them_too(tiny_checkpoint):
     [out] = llm.generate([1, 2, 3], PARAMS)
     m = out.metrics
     assert m is not None and m.finished_time is not None and m.time_to_first_token > 0
+
+
+def test_the_fronts_fast_builder_makes_what_the_constructor_makes():
+    for values in [(1.0, None, None, None, None), (1.0, 2.0, 3.5, 4.0, 5.0),
+                   (0.5, 0.75, None, None, 2.0)]:
+        fast, slow = request_metrics(*values), RequestMetrics(*values)
+        assert type(fast) is RequestMetrics
+        assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+        # every field, in order, and nothing else: a field added later must be built too
+        assert list(vars(fast)) == [f.name for f in dataclasses.fields(RequestMetrics)]
+        assert fast.e2e_latency == slow.e2e_latency
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.arrival_time = 0.0

@@ -22,7 +22,7 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
-@dataclass
+@dataclass(slots=True)
 class DetokenizerState:
     """Where one sequence's incremental decoding stands (offsets into all its tokens)."""
 
@@ -64,11 +64,11 @@ class IncrementalDetokenizer:
         self,
         state: DetokenizerState,
         token_ids: list[int],
-        *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> str:
         """The text the newest tokens of ``token_ids`` (prompt + output) add; may be "".
+        (The decode options may come positionally: the front calls this per token.)
 
         Advances ``state`` only when text was emitted, so held-back bytes are retried with
         the next token.

@@ -259,15 +259,15 @@ class LLMEngine:
                  final_only: bool) -> list[RequestOutput]:
         """What ``changed`` requests report, in their output kinds; finished ones leave."""
         result = []
+        make_output, requests = self.processor.make_output, self._requests
         for rid, req in changed.items():
             finished = req.finished
             if finished:
                 req.finished_time = time.monotonic()
-            if finished or not (final_only or
-                                req.params.output_kind is RequestOutputKind.FINAL_ONLY):
-                result.append(self.processor.make_output(req))
-            if finished:
-                del self._requests[rid]
+                result.append(make_output(req, True))
+                del requests[rid]
+            elif not (final_only or req.params.output_kind is RequestOutputKind.FINAL_ONLY):
+                result.append(make_output(req, False))
         return result
 
     def _apply(self, outputs: CoreOutputs, changed: dict[str, RequestState],
@@ -275,36 +275,41 @@ class LLMEngine:
         if outputs.error is not None:
             raise RuntimeError(f"engine core {outputs.engine} failed a step and aborted its "
                                f"requests: {outputs.error}")
+        requests, embeddings = self._requests, self._embeddings
         for entry in outputs.prompt_logprobs:
-            req = self._requests.get(entry.request_id)
+            req = requests.get(entry.request_id)
             if req is None or req.prompt_logprobs is None:
                 continue
             for lp in entry.entries:
                 req.prompt_logprobs.append(self.processor.token_logprobs(lp))
+        # per sequence per step: locals; a token sets first (once) and last token times
+        append, now = self.processor.append, outputs.time
         for update in outputs.updates:
-            if update.request_id in self._embeddings:
+            rid = update.request_id
+            if embeddings and rid in embeddings:
                 embedded.append(self._embedded(update))
                 continue
-            req = self._requests.get(update.request_id)
+            req = requests.get(rid)
             if req is None:
                 continue  # aborted here after the core sampled it
             if update.token_id >= 0:
-                req.record_token(outputs.time)
-            if self.processor.append(req, update):
-                self.client.stop_sequence(req.request_id, update.index)
-            changed[req.request_id] = req
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+            if append(req, update):
+                self.client.stop_sequence(rid, update.index)
+            changed[rid] = req
         for rid, why in outputs.refused:
-            embed = self._embeddings.pop(rid, None)
+            embed = embeddings.pop(rid, None)
             if embed is not None:
                 logger.warning("the engine core refused request %s: %s", rid, why)
                 embedded.append(embed.output([], "abort"))
                 continue
-            req = self._requests.get(rid)
+            req = requests.get(rid)
             if req is not None:
                 logger.warning("the engine core refused request %s: %s", rid, why)
                 self.processor.abort(req)
                 changed[rid] = req
-
 
     def _embedded(self, update: SeqUpdate) -> EmbeddingRequestOutput:
         """The finished output of an embedding request (its vector came with the finish)."""

@@ -46,15 +46,15 @@ from quire.outputs import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,
-    RequestMetrics,
     RequestOutput,
     RequestOutputKind,
+    request_metrics,
 )
 from quire.sampling.logprobs import TokenLogprobs
 from quire.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqOutput:
     """Output state of one sequence (sample ``index`` of its request)."""
 
@@ -90,7 +90,7 @@ class SeqOutput:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """One request: its prompt and the output state of each of its ``n`` sequences."""
 
@@ -115,8 +115,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        """Every one of the ``n`` samples exists and finished (read twice per request per
-        step: a plain loop, not a generator)."""
+        """Every one of the ``n`` samples exists and finished (read per request per step:
+        a plain loop, not a generator)."""
         if len(self.outputs) != self.params.n:
             return False
         for out in self.outputs:
@@ -133,21 +133,6 @@ class RequestState:
             if out.index == index:
                 return out
         return None
-
-    def record_token(self, now: float) -> None:
-        """One of the request's sequences sampled a token in the step that ended ``now``."""
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now
-
-    def metrics(self) -> RequestMetrics:
-        return RequestMetrics(
-            arrival_time=self.arrival_time,
-            first_scheduled_time=self.first_scheduled_time,
-            first_token_time=self.first_token_time,
-            last_token_time=self.last_token_time,
-            finished_time=self.finished_time,
-        )
 
 
 class OutputProcessor:
@@ -174,10 +159,12 @@ class OutputProcessor:
     def append(self, req: RequestState, update: SeqUpdate) -> bool:
         """Add the core's news for one sequence. True when a stop string ended it here
         (the core must then be told); a sequence that already finished takes nothing."""
-        out = req.output(update.index)
-        if out is None:
-            out = self.track(req, update.index)
-        if update.index == 0:
+        index, outputs = update.index, req.outputs
+        if index < len(outputs) and outputs[index].index == index:  # req.output's usual place
+            out = outputs[index]
+        else:
+            out = req.output(index) or self.track(req, index)
+        if index == 0:
             req.num_cached_tokens = update.num_cached_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = update.first_scheduled_time
@@ -193,9 +180,8 @@ class OutputProcessor:
             entry = self.token_logprobs(update.logprobs)
             out.logprobs.append(entry)
             out.cumulative_logprob += entry[token].logprob
-        delta = self.detokenizer.step(
-            out.detok, out.token_ids, skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        delta = self.detokenizer.step(out.detok, out.token_ids, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens)
         if delta:
             out.text += delta
         if delta and req.stops is not None and out.stop_scan is not None:
@@ -232,67 +218,61 @@ class OutputProcessor:
                                          self.tokenizer.decode([lp.token_id]))
         return entry
 
-    def make_output(self, req: RequestState) -> RequestOutput:
+    def make_output(self, req: RequestState, finished: bool | None = None) -> RequestOutput:
         """The request as users see it now, in its ``output_kind`` (cumulative unless it
-        asked for deltas)."""
+        asked for deltas).
+
+        :param finished: ``req.finished``, when the caller already knows it.
+
+        Per request per step while streaming: its samples' outputs are built in a loop
+        here, without a call per sample or property reads.
+        """
+        if finished is None:
+            finished = req.finished
         delta = req.params.output_kind is RequestOutputKind.DELTA
-        if delta:
-            completions = [c for c in (self._delta(req, out) for out in req.outputs)
-                           if c is not None]
-        else:
-            cumulative = self._cumulative
-            completions = [cumulative(req, out) for out in req.outputs]
+        stops = req.stops
+        hold = stops.longest - 1 if stops is not None else 0
+        completions = []
+        for out in req.outputs:
+            finish, text, logprobs = out.finish_reason, out.text, out.logprobs
+            if finish is None and hold > 0:  # without a tail that may start a stop string
+                text = text[: len(text) - hold]
+            if delta:
+                c = _delta(out, text, finish, logprobs)
+                if c is not None:
+                    completions.append(c)
+                continue
+            completions.append(CompletionOutput(
+                out.index, text, out.token_ids[out.num_prompt_tokens:],
+                None if logprobs is None else list(logprobs),
+                None if logprobs is None else out.cumulative_logprob,
+                finish, out.stop_reason))
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not (delta and req.sent_prompt_logprobs):
             prompt_logprobs = list(req.prompt_logprobs)
             req.sent_prompt_logprobs = delta
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=req.finished,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics(),
-        )
-
-    @staticmethod
-    def _cumulative(req: RequestState, out: SeqOutput) -> CompletionOutput:
-        # called per request per step while streaming: plain reads, no properties
-        finish, text, logprobs = out.finish_reason, out.text, out.logprobs
-        if finish is None and req.stops is not None:
-            text = _visible(text, req.stops)
-        return CompletionOutput(
-            out.index, text, out.token_ids[out.num_prompt_tokens:],
-            None if logprobs is None else list(logprobs),
-            None if logprobs is None else out.cumulative_logprob,
-            finish, out.stop_reason)
-
-    def _delta(self, req: RequestState, out: SeqOutput) -> CompletionOutput | None:
-        """What ``out`` has that was not reported yet, or None if nothing (visible text
-        only grows, so the next delta starts where this one ends)."""
-        text = out.text if out.is_finished else _visible(out.text, req.stops)
-        num_output = out.num_output_tokens
-        new_tokens = out.token_ids[out.num_prompt_tokens + out.sent_tokens:]
-        finish_news = out.is_finished and not out.sent_finish
-        if not new_tokens and len(text) == out.sent_chars and not finish_news:
-            return None
-        c = CompletionOutput(
-            index=out.index,
-            text=text[out.sent_chars:],
-            token_ids=new_tokens,
-            logprobs=out.logprobs[out.sent_tokens:] if out.logprobs is not None else None,
-            cumulative_logprob=out.cumulative_logprob if out.logprobs is not None else None,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
-        out.sent_chars, out.sent_tokens = len(text), num_output
-        out.sent_finish = out.is_finished
-        return c
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             finished, prompt_logprobs, req.num_cached_tokens,
+                             request_metrics(req.arrival_time, req.first_scheduled_time,
+                                             req.first_token_time, req.last_token_time,
+                                             req.finished_time))
 
 
-def _visible(text: str, stops: StopMatcher | None) -> str:
-    """Text safe to stream: without a tail that could still start a stop string."""
-    hold = stops.longest - 1 if stops is not None else 0
-    return text[: len(text) - hold] if hold > 0 else text
+def _delta(out: SeqOutput, text: str, finish: str | None,
+           logprobs: list[PositionLogprobs] | None) -> CompletionOutput | None:
+    """What ``out`` has that was not reported yet, or None if nothing (``text``, its
+    visible text, only grows, so the next delta starts where this one ends)."""
+    sent_tokens = out.sent_tokens
+    new_tokens = out.token_ids[out.num_prompt_tokens + sent_tokens:]
+    finish_news = finish is not None and not out.sent_finish
+    if not new_tokens and len(text) == out.sent_chars and not finish_news:
+        return None
+    c = CompletionOutput(
+        out.index, text[out.sent_chars:], new_tokens,
+        logprobs[sent_tokens:] if logprobs is not None else None,
+        out.cumulative_logprob if logprobs is not None else None,
+        finish, out.stop_reason)
+    out.sent_chars, out.sent_tokens = len(text), sent_tokens + len(new_tokens)
+    out.sent_finish = finish is not None
+    return c
+
