@@ -516,13 +516,15 @@ int quire_decode_batch_f32(
             store_kv_row(v_cache, desc->kv_bf16, slots[r], row, kv + row);
         }
         float *my_scores = scores + omp_get_thread_num() * hq * longest;
+        /* (row, KV head) pairs when there are too few rows to share out alone */
+        const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < rows; s++) {
-            const int64_t len = seq_lens[s];
+        for (int64_t i = 0; i < rows * split; i++) {
+            const int64_t s = i / split, h = (i % split) * heads, len = seq_lens[s];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
             attend_heads_kv(desc->kv_bf16, qkv_out + s * qkv_n, k_cache, v_cache,
-                            tables + s * table_stride, start, len - start, 0, hq, hq / hkv, row,
-                            d, block_size, scale, my_scores, attn + s * hq * d);
+                            tables + s * table_stride, start, len - start, h, h + heads,
+                            hq / hkv, row, d, block_size, scale, my_scores, attn + s * hq * d);
         }
         back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
     }
@@ -673,8 +675,8 @@ int quire_bf16_attend(const struct quire_bf16_rows *a) {
             longest = n;
     }
     const int64_t per_thread = 2 * d + hq * longest + hq * d;
-    float *scratch = quire_thread_scratch(
-        (size_t)(a->rows * qkv_n + omp_get_max_threads() * per_thread));
+    const int64_t threads = omp_get_max_threads();
+    float *scratch = quire_thread_scratch((size_t)(a->rows * qkv_n + threads * per_thread));
     if (scratch == NULL)
         return 2;
     const int kv_bf16 = a->desc->kv_bf16;
@@ -689,14 +691,18 @@ int quire_bf16_attend(const struct quire_bf16_rows *a) {
             store_kv_row(a->k_cache, kv_bf16, a->slots[r], row, q + hq * d);
             store_kv_row(a->v_cache, kv_bf16, a->slots[r], row, q + hq * d + row);
         }
+        /* (row, KV head) pairs when there are too few rows to share out alone */
+        const int64_t split = threads > 1 && a->rows < 4 * threads ? a->hkv : 1;
+        const int64_t heads = hq / split;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < a->rows; s++) {
-            const int64_t len = a->seq_lens[s];
+        for (int64_t i = 0; i < a->rows * split; i++) {
+            const int64_t s = i / split, h = (i % split) * heads, len = a->seq_lens[s];
             const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
             attend_heads_kv(kv_bf16, scratch + s * qkv_n, a->k_cache, a->v_cache,
-                            a->tables + s * a->table_stride, start, len - start, 0, hq,
-                            hq / a->hkv, row, d, a->block_size, a->scale, scores, attn);
-            round_row(attn, hq * d, a->attn + s * hq * d);
+                            a->tables + s * a->table_stride, start, len - start, h,
+                            h + heads, hq / a->hkv, row, d, a->block_size, a->scale, scores,
+                            attn);
+            round_row(attn + h * d, heads * d, a->attn + s * hq * d + h * d);
         }
     }
     return 0;

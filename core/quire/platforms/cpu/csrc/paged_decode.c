@@ -1,31 +1,34 @@
 /*
- * Paged decode attention for the cpu platform: one query token per sequence, float32.
+ * Paged decode attention for the cpu platform: one query token per sequence, float32 or
+ * bfloat16 pages, float32 arithmetic.
  *
  * Reads each sequence's keys and values straight from their pages, once, instead of
  * gathering them into a padded copy first (what the torch path has to do). Work is
- * split over sequences with OpenMP; a sequence's task reads each of its slots as one
- * contiguous row of all KV heads (a page is then one contiguous run of memory, which
- * the prefetcher follows) and serves every query head from it. Splitting by (sequence,
- * KV head) instead read 1/Hkv of each row per task and measured 1.7-3x slower.
+ * split over sequences with OpenMP (over (sequence, KV head) pairs when there are too
+ * few sequences for the team); attend_heads.h is the body, per KV head and its group
+ * of query heads (figures in docs/bench.md).
  *
  * Layout (see quire/platforms/cpu/attention.py): the cache of one layer is
  * [2, num_blocks, block_size, Hkv, D]; k_cache and v_cache point at its two halves.
  * Query and output are [B, Hq, D], contiguous. Query head h reads KV head h / G.
  *
  * Arithmetic: scores, softmax and the weighted sum in float32, as the reference; only
- * the order of the sums differs (dot products in four 8-wide partial sums, the
- * weighted sum normalised at the end), so results agree with it to float32 rounding.
+ * the order of the sums differs (dot products in vector partial sums, fused
+ * multiply-adds where the ISA level has them), so results agree with it to float32
+ * rounding.
  *
  * Built at run time by quire/platforms/cpu/native.py with the system C compiler;
  * OpenMP resolves to the libgomp torch has already loaded (same soname), so this
  * shares torch's thread pool and thread count.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
+
 
 /* Positions in tiles of ATTEND_TILE: a tile's K (then V) slices stay in L1 while every
  * query head of a KV head's group reads them. */
@@ -106,9 +109,9 @@ static void softmax_row(float *s, int64_t n, float scale) {
 #define ATTEND_(x) x##_bf16
 #include "attend_heads.h"
 
-/* Both entry points: every sequence's query heads over its pages, sequences over the
- * team. Returns 0 on success, 1 when scratch memory could not be allocated (the caller
- * falls back to the torch path). */
+/* Both entry points: every sequence's query heads over its pages, (sequence, KV head)
+ * pairs over the team. Returns 0 on success, 1 when scratch memory could not be
+ * allocated (the caller falls back to the torch path). */
 static int paged_decode(int kv_bf16, const float *q, const void *k_cache, const void *v_cache,
                         const int64_t *block_tables, int64_t table_stride,
                         const int64_t *seq_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
@@ -116,29 +119,35 @@ static int paged_decode(int kv_bf16, const float *q, const void *k_cache, const 
                         float *out) {
     const int64_t groups = hq / hkv; /* query heads per KV head (GQA) */
     const int64_t row = hkv * d; /* elements between consecutive slots */
-    int failed = 0;
-
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
+        longest = n > longest ? n : longest;
+    }
+    /* (sequence, KV head) pairs when there are too few sequences to share out alone (64
+     * sequences measured the same either way) */
+    const int64_t threads = omp_get_max_threads();
+    const int64_t split = threads > 1 && num_seqs < 4 * threads ? hkv : 1, heads = hq / split;
+    const int64_t per_item = heads * longest, items = num_seqs * split;
+    float *scratch = quire_thread_scratch((size_t)(threads * per_item) + 1);
+    if (scratch == NULL)
+        return 1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+        const int64_t s = i / split, h_begin = (i % split) * heads, h_end = h_begin + heads;
         const int64_t len = seq_lens[s];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start;
         float *os = out + s * hq * d;
-        if (n <= 0) {
-            memset(os, 0, sizeof(float) * hq * d);
-            continue;
-        }
-        float *scores = malloc(sizeof(float) * hq * n);
-        if (scores == NULL) {
-            failed = 1;
+        if (len - start <= 0) {
+            memset(os + h_begin * d, 0, sizeof(float) * (h_end - h_begin) * d);
             continue;
         }
         attend_heads_kv(kv_bf16, q + s * hq * d, k_cache, v_cache,
-                        block_tables + s * table_stride, start, n, 0, hq, groups, row, d,
-                        block_size, scale, scores, os);
-        free(scores);
+                        block_tables + s * table_stride, start, len - start, h_begin, h_end,
+                        groups, row, d, block_size, scale,
+                        scratch + omp_get_thread_num() * per_item, os);
     }
-    return failed;
+    return 0;
 }
 
 /* Float32 pages. */
