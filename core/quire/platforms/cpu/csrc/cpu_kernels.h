@@ -105,9 +105,9 @@ static inline void sum4(v8f a0, v8f a1, v8f a2, v8f a3, float *out) {
 }
 #endif
 
-/* The attention kernel's vector (attend_heads.h): 16 lanes on the avx512 level, where a
- * head of 64 is four registers, 8 elsewhere; fused multiply-adds where the level has them
- * (-std=c11 keeps GCC from contracting a * b + c itself). */
+/* The attention kernel's vector (attend_heads.h): one register of the level, 16 lanes on
+ * avx512 (a head of 64 is four), 8 on avx2, 4 on generic levels; fused multiply-adds
+ * where the level has them (-std=c11 keeps GCC from contracting a * b + c itself). */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define VW 16
 typedef float vwf __attribute__((vector_size(64)));
@@ -126,23 +126,38 @@ static inline float hsumw(vwf a) {
     return hsum((v8f)_mm512_castps512_ps256((__m512)a) +
                 (v8f)_mm512_extractf32x8_ps((__m512)a, 1));
 }
-#else
+#elif defined(__AVX__)
 #define VW 8
 typedef v8f vwf;
 typedef v8i vwi;
 typedef v8u16 vwu16;
 typedef v8u32 vwu32;
-static inline vwf fmaw(vwf a, vwf b, vwf c) {
 #if defined(__FMA__)
+static inline vwf fmaw(vwf a, vwf b, vwf c) {
     return (vwf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
 }
+#else
+#define fmaw(a, b, c) ((a) * (b) + (c))
+#endif
 static inline void sum4w(vwf a0, vwf a1, vwf a2, vwf a3, float *out) {
     sum4(a0, a1, a2, a3, out);
 }
 static inline float hsumw(vwf a) { return hsum(a); }
+#else
+/* One 128-bit register (SSE2, NEON): GCC kept arrays of the wider v8f in memory. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#define VW 4
+typedef float vwf __attribute__((vector_size(16)));
+typedef int32_t vwi __attribute__((vector_size(16)));
+typedef uint16_t vwu16 __attribute__((vector_size(8)));
+typedef uint32_t vwu32 __attribute__((vector_size(16)));
+#define fmaw(a, b, c) ((a) * (b) + (c))
+static inline float hsumw(vwf a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+static inline void sum4w(vwf a0, vwf a1, vwf a2, vwf a3, float *out) {
+    out[0] = hsumw(a0), out[1] = hsumw(a1), out[2] = hsumw(a2), out[3] = hsumw(a3);
+}
 #endif
 
 static inline vwf loadw(const float *p) {
@@ -157,16 +172,18 @@ static inline void storew(float *p, vwf v) { memcpy(p, &v, sizeof v); }
 static inline vwf splatw(float x) {
 #if VW == 16
     return (vwf)_mm512_set1_ps(x);
-#elif defined(__AVX__)
+#elif VW == 8
     return (vwf)_mm256_set1_ps(x);
 #else
-    return (vwf){x, x, x, x, x, x, x, x};
+    return (vwf){x, x, x, x};
 #endif
 }
 
 static inline vwf loadw_bf16(const uint16_t *p) {
 #if VW == 16 /* one vpmovzxwd: GCC splits the generic conversion into halves */
     return (vwf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+#elif VW == 4 && defined(__SSE2__) /* zeros below each element: one punpcklwd, not five */
+    return (vwf)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const void *)p));
 #else
     vwu16 h;
     memcpy(&h, p, sizeof h);
