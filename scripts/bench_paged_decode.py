@@ -16,27 +16,20 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from quire.platforms.cpu import kernel_build
-from quire.platforms.cpu.isa import best_level, detect, levels_for
+from kernel_ab import add_arguments, best_seconds, level_of, libraries
 from quire.platforms.cpu.threads import configure_threads
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 #: (sequences, context length)
 CASES = ((64, 32), (64, 128), (64, 256), (1, 2048))
 SOURCES = ("attend_heads.h", "paged_decode.c", "cpu_kernels.h")
-CSRC = "core/quire/platforms/cpu/csrc"
 
 
-def _build(csrc: Path, level, target: Path) -> dict:
-    kernel_build.compile_library(shutil.which("cc") or "cc", level, target, csrc)
-    library = ctypes.CDLL(str(target))
+def _entries(library: ctypes.CDLL) -> dict:
     entries = {"f32": library.quire_paged_decode_f32, "bf16": library.quire_paged_decode_bf16}
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for entry in entries.values():
@@ -44,21 +37,6 @@ def _build(csrc: Path, level, target: Path) -> dict:
         entry.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                           ctypes.c_float, i64, ptr]
     return entries
-
-
-def _libraries(rev: str, level, work: Path) -> dict:
-    """{'base': entries, 'new': entries}: the checkout's csrc with and without REV's files."""
-    new_src, base_src = work / "new", work / "base"
-    shutil.copytree(kernel_build.CSRC, new_src)
-    shutil.copytree(kernel_build.CSRC, base_src)
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
-                          text=True, check=True, cwd=kernel_build.CSRC).stdout.strip()
-    for name in SOURCES:
-        old = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], capture_output=True,
-                             check=True, cwd=root).stdout
-        (base_src / name).write_bytes(old)
-    return {"base": _build(base_src, level, work / "base.so"),
-            "new": _build(new_src, level, work / "new.so")}
 
 
 def _case(seqs: int, length: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
@@ -79,34 +57,22 @@ def _time(entry, case, budget_s: float) -> float:
     args = (q.data_ptr(), cache.data_ptr(), cache.data_ptr() + half, tables.data_ptr(),
             tables.stride(0), lens.data_ptr(), q.shape[0], HQ, HKV, D, BLOCK, D ** -0.5, 0,
             out.data_ptr())
-    entry(*args)  # warm: pages, caches
-    best, spent = float("inf"), 0.0
-    while spent < budget_s:
-        start = time.perf_counter()
-        entry(*args)
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-    return best
+    return best_seconds(lambda: entry(*args), budget_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-rev", default="HEAD",
-                        help="git revision whose attention sources are the baseline")
-    parser.add_argument("--isa", default=None, help="ISA level (default: the best here)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--budget", type=float, default=0.05, help="seconds per cell")
+    add_arguments(parser, "attention sources", rounds=5)
     args = parser.parse_args()
-    features = detect()
-    level = best_level(features, levels_for(features.machine), forced=args.isa)
+    level = level_of(args)
     gen = torch.Generator().manual_seed(0)
     cases = [(kv, seqs, length, _case(seqs, length, dtype, gen))
              for kv, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16))
              for seqs, length in CASES]
     best: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = _libraries(args.baseline_rev, level, Path(tmp))
+        libs = {which: _entries(lib) for which, lib in
+                libraries(args.baseline_rev, SOURCES, level, Path(tmp)).items()}
         for _ in range(args.rounds):
             for threads in args.threads:
                 configure_threads(threads)

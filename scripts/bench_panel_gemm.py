@@ -14,72 +14,38 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from quire.platforms.cpu import kernel_build
-from quire.platforms.cpu.isa import best_level, detect, levels_for
+from kernel_ab import add_arguments, best_seconds, level_of, libraries
 from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.threads import configure_threads
 
 #: SmolLM2-135M's float32 products, (name, K, N)
 SHAPES = (("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576))
 ROWS = (1, 8, 64, 256, 2048)
-PANEL_GEMM = "core/quire/platforms/cpu/csrc/panel_gemm.c"
 
 
-def _build(csrc: Path, level, target: Path):
-    kernel_build.compile_library(shutil.which("cc") or "cc", level, target, csrc)
-    entry = ctypes.CDLL(str(target)).quire_panel_gemm_f32
+def _entry(library: ctypes.CDLL):
+    entry = library.quire_panel_gemm_f32
     entry.restype = ctypes.c_int
     entry.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return entry
 
 
-def _libraries(rev: str, level, work: Path) -> dict:
-    """{'base': entry, 'new': entry}: the checkout's csrc with and without REV's file."""
-    new_src, base_src = work / "new", work / "base"
-    shutil.copytree(kernel_build.CSRC, new_src)
-    shutil.copytree(kernel_build.CSRC, base_src)
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
-                          text=True, check=True, cwd=kernel_build.CSRC).stdout.strip()
-    old = subprocess.run(["git", "show", f"{rev}:{PANEL_GEMM}"], capture_output=True,
-                         check=True, cwd=root).stdout
-    (base_src / "panel_gemm.c").write_bytes(old)
-    return {"base": _build(base_src, level, work / "base.so"),
-            "new": _build(new_src, level, work / "new.so")}
-
-
 def _time(entry, x, panels, n, y, budget_s: float) -> float:
-    """Best seconds per call over calls spanning about ``budget_s``."""
     args = (x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), n, None, y.data_ptr())
-    entry(*args)  # warm: scratch, pages, caches
-    best, spent = float("inf"), 0.0
-    while spent < budget_s:
-        start = time.perf_counter()
-        entry(*args)
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-    return best
+    return best_seconds(lambda: entry(*args), budget_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-rev", default="HEAD",
-                        help="git revision whose panel_gemm.c is the baseline")
-    parser.add_argument("--isa", default=None, help="ISA level (default: the best here)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    add_arguments(parser, "panel_gemm.c", rounds=3)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--budget", type=float, default=0.05, help="seconds per cell")
     args = parser.parse_args()
-    features = detect()
-    level = best_level(features, levels_for(features.machine), forced=args.isa)
+    level = level_of(args)
     gen = torch.Generator().manual_seed(0)
     cases = []
     for name, k, n in SHAPES:
@@ -89,7 +55,8 @@ def main() -> None:
                           torch.empty(rows, n)))
     best: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = _libraries(args.baseline_rev, level, Path(tmp))
+        libs = {which: _entry(lib) for which, lib in
+                libraries(args.baseline_rev, ["panel_gemm.c"], level, Path(tmp)).items()}
         for _ in range(args.rounds):
             for threads in args.threads:
                 configure_threads(threads)
