@@ -358,9 +358,7 @@ class EngineCore:
             pass
         if not self._in_flight:
             return self._idle()
-        out, handle = self._in_flight.popleft()
-        result = self.executor.wait(handle)
-        self.scheduler.complete_step(out)
+        out, result = self._complete_oldest()
         outputs = CoreOutputs()
         if result.pooled is not None:
             self._finish_embeddings(out, result.sample_items, result.pooled, outputs)
@@ -392,9 +390,7 @@ class EngineCore:
             self._schedule_next()
         if not self._in_flight:
             return self._idle()
-        out, handle = self._in_flight.popleft()
-        result = self.executor.wait(handle)
-        self.scheduler.complete_step(out)
+        out, result = self._complete_oldest()
         outputs = CoreOutputs()
         seqs, logits = self._live_rows(out, result, outputs)
         if not seqs:
@@ -412,6 +408,13 @@ class EngineCore:
                 seq.num_pending_tokens = 0
         self._take_tokens(seqs, self.sampler.to_host(sample), outputs)
         return self._report(outputs)
+
+    def _complete_oldest(self) -> tuple[SchedulerOutput, StepResult]:
+        """Wait for the oldest step in flight and record its K/V as computed."""
+        out, handle = self._in_flight.popleft()
+        result = self.executor.wait(handle)
+        self.scheduler.complete_step(out)
+        return out, result
 
     def _schedule_next(self, sampled: torch.Tensor | None = None,
                        pending_rows: dict[int, int] | None = None) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 #: Logits per chunk. Rows shorter than four chunks keep ``torch.argmax``. 512 rather
-#: than 1024: the same ``amax`` pass, half the chunk read again (docs/bench.md, 2026-12-02).
+#: than 1024: the same ``amax`` pass, half the chunk read again (measured in docs/bench.md).
 CHUNK = 512
 
 
