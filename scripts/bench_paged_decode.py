@@ -25,7 +25,7 @@ from quire.platforms.cpu.threads import configure_threads
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 #: (sequences, context length)
-CASES = ((64, 32), (64, 128), (64, 256), (1, 2048))
+CASES = ((64, 32), (64, 128), (64, 192), (64, 256), (1, 2048))
 SOURCES = ("attend_heads.h", "paged_decode.c", "cpu_kernels.h")
 
 
@@ -39,34 +39,43 @@ def _entries(library: ctypes.CDLL) -> dict:
     return entries
 
 
-def _case(seqs: int, length: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
-    """Query, cache, tables, lengths and output of one case, pages in shuffled order."""
+def _case(seqs: int, length: int, dtype: torch.dtype, layers: int,
+          gen: torch.Generator) -> tuple:
+    """Query, the layers' caches, tables, lengths and output of one case, pages in
+    shuffled order."""
     per_seq = -(-length // BLOCK)
     num_blocks = seqs * per_seq
-    cache = torch.randn(2, num_blocks, BLOCK, HKV, D, generator=gen).to(dtype)
+    caches = [torch.randn(2, num_blocks, BLOCK, HKV, D, generator=gen).to(dtype)
+              for _ in range(layers)]
     tables = torch.randperm(num_blocks, generator=gen).view(seqs, per_seq).contiguous()
     lens = torch.full((seqs,), length, dtype=torch.int64)
     q = torch.randn(seqs, HQ, D, generator=gen)
-    return q, cache, tables, lens, torch.empty_like(q)
+    return q, caches, tables, lens, torch.empty_like(q)
 
 
 def _time(entry, case, budget_s: float) -> float:
-    """Best seconds per call over calls spanning about ``budget_s``."""
-    q, cache, tables, lens, out = case
-    half = cache[0].numel() * cache.element_size()
-    args = (q.data_ptr(), cache.data_ptr(), cache.data_ptr() + half, tables.data_ptr(),
-            tables.stride(0), lens.data_ptr(), q.shape[0], HQ, HKV, D, BLOCK, D ** -0.5, 0,
-            out.data_ptr())
-    return best_seconds(lambda: entry(*args), budget_s)
+    """Best seconds per step (one call per layer) over steps spanning about ``budget_s``."""
+    q, caches, tables, lens, out = case
+    half = caches[0][0].numel() * caches[0].element_size()
+    calls = [(q.data_ptr(), cache.data_ptr(), cache.data_ptr() + half, tables.data_ptr(),
+              tables.stride(0), lens.data_ptr(), q.shape[0], HQ, HKV, D, BLOCK, D ** -0.5,
+              0, out.data_ptr()) for cache in caches]
+
+    def step() -> None:
+        for args in calls:
+            entry(*args)
+    return best_seconds(step, budget_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, "attention sources", rounds=5)
+    parser.add_argument("--layers", type=int, default=30,
+                        help="layers per step, each with its own pages")
     args = parser.parse_args()
     level = level_of(args)
     gen = torch.Generator().manual_seed(0)
-    cases = [(kv, seqs, length, _case(seqs, length, dtype, gen))
+    cases = [(kv, seqs, length, _case(seqs, length, dtype, args.layers, gen))
              for kv, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16))
              for seqs, length in CASES]
     best: dict = {}
@@ -82,9 +91,9 @@ def main() -> None:
                         key = (threads, kv, seqs, length, which)
                         best[key] = min(best.get(key, float("inf")), took)
     print(f"level {level.name}, baseline {args.baseline_rev}, best of {args.rounds} rounds, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"{args.layers} layers, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load {os.getloadavg()[0]:.2f}")
-    print("threads  kv    seqs  context   base us    new us  base/new")
+    print("threads  kv    seqs  context   base us    new us  base/new  (per step)")
     for threads in args.threads:
         for kv, seqs, length, _ in cases:
             base = best[(threads, kv, seqs, length, "base")] * 1e6

@@ -9,9 +9,9 @@
  * and softmax_row before it), and undefines them at the end. Queries, scores and outputs are float32 for every type:
  * only the cache is read narrower. No include guard: it is included twice.
  *
- * Per KV head, the query heads it serves (GQA) go over the positions a tile at a time,
- * so each tile's K (then V) slice is read from memory once and from L1 by every head of
- * the group; passes: scores, softmax, weighted sum of V.
+ * The query heads go over the positions a tile at a time, so each tile's K (then V)
+ * slices are read from memory once and from L1 by every head of their group (GQA);
+ * passes: scores, softmax, weighted sum of V.
  */
 
 /* The scores of query head qh against the keys of one tile (m slots at offs, this KV
@@ -96,47 +96,65 @@ static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int
 
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
- * (h_end - h_begin) * n floats. */
+ * (h_end - h_begin) * n floats.
+ *
+ * Two walks over the positions a tile at a time, keys then values. A tile's slots are
+ * read for every KV head the heads use at once (their slices are adjacent in a slot's
+ * row: one contiguous span per slot), and each slice is read from memory once and from
+ * L1 by every query head of its group. The next tile (after the last key tile, the
+ * first value tile) is prefetched a share per head, between the heads' work: a burst of
+ * prefetches would fill the core's miss buffers and stall it, where shares keep memory
+ * busy while it computes. */
 void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
                  float scale, float *scores, float *out) {
-    const int64_t bytes = d * (int64_t)sizeof(KV_T);
+    const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
+    const int64_t span = (kv_end - kv_begin) * d * (int64_t)sizeof(KV_T);
+    const int64_t heads = h_end - h_begin;
+    const KV_T *k_span = k_cache + kv_begin * d, *v_span = v_cache + kv_begin * d;
     int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE];
-    for (int64_t kv = h_begin / groups; kv * groups < h_end; ++kv) {
-        const int64_t hs = kv * groups > h_begin ? kv * groups : h_begin;
-        const int64_t he = (kv + 1) * groups < h_end ? (kv + 1) * groups : h_end;
-        const KV_T *k = k_cache + kv * d, *v = v_cache + kv * d;
-        float *sc = scores + (hs - h_begin) * n;
-        /* scores, the next tile's K slices prefetched while this one is read */
-        struct slot_cursor cur = slot_cursor_at(table, start, block_size);
-        int64_t *offs = tile_a, *next = tile_b;
-        for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
-            const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
-            prefetch_tile(k, sizeof(KV_T), next, m_next, bytes);
-            for (int64_t h = hs; h < he; ++h)
-                ATTEND_(tile_scores)(q + h * d, k, offs, m, d, sc + (h - hs) * n + j);
-            if (m_next == 0)
-                break;
-            int64_t *const done = offs;
-            offs = next, next = done, j += m, m = m_next;
+    /* scores */
+    struct slot_cursor cur = slot_cursor_at(table, start, block_size);
+    int64_t *offs = tile_a, *next = tile_b;
+    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
+        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
+        const KV_T *ahead = k_span;
+        int64_t m_ahead = m_next;
+        if (m_next == 0) {
+            struct slot_cursor first = slot_cursor_at(table, start, block_size);
+            ahead = v_span, m_ahead = tile_offsets(&first, n, row, next);
         }
-        for (int64_t h = hs; h < he; ++h)
-            softmax_row(sc + (h - hs) * n, n, scale);
-        /* the weighted sum of V, the same way */
-        cur = slot_cursor_at(table, start, block_size);
-        offs = tile_a, next = tile_b;
-        for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
-            const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
-            prefetch_tile(v, sizeof(KV_T), next, m_next, bytes);
-            for (int64_t h = hs; h < he; ++h)
-                ATTEND_(tile_values)(sc + (h - hs) * n + j, v, offs, m, d, j == 0,
-                                     out + h * d);
-            if (m_next == 0)
-                break;
-            int64_t *const done = offs;
-            offs = next, next = done, j += m, m = m_next;
+        for (int64_t h = h_begin; h < h_end; ++h) {
+            const int64_t i = h - h_begin;
+            prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
+                          (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
+            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * d, offs, m, d,
+                                 scores + i * n + j);
         }
+        if (m_next == 0)
+            break;
+        int64_t *const done = offs;
+        offs = next, next = done, j += m, m = m_next;
+    }
+    for (int64_t h = h_begin; h < h_end; ++h)
+        softmax_row(scores + (h - h_begin) * n, n, scale);
+    /* the weighted sum of V, the same way */
+    cur = slot_cursor_at(table, start, block_size);
+    offs = tile_a, next = tile_b;
+    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
+        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
+        for (int64_t h = h_begin; h < h_end; ++h) {
+            const int64_t i = h - h_begin;
+            prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
+                          (i + 1) * m_next / heads - i * m_next / heads, span);
+            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * d, offs, m, d,
+                                 j == 0, out + h * d);
+        }
+        if (m_next == 0)
+            break;
+        int64_t *const done = offs;
+        offs = next, next = done, j += m, m = m_next;
     }
 }
 
