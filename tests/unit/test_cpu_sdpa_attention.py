@@ -14,9 +14,9 @@ inputs; the output is rounded to bf16 (relative step 2**-8) and SDPA keeps its r
 softmax sums in float32 but rounds probabilities to bf16 before multiplying values.
 Against the reference backend in float32: ``1e-5`` as well.
 
-Every case runs twice: with the torch ops only, and with the native C decode kernel
-(:mod:`quire.platforms.cpu.native`), which takes the decode rows of float32 caches
-without a soft cap and must meet the same tolerances.
+Every case runs twice: with the torch ops only, and with the native C kernels
+(:mod:`quire.platforms.cpu.native`), which take the decode rows and the whole prompts
+(windows too) without a soft cap and must meet the same tolerances.
 """
 
 from __future__ import annotations

@@ -138,6 +138,12 @@ class NativeKernels:
             entry.restype = ctypes.c_int
             entry.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                               _i64, ctypes.c_float, _i64, _ptr]
+        self._prompt = {torch.float32: library.quire_prompt_attention_f32,
+                        torch.bfloat16: library.quire_prompt_attention_bf16}
+        for entry in self._prompt.values():
+            entry.restype = ctypes.c_int
+            entry.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                              _i64, ctypes.c_float, _i64, _ptr]
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -313,6 +319,45 @@ class NativeKernels:
             block_tables.stride(0), seq_lens.data_ptr(), b, hq, hkv, d, block_size,
             scale, window or 0, out.data_ptr())
         return None if failed else out.to(query.dtype)
+
+    def prompt_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        prompts: tuple[tuple[int, int], ...],
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Causal attention of whole prompts over their own keys and values.
+
+        :param query: [T, Hq, D] float32 or bfloat16; rows may have any stride, each
+            row's heads contiguous (a view into a fused q/k/v projection will do).
+        :param key: [T, Hkv, D], as ``query``; ``value`` the same, with key's row stride.
+        :param prompts: (first row, rows) of each prompt; positions 0 .. rows - 1.
+        :param window: a sliding window (a row reads the last ``window`` positions), or
+            None.
+        :returns: the prompts' rows one after another, [sum of rows, Hq, D] in the
+            query's dtype; None when the inputs are not what the kernel takes (another
+            dtype or layout, an empty prompt) or it could not allocate scratch memory,
+            so the caller uses the torch path.
+        """
+        entry = self._prompt.get(query.dtype)
+        t, hq, d = query.shape
+        if not (entry is not None and prompts and query.dtype == key.dtype == value.dtype
+                and query.device.type == key.device.type == value.device.type == "cpu"
+                and key.shape == value.shape and key.shape[0] == t and key.shape[2] == d
+                and hq % key.shape[1] == 0 and key.stride() == value.stride()
+                and query.stride()[1:] == (d, 1) and key.stride()[1:] == (d, 1)
+                and all(n > 0 and 0 <= start and start + n <= t for start, n in prompts)):
+            return None
+        starts = torch.tensor([start for start, _ in prompts], dtype=torch.int64)
+        lens = torch.tensor([n for _, n in prompts], dtype=torch.int64)
+        out = query.new_empty(int(lens.sum()), hq, d)
+        failed = entry(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0),
+                       key.stride(0), starts.data_ptr(), lens.data_ptr(), len(prompts), hq,
+                       key.shape[1], d, scale, window or 0, out.data_ptr())
+        return None if failed else out
 
 
 def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,

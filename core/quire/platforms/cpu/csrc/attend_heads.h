@@ -5,9 +5,9 @@
  *   KV_LOADW(p)   VW elements at p as a vwf (cpu_kernels.h)
  *   KV_GET(p)     the element at p as a float
  *   ATTEND_NAME   the entry point's name; ATTEND_(x) names its helpers
- * defined (and paged_decode.c's ATTEND_TILE, slot_cursor, tile_offsets, prefetch_tile
- * and softmax_row before it), and undefines them at the end. Queries, scores and outputs are float32 for every type:
- * only the cache is read narrower. No include guard: it is included twice.
+ * defined (and paged_decode.c's ATTEND_TILE, slot_cursor, tile_offsets and prefetch_tile
+ * before it), and undefines them at the end. Queries, scores and outputs are float32 for
+ * every type: only the cache is read narrower. No include guard: it is included twice.
  *
  * The query heads go over the positions a tile at a time, so each tile's K (then V)
  * slices are read from memory once and from L1 by every head of their group (GQA);

@@ -69,39 +69,6 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
     }
 }
 
-/* A row of n scores to softmax(scale * s), in place, VW lanes at a time (scalar loops
- * were a fifth of the kernel's time at 32 positions). */
-static void softmax_row(float *s, int64_t n, float scale) {
-    vwf top_w = splatw(-INFINITY);
-    int64_t j = 0;
-    for (; j + VW <= n; j += VW) {
-        const vwf x = loadw(s + j) * scale;
-        const vwi above = (vwi)(x > top_w);
-        top_w = (vwf)(((vwi)x & above) | ((vwi)top_w & ~above));
-        storew(s + j, x);
-    }
-    float top = -INFINITY;
-    for (int l = 0; l < VW; ++l) top = top_w[l] > top ? top_w[l] : top;
-    for (int64_t i = j; i < n; ++i) {
-        s[i] *= scale;
-        top = s[i] > top ? s[i] : top;
-    }
-    vwf acc = {0};
-    for (j = 0; j + VW <= n; j += VW) {
-        const vwf e = expw(loadw(s + j) - top);
-        storew(s + j, e);
-        acc += e;
-    }
-    float total = hsumw(acc);
-    for (int64_t i = j; i < n; ++i) {
-        s[i] = expf(s[i] - top);
-        total += s[i];
-    }
-    const float inv = 1.0f / total;
-    for (j = 0; j + VW <= n; j += VW) storew(s + j, loadw(s + j) * inv);
-    for (int64_t i = j; i < n; ++i) s[i] *= inv;
-}
-
 /* Float32 pages. */
 #define KV_T float
 #define KV_LOADW loadw

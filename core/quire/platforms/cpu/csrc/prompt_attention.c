@@ -1,0 +1,348 @@
+/*
+ * Causal attention of whole prompts over their own keys and values (no cached prefix),
+ * for the cpu platform: float32 or bfloat16 rows, float32 arithmetic.
+ *
+ * torch's SDPA takes one call per prompt for these steps (is_causal cannot mix
+ * lengths) and runs its small blocks at about 25 GFLOP/s; this reads q, k and v where
+ * the layer's projection left them (rows with a stride) and works as small products.
+ *
+ * First every key tile (PA_KT positions of one KV head) is transposed to [D, PA_KT]
+ * float32, and bfloat16 values widened, once per call. Then the work items: (prompt,
+ * KV head, block of PA_QB query positions) over the team, a prompt's later (longer)
+ * blocks first. An item's query rows are the G query heads of its KV head (GQA) times
+ * its positions, and they share every tile:
+ *   scores  PA_RB query rows by a tile's two vectors of keys in registers, the head
+ *           dimension in the loop (no horizontal sums);
+ *   softmax each row over its own span (causal, and within a sliding window if any);
+ *   values  PA_RB rows by up to PA_NV vectors of the head dimension in registers, each
+ *           value row loaded once for them.
+ * Sums run in another order than the reference's, so results agree with it to float32
+ * rounding; bfloat16 outputs are rounded to nearest even, as torch rounds.
+ *
+ * Layout: token t's query heads at q + t * q_stride ([Hq, D], contiguous), its key and
+ * value heads at k/v + t * kv_stride ([Hkv, D]); prompt p is tokens starts[p] ..
+ * starts[p] + lens[p] - 1, and its rows of out follow the previous prompt's ([T, Hq, D]
+ * contiguous, prompts in the order given). Query head h reads KV head h / G.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* Query positions per work item. */
+#define PA_QB 16
+/* Keys per tile: two vectors. */
+#define PA_KT (2 * VW)
+/* Query rows in registers at a time. */
+#define PA_RB 4
+/* Vectors of the head dimension in registers at a time in the values pass: 4 rows by 4
+ * vectors fills half of avx512's 32 registers; 16-register levels take 2. */
+#if VW == 16
+#define PA_NV 4
+#else
+#define PA_NV 2
+#endif
+
+/* What an item reads and writes, with its element type. */
+struct pa_args {
+    const void *q, *k, *v;
+    void *out;
+    int64_t q_stride, kv_stride, hq, hkv, d, window;
+    float scale;
+    int bf16;
+};
+
+static inline float pa_get(const void *base, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* n elements from base + i, widened into dst. */
+static inline void pa_widen(const void *base, int bf16, int64_t i, int64_t n, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)base + i, sizeof(float) * n);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)base + i;
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) storew(dst + j, loadw_bf16(src + j));
+    for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+}
+
+/* The first key row r reads (its window's start). */
+static inline int64_t pa_first_key(int64_t r, int64_t window) {
+    return window > 0 && r >= window ? r - window + 1 : 0;
+}
+
+/* Scores of rows [x0, x0 + rb) (rb <= PA_RB) against one transposed tile kt [d, PA_KT]:
+ * into s + x * ns + k0, PA_KT of them per row. */
+static inline void pa_tile_scores(const float *qs, int64_t d, const float *kt, int64_t x0,
+                                  int64_t rb, float *s, int64_t ns, int64_t k0) {
+    vwf acc[PA_RB][2];
+    for (int64_t r = 0; r < PA_RB; ++r) acc[r][0] = acc[r][1] = (vwf){0};
+    const float *q0 = qs + x0 * d;
+    if (rb == PA_RB) { /* the common case, unrolled over the rows */
+        const float *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        for (int64_t i = 0; i < d; ++i) {
+            const vwf a = loadw(kt + i * PA_KT), b = loadw(kt + i * PA_KT + VW);
+            vwf qv = splatw(q0[i]);
+            acc[0][0] = fmaw(qv, a, acc[0][0]), acc[0][1] = fmaw(qv, b, acc[0][1]);
+            qv = splatw(q1[i]);
+            acc[1][0] = fmaw(qv, a, acc[1][0]), acc[1][1] = fmaw(qv, b, acc[1][1]);
+            qv = splatw(q2[i]);
+            acc[2][0] = fmaw(qv, a, acc[2][0]), acc[2][1] = fmaw(qv, b, acc[2][1]);
+            qv = splatw(q3[i]);
+            acc[3][0] = fmaw(qv, a, acc[3][0]), acc[3][1] = fmaw(qv, b, acc[3][1]);
+        }
+    } else {
+        for (int64_t i = 0; i < d; ++i) {
+            const vwf a = loadw(kt + i * PA_KT), b = loadw(kt + i * PA_KT + VW);
+            for (int64_t r = 0; r < rb; ++r) {
+                const vwf qv = splatw(q0[r * d + i]);
+                acc[r][0] = fmaw(qv, a, acc[r][0]);
+                acc[r][1] = fmaw(qv, b, acc[r][1]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rb; ++r) {
+        float *row = s + (x0 + r) * ns + k0;
+        storew(row, acc[r][0]);
+        storew(row + VW, acc[r][1]);
+    }
+}
+
+/* os[x][c0 .. c0 + nv * VW) += the tile's weights times its m value rows (vs, vst
+ * floats apart), for rows [x0, x0 + rb). */
+static inline __attribute__((always_inline)) void pa_tile_values(
+    const float *s, int64_t ns, int64_t k0, const float *vs, int64_t vst, int64_t m,
+    int64_t d, int64_t x0, int64_t rb, int64_t c0, int nv, float *os) {
+    vwf acc[PA_RB][PA_NV];
+    for (int64_t r = 0; r < rb; ++r)
+        for (int c = 0; c < nv; ++c) acc[r][c] = loadw(os + (x0 + r) * d + c0 + c * VW);
+    for (int64_t t = 0; t < m; ++t) {
+        vwf v[PA_NV];
+        for (int c = 0; c < nv; ++c) v[c] = loadw(vs + t * vst + c0 + c * VW);
+        for (int64_t r = 0; r < rb; ++r) {
+            const vwf p = splatw(s[(x0 + r) * ns + k0 + t]);
+            for (int c = 0; c < nv; ++c) acc[r][c] = fmaw(p, v[c], acc[r][c]);
+        }
+    }
+    for (int64_t r = 0; r < rb; ++r)
+        for (int c = 0; c < nv; ++c) storew(os + (x0 + r) * d + c0 + c * VW, acc[r][c]);
+}
+
+/* Rows [x0, x0 + rb) of one tile's values: PA_NV-vector slabs of the head dimension,
+ * then the scalar rest. */
+static inline __attribute__((always_inline)) void pa_rows_values(
+    const float *s, int64_t ns, int64_t k0, const float *vt, int64_t vst, int64_t m,
+    int64_t d, int64_t x0, int64_t rb, float *os) {
+    const int64_t dv = d - d % VW;
+    int64_t c0 = 0;
+    for (; c0 + PA_NV * VW <= dv; c0 += PA_NV * VW)
+        pa_tile_values(s, ns, k0, vt, vst, m, d, x0, rb, c0, PA_NV, os);
+    if (c0 < dv)
+        pa_tile_values(s, ns, k0, vt, vst, m, d, x0, rb, c0, (int)((dv - c0) / VW), os);
+    for (int64_t x = x0; x < x0 + rb; ++x)
+        for (int64_t i = dv; i < d; ++i) {
+            float total = os[x * d + i];
+            for (int64_t t = 0; t < m; ++t) total += s[x * ns + k0 + t] * vt[t * vst + i];
+            os[x * d + i] = total;
+        }
+}
+
+/* What the items share, prepared once per call: every key tile transposed, and the
+ * values as float32 rows. */
+struct pa_prepared {
+    /* tile j of prompt p, KV head g: [d, PA_KT] at kt + ((tile_base[p] + j) * hkv + g)
+     * * d * PA_KT, positions past the prompt's end zero */
+    float *kt;
+    const int64_t *tile_base;
+    /* position t of prompt p, KV head g: d floats at v + (v_base[p] + t) * v_stride + g * d */
+    const float *v;
+    const int64_t *v_base;
+    int64_t v_stride;
+};
+
+/* Key tile j of prompt p (its tokens from token `first`, n of them), for every KV head:
+ * transposed into dst, [d, PA_KT] per head one after another; with bfloat16 values,
+ * their rows widened into v_rows too (hkv * d floats per position). A position's heads
+ * are one contiguous row, read whole, the next rows prefetched (they are a projection's
+ * stride apart, too far for the hardware's prefetcher). */
+static void pa_prepare_tile(const struct pa_args *a, int64_t first, int64_t n, int64_t j,
+                            float *dst, float *v_rows) {
+    const int64_t d = a->d, width = a->hkv * d, k0 = j * PA_KT;
+    const int64_t m = n - k0 < PA_KT ? n - k0 : PA_KT;
+    const int64_t elem = a->bf16 ? 2 : 4, ahead = 4;
+    float row[width];
+    for (int64_t t = 0; t < PA_KT; ++t) {
+        const int64_t at = (first + k0 + t) * a->kv_stride;
+        if (t + ahead < m)
+            for (int64_t c = 0; c < width * elem; c += 64) {
+                __builtin_prefetch((const char *)a->k + (at + ahead * a->kv_stride) * elem + c);
+                if (v_rows != NULL)
+                    __builtin_prefetch((const char *)a->v + (at + ahead * a->kv_stride) * elem + c);
+            }
+        if (t < m)
+            pa_widen(a->k, a->bf16, at, width, row);
+        else
+            memset(row, 0, sizeof(float) * width);
+        for (int64_t g = 0; g < a->hkv; ++g)
+            for (int64_t i = 0; i < d; ++i) dst[(g * d + i) * PA_KT + t] = row[g * d + i];
+        if (v_rows != NULL && t < m)
+            pa_widen(a->v, 1, at, width, v_rows + (k0 + t) * width);
+    }
+}
+
+/* Positions [r0, r1) of prompt p (its tokens from token `first`, its out rows from
+ * `out_row`) for the query heads of KV head g. scratch: pa_scratch floats. */
+static void pa_item(const struct pa_args *a, const struct pa_prepared *pre, int64_t p,
+                    int64_t first, int64_t out_row, int64_t g, int64_t r0, int64_t r1,
+                    float *scratch) {
+    const int64_t d = a->d, groups = a->hq / a->hkv, qb = r1 - r0, rows = groups * qb;
+    const int64_t k_begin = pa_first_key(r0, a->window) / PA_KT * PA_KT;
+    const int64_t ns = (r1 + PA_KT - 1) / PA_KT * PA_KT; /* score row stride */
+    float *qs = scratch, *s = qs + rows * d, *os = s + rows * ns;
+    const float *tiles = pre->kt + pre->tile_base[p] * a->hkv * d * PA_KT;
+    const float *vs = pre->v + pre->v_base[p] * pre->v_stride + g * d;
+    const int64_t vst = pre->v_stride;
+    /* query rows x = head-in-group * qb + position - r0, widened */
+    for (int64_t x = 0; x < rows; ++x) {
+        const int64_t h = g * groups + x / qb, r = r0 + x % qb;
+        pa_widen(a->q, a->bf16, (first + r) * a->q_stride + h * d, d, qs + x * d);
+    }
+    /* scores, a tile at a time */
+    for (int64_t k0 = k_begin; k0 < r1; k0 += PA_KT) {
+        const float *kt = tiles + ((k0 / PA_KT) * a->hkv + g) * d * PA_KT;
+        for (int64_t x0 = 0; x0 < rows; x0 += PA_RB)
+            pa_tile_scores(qs, d, kt, x0, rows - x0 < PA_RB ? rows - x0 : PA_RB, s, ns, k0);
+    }
+    /* softmax over each row's span: scores outside it set to -inf, so it runs over
+     * whole tiles (no scalar tail) and leaves them zero, and the values pass can run
+     * every row of a group over the same keys */
+    for (int64_t x = 0; x < rows; ++x) {
+        const int64_t r = r0 + x % qb, lo = pa_first_key(r, a->window);
+        float *row = s + x * ns;
+        for (int64_t t = k_begin; t < lo; ++t) row[t] = -INFINITY;
+        for (int64_t t = r + 1; t < ns; ++t) row[t] = -INFINITY;
+        softmax_row(row + k_begin, ns - k_begin, a->scale);
+    }
+    /* the weighted sum of values, the same tiles */
+    memset(os, 0, sizeof(float) * rows * d);
+    for (int64_t k0 = k_begin; k0 < r1; k0 += PA_KT) {
+        const int64_t m = r1 - k0 < PA_KT ? r1 - k0 : PA_KT;
+        const float *vt = vs + k0 * vst;
+        for (int64_t x0 = 0; x0 < rows; x0 += PA_RB) {
+            if (rows - x0 >= PA_RB) /* constant rows: the accumulators stay in registers */
+                pa_rows_values(s, ns, k0, vt, vst, m, d, x0, PA_RB, os);
+            else
+                pa_rows_values(s, ns, k0, vt, vst, m, d, x0, rows - x0, os);
+        }
+    }
+    /* out rows */
+    for (int64_t x = 0; x < rows; ++x) {
+        const int64_t h = g * groups + x / qb, r = r0 + x % qb;
+        const int64_t at = ((out_row + r) * a->hq + h) * d;
+        if (a->bf16) {
+            uint16_t *dst = (uint16_t *)a->out + at;
+            for (int64_t i = 0; i < d; ++i) dst[i] = f32_to_bf16(os[x * d + i]);
+        } else {
+            memcpy((float *)a->out + at, os + x * d, sizeof(float) * d);
+        }
+    }
+}
+
+/* Floats of scratch an item of a prompt of up to `longest` tokens takes. */
+static int64_t pa_scratch(int64_t groups, int64_t d, int64_t longest) {
+    const int64_t rows = groups * PA_QB, ns = (longest + PA_KT - 1) / PA_KT * PA_KT;
+    return rows * d * 2 + rows * ns;
+}
+
+/* The team prepares the tiles, then takes the items. Returns 0; 1 when the shapes
+ * disagree; 2 when memory is short (nothing written: the caller takes the torch path). */
+static int prompt_attention(const struct pa_args *a, const int64_t *starts,
+                            const int64_t *lens, int64_t num_prompts) {
+    const int64_t hkv = a->hkv, d = a->d;
+    if (hkv <= 0 || d <= 0 || a->hq % hkv || num_prompts <= 0)
+        return 1;
+    /* per prompt: first item, first out row (and value row), first tile */
+    int64_t *base = malloc(sizeof(int64_t) * 3 * (size_t)(num_prompts + 1));
+    if (base == NULL)
+        return 2;
+    int64_t *first_item = base, *out_rows = base + num_prompts + 1;
+    int64_t *tile_base = out_rows + num_prompts + 1, longest = 0;
+    first_item[0] = out_rows[0] = tile_base[0] = 0;
+    for (int64_t p = 0; p < num_prompts; ++p) {
+        if (lens[p] <= 0) {
+            free(base);
+            return 1;
+        }
+        longest = lens[p] > longest ? lens[p] : longest;
+        first_item[p + 1] = first_item[p] + (lens[p] + PA_QB - 1) / PA_QB * hkv;
+        out_rows[p + 1] = out_rows[p] + lens[p];
+        tile_base[p + 1] = tile_base[p] + (lens[p] + PA_KT - 1) / PA_KT;
+    }
+    const int64_t items = first_item[num_prompts], tiles = tile_base[num_prompts];
+    const int64_t per_thread = pa_scratch(a->hq / hkv, d, longest);
+    const int64_t threads = omp_get_max_threads();
+    const int64_t kt_floats = tiles * hkv * d * PA_KT;
+    const int64_t v_floats = a->bf16 ? out_rows[num_prompts] * hkv * d : 0;
+    float *scratch = quire_thread_scratch((size_t)(threads * per_thread + kt_floats + v_floats));
+    if (scratch == NULL) {
+        free(base);
+        return 2;
+    }
+    float *kt = scratch + threads * per_thread, *v_rows = a->bf16 ? kt + kt_floats : NULL;
+    /* float32 values are read where they are: rows kv_stride apart from prompt p's first
+     * token (v_base = starts); bfloat16 ones widened into rows of hkv * d */
+    const struct pa_prepared pre = {
+        kt, tile_base, a->bf16 ? v_rows : (const float *)a->v, a->bf16 ? out_rows : starts,
+        a->bf16 ? hkv * d : a->kv_stride};
+#pragma omp parallel
+    {
+        int64_t p = 0;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            while (tile_base[p + 1] <= tile) ++p;
+            while (tile_base[p] > tile) --p;
+            pa_prepare_tile(a, starts[p], lens[p], tile - tile_base[p],
+                            kt + tile * hkv * d * PA_KT,
+                            v_rows == NULL ? NULL : v_rows + out_rows[p] * hkv * d);
+        }
+        float *mine = scratch + omp_get_thread_num() * per_thread;
+        p = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; ++i) {
+            while (first_item[p + 1] <= i) ++p; /* items ascend per thread */
+            while (first_item[p] > i) --p;
+            const int64_t local = i - first_item[p], blocks = (lens[p] + PA_QB - 1) / PA_QB;
+            const int64_t block = blocks - 1 - local / hkv, g = local % hkv;
+            const int64_t r0 = block * PA_QB;
+            const int64_t r1 = r0 + PA_QB < lens[p] ? r0 + PA_QB : lens[p];
+            pa_item(a, &pre, p, starts[p], out_rows[p], g, r0, r1, mine);
+        }
+    }
+    free(base);
+    return 0;
+}
+
+/* float32 rows; window 0 for none. */
+int quire_prompt_attention_f32(const float *q, const float *k, const float *v,
+                               int64_t q_stride, int64_t kv_stride, const int64_t *starts,
+                               const int64_t *lens, int64_t num_prompts, int64_t hq,
+                               int64_t hkv, int64_t d, float scale, int64_t window,
+                               float *out) {
+    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale, 0};
+    return prompt_attention(&a, starts, lens, num_prompts);
+}
+
+/* bfloat16 rows and out. */
+int quire_prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                int64_t q_stride, int64_t kv_stride, const int64_t *starts,
+                                const int64_t *lens, int64_t num_prompts, int64_t hq,
+                                int64_t hkv, int64_t d, float scale, int64_t window,
+                                uint16_t *out) {
+    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale, 1};
+    return prompt_attention(&a, starts, lens, num_prompts);
+}
