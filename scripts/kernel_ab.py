@@ -39,7 +39,7 @@ def level_of(args: argparse.Namespace) -> IsaLevel:
 def libraries(rev: str, names: Iterable[str], level: IsaLevel,
               work: Path) -> dict[str, ctypes.CDLL]:
     """{'base': library, 'new': library}: ``csrc/`` as checked out, and with the files
-    ``names`` as ``rev`` had them."""
+    ``names`` as ``rev`` had them (and without the files ``rev`` did not have)."""
     new_src, base_src = work / "new", work / "base"
     shutil.copytree(kernel_build.CSRC, new_src)
     shutil.copytree(kernel_build.CSRC, base_src)
@@ -49,6 +49,11 @@ def libraries(rev: str, names: Iterable[str], level: IsaLevel,
         old = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], capture_output=True,
                              check=True, cwd=root).stdout
         (base_src / name).write_bytes(old)
+    for path in base_src.iterdir():  # files newer than rev may need the new headers
+        known = subprocess.run(["git", "cat-file", "-e", f"{rev}:{CSRC}/{path.name}"],
+                               capture_output=True, cwd=root)
+        if known.returncode != 0:
+            path.unlink()
     built = {}
     for which, src in (("base", base_src), ("new", new_src)):
         target = work / f"{which}.so"
