@@ -87,3 +87,26 @@ def test_data_parallel_replicas_on_two_ray_nodes(tiny_checkpoint, monkeypatch):
             assert all(llm.engine.client.placement.placed)  # type: ignore[attr-defined]
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_actors_start_with_what_the_engines_platform_asks_for(tiny_checkpoint,
+                                                                  monkeypatch):
+    """As ``mp`` workers: the cpu platform's wait policy is in each actor's environment
+    from its start (Ray's runtime environment), when torch loads there."""
+    import os
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        with LLM(str(tiny_checkpoint("llama")), device="cpu", max_model_len=128,
+                 tensor_parallel_size=2, distributed_executor_backend="ray",
+                 platform_options={"wait_policy": "passive"}) as llm:
+            actors = llm.engine.core.executor._actors  # type: ignore[attr-defined]
+            seen = ray.get([a.__ray_call__.remote(
+                lambda self: os.environ.get("OMP_WAIT_POLICY")) for a in actors])
+            assert seen == ["PASSIVE", "PASSIVE"]
+            assert len(_greedy(llm)) == len(PROMPTS)
+    finally:
+        ray.shutdown()
+    assert "OMP_WAIT_POLICY" not in os.environ  # this process is left as it was

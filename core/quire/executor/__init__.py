@@ -40,7 +40,7 @@ def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:
     if backend == "ray":
         from quire.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config, config.world_size, platform.device_type)
+        return RayExecutor(config, config.world_size, platform)
     from quire.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, config.world_size, platform)

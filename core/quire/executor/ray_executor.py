@@ -9,6 +9,12 @@ address; steps and replies travel as the same msgspec bytes as the ``mp`` execut
 
 A dead actor surfaces as Ray's ``RayActorError`` from ``ray.get``, reported as
 :class:`WorkerDied`; :meth:`shutdown` kills the actors and frees the placement group.
+
+The actors start with the platform's :meth:`~quire.interfaces.platform.Platform.child_environment`
+in their Ray runtime environment (Ray sets it before the worker process starts, so
+before torch loads), as ``mp`` workers get it. It is decided here, on the engine's node
+(the cpu platform: from this host's load); an actor on another node cannot decide for
+itself, since its process has loaded torch before any of its code runs.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from quire.config import EngineConfig
 from quire.executor.abstract import WorkerDied
 from quire.executor.messages import Call, Reply, Step
 from quire.executor.remote import RemoteExecutor
+from quire.interfaces.platform import Platform
 
 #: Seconds to wait for the placement group and the workers' start.
 START_TIMEOUT_S = 600.0
@@ -44,8 +51,12 @@ def import_ray() -> Any:
 class RayExecutor(RemoteExecutor):
     """``world_size`` Ray actors, one per rank, anywhere in the cluster."""
 
-    def __init__(self, config: EngineConfig, world_size: int, device_type: str) -> None:
+    def __init__(self, config: EngineConfig, world_size: int, platform: Platform) -> None:
+        """:param platform: the engine's, resolved from ``config.device``: its device type
+            and the environment its workers need."""
         ray = import_ray()
+        device_type = platform.device_type
+        env = platform.child_environment(config.platform_options or {}, os.environ)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -68,7 +79,8 @@ class RayExecutor(RemoteExecutor):
                     placement_group=self._group, placement_group_bundle_index=rank)
                 self._actors.append(remote.options(
                     scheduling_strategy=strategy, num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0)).remote())
+                    num_gpus=bundle.get("GPU", 0),
+                    runtime_env={"env_vars": env} if env else None).remote())
             master = ray.get(self._actors[0].address.remote(), timeout=START_TIMEOUT_S)
             #: The Ray node of each rank.
             self.node_ids: list[str] = ray.get([a.node_id.remote() for a in self._actors],
