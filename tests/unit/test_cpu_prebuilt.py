@@ -178,3 +178,35 @@ def test_quire_plugins_names_the_library_and_its_origin(
     assert waiting.startswith("OpenMP waiting in engine processes: ")
     assert dtype.startswith("dtype auto: ")
     assert linears and all(line.startswith(("linear ", "... and ")) for line in linears)
+
+
+CROSS_ARM = shutil.which("aarch64-linux-gnu-gcc")
+EM_AARCH64 = 183  # the ELF header's e_machine for AArch64
+
+
+def _exports(nm: str, library: Path) -> set[str]:
+    listed = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True,
+                            text=True, check=True).stdout
+    return {line.split()[-1] for line in listed.splitlines()
+            if line.split() and line.split()[-1].startswith("quire_")}
+
+
+@needs_cc
+@pytest.mark.skipif(CROSS_ARM is None or MACHINE != "x86_64" or shutil.which("nm") is None
+                    or shutil.which("aarch64-linux-gnu-nm") is None,
+                    reason="needs an x86-64 host with an AArch64 cross compiler and nm")
+def test_every_arm_level_builds_and_exports_what_this_hosts_library_does(
+        prebuilt: Path, tmp_path: Path) -> None:
+    """The Arm levels cannot run here (no Arm CPU, no emulator), but their sources are
+    compiled for AArch64 as the package build would on an Arm host: each level builds,
+    is an AArch64 object, and exports every entry point the loader binds on this host."""
+    arm_levels = levels_for("aarch64")
+    built = kernel_build.build_prebuilt(tmp_path, "aarch64", arm_levels, CROSS_ARM)
+    assert built == [level.name for level in arm_levels]
+    host = prebuilt / kernel_build.prebuilt_name(MACHINE, levels_for(MACHINE)[0])
+    wanted = _exports("nm", host)
+    assert "quire_prompt_attention_bf16" in wanted and "quire_paged_decode_f32" in wanted
+    for level in arm_levels:
+        library = tmp_path / kernel_build.prebuilt_name("aarch64", level)
+        assert int.from_bytes(library.read_bytes()[18:20], "little") == EM_AARCH64
+        assert _exports("aarch64-linux-gnu-nm", library) == wanted, level.name
