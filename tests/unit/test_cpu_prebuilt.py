@@ -173,9 +173,10 @@ def test_quire_plugins_names_the_library_and_its_origin(
     assert loaded is not None
     monkeypatch.setattr("quire.platforms.cpu.platform.load_native_kernels",
                         lambda **kwargs: loaded)
-    kernels, waiting, dtype, *linears = CpuPlatform().details()
+    kernels, waiting, attention, dtype, *linears = CpuPlatform().details()
     assert kernels == f"C kernels: ISA level {loaded.level}, prebuilt: {loaded.path}"
     assert waiting.startswith("OpenMP waiting in engine processes: ")
+    assert attention.startswith("attention: C for decode rows") and "prompts" in attention
     assert dtype.startswith("dtype auto: ")
     assert linears and all(line.startswith(("linear ", "... and ")) for line in linears)
 

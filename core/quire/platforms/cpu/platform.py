@@ -132,8 +132,8 @@ class CpuPlatform(Platform):
                            "Python", wanted.reason, WAIT_ENV)
 
     def details(self) -> list[str]:
-        """The C kernels this host runs (loaded, as an engine start would) and how the
-        OpenMP threads of engine processes would wait."""
+        """The C kernels this host runs (loaded, as an engine start would), how the
+        OpenMP threads of engine processes would wait, and what attends."""
         native = self._native_kernels()
         if native is None:
             kernels = "C kernels: none, torch ops (the log says why)"
@@ -143,6 +143,14 @@ class CpuPlatform(Platform):
         waiting = host_wait_policy(self.options.wait_policy, os.environ)
         lines = [kernels, f"OpenMP waiting in engine processes: {waiting.policy} "
                           f"({waiting.reason})"]
+        if self.options.attention == "reference":
+            lines.append("attention: the reference backend (the attention option)")
+        elif native is None:
+            lines.append("attention: torch SDPA for every step")
+        else:
+            lines.append("attention: C for decode rows (pages read in place) and whole "
+                         "prompts; torch SDPA for chunks after a cached prefix and "
+                         "soft-capped layers")
         features = detect()
         lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
                      if has_bf16_products(features) and onednn_available() else

@@ -19,7 +19,7 @@ def quire_platforms() -> list[PlatformSpec]:
             name=CpuPlatform.name,
             api_version=PLUGIN_API_VERSION,
             factory=CpuPlatform,
-            description=("host CPU: C panel products and decoder layers, SDPA prefill, C paged "
-                         "decode (torch fallback), gloo collectives"),
+            description=("host CPU: C panel products and decoder layers, C prompt and paged "
+                         "decode attention (torch SDPA fallback), gloo collectives"),
         )
     ]
