@@ -176,7 +176,7 @@ def test_quire_plugins_names_the_library_and_its_origin(
     kernels, waiting, attention, dtype, *linears = CpuPlatform().details()
     assert kernels == f"C kernels: ISA level {loaded.level}, prebuilt: {loaded.path}"
     assert waiting.startswith("OpenMP waiting in engine processes: ")
-    assert attention.startswith("attention: C for decode rows") and "prompts" in attention
+    assert attention.startswith("attention: C for decode rows") and "chunks" in attention
     assert dtype.startswith("dtype auto: ")
     assert linears and all(line.startswith(("linear ", "... and ")) for line in linears)
 

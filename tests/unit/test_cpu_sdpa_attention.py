@@ -15,8 +15,9 @@ softmax sums in float32 but rounds probabilities to bf16 before multiplying valu
 Against the reference backend in float32: ``1e-5`` as well.
 
 Every case runs twice: with the torch ops only, and with the native C kernels
-(:mod:`quire.platforms.cpu.native`), which take the decode rows and the whole prompts
-(windows too) without a soft cap and must meet the same tolerances.
+(:mod:`quire.platforms.cpu.native`), which take the decode rows, the whole prompts and
+the chunks after a cached prefix (windows too) without a soft cap and must meet the same
+tolerances.
 """
 
 from __future__ import annotations

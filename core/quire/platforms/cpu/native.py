@@ -144,6 +144,12 @@ class NativeKernels:
             entry.restype = ctypes.c_int
             entry.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
                               _i64, ctypes.c_float, _i64, _ptr]
+        self._chunk = {torch.float32: library.quire_chunk_attention_f32,
+                       torch.bfloat16: library.quire_chunk_attention_bf16}
+        for entry in self._chunk.values():
+            entry.restype = ctypes.c_int
+            entry.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+                              _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr]
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -359,6 +365,61 @@ class NativeKernels:
                        key.shape[1], d, scale, window or 0, out.data_ptr())
         return None if failed else out
 
+
+    def chunk_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        chunks: tuple[tuple[int, int], ...],
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Causal attention of chunks after a cached prefix over their sequences' pages
+        (the chunks' own keys and values already written there).
+
+        :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16); rows may
+            have any stride, each row's heads contiguous.
+        :param kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous.
+        :param block_tables: int64 [B, width], contiguous rows; wide enough for
+            ``seq_lens``.
+        :param chunks: (first row, rows) of each sequence's new tokens in ``query``.
+        :param seq_lens: int64 [B]: each sequence's length with its chunk, so its new
+            tokens sit at positions ``seq_lens[i] - rows .. seq_lens[i] - 1``.
+        :param window: a sliding window (a row reads the last ``window`` positions), or
+            None.
+        :returns: the chunks' rows one after another, [sum of rows, Hq, D] in the
+            query's dtype; None when the inputs are not what the kernel takes, so the
+            caller uses the torch path.
+        """
+        entry = self._chunk.get(kv_cache.dtype)
+        if not (entry is not None and chunks and query.dim() == kv_cache.dim() - 2 == 3
+                and query.dtype == kv_cache.dtype
+                and query.device.type == kv_cache.device.type == "cpu"
+                and kv_cache.is_contiguous() and block_tables.dtype == torch.int64
+                and block_tables.stride(1) == 1 and seq_lens.dtype == torch.int64
+                and seq_lens.is_contiguous() and len(chunks) == seq_lens.shape[0]
+                == block_tables.shape[0]):
+            return None
+        t, hq, d = query.shape
+        _, num_blocks, block_size, hkv, dk = kv_cache.shape
+        lens = seq_lens.tolist()
+        if not (dk == d and hq % hkv == 0 and query.stride()[1:] == (d, 1)
+                and max(lens) <= block_tables.shape[1] * block_size
+                and all(0 < n <= length and 0 <= start and start + n <= t
+                        for (start, n), length in zip(chunks, lens))):
+            return None
+        starts = torch.tensor([start for start, _ in chunks], dtype=torch.int64)
+        rows = torch.tensor([n for _, n in chunks], dtype=torch.int64)
+        out = query.new_empty(int(rows.sum()), hq, d)
+        half = num_blocks * block_size * hkv * d * kv_cache.element_size()
+        base = kv_cache.data_ptr()
+        failed = entry(query.data_ptr(), query.stride(0), base, base + half,
+                       block_tables.data_ptr(), block_tables.stride(0), block_size,
+                       starts.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), len(chunks),
+                       hq, hkv, d, scale, window or 0, out.data_ptr())
+        return None if failed else out
 
 def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,
                         isa: str | None = None,

@@ -148,9 +148,9 @@ class CpuPlatform(Platform):
         elif native is None:
             lines.append("attention: torch SDPA for every step")
         else:
-            lines.append("attention: C for decode rows (pages read in place) and whole "
-                         "prompts; torch SDPA for chunks after a cached prefix and "
-                         "soft-capped layers")
+            lines.append("attention: C for decode rows, whole prompts and chunks after a "
+                         "cached prefix (pages read in place); torch SDPA for soft-capped "
+                         "layers")
         features = detect()
         lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
                      if has_bf16_products(features) and onednn_available() else

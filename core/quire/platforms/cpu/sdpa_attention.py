@@ -1,10 +1,11 @@
-"""The cpu platform's default attention: torch's fused ``scaled_dot_product_attention``.
+"""The cpu platform's default attention: the native C kernels where they loaded, torch's
+fused ``scaled_dot_product_attention`` where not and for soft-capped layers.
 
 Same KV layout and the same :meth:`write_kv` as the reference
 (:class:`~quire.ops.attention.ReferenceAttentionBackend`), which stays the oracle;
 this backend only attends faster. A step's rows form at most three groups: decode rows,
 whole prompts (no cached prefix), and chunks after a cached prefix; each group is one
-SDPA call per layer, except whole prompts (below):
+C call per layer with the kernels, else one SDPA call (whole prompts: one per prompt):
 
 - *keys/values*: one ``index_select`` per tensor gathers each sequence's slots, head by
   head in position order, into a contiguous ``[b, Hkv, L, D]`` (``L``: the group's
@@ -18,19 +19,22 @@ SDPA call per layer, except whole prompts (below):
 - *masks*: additive float masks (0 or ``-inf``), built once per step for each sliding
   window the layers ask for, then shared by every layer with that window.
 - *decode rows in C*: with the native kernels (:mod:`~quire.platforms.cpu.native`), the
-  decode group of a float32 cache skips the gather and the mask: the kernel reads each
-  sequence's pages in place, once (1.7 ms against 4.1 ms a layer for 64 sequences of
-  ~190 tokens on 2 cores). Without them, or for other dtypes or a soft cap, decode rows
-  take the SDPA path like the rest.
-- *whole prompts*: a sequence with no cached prefix attends over the step's own keys
-  and values. With the native kernels, every whole prompt of the group in one C call
-  (``csrc/prompt_attention.c``: causal, sliding windows too, float32 or bfloat16 rows
-  read where the projection left them), about 4x torch's SDPA on W1's 64 prompts of
-  128 tokens. Without them, one causal SDPA call per prompt (``is_causal``, no mask):
+  decode group of a float32 or bfloat16 cache skips the gather and the mask: the kernel
+  reads each sequence's pages in place, once (1.7 ms against 4.1 ms a layer for 64
+  sequences of ~190 tokens on 2 cores, float32). Without them, or for other dtypes or a
+  soft cap, decode rows take the SDPA path like the rest.
+- *whole prompts and chunks in C*: with the native kernels, every whole prompt of the
+  group in one C call over the step's own keys and values (``csrc/prompt_attention.c``:
+  causal, sliding windows too, float32 or bfloat16 rows read where the projection left
+  them), about 4x torch's SDPA on W1's 64 prompts of 128 tokens; and every chunk after
+  a cached prefix (prefix-cache hits, chunked prefill) in one call of the same kernel
+  over its sequence's pages, with no gather, padding or mask (W4's prefixed steps: 2.8 s
+  of SDPA became 0.85 s). Soft-capped layers take the torch path below.
+- *whole prompts without them*: one causal SDPA call per prompt (``is_causal``, no mask):
   SDPA then skips the blocks above the diagonal and reads no mask, and no prompt is
   padded to the longest; W3's 2048-token steps of prompts up to 1024 tokens went from
-  5.1-6.0 s (one padded, masked call) to 4.0-4.6 s that way. Layers with a soft cap,
-  and without the kernels a sliding window, take the masked path.
+  5.1-6.0 s (one padded, masked call) to 4.0-4.6 s that way. Layers with a soft cap
+  or a sliding window take the masked path.
 
 A logits soft cap has no SDPA form; those layers take the same gathered tensors through
 explicit matmuls and a softmax.
@@ -76,6 +80,8 @@ class _Group:
     #: (first row, rows) of each sequence when none has a cached prefix: their keys and
     #: values are exactly this step's, so SDPA can run causal on them without a mask.
     fresh_rows: tuple[tuple[int, int], ...] | None
+    #: (first row, rows) of each sequence's new tokens in the flat batch.
+    rows: tuple[tuple[int, int], ...]
     #: (sliding window, GQA group, dtype) -> additive mask [b, 1, G * max_q, L]; filled by
     #: the first layer that asks, reused by the rest of the step.
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -215,9 +221,10 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
     n_blocks = -(-key_len // batch.block_size)
     tables = batch.block_tables[seq_idx, :n_blocks].long().contiguous()
     decode_tables = tables if max_q == 1 else None
+    rows = tuple(zip(starts.tolist(), q_lens_host))
     fresh_rows = None
     if all(q == seq_lens[i] for q, i in zip(q_lens_host, members)):
-        fresh_rows = tuple(zip(starts.tolist(), q_lens_host))
+        fresh_rows = rows
     return _Group(
         token_idx=None if len(members) == batch.num_seqs else token_idx,
         padded_idx=padded_idx,
@@ -230,6 +237,7 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
         decode_tables=decode_tables,
         lens=lens,
         fresh_rows=fresh_rows,
+        rows=rows,
     )
 
 
@@ -278,15 +286,18 @@ def _attend_group(
                                   window)
         if out is not None:
             return out
-    if fresh is not None and group.fresh_rows is not None and cap is None:
-        if native is not None:
+    if native is not None and group.decode_tables is None and cap is None:
+        if fresh is not None and group.fresh_rows is not None:
             out = native.prompt_attention(query, fresh[0], fresh[1], group.fresh_rows, scale,
                                           window)
-            if out is not None:
-                return out
-        if window is None:
-            outs = [_fresh_prompt(query, fresh, rows, scale) for rows in group.fresh_rows]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        else:  # over the pages: chunks after a cached prefix, or an attend-only call
+            out = native.chunk_attention(query, kv_cache, group.tables, group.rows,
+                                         group.lens, scale, window)
+        if out is not None:
+            return out
+    if fresh is not None and group.fresh_rows is not None and window is None and cap is None:
+        outs = [_fresh_prompt(query, fresh, rows, scale) for rows in group.fresh_rows]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     b, length = group.num_seqs, group.key_len
     g = query.shape[1] // hkv

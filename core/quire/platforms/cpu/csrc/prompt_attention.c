@@ -1,13 +1,17 @@
 /*
- * Causal attention of whole prompts over their own keys and values (no cached prefix),
- * for the cpu platform: float32 or bfloat16 rows, float32 arithmetic.
+ * Causal attention of several tokens per sequence for the cpu platform, float32 or
+ * bfloat16, float32 arithmetic: whole prompts over their own keys and values (rows of
+ * the layer's projection), and chunks after a cached prefix (prefix-cache hits,
+ * chunked prefill) over their sequence's pages.
  *
- * torch's SDPA takes one call per prompt for these steps (is_causal cannot mix
- * lengths) and runs its small blocks at about 25 GFLOP/s; this reads q, k and v where
- * the layer's projection left them (rows with a stride) and works as small products.
+ * torch's SDPA takes one call per prompt for fresh prompts (is_causal cannot mix
+ * lengths) and runs its small blocks at about 25 GFLOP/s; for chunks it needs the
+ * pages gathered into a padded copy and a mask first. This reads q, k and v where they
+ * are and works as small products.
  *
  * First every key tile (PA_KT positions of one KV head) is transposed to [D, PA_KT]
- * float32, and bfloat16 values widened, once per call. Then the work items: (prompt,
+ * float32, and values widened or gathered into float32 rows where they are not already
+ * (bfloat16, or pages), once per call. Then the work items: (prompt,
  * KV head, block of PA_QB query positions) over the team, a prompt's later (longer)
  * blocks first. An item's query rows are the G query heads of its KV head (GQA) times
  * its positions, and they share every tile:
@@ -19,10 +23,13 @@
  * Sums run in another order than the reference's, so results agree with it to float32
  * rounding; bfloat16 outputs are rounded to nearest even, as torch rounds.
  *
- * Layout: token t's query heads at q + t * q_stride ([Hq, D], contiguous), its key and
- * value heads at k/v + t * kv_stride ([Hkv, D]); prompt p is tokens starts[p] ..
- * starts[p] + lens[p] - 1, and its rows of out follow the previous prompt's ([T, Hq, D]
- * contiguous, prompts in the order given). Query head h reads KV head h / G.
+ * Layout: token t's query heads at q + t * q_stride ([Hq, D], contiguous); sequence p's
+ * new tokens are rows starts[p] .. starts[p] + lens[p] - 1, at positions ctx[p] -
+ * lens[p] .. ctx[p] - 1 of its ctx[p] (ctx = lens for a fresh prompt), and its rows of
+ * out follow the previous sequence's ([T, Hq, D] contiguous, in the order given). Keys
+ * and values: rows of [Hkv, D] at k/v + t * kv_stride for a fresh prompt's token t; or
+ * pages, position j in slot table_p[j / block_size] * block_size + j % block_size of
+ * the cache halves k/v ([slots, Hkv, D]). Query head h reads KV head h / G.
  */
 #include <math.h>
 #include <omp.h>
@@ -53,10 +60,19 @@ struct pa_args {
     int64_t q_stride, kv_stride, hq, hkv, d, window;
     float scale;
     int bf16;
+    /* pages: [num_seqs, table_stride] block tables; NULL for rows of the projection */
+    const int64_t *tables;
+    int64_t table_stride, block_size;
 };
 
-static inline float pa_get(const void *base, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+/* Where position t of sequence p (its first token row `first`) keeps its keys and
+ * values, in elements from k/v: the start of its [Hkv, D] row. */
+static inline int64_t pa_key_row(const struct pa_args *a, int64_t p, int64_t first,
+                                 int64_t t) {
+    if (a->tables == NULL)
+        return (first + t) * a->kv_stride;
+    const int64_t *table = a->tables + p * a->table_stride, bs = a->block_size;
+    return (table[t / bs] * bs + t % bs) * a->hkv * a->d;
 }
 
 /* n elements from base + i, widened into dst. */
@@ -165,25 +181,27 @@ struct pa_prepared {
     int64_t v_stride;
 };
 
-/* Key tile j of prompt p (its tokens from token `first`, n of them), for every KV head:
- * transposed into dst, [d, PA_KT] per head one after another; with bfloat16 values,
- * their rows widened into v_rows too (hkv * d floats per position). A position's heads
- * are one contiguous row, read whole, the next rows prefetched (they are a projection's
- * stride apart, too far for the hardware's prefetcher). */
-static void pa_prepare_tile(const struct pa_args *a, int64_t first, int64_t n, int64_t j,
-                            float *dst, float *v_rows) {
+/* Key tile j of sequence p (its first token row `first`, n positions of keys), for
+ * every KV head: transposed into dst, [d, PA_KT] per head one after another; with
+ * v_rows, its value rows widened (or copied) there too (hkv * d floats per position).
+ * A position's heads are one contiguous row, read whole, the next rows prefetched (a
+ * projection's stride or a page apart, too far for the hardware's prefetcher). */
+static void pa_prepare_tile(const struct pa_args *a, int64_t p, int64_t first, int64_t n,
+                            int64_t j, float *dst, float *v_rows) {
     const int64_t d = a->d, width = a->hkv * d, k0 = j * PA_KT;
     const int64_t m = n - k0 < PA_KT ? n - k0 : PA_KT;
     const int64_t elem = a->bf16 ? 2 : 4, ahead = 4;
     float row[width];
     for (int64_t t = 0; t < PA_KT; ++t) {
-        const int64_t at = (first + k0 + t) * a->kv_stride;
-        if (t + ahead < m)
+        if (t + ahead < m) {
+            const int64_t next = pa_key_row(a, p, first, k0 + t + ahead) * elem;
             for (int64_t c = 0; c < width * elem; c += 64) {
-                __builtin_prefetch((const char *)a->k + (at + ahead * a->kv_stride) * elem + c);
+                __builtin_prefetch((const char *)a->k + next + c);
                 if (v_rows != NULL)
-                    __builtin_prefetch((const char *)a->v + (at + ahead * a->kv_stride) * elem + c);
+                    __builtin_prefetch((const char *)a->v + next + c);
             }
+        }
+        const int64_t at = t < m ? pa_key_row(a, p, first, k0 + t) : 0;
         if (t < m)
             pa_widen(a->k, a->bf16, at, width, row);
         else
@@ -191,15 +209,16 @@ static void pa_prepare_tile(const struct pa_args *a, int64_t first, int64_t n, i
         for (int64_t g = 0; g < a->hkv; ++g)
             for (int64_t i = 0; i < d; ++i) dst[(g * d + i) * PA_KT + t] = row[g * d + i];
         if (v_rows != NULL && t < m)
-            pa_widen(a->v, 1, at, width, v_rows + (k0 + t) * width);
+            pa_widen(a->v, a->bf16, at, width, v_rows + (k0 + t) * width);
     }
 }
 
-/* Positions [r0, r1) of prompt p (its tokens from token `first`, its out rows from
- * `out_row`) for the query heads of KV head g. scratch: pa_scratch floats. */
+/* Positions [r0, r1) of sequence p (its new tokens from row `first`, the first at
+ * position `prefix`; their out rows from `out_row`) for the query heads of KV head g.
+ * scratch: pa_scratch floats. */
 static void pa_item(const struct pa_args *a, const struct pa_prepared *pre, int64_t p,
-                    int64_t first, int64_t out_row, int64_t g, int64_t r0, int64_t r1,
-                    float *scratch) {
+                    int64_t first, int64_t prefix, int64_t out_row, int64_t g, int64_t r0,
+                    int64_t r1, float *scratch) {
     const int64_t d = a->d, groups = a->hq / a->hkv, qb = r1 - r0, rows = groups * qb;
     const int64_t k_begin = pa_first_key(r0, a->window) / PA_KT * PA_KT;
     const int64_t ns = (r1 + PA_KT - 1) / PA_KT * PA_KT; /* score row stride */
@@ -210,7 +229,7 @@ static void pa_item(const struct pa_args *a, const struct pa_prepared *pre, int6
     /* query rows x = head-in-group * qb + position - r0, widened */
     for (int64_t x = 0; x < rows; ++x) {
         const int64_t h = g * groups + x / qb, r = r0 + x % qb;
-        pa_widen(a->q, a->bf16, (first + r) * a->q_stride + h * d, d, qs + x * d);
+        pa_widen(a->q, a->bf16, (first + r - prefix) * a->q_stride + h * d, d, qs + x * d);
     }
     /* scores, a tile at a time */
     for (int64_t k0 = k_begin; k0 < r1; k0 += PA_KT) {
@@ -243,7 +262,7 @@ static void pa_item(const struct pa_args *a, const struct pa_prepared *pre, int6
     /* out rows */
     for (int64_t x = 0; x < rows; ++x) {
         const int64_t h = g * groups + x / qb, r = r0 + x % qb;
-        const int64_t at = ((out_row + r) * a->hq + h) * d;
+        const int64_t at = ((out_row + r - prefix) * a->hq + h) * d;
         if (a->bf16) {
             uint16_t *dst = (uint16_t *)a->out + at;
             for (int64_t i = 0; i < d; ++i) dst[i] = f32_to_bf16(os[x * d + i]);
@@ -259,46 +278,52 @@ static int64_t pa_scratch(int64_t groups, int64_t d, int64_t longest) {
     return rows * d * 2 + rows * ns;
 }
 
-/* The team prepares the tiles, then takes the items. Returns 0; 1 when the shapes
- * disagree; 2 when memory is short (nothing written: the caller takes the torch path). */
-static int prompt_attention(const struct pa_args *a, const int64_t *starts,
-                            const int64_t *lens, int64_t num_prompts) {
+/* The team prepares the tiles, then takes the items. ctx NULL: fresh prompts (ctx =
+ * lens). Returns 0; 1 when the shapes disagree; 2 when memory is short (nothing
+ * written: the caller takes the torch path). */
+static int chunk_attention(const struct pa_args *a, const int64_t *starts,
+                           const int64_t *lens, const int64_t *ctx, int64_t num_seqs) {
     const int64_t hkv = a->hkv, d = a->d;
-    if (hkv <= 0 || d <= 0 || a->hq % hkv || num_prompts <= 0)
+    if (hkv <= 0 || d <= 0 || a->hq % hkv || num_seqs <= 0)
         return 1;
-    /* per prompt: first item, first out row (and value row), first tile */
-    int64_t *base = malloc(sizeof(int64_t) * 3 * (size_t)(num_prompts + 1));
+    if (ctx == NULL)
+        ctx = lens;
+    /* per sequence: first item, first out row, first tile, first gathered value row */
+    int64_t *base = malloc(sizeof(int64_t) * 4 * (size_t)(num_seqs + 1));
     if (base == NULL)
         return 2;
-    int64_t *first_item = base, *out_rows = base + num_prompts + 1;
-    int64_t *tile_base = out_rows + num_prompts + 1, longest = 0;
-    first_item[0] = out_rows[0] = tile_base[0] = 0;
-    for (int64_t p = 0; p < num_prompts; ++p) {
-        if (lens[p] <= 0) {
+    int64_t *first_item = base, *out_rows = base + num_seqs + 1;
+    int64_t *tile_base = out_rows + num_seqs + 1, *v_base = tile_base + num_seqs + 1;
+    int64_t longest = 0;
+    first_item[0] = out_rows[0] = tile_base[0] = v_base[0] = 0;
+    for (int64_t p = 0; p < num_seqs; ++p) {
+        if (lens[p] <= 0 || ctx[p] < lens[p]) {
             free(base);
             return 1;
         }
-        longest = lens[p] > longest ? lens[p] : longest;
+        longest = ctx[p] > longest ? ctx[p] : longest;
         first_item[p + 1] = first_item[p] + (lens[p] + PA_QB - 1) / PA_QB * hkv;
         out_rows[p + 1] = out_rows[p] + lens[p];
-        tile_base[p + 1] = tile_base[p] + (lens[p] + PA_KT - 1) / PA_KT;
+        tile_base[p + 1] = tile_base[p] + (ctx[p] + PA_KT - 1) / PA_KT;
+        v_base[p + 1] = v_base[p] + ctx[p];
     }
-    const int64_t items = first_item[num_prompts], tiles = tile_base[num_prompts];
+    const int64_t items = first_item[num_seqs], tiles = tile_base[num_seqs];
     const int64_t per_thread = pa_scratch(a->hq / hkv, d, longest);
     const int64_t threads = omp_get_max_threads();
     const int64_t kt_floats = tiles * hkv * d * PA_KT;
-    const int64_t v_floats = a->bf16 ? out_rows[num_prompts] * hkv * d : 0;
+    /* float32 rows of a projection are read where they are; bfloat16 ones and pages are
+     * gathered into float32 rows of hkv * d */
+    const int gather = a->bf16 || a->tables != NULL;
+    const int64_t v_floats = gather ? v_base[num_seqs] * hkv * d : 0;
     float *scratch = quire_thread_scratch((size_t)(threads * per_thread + kt_floats + v_floats));
     if (scratch == NULL) {
         free(base);
         return 2;
     }
-    float *kt = scratch + threads * per_thread, *v_rows = a->bf16 ? kt + kt_floats : NULL;
-    /* float32 values are read where they are: rows kv_stride apart from prompt p's first
-     * token (v_base = starts); bfloat16 ones widened into rows of hkv * d */
+    float *kt = scratch + threads * per_thread, *v_rows = gather ? kt + kt_floats : NULL;
     const struct pa_prepared pre = {
-        kt, tile_base, a->bf16 ? v_rows : (const float *)a->v, a->bf16 ? out_rows : starts,
-        a->bf16 ? hkv * d : a->kv_stride};
+        kt, tile_base, gather ? v_rows : (const float *)a->v, gather ? v_base : starts,
+        gather ? hkv * d : a->kv_stride};
 #pragma omp parallel
     {
         int64_t p = 0;
@@ -306,9 +331,9 @@ static int prompt_attention(const struct pa_args *a, const int64_t *starts,
         for (int64_t tile = 0; tile < tiles; ++tile) {
             while (tile_base[p + 1] <= tile) ++p;
             while (tile_base[p] > tile) --p;
-            pa_prepare_tile(a, starts[p], lens[p], tile - tile_base[p],
+            pa_prepare_tile(a, p, starts[p], ctx[p], tile - tile_base[p],
                             kt + tile * hkv * d * PA_KT,
-                            v_rows == NULL ? NULL : v_rows + out_rows[p] * hkv * d);
+                            v_rows == NULL ? NULL : v_rows + v_base[p] * hkv * d);
         }
         float *mine = scratch + omp_get_thread_num() * per_thread;
         p = 0;
@@ -318,31 +343,59 @@ static int prompt_attention(const struct pa_args *a, const int64_t *starts,
             while (first_item[p] > i) --p;
             const int64_t local = i - first_item[p], blocks = (lens[p] + PA_QB - 1) / PA_QB;
             const int64_t block = blocks - 1 - local / hkv, g = local % hkv;
-            const int64_t r0 = block * PA_QB;
-            const int64_t r1 = r0 + PA_QB < lens[p] ? r0 + PA_QB : lens[p];
-            pa_item(a, &pre, p, starts[p], out_rows[p], g, r0, r1, mine);
+            const int64_t prefix = ctx[p] - lens[p], r0 = prefix + block * PA_QB;
+            const int64_t r1 = r0 + PA_QB < ctx[p] ? r0 + PA_QB : ctx[p];
+            pa_item(a, &pre, p, starts[p], prefix, out_rows[p], g, r0, r1, mine);
         }
     }
     free(base);
     return 0;
 }
 
-/* float32 rows; window 0 for none. */
+/* Fresh prompts, float32 rows; window 0 for none. */
 int quire_prompt_attention_f32(const float *q, const float *k, const float *v,
                                int64_t q_stride, int64_t kv_stride, const int64_t *starts,
                                const int64_t *lens, int64_t num_prompts, int64_t hq,
                                int64_t hkv, int64_t d, float scale, int64_t window,
                                float *out) {
-    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale, 0};
-    return prompt_attention(&a, starts, lens, num_prompts);
+    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
+                              0, NULL, 0, 1};
+    return chunk_attention(&a, starts, lens, NULL, num_prompts);
 }
 
-/* bfloat16 rows and out. */
+/* Fresh prompts, bfloat16 rows and out. */
 int quire_prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                 int64_t q_stride, int64_t kv_stride, const int64_t *starts,
                                 const int64_t *lens, int64_t num_prompts, int64_t hq,
                                 int64_t hkv, int64_t d, float scale, int64_t window,
                                 uint16_t *out) {
-    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale, 1};
-    return prompt_attention(&a, starts, lens, num_prompts);
+    const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
+                              1, NULL, 0, 1};
+    return chunk_attention(&a, starts, lens, NULL, num_prompts);
+}
+
+/* Chunks over pages (their keys and values already written), float32 cache and rows;
+ * ctx[p]: the sequence's length with its chunk. */
+int quire_chunk_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                              const float *v_cache, const int64_t *tables,
+                              int64_t table_stride, int64_t block_size,
+                              const int64_t *starts, const int64_t *lens, const int64_t *ctx,
+                              int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
+                              float scale, int64_t window, float *out) {
+    const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
+                              scale, 0, tables, table_stride, block_size};
+    return chunk_attention(&a, starts, lens, ctx, num_seqs);
+}
+
+/* The same with a bfloat16 cache, rows and out. */
+int quire_chunk_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int64_t *tables,
+                               int64_t table_stride, int64_t block_size,
+                               const int64_t *starts, const int64_t *lens,
+                               const int64_t *ctx, int64_t num_seqs, int64_t hq,
+                               int64_t hkv, int64_t d, float scale, int64_t window,
+                               uint16_t *out) {
+    const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
+                              scale, 1, tables, table_stride, block_size};
+    return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
