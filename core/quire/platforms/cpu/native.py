@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -124,6 +125,17 @@ class Bf16RowsArgs(ctypes.Structure):
                 ("out", _ptr), ("residual_out", _ptr)]
 
 
+def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
+    """An entry point's float32 and bfloat16 builds (``<stem>_f32``, ``<stem>_bf16``) by
+    dtype, typed: each takes ``argtypes`` and returns 0 or an error code."""
+    entries = {torch.float32: getattr(library, f"{stem}_f32"),
+               torch.bfloat16: getattr(library, f"{stem}_bf16")}
+    for entry in entries.values():
+        entry.restype = ctypes.c_int
+        entry.argtypes = argtypes
+    return entries
+
+
 class NativeKernels:
     """The loaded library's entry points, with their argument checks."""
 
@@ -132,24 +144,15 @@ class NativeKernels:
         #: the ISA level this library was built for (:mod:`~quire.platforms.cpu.isa`)
         self.level = level
         # by the KV cache's dtype: float32 pages, or bfloat16 ones read widened
-        self._decode = {torch.float32: library.quire_paged_decode_f32,
-                        torch.bfloat16: library.quire_paged_decode_bf16}
-        for entry in self._decode.values():
-            entry.restype = ctypes.c_int
-            entry.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                              _i64, ctypes.c_float, _i64, _ptr]
-        self._prompt = {torch.float32: library.quire_prompt_attention_f32,
-                        torch.bfloat16: library.quire_prompt_attention_bf16}
-        for entry in self._prompt.values():
-            entry.restype = ctypes.c_int
-            entry.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                              _i64, ctypes.c_float, _i64, _ptr]
-        self._chunk = {torch.float32: library.quire_chunk_attention_f32,
-                       torch.bfloat16: library.quire_chunk_attention_bf16}
-        for entry in self._chunk.values():
-            entry.restype = ctypes.c_int
-            entry.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
-                              _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr]
+        self._decode = _twins(library, "quire_paged_decode", [
+            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
+            _i64, _ptr])
+        self._prompt = _twins(library, "quire_prompt_attention", [
+            _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float,
+            _i64, _ptr])
+        self._chunk = _twins(library, "quire_chunk_attention", [
+            _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+            ctypes.c_float, _i64, _ptr])
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
