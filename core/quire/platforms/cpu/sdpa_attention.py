@@ -80,7 +80,8 @@ class _Group:
     #: (first row, rows) of each sequence when none has a cached prefix: their keys and
     #: values are exactly this step's, so SDPA can run causal on them without a mask.
     fresh_rows: tuple[tuple[int, int], ...] | None
-    #: (first row, rows) of each sequence's new tokens in the flat batch.
+    #: (first row, rows) of each sequence's new tokens in the flat batch; empty for a
+    #: decode group that is not all one-token prompts.
     rows: tuple[tuple[int, int], ...]
     #: (sliding window, GQA group, dtype) -> additive mask [b, 1, G * max_q, L]; filled by
     #: the first layer that asks, reused by the rest of the step.
@@ -221,10 +222,10 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
     n_blocks = -(-key_len // batch.block_size)
     tables = batch.block_tables[seq_idx, :n_blocks].long().contiguous()
     decode_tables = tables if max_q == 1 else None
-    rows = tuple(zip(starts.tolist(), q_lens_host))
-    fresh_rows = None
-    if all(q == seq_lens[i] for q, i in zip(q_lens_host, members)):
-        fresh_rows = rows
+    fresh = all(q == seq_lens[i] for q, i in zip(q_lens_host, members))
+    # a decode group's are read only by the torch path of one-token prompts
+    rows = tuple(zip(starts.tolist(), q_lens_host)) if max_q > 1 or fresh else ()
+    fresh_rows = rows if fresh else None
     return _Group(
         token_idx=None if len(members) == batch.num_seqs else token_idx,
         padded_idx=padded_idx,
