@@ -87,23 +87,28 @@ def test_bfloat16_agrees_with_float32_on_the_top_token(bf16_checkpoint) -> None:
 
 def test_bfloat16_decode_batches_in_c_agree_with_float32_on_the_top_token(
         bf16_checkpoint) -> None:
-    """Greedy decode batches of a bfloat16 model, with the C pieces between oneDNN's
-    products (fused_decode.py) and op by op, each teacher-forced against float32: every
-    generated token float32's most likely next token for ``TOP1_AGREEMENT`` of them
-    (bfloat16 rounding may flip near ties; the two paths round at different points):
-    59 of 60 through C and 57 of 60 op by op in the run seen."""
+    """Greedy decode batches of a bfloat16 model in C (fused_decode.py: each layer in one
+    call on pair panels where the ISA level has them, else the C pieces between oneDNN's
+    products) and op by op, each teacher-forced against float32: every generated token
+    float32's most likely next token for ``TOP1_AGREEMENT`` of them (bfloat16 rounding
+    may flip near ties; the two paths round at different points): 59 of 60 through the
+    C pieces and 57 op by op in one run seen, 58 through the whole layer and 56 op by op
+    in another."""
     llm = LLM(str(bf16_checkpoint), device="cpu", dtype="bfloat16", block_size=4)
     tokenizer = llm.get_tokenizer()
     text = tokenizer.encode(TEXT)
     prompts = [text[:n] for n in (5, 9, 14, 20, 27, 33)]  # scattered lengths, one batch
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     layers = [layer.kernel for layer in llm.engine.core.executor.worker.model.model.layers]
-    assert layers and all(layer is not None and layer._onednn is not None for layer in layers)
-    attend = _count(layers, "bf16_attend")
+    whole = layers[0].native.has_bf16_gemm
+    assert layers and all(
+        layer is not None and (layer._panels if whole else layer._products) is not None
+        for layer in layers)
+    attend = _count(layers, "decode_batch_bf16" if whole else "bf16_attend")
     generated = {"c": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     assert attend.calls == 9 * len(layers)  # every decode step, every layer
     for layer in layers:
-        layer._onednn = None  # the op-by-op path, same weights
+        layer._panels = layer._products = None  # the op-by-op path, same weights
     generated["op_by_op"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert attend.calls == 9 * len(layers)
     del llm

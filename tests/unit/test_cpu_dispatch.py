@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from quire.distributed import TorchDistributedCommunicator
 from quire.models.llama import LlamaForCausalLM
 from quire.platforms.cpu import dispatch
@@ -231,3 +230,32 @@ def test_a_host_without_the_panel_kernel_has_nothing_to_choose(kernels: NativeKe
     model, _ = _prepared(kernels)
     assert dispatch_linears(model, None, OLD_X86) == []
     assert isinstance(model.lm_head.kernel, PackedLinear)
+
+
+@pytest.mark.parametrize("winner", [PANELS, ONEDNN])
+def test_bfloat16_products_are_chosen_everywhere_before_the_layers_fuse(
+        kernels: NativeKernels, tmp_path, monkeypatch, winner: str) -> None:
+    """The bfloat16 pass covers the decoder layers' products too, keyed apart from
+    float32 timings of the same shapes; the fused layers then run a decode batch's
+    layer in one call on pair panels, or product by product where oneDNN won."""
+    if not kernels.has_bf16_gemm:
+        pytest.skip(f"level {kernels.level} has no bfloat16 pair-panel kernel")
+    model = _llama().to(torch.bfloat16)
+    pack_linear_weights(model, kernels)
+    cache = TimingCache(tmp_path / "host.json")
+    shapes = {(300, 64), (64 + 2 * 32, 64), (64, 64), (2 * 96, 64), (64, 96)}
+    fast, slow = (_timings(0.5, 1.0), _timings(1.0, 0.5))
+    for shape in shapes:
+        cache.put(shape, fast if winner == PANELS else slow, "bf16")
+        cache.put(shape, slow if winner == PANELS else fast)  # float32's: not read
+    monkeypatch.setattr(dispatch, "_measure", lambda *a: pytest.fail("measured anyway"))
+    decisions = dispatch_linears(model, cache, ZEN4, bfloat16=True)
+    assert {d.shape for d in decisions} == shapes and len(decisions) == 2 * 4 + 1
+    assert all(d.chosen == winner and d.cached for d in decisions)
+    assert dispatch_linears(model, cache, ZEN4) == []  # float32's pass: nothing of it
+    install_norm_kernels(model, kernels)
+    assert install_fused_decode(model, kernels) == {"fused": 2}
+    for layer in model.model.layers:
+        assert (layer.kernel._panels is not None) == (winner == PANELS)
+        assert layer.kernel._products is not None
+    assert "linear bf16 [300x64]" in "\n".join(describe_cache(cache, ZEN4, True, True))

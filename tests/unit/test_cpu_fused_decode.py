@@ -31,7 +31,11 @@ from quire.models.moe import Qwen3MoeForCausalLM
 from quire.platforms.cpu.fused_decode import FusedDecodeLayer, install_fused_decode
 from quire.platforms.cpu.native import LinearArgs, NativeKernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
-from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
+from quire.platforms.cpu.packed_linear import (
+    PackedLinear,
+    onednn_available,
+    pack_linear_weights,
+)
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.sampling_params import SamplingParams
 from transformers import (
@@ -386,41 +390,57 @@ def test_the_platform_installs_it_unless_compact_copies_are_off(
 
 
 class _Bf16Proxy:
-    """The kernels with the bfloat16 batch layer's attention entry points counted."""
+    """The kernels with the bfloat16 layer's attention entry points and its whole-layer
+    decode batch counted."""
 
-    def __init__(self, kernels: NativeKernels, attend: Counting, rotate: Counting) -> None:
+    def __init__(self, kernels: NativeKernels, attend: Counting, rotate: Counting,
+                 batch: Counting) -> None:
         self._kernels, self.bf16_attend, self.bf16_rotate = kernels, attend, rotate
+        self.decode_batch_bf16 = batch
 
     def __getattr__(self, name):
         return getattr(self._kernels, name)
 
 
-@pytest.mark.parametrize("compact", [True, False], ids=["compact", "onednn-only"])
+@pytest.mark.parametrize("route", ["per-product", "whole-layer"])
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "no-compact"])
 @pytest.mark.parametrize("name", ["llama", "qwen2-qkv-bias", "mistral-window-5",
                                   "qwen3-qk-norm", "gemma3", "qwen3-moe"])
-def test_a_bfloat16_model_runs_batches_between_onednn_products_in_c(
-        kernels: NativeKernels, name: str, compact: bool) -> None:
-    """A bfloat16 model's prompt step (the attention backend between the C pieces) and
-    decode batches of seven sequences (attention in C), every product on oneDNN.
+def test_a_bfloat16_model_runs_batches_in_c(
+        kernels: NativeKernels, name: str, compact: bool, route: str) -> None:
+    """A bfloat16 model's prompt step (the attention backend between the C pieces, each
+    product on its own kernel) and decode batches of seven sequences. ``per-product``:
+    every product on oneDNN, the C pieces between them, attention in C;
+    ``whole-layer`` (levels with the pair-panel kernel): each decode batch's layer in
+    one ``quire_decode_batch_bf16`` call, its products on pair panels.
     Oracles: the same weights in a float32 model, and the op-by-op bfloat16 path.
-    Tolerance ``rtol=0.02, atol=0.08`` on logits for both: bfloat16 keeps 8 bits, the two
+    Tolerance ``rtol=0.02, atol=0.08`` on logits for both: bfloat16 keeps 8 bits, the
     bfloat16 paths round at different points (the C pieces keep the residual stream in
-    float32 through a layer). Worst gaps seen: Gemma 3 0.045 from float32 and 0.062
-    from op by op (op by op itself 0.053 from float32), the others 0.008 and 0.012
-    (op by op 0.011). Without compact copies a lone sequence's decode step takes this
-    path too. The pages hold the float32 run's keys and values to bfloat16 rounding.
-    Fails if the C attention (decode) or rotary (prompt) entry points are not taken."""
+    float32 through a layer, the whole layer every activation but the products'
+    inputs). Worst gaps seen: Gemma 3 0.045 from float32 and 0.062 from op by op (op by
+    op itself 0.053 from float32), the others 0.008 and 0.012 (op by op 0.011). Without
+    compact copies a lone sequence's decode step takes the batch path too. The pages
+    hold the float32 run's keys and values to bfloat16 rounding. Fails if the expected
+    C entry points (attention or whole layer for decode, rotary for the prompt) are
+    not taken."""
+    if route == "whole-layer" and not kernels.has_bf16_gemm:
+        pytest.skip(f"level {kernels.level} has no bfloat16 pair-panel kernel")
     config, cls = CONFIGS[name] if isinstance(CONFIGS[name], tuple) else (CONFIGS[name],
                                                                           LlamaForCausalLM)
     reference = _model(config, cls)
     fused, plain = (_model(config, cls).to(torch.bfloat16) for _ in range(2))
     pack_linear_weights(fused, kernels, compact=compact)
+    if route == "per-product":
+        for module in fused.modules():
+            if isinstance(getattr(module, "kernel", None), PackedLinear):
+                module.kernel.use_onednn()
     install_norm_kernels(fused, kernels)
     assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
     pack_linear_weights(plain)  # bfloat16 oneDNN products, torch for the rest
     attend, rotate = Counting(kernels.bf16_attend), Counting(kernels.bf16_rotate)
+    batch = Counting(kernels.decode_batch_bf16)
     for layer in fused.model.layers:
-        layer.kernel.native = _Bf16Proxy(kernels, attend, rotate)
+        layer.kernel.native = _Bf16Proxy(kernels, attend, rotate, batch)
     runs = (Run(reference), Run(fused, dtype=torch.bfloat16),
             Run(plain, dtype=torch.bfloat16))
     gen = torch.Generator().manual_seed(5)
@@ -446,7 +466,9 @@ def test_a_bfloat16_model_runs_batches_between_onednn_products_in_c(
                 seq.output_token_ids.append((5 * n + 3 * i + 1) % 96)
             outs.append(run.step([ScheduledSeq(s, s.num_tokens - 1, 1) for s in run_seqs]))
         compare(outs)
-        assert attend.calls == (n + 1) * config.num_hidden_layers
+        decode_calls = batch if route == "whole-layer" else attend
+        assert decode_calls.calls == (n + 1) * config.num_hidden_layers
+        assert (attend if route == "whole-layer" else batch).calls == 0
     for ref_cache, cache in zip(runs[0].caches, runs[1].caches):
         assert cache.dtype == torch.bfloat16
         for seq in seqs[0]:
@@ -505,8 +527,9 @@ def test_a_bfloat16_mixed_step_runs_the_c_pieces_around_the_backend(
     assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
     pack_linear_weights(plain)
     attend, rotate = Counting(kernels.bf16_attend), Counting(kernels.bf16_rotate)
+    batch = Counting(kernels.decode_batch_bf16)
     for layer in fused.model.layers:
-        layer.kernel.native = _Bf16Proxy(kernels, attend, rotate)
+        layer.kernel.native = _Bf16Proxy(kernels, attend, rotate, batch)
     results = []
     for run in (Run(reference), Run(fused, dtype=torch.bfloat16),
                 Run(plain, dtype=torch.bfloat16)):
@@ -514,7 +537,7 @@ def test_a_bfloat16_mixed_step_runs_the_c_pieces_around_the_backend(
         run.step([ScheduledSeq(a, 0, 5)])
         a.output_token_ids.append(8)
         results.append(run.step([ScheduledSeq(a, 5, 1), ScheduledSeq(b, 0, 3)]))
-    assert rotate.calls == 2 * config.num_hidden_layers and attend.calls == 0
+    assert rotate.calls == 2 * config.num_hidden_layers and attend.calls == batch.calls == 0
     want, got, plain_got = results
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.08)
     torch.testing.assert_close(got, plain_got, rtol=0.02, atol=0.08)

@@ -1,4 +1,4 @@
-"""Which implementation runs each float32 linear product: ours or oneDNN, measured.
+"""Which implementation runs each linear product: ours or oneDNN, measured.
 
 Neither wins everywhere. On an AVX2 host our panel kernel (``csrc/panel_gemm.c``) beat
 oneDNN's packed product on every layer of a small model; on an AVX-512 host oneDNN runs
@@ -13,9 +13,12 @@ on an AVX-512 host. The timings are cached per host (:func:`host_key`) in
 ``<quire cache>/dispatch/``, so later starts only read them; timings taken while other
 processes loaded the cores are cached too, so delete that folder to time again.
 
-Linears inside a fused decoder layer (:mod:`~quire.platforms.cpu.fused_decode`) stay
-on panels: the C layer reads them in place, and its fusion is worth more than the
-product's choice.
+float32 linears inside a fused decoder layer (:mod:`~quire.platforms.cpu.fused_decode`)
+stay on panels: the C layer reads them in place, and its fusion is worth more than the
+product's choice. bfloat16 linears (our pair panels, ``csrc/panel_bf16.c``, against
+oneDNN's bfloat16 product) are chosen for everywhere, fused layers' included, and
+timed apart from float32 products of the same shape: a fused layer runs either (a
+decode batch whole in C when all four of its products stayed on pair panels).
 
 The choice itself (:func:`choose`, :func:`split_choice`) is a pure function of the
 candidates (from the CPU's features: :func:`candidates`) and the timings, so tests feed
@@ -171,19 +174,22 @@ class TimingCache:
             pass  # absent or unreadable: measure again
 
     @staticmethod
-    def shape_key(shape: tuple[int, int]) -> str:
-        return f"linear-f32-{shape[0]}x{shape[1]}"
+    def shape_key(shape: tuple[int, int], dtype: str = "f32") -> str:
+        return f"linear-{dtype}-{shape[0]}x{shape[1]}"
 
-    def get(self, shape: tuple[int, int]) -> dict[str, dict[int, float]] | None:
-        return self._entries.get(self.shape_key(shape))
+    def get(self, shape: tuple[int, int],
+            dtype: str = "f32") -> dict[str, dict[int, float]] | None:
+        return self._entries.get(self.shape_key(shape, dtype))
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """The shapes with timings, in the file's order."""
-        return [tuple(int(n) for n in key.removeprefix("linear-f32-").split("x"))
-                for key in self._entries]
+    def shapes(self, dtype: str = "f32") -> list[tuple[int, int]]:
+        """The shapes with timings for ``dtype`` products, in the file's order."""
+        prefix = f"linear-{dtype}-"
+        return [tuple(int(n) for n in key.removeprefix(prefix).split("x"))
+                for key in self._entries if key.startswith(prefix)]
 
-    def put(self, shape: tuple[int, int], timings: Mapping[str, Mapping[int, float]]) -> None:
-        self._entries[self.shape_key(shape)] = {i: dict(t) for i, t in timings.items()}
+    def put(self, shape: tuple[int, int], timings: Mapping[str, Mapping[int, float]],
+            dtype: str = "f32") -> None:
+        self._entries[self.shape_key(shape, dtype)] = {i: dict(t) for i, t in timings.items()}
 
     def save(self) -> None:
         """Write atomically (a concurrent start reads all or nothing); failures only
@@ -198,12 +204,13 @@ class TimingCache:
 
 
 def time_product(run: Callable[[torch.Tensor], object], in_features: int,
-                 rows: Sequence[int] = ROWS, repeats: int = REPEATS) -> dict[int, float]:
-    """The fastest of ``repeats`` calls of ``run`` on random float32 rows, per row count
-    (after one warm-up call each)."""
+                 rows: Sequence[int] = ROWS, repeats: int = REPEATS,
+                 dtype: torch.dtype = torch.float32) -> dict[int, float]:
+    """The fastest of ``repeats`` calls of ``run`` on random rows of ``dtype``, per row
+    count (after one warm-up call each)."""
     result: dict[int, float] = {}
     for r in rows:
-        x = torch.randn(r, in_features)
+        x = torch.randn(r, in_features).to(dtype)
         run(x)
         best = float("inf")
         for _ in range(repeats):
@@ -216,9 +223,16 @@ def time_product(run: Callable[[torch.Tensor], object], in_features: int,
 
 def dispatch_linears(model: nn.Module, cache: TimingCache | None,
                      features: CpuFeatures | None = None,
-                     forced: str | None = None) -> list[Decision]:
+                     forced: str | None = None, *, bfloat16: bool = False) -> list[Decision]:
     """Choose, for every packed float32 linear of ``model`` outside a fused decoder
-    layer, between our panels and oneDNN, and keep only the winner's layout.
+    layer (with ``bfloat16``: every packed bfloat16 linear, fused layers' included),
+    between our panels and oneDNN, and keep only the winner's layout.
+
+    bfloat16 products are chosen for everywhere, and before the fused layers are
+    installed (:mod:`~quire.platforms.cpu.fused_decode` then runs a decode batch's layer
+    in one C call where all four of its products stay on our pair panels, and each
+    product on its own kernel otherwise): neither implementation of them is the C
+    layer's only way, and on a host with AMX oneDNN's tiles should beat our vdpbf16ps.
 
     :param cache: timings measured earlier on this host (read, then updated); None to
         measure without caching.
@@ -230,16 +244,20 @@ def dispatch_linears(model: nn.Module, cache: TimingCache | None,
 
     features = features if features is not None else detect()
     has_onednn = onednn_available()
+    dtype = torch.bfloat16 if bfloat16 else torch.float32
+    tag = "bf16" if bfloat16 else "f32"
     decisions: list[Decision] = []
-    for name, module in _unfused_linears(model):
+    sites = _all_linears(model) if bfloat16 else _unfused_linears(model)
+    for name, module in sites:
         kernel = module.kernel
-        if not isinstance(kernel, PackedLinear) or kernel.panels is None:
+        if (not isinstance(kernel, PackedLinear) or kernel.panels is None
+                or kernel.dtype != dtype):
             continue
         found = candidates(features, has_panels=True, onednn=has_onednn)
         if len(found) < 2:
             continue
         shape = (kernel.out_features, kernel.in_features)
-        timings = cache.get(shape) if cache is not None else None
+        timings = cache.get(shape, tag) if cache is not None else None
         cached = timings is not None and all(set(ROWS) <= set(timings.get(i, ())) for i in found)
         if forced in found:
             chosen = one_row = forced
@@ -248,7 +266,7 @@ def dispatch_linears(model: nn.Module, cache: TimingCache | None,
             if not cached:
                 timings = _measure(kernel, found)
                 if cache is not None:
-                    cache.put(shape, timings)
+                    cache.put(shape, timings, tag)
             chosen, one_row = split_choice(found, timings)
         if chosen == ONEDNN:
             kernel.use_onednn(keep_panels=one_row == PANELS)
@@ -266,9 +284,15 @@ def _measure(kernel: object, found: Sequence[str]) -> dict[str, dict[int, float]
     timings: dict[str, dict[int, float]] = {}
     for impl in found:
         run = kernel.runner(impl)
-        timings[impl] = time_product(run, kernel.in_features)
+        timings[impl] = time_product(run, kernel.in_features, dtype=kernel.dtype)
         del run
     return timings
+
+
+def _all_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every linear site of ``model``."""
+    return [(name, m) for name, m in model.named_modules()
+            if getattr(m, "op_site", None) == "linear"]
 
 
 def _unfused_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -290,17 +314,18 @@ def describe_cache(cache: TimingCache, features: CpuFeatures, has_panels: bool,
     if len(found) < 2:
         return [f"linear products: {found[0] if found else 'torch'} (nothing to choose "
                 f"between on this host)"]
-    shapes = cache.shapes()
+    shapes = [(tag, shape) for tag in ("f32", "bf16") for shape in cache.shapes(tag)]
     if not shapes:
-        return [f"linear products outside fused layers: {' or '.join(found)}, timed at "
-                f"the first start ({cache.path})"]
-    shapes.sort(key=lambda shape: -shape[0] * shape[1])  # the costliest first
+        return [f"linear products (float32 outside fused layers, bfloat16 everywhere): "
+                f"{' or '.join(found)}, timed at the first start ({cache.path})"]
+    shapes.sort(key=lambda item: -item[1][0] * item[1][1])  # the costliest first
     lines = []
-    for n, k in shapes[:limit]:
-        timings = cache.get((n, k))
+    for tag, (n, k) in shapes[:limit]:
+        timings = cache.get((n, k), tag)
         several, one = split_choice(found, timings)
         route = several if one == several else f"{one} for one row, {several} for more"
-        lines.append(f"linear [{n}x{k}]: {route} (timed here)")
+        name = "linear" if tag == "f32" else "linear bf16"
+        lines.append(f"{name} [{n}x{k}]: {route} (timed here)")
     if len(shapes) > limit:
         lines.append(f"... and {len(shapes) - limit} smaller shapes ({cache.path})")
     return lines

@@ -27,7 +27,7 @@ are float32 (or all bfloat16, below) with one eps, and each of its linears is a
 :class:`~quire.platforms.cpu.packed_linear.PackedLinear` with a compact encoding
 (:mod:`~quire.platforms.cpu.compact`: GGUF Q4_0/Q4_1/Q5_0/Q8_0 weights and bf16
 checkpoints), float32 panels (the native panel kernel, AVX2 hosts) or, in a bfloat16
-model, oneDNN's packed bfloat16 copy. A one-row step
+model, bfloat16 pair panels (AVX512_BF16 hosts) or oneDNN's packed bfloat16 copy. A one-row step
 streams the compact weights and runs the others on their panels in the same call; the
 other steps need every linear on panels. The
 whole-layer decode call also needs :class:`CpuSdpaAttentionBackend`'s metadata and a
@@ -37,16 +37,18 @@ products, norms and attention; the activation and rotary in C instead of torch).
 
 A bfloat16 model's layers qualify too. A lone sequence's decode step runs the whole C
 layer in float32 from the bf16 weights' compact copies, reading and writing bfloat16
-KV pages, its rows widened on the way in and rounded on the way out. Every other step
-(decode batches, prompts, mixed steps; a lone sequence without compact copies) keeps
-its four products on oneDNN's bfloat16 kernels (faster than float32 panels on hosts
-with bf16 products) and runs what lies between them in C, one call per gap
-(``quire_bf16_*``): residual and norms, q/k norms and rotary, for decode steps the KV
-writes and paged attention too (other steps attend through the backend), the
-activation. The residual stream stays float32 through a layer there and is rounded
-once, where the op-by-op path rounds it after each add. Numbers differ from the
-op-by-op bfloat16 path by bfloat16 rounding (the C pieces round less often), not
-float32's.
+KV pages, its rows widened on the way in and rounded on the way out. Its other decode
+steps, where all four products stay on bfloat16 pair panels (``csrc/panel_bf16.c``,
+AVX512_BF16; :mod:`~quire.platforms.cpu.dispatch` may move a shape to oneDNN), run the
+whole layer in one call too (``quire_decode_batch_bf16``: the float32 batch layer,
+each product's input rows rounded to bfloat16). Every other step (prompts, mixed
+steps, decode batches with a product on oneDNN) runs each product on its own kernel
+and what lies between them in C, one call per gap (``quire_bf16_*``): residual and
+norms, q/k norms and rotary, for decode steps the KV writes and paged attention too
+(other steps attend through the backend), the activation. Both keep the residual
+stream in float32 through a layer and round it once, where the op-by-op path rounds
+it after each add. Numbers differ from the op-by-op bfloat16 path by bfloat16
+rounding (the C layers round less often), not float32's.
 """
 
 from __future__ import annotations
@@ -110,27 +112,33 @@ class FusedDecodeLayer:
         # weight is compact
         self._compact = None
         if (any(k.compact is not None for k in kernels)
-                and all(k.compact is not None or k.panels is not None for k in kernels)):
+                and all(k.compact is not None or _f32_panels(k) for k in kernels)):
             self._compact_args = [
                 LinearArgs.of(k.compact, b) if k.compact is not None
                 else LinearArgs.of_panels(k.panels, k.out_features, b)
                 for k, b in zip(kernels, biases)]
             self._compact = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._compact_args])
+        # every other step: float32 panels, or in a bfloat16 model bfloat16 pair panels
+        # where dispatch left all four products on them (not when some run on oneDNN:
+        # the bfloat16 batch then goes product by product, below)
         self._panels = None
-        if all(k.panels is not None for k in kernels):
-            self._panel_args = [PanelArgs.of(k.panels, k.out_features, b)
+        if all(k.panels is not None and k.packed is None and k.dtype == self.dtype
+               for k in kernels):
+            self._panel_args = [PanelArgs.of(k.panels, k.out_features, b, k.in_features)
                                 for k, b in zip(kernels, biases)]
             self._panels = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._panel_args])
         self._biases = biases
-        # a bfloat16 layer's batches: its products on oneDNN's bfloat16 kernels
-        # (the PackedLinears' packed copies, the modules' own biases), the rest in C
-        self._onednn = None
+        # a bfloat16 layer's other steps: each product on its PackedLinear's own
+        # choice (pair panels or oneDNN's packed copy; the modules' own biases), the
+        # rest in C
+        self._products = None
         if self.dtype == torch.bfloat16 and all(
-                k.dtype == torch.bfloat16 and k.packed is not None for k in kernels):
-            self._onednn = _with_absent_mlp(
-                [(k.packed, getattr(m, "bias", None)) for k, m in zip(kernels, modules)])
+                k.dtype == torch.bfloat16 and (k.packed is not None or k.panels is not None)
+                for k in kernels):
+            self._products = _with_absent_mlp(
+                [(k, getattr(m, "bias", None)) for k, m in zip(kernels, modules)])
             inter = 0 if spec.gate_up is None else kernels[2].out_features // 2
             self._rows = Bf16RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
                                       desc=ctypes.pointer(self._desc), window=self.window,
@@ -155,13 +163,18 @@ class FusedDecodeLayer:
         residual = None if residual is None else residual.contiguous()
         if self.dtype == torch.float32:
             done = self._float32(hidden, residual, cos, sin, ctx)
+        elif residual is not None and residual.dtype != torch.bfloat16:
+            return None
         elif rows == 1 and self._compact is not None and self._pure_decode(rows, ctx):
             done = self._lone_bf16(hidden, residual, cos, sin, ctx)
-        elif self._onednn is not None and (residual is None
-                                           or residual.dtype == torch.bfloat16):
-            done = self._bf16_rows(hidden, residual, cos, sin, ctx)
         else:
-            return None
+            done = None
+            if self._panels is not None and self._pure_decode(rows, ctx):
+                done = self._decode(hidden, residual, cos.float(), sin.float(), ctx)
+            if done is None and self._products is not None:
+                done = self._bf16_rows(hidden, residual, cos, sin, ctx)
+            if done is None:
+                return None
         if done is None or self.mlp is None:
             return done
         return self.mlp(done[0], ctx), done[1]  # the C layer stopped at the MLP's input
@@ -218,7 +231,8 @@ class FusedDecodeLayer:
         if not (kv_cache.dtype == self.dtype and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)):
             return None
-        use_compact = rows == 1 and self._compact is not None
+        # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
+        use_compact = rows == 1 and self._compact is not None and hidden.dtype == torch.float32
         if not use_compact and self._panels is None:
             return None
         out = torch.empty_like(hidden)
@@ -241,7 +255,9 @@ class FusedDecodeLayer:
             if not (tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
                     and lens.dtype == slots.dtype == tables.dtype == torch.int64):
                 return None
-            failed = self.native.decode_batch_f32(
+            entry = (self.native.decode_batch_f32 if hidden.dtype == torch.float32
+                     else self.native.decode_batch_bf16)
+            failed = entry(
                 rows, hidden.data_ptr(), residual_ptr, self.hidden, self.desc, qkv, o,
                 gate_up, down, cos.data_ptr(),
                 sin.data_ptr(), cos.stride(0), base, base + half, slots.data_ptr(),
@@ -291,7 +307,7 @@ class FusedDecodeLayer:
         attention backend. None when the inputs do not fit (nothing written yet)."""
         rows, hq, hkv, d = hidden.shape[0], self.hq, self.hkv, self.d
         native, args, ref = self.native, self._rows, self.rows_args
-        (qkv_w, qkv_b), (o_w, o_b), gate_up, down = self._onednn
+        (qkv_w, qkv_b), (o_w, o_b), gate_up, down = self._products
         stream = torch.empty(rows, self.hidden, dtype=torch.float32)
         normed = torch.empty_like(hidden)
         args.rows, args.x, args.stream, args.normed = (rows, hidden.data_ptr(),
@@ -299,7 +315,7 @@ class FusedDecodeLayer:
         args.residual = None if residual is None else residual.data_ptr()
         if native.bf16_front(ref):
             return None
-        qkv = _onednn(normed, qkv_w, qkv_b)
+        qkv = qkv_w(normed, qkv_b)
         args.qkv, args.cos, args.sin = qkv.data_ptr(), cos.data_ptr(), sin.data_ptr()
         args.rot_stride, args.rot_bf16 = cos.stride(0), cos.dtype == torch.bfloat16
         attn = self._bf16_decode_attention(rows, ctx) if self._pure_decode(rows, ctx) else None
@@ -312,17 +328,17 @@ class FusedDecodeLayer:
                                  sliding_window=self.window or None)
             attn = attn.reshape(rows, hq * d).to(torch.bfloat16).contiguous()
         # the cache is written now: a refusal below is a bug, not a decline
-        o_out = _onednn(attn, o_w, o_b)
+        o_out = o_w(attn, o_b)
         new_residual = torch.empty_like(hidden)
         args.o_out, args.residual_out = o_out.data_ptr(), new_residual.data_ptr()
         _check(native.bf16_post_attn(ref), "quire_bf16_post_attn")
         if gate_up is None:  # the MLP runs outside, on normed
             return normed, new_residual
-        gu = _onednn(normed, *gate_up)
+        gu = gate_up[0](normed, gate_up[1])
         act = hidden.new_empty(rows, self._rows.inter)
         args.gate_up, args.act = gu.data_ptr(), act.data_ptr()
         _check(native.bf16_act(ref), "quire_bf16_act")
-        out = _onednn(act, *down)
+        out = down[0](act, down[1])
         if self._out_norm:
             args.out = out.data_ptr()
             _check(native.bf16_out_norm(ref), "quire_bf16_out_norm")
@@ -352,10 +368,10 @@ class FusedDecodeLayer:
         return None if self.native.bf16_attend(self.rows_args) else attn
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` on oneDNN's bfloat16 kernel and ``W``'s packed copy
-    (:class:`~quire.platforms.cpu.packed_linear.PackedLinear`'s)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _f32_panels(kernel: PackedLinear) -> bool:
+    """Whether ``kernel`` keeps float32 panels (a one-row layer's ``quire_linear`` can
+    read those; not bfloat16 pair panels)."""
+    return kernel.panels is not None and kernel.panels.dtype == torch.float32
 
 
 def _check(failed: int, entry: str) -> None:

@@ -83,13 +83,16 @@ class PanelArgs(ctypes.Structure):
     :meth:`NativeKernels.pack_panels`. Holds raw pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("out_features", _i64), ("in_features", _i64), ("panels", _ptr),
-                ("bias", _ptr)]
+                ("bias", _ptr), ("bf16", ctypes.c_int32)]
 
     @classmethod
-    def of(cls, panels: torch.Tensor, out_features: int,
-           bias: torch.Tensor | None) -> PanelArgs:
-        return cls(out_features, panels.shape[1], panels.data_ptr(),
-                   bias.data_ptr() if bias is not None else None)
+    def of(cls, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           in_features: int | None = None) -> PanelArgs:
+        """float32 panels (:meth:`NativeKernels.pack_panels`), or bfloat16 pair panels
+        (:meth:`NativeKernels.pack_bf16_panels`, which need ``in_features``)."""
+        bf16 = panels.dtype == torch.bfloat16
+        return cls(out_features, in_features if bf16 else panels.shape[1], panels.data_ptr(),
+                   bias.data_ptr() if bias is not None else None, bf16)
 
 
 class LayerDescArgs(ctypes.Structure):
@@ -175,6 +178,10 @@ class NativeKernels:
             _i64, _ptr, _ptr, _i64, desc, panel, panel, panel, panel,
             _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
             _i64, ctypes.c_float, _ptr, _ptr]
+        # the same for a bfloat16 model: bfloat16 rows in and out, float32 inside
+        self.decode_batch_bf16 = library.quire_decode_batch_bf16
+        self.decode_batch_bf16.restype = ctypes.c_int
+        self.decode_batch_bf16.argtypes = self.decode_batch_f32.argtypes
         self.layer_front_f32 = library.quire_layer_front_f32
         self.layer_front_f32.restype = ctypes.c_int
         self.layer_front_f32.argtypes = [
@@ -197,6 +204,11 @@ class NativeKernels:
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         #: whether this build has the panel GEMM (it needs AVX2 and FMA)
         self.has_panel_gemm = bool(library.quire_panel_gemm_available())
+        self._bf16_linear = library.quire_bf16_linear
+        self._bf16_linear.restype = ctypes.c_int
+        self._bf16_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int32]
+        #: whether this build has the bfloat16 pair-panel GEMM (it needs AVX512_BF16)
+        self.has_bf16_gemm = bool(library.quire_bf16_gemm_available())
         self._norm = library.quire_rms_norm_f32
         self._norm.restype = ctypes.c_int
         self._norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _ptr]
@@ -227,6 +239,48 @@ class NativeKernels:
         failed = self._panel(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
                              out_features, None if bias is None else bias.data_ptr(),
                              y.data_ptr())
+        return None if failed else y
+
+    @staticmethod
+    def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 ``[N, K]`` weight as the pair panels :meth:`bf16_linear` reads:
+        ``[ceil(N / 16), ceil(K / 2), 16, 2]``, panel ``p`` holding columns ``16p ..
+        16p + 15``, two K steps per column side by side (zero past N and K)."""
+        n, k = weight.shape
+        panels, k2 = -(-n // 16), -(-k // 2)
+        padded = weight.new_zeros(panels * 16, 2 * k2)
+        padded[:n, :k] = weight
+        return padded.view(panels, 16, k2, 2).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def unpack_bf16_panels(panels: torch.Tensor, out_features: int,
+                           in_features: int) -> torch.Tensor:
+        """The ``[N, K]`` weight :meth:`pack_bf16_panels` packed."""
+        n_pad = panels.shape[0] * 16
+        flat = panels.transpose(1, 2).reshape(n_pad, -1)
+        return flat[:out_features, :in_features]
+
+    def bf16_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for bfloat16 ``x`` ``[rows, K]`` and ``W`` packed by
+        :meth:`pack_bf16_panels`, summed in float32 and returned in ``out_dtype``
+        (bfloat16 or float32); None when the build has no bfloat16 kernel or the inputs
+        do not fit it."""
+        if not (self.has_bf16_gemm and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.dim() == 2 and x.shape[0] > 0 and panels.dtype == torch.bfloat16
+                and panels.dim() == 4 and panels.shape[1] == -(-x.shape[1] // 2)
+                and panels.shape[0] * 16 >= out_features
+                and (bias is None or bias.shape == (out_features,))
+                and out_dtype in (torch.bfloat16, torch.float32)):
+            return None
+        x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+        failed = self._bf16_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
+                                   out_features, None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), out_dtype == torch.bfloat16)
         return None if failed else y
 
     def rms_norm(

@@ -93,15 +93,20 @@ class PackedLinear:
         #: the weight's dtype, which the inputs share
         self.dtype = weight.dtype
         if weight.dtype == torch.bfloat16:
-            # bfloat16 products run on oneDNN's packed layout: with AVX512_BF16 or AMX
-            # it multiplies in bf16 with float32 accumulation, where F.linear's
-            # bfloat16 mm took milliseconds per one-row product. The compact copy (the
-            # same bf16 values, exactly) serves the fused C layer of a lone sequence,
-            # which computes in float32 (fused_decode.py).
-            self.panels = self.split = None
+            # bfloat16 products multiply in bf16 with float32 sums: on our pair-panel
+            # kernel where the build has it (AVX512_BF16; dispatch.py may move a shape
+            # to oneDNN, as on AMX hosts), else on oneDNN's packed layout, where
+            # F.linear's bfloat16 mm took milliseconds per one-row product. The compact
+            # copy (the same bf16 values, exactly) serves the fused C layer of a lone
+            # sequence, which computes in float32 (fused_decode.py).
+            self.split = None
             self.compact = (encode(weight.float()) if native is not None and compact
                             else None)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+            self.panels = self.packed = None
+            if native is not None and native.has_bf16_gemm:
+                self.panels = native.pack_bf16_panels(weight)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
             return
         #: the weight in an exact compact encoding, for one-row products; None when
         #: there are no native kernels or no encoding reproduces the weight.
@@ -128,10 +133,13 @@ class PackedLinear:
         return "onednn" if self.packed is not None else "panels"
 
     def weight(self) -> torch.Tensor:
-        """The float32 ``[out, in]`` weight, rebuilt from the panels (the original
+        """The ``[out, in]`` weight in its dtype, rebuilt from the panels (the original
         may have been released)."""
         if self.panels is None:
             raise ValueError("the weight is rebuilt from panels; this layer keeps none")
+        if self.dtype == torch.bfloat16:
+            return NativeKernels.unpack_bf16_panels(self.panels, self.out_features,
+                                                    self.in_features)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def runner(self, impl: str):
@@ -142,6 +150,8 @@ class PackedLinear:
             if self.panels is None:
                 raise ValueError("this layer keeps no panels")
             native, panels, n = self.native, self.panels, self.out_features
+            if self.dtype == torch.bfloat16:
+                return lambda x: native.bf16_linear(x, panels, n, None)
             return lambda x: native.panel_linear(x, panels, n, None)
         if impl == "onednn":
             packed = (self.packed if self.packed is not None
@@ -160,7 +170,8 @@ class PackedLinear:
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight().contiguous(),
                                                               PACK_FOR_ROWS)
-        if not keep_panels or self.compact is not None:
+        # (a bfloat16 layer's one-row products never run on its compact copy here)
+        if not keep_panels or (self.compact is not None and self.dtype == torch.float32):
             self.panels = None
 
     def _split(self, weight: torch.Tensor) -> torch.Tensor:
@@ -175,8 +186,15 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # the operators take 2-D input
         y = None
-        if self.dtype == torch.bfloat16:  # oneDNN at every row count
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        if self.dtype == torch.bfloat16:
+            if self.panels is not None and (self.packed is None or rows.shape[0] == 1):
+                y = self.native.bf16_linear(rows, self.panels, self.out_features, bias)
+                if y is None:  # only for inputs the model never makes
+                    raise ValueError(
+                        f"cpu packed linear: need bfloat16 host input of width "
+                        f"{self.in_features}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
             return y.view(*x.shape[:-1], self.out_features)
         if self.compact is not None and rows.shape[0] <= COMPACT_MAX_ROWS:
             y = self.native.compact_linear(rows, self.compact, bias)

@@ -178,6 +178,11 @@ class CpuPlatform(Platform):
             pack_linear_weights(model, native, compact=options.compact)
         if native is not None:
             install_norm_kernels(model, native)
+            if options.linear == "packed" and native.has_bf16_gemm:
+                # bfloat16 products on pair panels or oneDNN, fused layers' too: chosen
+                # before the fused layers take their products' kernels
+                dispatch_linears(model, TimingCache(_timing_cache_path(native)),
+                                 bfloat16=True)
             install_fused_decode(model, native)  # needs the packed layers' panels or copies
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))

@@ -297,6 +297,12 @@ void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *pa
 void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
                                   int64_t n, const float *bias, float *y, float *packed);
 
+/* panel_bf16.c: y = round_bf16(x) W^T (+ bias) for float32 x [m, k] and W in pair
+ * panels (bfloat16, hosts with AVX512_BF16), float32 out; x is first rounded into
+ * `rows` (room for m times k rounded up to even bfloat16). Team function. */
+void quire_bf16_gemm_team(const float *x, int64_t m, int64_t k, const uint16_t *panels,
+                          int64_t n, const float *bias, float *y, uint16_t *rows);
+
 /* rms_norm.c: out = weight * (h / sqrt(mean(h^2) + eps)) for one row of n. */
 void quire_rms_norm_row(const float *h, const float *weight, float eps, int64_t n, float *out);
 

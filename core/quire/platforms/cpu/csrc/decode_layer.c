@@ -269,10 +269,14 @@ int quire_decode_layer_f32(
     return 0;
 }
 
-/* A linear layer's float32 weight in 16-column panels (NativeKernels.pack_panels). */
+/* A linear layer's weight in 16-column panels: float32 (NativeKernels.pack_panels), or
+ * with bf16 set bfloat16 pair panels (NativeKernels.pack_bf16_panels, panel_bf16.c),
+ * whose products round their float32 input rows to bfloat16 and sum in float32. */
 struct quire_panels {
     int64_t out_features, in_features;
-    const float *panels, *bias; /* bias may be NULL */
+    const void *panels;
+    const float *bias; /* may be NULL */
+    int32_t bf16;
 };
 
 /* Rows a layer's halves take at a time: bounds their scratch whatever the step's size
@@ -327,10 +331,14 @@ static int64_t half_scratch_per_row(int64_t hidden, int64_t inter, int64_t wides
 
 static int64_t packed_extra(int64_t widest) { return 6 * widest; }
 
-/* y = x W^T (+ bias) over the team, the rows packed first when there are enough. */
+/* y = x W^T (+ bias) over the team, the rows packed first when there are enough (for
+ * pair panels: rounded to bfloat16, which takes half the room). */
 static void product(const float *x, int64_t m, const struct quire_panels *w, float *y,
                     float *packed) {
-    if (m >= QUIRE_PACK_MIN_ROWS)
+    if (w->bf16)
+        quire_bf16_gemm_team(x, m, w->in_features, w->panels, w->out_features, w->bias, y,
+                             (uint16_t *)packed);
+    else if (m >= QUIRE_PACK_MIN_ROWS)
         quire_panel_gemm_packed_team(x, m, w->in_features, w->panels, w->out_features,
                                      w->bias, y, packed);
     else
@@ -461,12 +469,79 @@ int quire_layer_back_f32(int64_t rows, const float *attn, int64_t hidden, float 
     return 0;
 }
 
+/* Whether a decode batch's lengths are valid (>= 1); *longest gets the longest span any
+ * row attends over (its window at most). */
+static int lens_fit(int64_t rows, const int64_t *seq_lens, int64_t window, int64_t *longest) {
+    *longest = 0;
+    for (int64_t s = 0; s < rows; s++) {
+        if (seq_lens[s] < 1)
+            return 0;
+        const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
+        if (n > *longest)
+            *longest = n;
+    }
+    return 1;
+}
+
+/* Scratch floats of a decode batch (decode_batch_team's `scratch`). */
+static int64_t batch_scratch(int64_t rows, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                             const struct quire_layer_desc *desc,
+                             const struct quire_panels *qkv, const struct quire_panels *o,
+                             const struct quire_panels *gate_up,
+                             const struct quire_panels *down, int64_t longest) {
+    const int64_t inter = inter_of(desc, gate_up), widest = widest_input(hidden, desc, o, down);
+    (void)hkv;
+    return rows * (qkv->out_features + hq * d + half_scratch_per_row(hidden, inter, widest)) +
+           packed_extra(widest) + omp_get_max_threads() * hq * longest;
+}
+
+/* The body of quire_decode_batch_f32 and _bf16, for the team of their one parallel
+ * region; its arguments are theirs, checked, and `scratch` (batch_scratch floats). */
+static void decode_batch_team(
+    int64_t rows, const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_panels *qkv,
+    const struct quire_panels *o, const struct quire_panels *gate_up,
+    const struct quire_panels *down, const float *cos, const float *sin, int64_t rot_stride,
+    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables,
+    int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
+    int64_t hq, int64_t hkv, int64_t d, float scale, int64_t longest, float *scratch,
+    float *out, float *residual_out) {
+    const int64_t inter = inter_of(desc, gate_up), qkv_n = qkv->out_features;
+    const int64_t row = hkv * d; /* floats per cache slot */
+    const int64_t threads = omp_get_num_threads();
+    const int64_t widest = widest_input(hidden, desc, o, down);
+    float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
+    float *scores = halves + rows * half_scratch_per_row(hidden, inter, widest) +
+                    packed_extra(widest);
+
+    front_team(rows, x, residual, hidden, desc, qkv, cos, sin, rot_stride, hq, hkv, d, halves,
+               halves + rows * hidden, qkv_out, residual_out);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *kv = qkv_out + r * qkv_n + hq * d;
+        store_kv_row(k_cache, desc->kv_bf16, slots[r], row, kv);
+        store_kv_row(v_cache, desc->kv_bf16, slots[r], row, kv + row);
+    }
+    float *my_scores = scores + omp_get_thread_num() * hq * longest;
+    /* (row, KV head) pairs when there are too few rows to share out alone */
+    const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < rows * split; i++) {
+        const int64_t s = i / split, h = (i % split) * heads, len = seq_lens[s];
+        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+        attend_heads_kv(desc->kv_bf16, qkv_out + s * qkv_n, k_cache, v_cache,
+                        tables + s * table_stride, start, len - start, h, h + heads, hq / hkv,
+                        row, d, block_size, scale, my_scores, attn + s * hq * d);
+    }
+    back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
+}
+
 /*
  * The whole layer for a decode batch: `rows` sequences, one new token each, row r of x
  * belonging to sequence r: front, this step's keys and values written to the cache,
  * attention per sequence over the team (paged_decode.c's quire_attend_heads, as
- * quire_paged_decode_f32 runs it), back; one parallel region. Products on float32
- * panels, so this serves float32 checkpoints and any number of rows.
+ * quire_paged_decode_f32 runs it), back; one parallel region. Products on panels
+ * (float32, or bfloat16 pair panels), so this serves any number of rows.
  *
  * Arguments as the halves', plus: k_cache and v_cache, the layer's two halves of
  * [num_blocks * block_size, hkv, d]; slots: [rows] cache slots of the new keys and
@@ -481,52 +556,72 @@ int quire_decode_batch_f32(
     void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables,
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
+    int64_t longest;
     if (rows <= 0 || !desc_fits(desc) ||
-        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down))
+        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down) ||
+        !lens_fit(rows, seq_lens, window, &longest))
         return 1;
-    int64_t longest = 0;
-    for (int64_t s = 0; s < rows; s++) {
-        if (seq_lens[s] < 1)
-            return 1;
-        const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
-        if (n > longest)
-            longest = n;
-    }
-    const int64_t inter = inter_of(desc, gate_up), qkv_n = qkv->out_features;
-    const int64_t row = hkv * d; /* floats per cache slot */
-    const int64_t threads = omp_get_max_threads();
-    const int64_t widest = widest_input(hidden, desc, o, down);
-    const int64_t per_row = qkv_n + hq * d + half_scratch_per_row(hidden, inter, widest);
-    float *scratch = quire_thread_scratch(
-        (size_t)(rows * per_row + packed_extra(widest) + threads * hq * longest));
+    float *scratch = quire_thread_scratch((size_t)batch_scratch(
+        rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down, longest));
     if (scratch == NULL)
         return 2;
-    float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
-    float *scores = halves + rows * half_scratch_per_row(hidden, inter, widest) +
-                    packed_extra(widest);
+#pragma omp parallel
+    decode_batch_team(rows, x, residual, hidden, desc, qkv, o, gate_up, down, cos, sin,
+                      rot_stride, k_cache, v_cache, slots, tables, table_stride, seq_lens,
+                      block_size, window, hq, hkv, d, scale, longest, scratch, out,
+                      residual_out);
+    return 0;
+}
 
+static void widen_row(const uint16_t *src, int64_t n, float *dst);
+static void round_row(const float *src, int64_t n, uint16_t *dst);
+
+/*
+ * quire_decode_batch_f32 for a bfloat16 model: its input rows x and residual and its
+ * outputs out and residual_out are bfloat16 [rows, hidden] (widened on the way in,
+ * rounded on the way out, in the same parallel region), the rotary factors float32;
+ * inside, the layer is the float32 one, its products on pair panels (or float32
+ * ones). The residual stream stays float32 through the layer and is rounded once.
+ */
+int quire_decode_batch_bf16(
+    int64_t rows, const uint16_t *x, const uint16_t *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_panels *qkv,
+    const struct quire_panels *o, const struct quire_panels *gate_up,
+    const struct quire_panels *down, const float *cos, const float *sin, int64_t rot_stride,
+    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables,
+    int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
+    int64_t hq, int64_t hkv, int64_t d, float scale, uint16_t *out, uint16_t *residual_out) {
+    int64_t longest;
+    if (rows <= 0 || !desc_fits(desc) ||
+        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down) ||
+        !lens_fit(rows, seq_lens, window, &longest))
+        return 1;
+    const int64_t inner = batch_scratch(rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down,
+                                        longest);
+    /* the widened input (then the float32 output) and the float32 residual stream */
+    float *scratch = quire_thread_scratch((size_t)(inner + 2 * rows * hidden));
+    if (scratch == NULL)
+        return 2;
+    float *x32 = scratch + inner, *stream = x32 + rows * hidden;
 #pragma omp parallel
     {
-        front_team(rows, x, residual, hidden, desc, qkv, cos, sin, rot_stride, hq, hkv, d,
-                   halves, halves + rows * hidden, qkv_out, residual_out);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const float *kv = qkv_out + r * qkv_n + hq * d;
-            store_kv_row(k_cache, desc->kv_bf16, slots[r], row, kv);
-            store_kv_row(v_cache, desc->kv_bf16, slots[r], row, kv + row);
+            widen_row(x + r * hidden, hidden, x32 + r * hidden);
+            if (residual)
+                widen_row(residual + r * hidden, hidden, stream + r * hidden);
         }
-        float *my_scores = scores + omp_get_thread_num() * hq * longest;
-        /* (row, KV head) pairs when there are too few rows to share out alone */
-        const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < rows * split; i++) {
-            const int64_t s = i / split, h = (i % split) * heads, len = seq_lens[s];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            attend_heads_kv(desc->kv_bf16, qkv_out + s * qkv_n, k_cache, v_cache,
-                            tables + s * table_stride, start, len - start, h, h + heads,
-                            hq / hkv, row, d, block_size, scale, my_scores, attn + s * hq * d);
+        /* front_team adds the residual in place (stream), and x32 is read before out is
+         * written into it */
+        decode_batch_team(rows, x32, residual ? stream : NULL, hidden, desc, qkv, o, gate_up,
+                          down, cos, sin, rot_stride, k_cache, v_cache, slots, tables,
+                          table_stride, seq_lens, block_size, window, hq, hkv, d, scale,
+                          longest, scratch, x32, stream);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            round_row(x32 + r * hidden, hidden, out + r * hidden);
+            round_row(stream + r * hidden, hidden, residual_out + r * hidden);
         }
-        back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
     }
     return 0;
 }
