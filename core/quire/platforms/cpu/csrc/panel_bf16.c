@@ -18,7 +18,10 @@
  * Tile: 6 rows by 4 adjacent panels (64 columns) in 24 accumulators, 4 weight loads and
  * 6 broadcasts per two K steps, the float32 panel kernel's blocking (panel_gemm.c);
  * rows are read in place (a pair is one 32-bit broadcast), so they need no packing.
- * Threads take contiguous shares of the panels, as there.
+ * Threads take contiguous shares of the panels, as there. A decode batch's weights
+ * come from memory (a model's layers do not fit in cache), so each tile prefetches a
+ * share of the next group of panels while it walks K: 30 layers' products at 64 rows,
+ * each layer its own weights, went from 638 to 795 GFLOP/s (oneDNN: 577-623).
  *
  * Without AVX512_BF16 (levels below avx512_bf16) the entry points return 1 and no
  * linear keeps pair panels (quire/platforms/cpu/packed_linear.py).
@@ -58,13 +61,18 @@ static inline __attribute__((always_inline)) void tile(int MR, int NP, const uin
                                                        int64_t kp, const uint16_t *b,
                                                        int64_t pstride, int64_t k2,
                                                        const float *bias, void *y,
-                                                       int y_bf16, int64_t n, int64_t col0) {
+                                                       int y_bf16, int64_t n, int64_t col0,
+                                                       const char *pf, int64_t pf_lines,
+                                                       int64_t pf_step) {
     __m512 acc[BT_ROWS][BT_PANELS];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < NP; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k2; i++) {
+        /* the next group's weights, pf_step lines a step, spread over the walk */
+        for (int64_t l = i * pf_step; l < (i + 1) * pf_step && l < pf_lines; l++)
+            _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
         __m512bh w[BT_PANELS];
 #pragma GCC unroll 4
         for (int j = 0; j < NP; j++)
@@ -103,6 +111,7 @@ static void pass(const uint16_t *a, int64_t m, int64_t kp, const uint16_t *panel
     const int64_t num_panels = (n + 15) / 16, k2 = kp / 2, pstride = k2 * 32;
     const int64_t team = omp_get_num_threads();
     const size_t esize = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t tiles = (m + BT_ROWS - 1) / BT_ROWS;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < team; t++) {
         const int64_t end = num_panels * (t + 1) / team;
@@ -110,18 +119,29 @@ static void pass(const uint16_t *a, int64_t m, int64_t kp, const uint16_t *panel
         for (int64_t p = num_panels * t / team; p < end; p += np) {
             np = end - p >= BT_PANELS ? BT_PANELS : end - p >= 2 ? 2 : 1;
             const uint16_t *b = panels + p * pstride;
+            /* the next group's panels (contiguous after this group's) stream from memory
+             * while this group's row tiles run: a share of their lines per tile */
+            const int64_t next = end - p - np;
+            const int64_t next_np = next >= BT_PANELS ? BT_PANELS : next >= 2 ? 2 : next;
+            const int64_t next_lines = next_np * pstride * 2 / 64;
+            const int64_t share = (next_lines + tiles - 1) / tiles;
+            const int64_t step = (share + k2 - 1) / k2;
             for (int64_t r0 = 0; r0 < m; r0 += BT_ROWS) {
                 const int64_t mr = m - r0 < BT_ROWS ? m - r0 : BT_ROWS;
                 const uint16_t *ar = a + r0 * kp;
                 void *yr = (char *)y + (size_t)(r0 * n) * esize;
+                const int64_t first = (r0 / BT_ROWS) * share;
+                const int64_t lines = next_lines - first < share ? next_lines - first : share;
+                const char *pf = (const char *)(b + np * pstride) + 64 * first;
+#define ARGS ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p, pf, lines, step
 #define ROWS(NP)                                                                           \
     switch (mr) {                                                                          \
-    case 6: tile(6, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;       \
-    case 5: tile(5, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;       \
-    case 4: tile(4, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;       \
-    case 3: tile(3, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;       \
-    case 2: tile(2, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;       \
-    default: tile(1, NP, ar, kp, b, pstride, k2, bias, yr, y_bf16, n, 16 * p); break;      \
+    case 6: tile(6, NP, ARGS); break;                                                      \
+    case 5: tile(5, NP, ARGS); break;                                                      \
+    case 4: tile(4, NP, ARGS); break;                                                      \
+    case 3: tile(3, NP, ARGS); break;                                                      \
+    case 2: tile(2, NP, ARGS); break;                                                      \
+    default: tile(1, NP, ARGS); break;                                                     \
     }
                 if (np == BT_PANELS) {
                     ROWS(BT_PANELS)
@@ -131,6 +151,7 @@ static void pass(const uint16_t *a, int64_t m, int64_t kp, const uint16_t *panel
                     ROWS(1)
                 }
 #undef ROWS
+#undef ARGS
             }
         }
     }
