@@ -21,7 +21,9 @@ ENV_DEFAULTS = {
     "threads": "QUIRE_CPU_THREADS",
     "isa": "QUIRE_CPU_ISA",
     "wait_policy": "QUIRE_CPU_WAIT_POLICY",
+    "kv_prefault": "QUIRE_CPU_KV_PREFAULT",
 }
+_BOOLS = ("compact", "native", "kv_prefault")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive")}
 
@@ -52,13 +54,19 @@ class CpuOptions:
     #: this engine's cores); ``OMP_WAIT_POLICY``, when set, wins
     #: (:func:`~quire.platforms.cpu.threads.choose_wait_policy`).
     wait_policy: str = "auto"
+    #: Write the whole KV pool once when it is allocated, as vLLM and llama.cpp do,
+    #: instead of letting each page fault in on its first write. A fresh page's first
+    #: write costs the kernel (and under a hypervisor the host) a fault and a zeroing:
+    #: paid at start, the steps that first reach a page do not; the process's memory
+    #: is then the whole pool from the start (docs/bench.md, "first touch").
+    kv_prefault: bool = False
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"cpu option {name}={getattr(self, name)!r}: expected one "
                                  f"of {', '.join(accepted)}")
-        for name in ("compact", "native"):
+        for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"cpu option {name} must be true or false")
         if self.threads is not None and (isinstance(self.threads, bool)
@@ -101,7 +109,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     text = raw.strip().lower()
     if name in _CHOICES and text not in _CHOICES[name]:
         raise ValueError(f"{source}={raw!r}: expected one of {', '.join(_CHOICES[name])}")
-    if name in ("compact", "native"):
+    if name in _BOOLS:
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):

@@ -191,7 +191,8 @@ class CpuPlatform(Platform):
         """The SDPA backend, or the reference when the ``attention`` option says so."""
         if self.options.attention == "reference":
             return ReferenceAttentionBackend()
-        return CpuSdpaAttentionBackend(native=self._native_kernels())
+        return CpuSdpaAttentionBackend(native=self._native_kernels(),
+                                       prefault=self.options.kv_prefault)
 
     def _native_kernels(self) -> NativeKernels | None:
         if not self._native_tried:

@@ -114,9 +114,22 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
 
     name = "cpu-sdpa"
 
-    def __init__(self, native: NativeKernels | None = None) -> None:
+    def __init__(self, native: NativeKernels | None = None, prefault: bool = False) -> None:
         #: The C decode kernel, when the platform could build it.
         self.native = native
+        #: Write each layer's KV pool once at allocation (the ``kv_prefault`` option).
+        self.prefault = prefault
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_size: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+        """As the interface's, with every page written once when ``prefault`` (zeros,
+        over torch's threads), so that no step pays a page's first-touch fault."""
+        if not self.prefault:
+            return super().allocate_kv_cache(num_blocks, block_size, num_kv_heads,
+                                             head_size, dtype, device)
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def build_metadata(self, batch: AttentionBatch) -> CpuSdpaMetadata:  # type: ignore[override]
         """Split the batch into decode, whole-prompt and prefixed-chunk groups and build
