@@ -132,7 +132,8 @@ class EngineConfig:
         metadata=_help("the platform's own options, checked by the platform: "
                        "'key=value,key=value' (cpu: attention=sdpa|reference, "
                        "linear=packed|torch, compact=true|false, native=true|false, "
-                       "threads=N)"))
+                       "threads=N, isa=LEVEL, wait_policy=auto|spin|passive, "
+                       "kv_prefault=true|false)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "
