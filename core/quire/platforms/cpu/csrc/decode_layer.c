@@ -483,6 +483,17 @@ static int lens_fit(int64_t rows, const int64_t *seq_lens, int64_t window, int64
     return 1;
 }
 
+/* Whether a decode batch's arguments fit the layer (then *longest is set). */
+static int batch_fits(int64_t rows, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                      const struct quire_layer_desc *desc, const struct quire_panels *qkv,
+                      const struct quire_panels *o, const struct quire_panels *gate_up,
+                      const struct quire_panels *down, const int64_t *seq_lens,
+                      int64_t window, int64_t *longest) {
+    return rows > 0 && desc_fits(desc) &&
+           panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down) &&
+           lens_fit(rows, seq_lens, window, longest);
+}
+
 /* Scratch floats of a decode batch (decode_batch_team's `scratch`). */
 static int64_t batch_scratch(int64_t rows, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                              const struct quire_layer_desc *desc,
@@ -557,9 +568,8 @@ int quire_decode_batch_f32(
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, float *out, float *residual_out) {
     int64_t longest;
-    if (rows <= 0 || !desc_fits(desc) ||
-        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down) ||
-        !lens_fit(rows, seq_lens, window, &longest))
+    if (!batch_fits(rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down, seq_lens, window,
+                    &longest))
         return 1;
     float *scratch = quire_thread_scratch((size_t)batch_scratch(
         rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down, longest));
@@ -592,9 +602,8 @@ int quire_decode_batch_bf16(
     int64_t table_stride, const int64_t *seq_lens, int64_t block_size, int64_t window,
     int64_t hq, int64_t hkv, int64_t d, float scale, uint16_t *out, uint16_t *residual_out) {
     int64_t longest;
-    if (rows <= 0 || !desc_fits(desc) ||
-        !panels_fit(hidden, hq, hkv, d, desc, qkv, o, gate_up, down) ||
-        !lens_fit(rows, seq_lens, window, &longest))
+    if (!batch_fits(rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down, seq_lens, window,
+                    &longest))
         return 1;
     const int64_t inner = batch_scratch(rows, hidden, hq, hkv, d, desc, qkv, o, gate_up, down,
                                         longest);
