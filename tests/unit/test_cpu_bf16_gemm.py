@@ -114,3 +114,15 @@ def test_a_bfloat16_packed_linear_keeps_pair_panels_and_no_onednn_copy(
     x = torch.randn(5, 24).bfloat16()
     torch.testing.assert_close(linear(x, bias).float(), F.linear(x, weight, bias).float(),
                                rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("in_features", [24, 25])
+def test_the_dispatch_runners_compute_the_product(kernels: NativeKernels,
+                                                  in_features: int) -> None:
+    """dispatch.py times both implementations through ``runner``: each computes the
+    layer's product (oneDNN's on a copy packed from the pair panels, odd K included)."""
+    weight = torch.randn(40, in_features).bfloat16()
+    linear = PackedLinear(weight, kernels)
+    x = torch.randn(6, in_features).bfloat16()
+    for impl in ("panels", "onednn"):
+        _check(linear.runner(impl)(x), x, weight, None)

@@ -258,7 +258,7 @@ class NativeKernels:
         """The ``[N, K]`` weight :meth:`pack_bf16_panels` packed."""
         n_pad = panels.shape[0] * 16
         flat = panels.transpose(1, 2).reshape(n_pad, -1)
-        return flat[:out_features, :in_features]
+        return flat[:out_features, :in_features].contiguous()
 
     def bf16_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
                     bias: torch.Tensor | None,

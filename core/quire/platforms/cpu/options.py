@@ -54,7 +54,8 @@ class CpuOptions:
     #: this engine's cores); ``OMP_WAIT_POLICY``, when set, wins
     #: (:func:`~quire.platforms.cpu.threads.choose_wait_policy`).
     wait_policy: str = "auto"
-    #: Write the whole KV pool once when it is allocated, as vLLM and llama.cpp do,
+    #: Write the whole KV pool once when it is allocated (the ``sdpa`` attention's; the
+    #: reference's faults in as ever), as vLLM and llama.cpp do,
     #: instead of letting each page fault in on its first write. A fresh page's first
     #: write costs the kernel (and under a hypervisor the host) a fault and a zeroing:
     #: paid at start, the steps that first reach a page do not; the process's memory
