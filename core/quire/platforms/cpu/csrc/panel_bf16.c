@@ -20,8 +20,8 @@
  * rows are read in place (a pair is one 32-bit broadcast), so they need no packing.
  * Threads take contiguous shares of the panels, as there. A decode batch's weights
  * come from memory (a model's layers do not fit in cache), so each tile prefetches a
- * share of the next group of panels while it walks K: 30 layers' products at 64 rows,
- * each layer its own weights, went from 638 to 795 GFLOP/s (oneDNN: 577-623).
+ * share of the next group of panels while it walks K (what that gains, and the kernel
+ * against oneDNN: docs/bench.md, "fourth pass").
  *
  * Without AVX512_BF16 (levels below avx512_bf16) the entry points return 1 and no
  * linear keeps pair panels (quire/platforms/cpu/packed_linear.py).
