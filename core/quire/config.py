@@ -133,7 +133,7 @@ class EngineConfig:
                        "'key=value,key=value' (cpu: attention=sdpa|reference, "
                        "linear=packed|torch, compact=true|false, native=true|false, "
                        "threads=N, isa=LEVEL, wait_policy=auto|spin|passive, "
-                       "kv_prefault=true|false)"))
+                       "kv_prefault=background|start|off)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "

@@ -1,13 +1,20 @@
-"""The cpu platform's ``kv_prefault`` option: the KV pool written once at allocation
-(every page resident before the first step), or left to fault in page by page."""
+"""The cpu platform's ``kv_prefault`` option: when the KV pool's pages become resident
+(a margin ahead of use in the background by default, all at allocation, or at each
+page's first write), and that populating them in the background never changes what a
+step already wrote."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import subprocess
 import sys
 
 import pytest
+import torch
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault, supported
 from quire.platforms.cpu.options import CpuOptions
+from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 
 # Run in a fresh process: in a long one, the allocator may hand back memory an earlier
 # test already made resident, and the pool without the option would look prefaulted.
@@ -26,33 +33,115 @@ def resident(t):
     return sum(b & 1 for b in flags.raw) / pages
 platform = CpuPlatform()
 platform.configure({"kv_prefault": sys.argv[1]})
-cache = platform.make_attention_backend().allocate_kv_cache(
-    1024, 16, 8, 64, torch.float32, torch.device("cpu"))  # 64 MiB
-print(resident(cache), int(cache.any()))
+backend = platform.make_attention_backend()
+caches = [backend.allocate_kv_cache(512, 16, 8, 64, torch.float32, torch.device("cpu"))
+          for _ in range(2)]  # 2 x 32 MiB
+# what a step wrote before the thread got there: the first block's keys, the last's values
+caches[0][0, 0].fill_(7.0)
+caches[1][1, -1].fill_(-3.0)
+assert backend.wait_for_prefault(120)
+share = min(resident(c) for c in caches)  # before the reads below map the zero page
+kept = bool((caches[0][0, 0] == 7).all() and (caches[1][1, -1] == -3).all())
+rest = int(caches[0][0, 1:].count_nonzero() + caches[1][1, :-1].count_nonzero())
+print(share, int(kept), rest)
 """
 
 
 def test_the_option_is_parsed_and_checked() -> None:
-    assert CpuOptions().kv_prefault is False
-    assert CpuOptions.parse({"kv_prefault": "true"}, {}).kv_prefault is True
-    assert CpuOptions.parse({}, {"QUIRE_CPU_KV_PREFAULT": "1"}).kv_prefault is True
+    assert CpuOptions().kv_prefault == "background"
+    assert CpuOptions.parse({"kv_prefault": "start"}, {}).kv_prefault == "start"
+    assert CpuOptions.parse({}, {"QUIRE_CPU_KV_PREFAULT": "off"}).kv_prefault == "off"
     with pytest.raises(ValueError, match="kv_prefault"):
         CpuOptions(kv_prefault="yes")
     with pytest.raises(ValueError, match="QUIRE_CPU_KV_PREFAULT"):
-        CpuOptions.parse({}, {"QUIRE_CPU_KV_PREFAULT": "maybe"})
+        CpuOptions.parse({}, {"QUIRE_CPU_KV_PREFAULT": "true"})
+    with pytest.raises(ValueError, match="prefault"):
+        CpuSdpaAttentionBackend(prefault="sometimes")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping")
-@pytest.mark.parametrize("prefault", [False, True])
-def test_a_prefaulted_pool_is_resident_before_any_write(prefault: bool) -> None:
-    """A 64 MiB pool in a fresh process: with the option every page of it is resident
-    right after allocation (zeros); without, almost none (a fresh mapping faults in
-    on first write)."""
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(prefault).lower()],
-                         capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("mode", ["off", "start", "background"])
+def test_the_pool_becomes_resident_as_the_option_says(mode: str) -> None:
+    """Two 32 MiB pools in a fresh process: every page resident after allocation
+    (``start``) or once the thread is done (``background``), the blocks written before
+    it unchanged; without either, almost none (a fresh mapping faults in on first
+    write)."""
+    if mode == "background" and not supported():
+        pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    share, nonzero = out.stdout.split()
-    if prefault:
-        assert float(share) == 1.0 and nonzero == "0"
-    else:
+    share, kept, rest = out.stdout.split()
+    assert kept == "1" and rest == "0"
+    if mode == "off":
         assert float(share) < 0.25
+    else:
+        assert float(share) == 1.0
+
+
+@pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
+def test_background_populating_races_no_writer() -> None:
+    """Steps write the pool while the thread populates it: every value written stays,
+    in every block, whichever of the two reached a page first."""
+    prefault = BackgroundPrefault(chunk_bytes=8 << 10)  # many small calls, many races
+    caches = [torch.empty(2, 2048, 16, 2, 32) for _ in range(4)]  # 4 x 16 MiB
+    for cache in caches:
+        prefault.add(cache)
+    for block in range(2048):  # ascending, as the block manager hands them out
+        for layer, cache in enumerate(caches):
+            cache[:, block].fill_(float(layer * 4096 + block))
+    assert prefault.idle.wait(120)
+    for layer, cache in enumerate(caches):
+        want = (torch.arange(2048, dtype=torch.float32) + layer * 4096).view(1, -1, 1, 1, 1)
+        assert torch.equal(cache, want.expand_as(cache))
+
+
+def test_a_freed_pool_ends_the_thread() -> None:
+    """The thread holds the pools weakly: dropping them ends it, and a pool that is not
+    a contiguous ``(2, num_blocks, ...)`` tensor is refused."""
+    prefault = BackgroundPrefault(chunk_bytes=4 << 10)
+    prefault.add(torch.empty(2, 4096, 16, 2, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        prefault.add(torch.empty(4096, 2, 16).transpose(0, 1))
+    gc.collect()
+    assert prefault.idle.wait(60)
+
+
+def _resident_blocks(cache: torch.Tensor, half: int) -> list[bool]:
+    """Whether each block of ``cache[half]`` is wholly resident (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = 4096
+    part = cache[half]
+    block_bytes = part[0].numel() * part.element_size()
+    start = part.data_ptr() // page * page
+    end = part.data_ptr() + part.numel() * part.element_size()
+    flags = ctypes.create_string_buffer((end - start + page - 1) // page)
+    assert libc.mincore(start, end - start, flags) == 0, ctypes.get_errno()
+    bits = [b & 1 for b in flags.raw]
+    blocks = []
+    for b in range(part.shape[0]):
+        lo = (part.data_ptr() + b * block_bytes - start) // page
+        hi = (part.data_ptr() + (b + 1) * block_bytes - 1 - start) // page
+        blocks.append(all(bits[lo:hi + 1]))
+    return blocks
+
+
+@pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
+def test_only_a_margin_ahead_of_the_steps_is_made_resident() -> None:
+    """With a margin of 256 blocks, the first 256 blocks of both halves are resident
+    and the far end is not; once steps reach block 1000, blocks up to 1256 are."""
+    # 128 MiB, above glibc's largest mmap threshold: a fresh mapping, nothing resident
+    cache = torch.empty(2, 4096, 16, 4, 64)
+    prefault = BackgroundPrefault(ahead_bytes=256 * 2 * 16 * 4 * 64 * 4)
+    prefault.add(cache)
+    assert prefault.idle.wait(60)
+    for half in (0, 1):
+        blocks = _resident_blocks(cache, half)
+        assert all(blocks[:256]) and not any(blocks[512:]), half
+    prefault.reached(1000)
+    assert prefault.idle.wait(60)
+    for half in (0, 1):
+        blocks = _resident_blocks(cache, half)
+        assert all(blocks[:1256]) and not any(blocks[1600:]), half
+    prefault.stop()

@@ -23,9 +23,10 @@ ENV_DEFAULTS = {
     "wait_policy": "QUIRE_CPU_WAIT_POLICY",
     "kv_prefault": "QUIRE_CPU_KV_PREFAULT",
 }
-_BOOLS = ("compact", "native", "kv_prefault")
+_BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
-            "wait_policy": ("auto", "spin", "passive")}
+            "wait_policy": ("auto", "spin", "passive"),
+            "kv_prefault": ("background", "start", "off")}
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,16 @@ class CpuOptions:
     #: this engine's cores); ``OMP_WAIT_POLICY``, when set, wins
     #: (:func:`~quire.platforms.cpu.threads.choose_wait_policy`).
     wait_policy: str = "auto"
-    #: Write the whole KV pool once when it is allocated (the ``sdpa`` attention's; the
-    #: reference's faults in as ever), as vLLM and llama.cpp do,
-    #: instead of letting each page fault in on its first write. A fresh page's first
-    #: write costs the kernel (and under a hypervisor the host) a fault and a zeroing:
-    #: paid at start, the steps that first reach a page do not; the process's memory
-    #: is then the whole pool from the start (docs/bench.md, "first touch").
-    kv_prefault: bool = False
+    #: When the KV pool's pages become resident (the ``sdpa`` attention's pool; the
+    #: reference's faults in as ever). A fresh page's first write costs a fault, and
+    #: under a hypervisor that backs memory lazily a far dearer one in the host: paid
+    #: inside whichever step first reaches the page, unless done before.
+    #: ``background``: a thread on idle CPU populates the pool in the order blocks are
+    #: handed out, without writing it (:mod:`~quire.platforms.cpu.kv_prefault`);
+    #: ``start``: the whole pool written at allocation, as vLLM and llama.cpp do (the
+    #: start waits for it); ``off``: each page faults in on its first write, and the
+    #: resident memory follows use (docs/bench.md, "first touch").
+    kv_prefault: str = "background"
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from quire.interfaces.attention import AttentionBatch, check_attention_options
 from quire.ops.attention import ReferenceAttentionBackend
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault
 from quire.platforms.cpu.native import NativeKernels
 
 
@@ -114,22 +115,38 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
 
     name = "cpu-sdpa"
 
-    def __init__(self, native: NativeKernels | None = None, prefault: bool = False) -> None:
+    def __init__(self, native: NativeKernels | None = None,
+                 prefault: str = "background") -> None:
         #: The C decode kernel, when the platform could build it.
         self.native = native
-        #: Write each layer's KV pool once at allocation (the ``kv_prefault`` option).
+        #: When the KV pool's pages become resident (the ``kv_prefault`` option).
+        if prefault not in ("background", "start", "off"):
+            raise ValueError(f"prefault={prefault!r}: expected background, start or off")
         self.prefault = prefault
+        self._background: BackgroundPrefault | None = None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_size: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
-        """As the interface's, with every page written once when ``prefault`` (zeros,
-        over torch's threads), so that no step pays a page's first-touch fault."""
-        if not self.prefault:
-            return super().allocate_kv_cache(num_blocks, block_size, num_kv_heads,
-                                             head_size, dtype, device)
+        """As the interface's, with the pages made resident (:mod:`.kv_prefault`): at
+        once (``start``: zeros, over torch's threads), a margin ahead of the blocks
+        steps reach by a thread on idle CPU (``background``; :meth:`build_metadata`
+        reports how far steps got), or at each page's first write (``off``)."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-        return torch.zeros(shape, dtype=dtype, device=device)
+        if self.prefault == "start":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        if self.prefault == "background" and cache.device.type == "cpu":
+            if self._background is None:
+                self._background = BackgroundPrefault()
+            self._background.add(cache)
+        return cache
+
+    def wait_for_prefault(self, timeout: float | None = None) -> bool:
+        """Block until the background thread has caught up with the blocks steps have
+        reached plus its margin (True), or ``timeout`` seconds pass (False); True at
+        once in the other modes."""
+        return self._background is None or self._background.idle.wait(timeout)
 
     def build_metadata(self, batch: AttentionBatch) -> CpuSdpaMetadata:  # type: ignore[override]
         """Split the batch into decode, whole-prompt and prefixed-chunk groups and build
@@ -139,6 +156,8 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
             ``query_lens`` that disagree with the number of tokens).
         """
         _check_batch(batch)
+        if self._background is not None and batch.num_tokens:
+            self._background.reached(int(batch.slot_mapping.max()) // batch.block_size)
         q_lens = batch.query_lens
         seq_lens = batch.seq_lens.tolist()  # host tensors on this platform: no sync
         groups = []

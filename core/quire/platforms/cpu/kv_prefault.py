@@ -1,0 +1,206 @@
+"""The KV pool's pages made resident ahead of use, by a thread that runs on idle CPU.
+
+A fresh page's first write costs a fault, and under a hypervisor that backs guest memory
+lazily (or takes freed memory back: virtio-balloon free page reporting) a far dearer
+one in the host: seconds per GB on the firecracker VMs of docs/bench.md ("first
+touch"). A step that reaches a never-used KV block pays it inside the step. vLLM and
+llama.cpp write the whole pool at start, which the start then waits for (the cpu
+option ``kv_prefault=start``). :class:`BackgroundPrefault` is the default: the engine
+starts at once, and a thread at idle priority (``SCHED_IDLE``) keeps a margin of blocks
+resident ahead of the highest block used, in the order the block manager hands out
+never-used blocks (ascending ids), paid for with CPU time nobody else wanted: a server
+between requests, a host with cores the engine leaves idle. An engine that keeps every
+core busy (an offline batch whose OpenMP threads spin between products) leaves it none,
+and its steps fault pages in as without it.
+
+Pages are populated with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which faults a
+page in writable without writing it: blocks a step has already written keep their
+contents, so the thread needs no coordination with the steps. Where the call is missing,
+the pool faults in on first use (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+import weakref
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23
+#: Bytes of one tensor half populated per call: small, so that the thread, preempted
+#: while the kernel holds the process's mmap lock for the call, holds up a step's
+#: ``munmap`` by a fraction of a millisecond at most (16 pages; ~0.25 ms where the
+#: host backs them lazily).
+CHUNK_BYTES = 64 << 10
+#: How far ahead of the highest block used the pool is kept resident, all layers' keys
+#: and values together: a few seconds of new tokens at full speed for a small model,
+#: so the resident memory follows use (plus this) instead of becoming the whole pool.
+AHEAD_BYTES = 512 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def populate_write(address: int, length: int) -> bool:
+    """Fault ``[address, address + length)`` in writable without changing its contents
+    (the range is widened to whole pages). False where the OS cannot."""
+    if _MADVISE is None or length <= 0:
+        return False
+    start = address // _PAGE * _PAGE
+    end = -(-(address + length) // _PAGE) * _PAGE
+    if _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    logger.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(err))
+    return False
+
+
+def supported() -> bool:
+    """Whether this OS populates pages without writing them (probed on one page)."""
+    probe = torch.empty(_PAGE * 2, dtype=torch.uint8)
+    return populate_write(probe.data_ptr(), 1)
+
+
+class BackgroundPrefault:
+    """Keeps the KV tensors given to :meth:`add` resident a margin ahead of use.
+
+    Blocks are populated in ascending order, every layer's together, from one daemon
+    thread at idle priority, up to ``ahead_bytes`` (all layers' keys and values)
+    past the highest block a step has reached (:meth:`reached`), so the resident
+    memory follows use plus that margin rather than growing to the whole pool. The
+    thread holds the tensors weakly (a freed pool is not kept alive) and ends when
+    every tensor is resident or gone.
+    """
+
+    def __init__(self, ahead_bytes: int = AHEAD_BYTES,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.ahead_bytes = ahead_bytes
+        self.chunk_bytes = chunk_bytes
+        self._cond = threading.Condition()
+        #: [weak tensor, blocks per half, bytes per block, blocks done]
+        self._pending: list[list] = []
+        #: The highest block id a step has reached (-1: none yet).
+        self._frontier = -1
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: Set while the thread has caught up with the frontier plus the margin.
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def add(self, cache: torch.Tensor) -> None:
+        """Queue one layer's KV tensor: shape ``(2, num_blocks, ...)``, contiguous."""
+        if not cache.is_contiguous() or cache.dim() < 2 or cache.numel() == 0:
+            raise ValueError("BackgroundPrefault wants a contiguous (2, num_blocks, ...) "
+                             "tensor")
+        num_blocks = cache.shape[1]
+        block_bytes = cache[0, 0].numel() * cache.element_size()
+        with self._cond:
+            self._pending.append([weakref.ref(cache), num_blocks, block_bytes, 0])
+            self.idle.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="quire-kv-prefault")
+                self._thread.start()
+            self._cond.notify()
+
+    def reached(self, block: int) -> None:
+        """A step wrote block ``block``: keep the margin ahead of it."""
+        if block <= self._frontier:  # the common case, without the lock
+            return
+        with self._cond:
+            if block > self._frontier:
+                self._frontier = block
+                self.idle.clear()
+                self._cond.notify()
+
+    def stop(self) -> None:
+        """Ask the thread to end after its current call."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        _lower_priority()
+        while not self._stop.is_set():
+            with self._cond:
+                self._pending = [p for p in self._pending
+                                 if p[0]() is not None and p[3] < p[1]]
+                if not self._pending:
+                    self._thread = None
+                    self.idle.set()
+                    return
+                work = list(self._pending)
+                per_block = sum(2 * p[2] for p in work)
+                limit = self._frontier + 1 + max(1, self.ahead_bytes // per_block)
+                behind = [p for p in work if p[3] < min(limit, p[1])]
+                if not behind:
+                    self.idle.set()
+                    self._cond.wait(timeout=1.0)  # also notices freed pools
+                    continue
+            # One chunk of blocks per round for every layer, so that blocks are
+            # resident in all layers in the order the block manager hands them out.
+            step = max(1, self.chunk_bytes // max(p[2] for p in behind))
+            target = min(p[3] for p in behind) + step
+            for entry in behind:
+                cache = entry[0]()
+                if cache is None:
+                    continue
+                ok = self._populate(cache, entry, min(target, limit, entry[1]))
+                del cache
+                if not ok:
+                    logger.info("this OS cannot populate pages without writing them "
+                                "(MADV_POPULATE_WRITE, Linux 5.14+): KV pages fault in "
+                                "on first use")
+                    with self._cond:
+                        self._pending.clear()
+                    break
+        with self._cond:
+            self._thread = None
+            self.idle.set()
+
+    def _populate(self, cache: torch.Tensor, entry: list, upto: int) -> bool:
+        """Blocks ``[done, upto)`` of both halves, a chunk per call."""
+        _, num_blocks, block_bytes, done = entry
+        base, half = cache.data_ptr(), num_blocks * block_bytes
+        step = max(1, self.chunk_bytes // block_bytes)
+        while done < upto and not self._stop.is_set():
+            end = min(upto, done + step)
+            for offset in (0, half):  # keys, then values
+                if not populate_write(base + offset + done * block_bytes,
+                                      (end - done) * block_bytes):
+                    return False
+            done = entry[3] = end
+        return True
+
+
+def _lower_priority() -> None:
+    """Run the calling thread only on CPU nobody else wants (``SCHED_IDLE``; else the
+    lowest nice value)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
