@@ -69,8 +69,8 @@ def populate_write(address: int, length: int) -> bool:
     end = -(-(address + length) // _PAGE) * _PAGE
     if _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0:
         return True
-    err = ctypes.get_errno()
-    logger.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(err))
+    logger.info("madvise(MADV_POPULATE_WRITE) of %d bytes failed: %s", end - start,
+                os.strerror(ctypes.get_errno()))
     return False
 
 
@@ -167,9 +167,9 @@ class BackgroundPrefault:
                 ok = self._populate(cache, entry, min(target, limit, entry[1]))
                 del cache
                 if not ok:
-                    logger.info("this OS cannot populate pages without writing them "
-                                "(MADV_POPULATE_WRITE, Linux 5.14+): KV pages fault in "
-                                "on first use")
+                    logger.info("populating the KV pool ahead of use stopped: "
+                                "madvise(MADV_POPULATE_WRITE) failed (it needs Linux "
+                                "5.14+); its pages fault in on first use")
                     with self._cond:
                         self._pending.clear()
                     break
