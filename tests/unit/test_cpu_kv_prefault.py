@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import subprocess
 import sys
 
@@ -131,8 +132,11 @@ def _resident_blocks(cache: torch.Tensor, half: int) -> list[bool]:
 def test_only_a_margin_ahead_of_the_steps_is_made_resident() -> None:
     """With a margin of 256 blocks, the first 256 blocks of both halves are resident
     and the far end is not; once steps reach block 1000, blocks up to 1256 are."""
-    # 128 MiB, above glibc's largest mmap threshold: a fresh mapping, nothing resident
-    cache = torch.empty(2, 4096, 16, 4, 64)
+    # 128 MiB over a mapping of its own, so nothing of it is resident yet (torch.empty
+    # may hand back memory the allocator of this long process kept)
+    region = mmap.mmap(-1, 2 * 4096 * 16 * 4 * 64 * 4,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cache = torch.frombuffer(region, dtype=torch.float32).view(2, 4096, 16, 4, 64)
     prefault = BackgroundPrefault(ahead_bytes=256 * 2 * 16 * 4 * 64 * 4)
     prefault.add(cache)
     assert prefault.idle.wait(60)
@@ -145,3 +149,5 @@ def test_only_a_margin_ahead_of_the_steps_is_made_resident() -> None:
         blocks = _resident_blocks(cache, half)
         assert all(blocks[:1256]) and not any(blocks[1600:]), half
     prefault.stop()
+    assert prefault.idle.wait(60)
+    del cache
