@@ -27,11 +27,15 @@ import os
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
+#: The ``kv_prefault`` option's values (:class:`~quire.platforms.cpu.options.CpuOptions`).
+MODES = ("background", "start", "off")
 MADV_POPULATE_WRITE = 23
 #: Bytes of one tensor half populated per call: small, so that the thread, preempted
 #: while the kernel holds the process's mmap lock for the call, holds up a step's
@@ -76,6 +80,8 @@ def populate_write(address: int, length: int) -> bool:
 
 def supported() -> bool:
     """Whether this OS populates pages without writing them (probed on one page)."""
+    import torch
+
     probe = torch.empty(_PAGE * 2, dtype=torch.uint8)
     return populate_write(probe.data_ptr(), 1)
 

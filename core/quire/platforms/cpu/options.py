@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from quire.platforms.cpu.isa import LEVEL_NAMES
+from quire.platforms.cpu.kv_prefault import MODES as PREFAULT_MODES
 
 #: Option -> the environment variable that may set its default.
 ENV_DEFAULTS = {
@@ -26,7 +27,7 @@ ENV_DEFAULTS = {
 _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
-            "kv_prefault": ("background", "start", "off")}
+            "kv_prefault": PREFAULT_MODES}
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class CpuOptions:
     #: reference's faults in as ever). A fresh page's first write costs a fault, and
     #: under a hypervisor that backs memory lazily a far dearer one in the host: paid
     #: inside whichever step first reaches the page, unless done before.
-    #: ``background``: a thread on idle CPU populates the pool in the order blocks are
-    #: handed out, without writing it (:mod:`~quire.platforms.cpu.kv_prefault`);
+    #: ``background``: a thread on idle CPU keeps 512 MiB of the pool populated ahead
+    #: of the blocks steps have reached, without writing it
+    #: (:mod:`~quire.platforms.cpu.kv_prefault`);
     #: ``start``: the whole pool written at allocation, as vLLM and llama.cpp do (the
     #: start waits for it); ``off``: each page faults in on its first write, and the
     #: resident memory follows use (docs/bench.md, "first touch").

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from quire.interfaces.attention import AttentionBatch, check_attention_options
 from quire.ops.attention import ReferenceAttentionBackend
+from quire.platforms.cpu.kv_prefault import MODES as PREFAULT_MODES
 from quire.platforms.cpu.kv_prefault import BackgroundPrefault
 from quire.platforms.cpu.native import NativeKernels
 
@@ -120,8 +121,9 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
         #: The C decode kernel, when the platform could build it.
         self.native = native
         #: When the KV pool's pages become resident (the ``kv_prefault`` option).
-        if prefault not in ("background", "start", "off"):
-            raise ValueError(f"prefault={prefault!r}: expected background, start or off")
+        if prefault not in PREFAULT_MODES:
+            raise ValueError(f"prefault={prefault!r}: expected one of "
+                             f"{', '.join(PREFAULT_MODES)}")
         self.prefault = prefault
         self._background: BackgroundPrefault | None = None
 
