@@ -2,8 +2,7 @@
 
 A fresh page's first write costs a fault, and under a hypervisor that backs guest memory
 lazily (or takes freed memory back: virtio-balloon free page reporting) a far dearer
-one in the host: seconds per GB on the firecracker VMs of docs/bench.md ("first
-touch"). A step that reaches a never-used KV block pays it inside the step. vLLM and
+one in the host (docs/bench.md, "first touch", has the figures). A step that reaches a never-used KV block pays it inside the step. vLLM and
 llama.cpp write the whole pool at start, which the start then waits for (the cpu
 option ``kv_prefault=start``). :class:`BackgroundPrefault` is the default: the engine
 starts at once, and a thread at idle priority (``SCHED_IDLE``) keeps a margin of blocks
@@ -27,6 +26,7 @@ import os
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,8 +39,7 @@ MODES = ("background", "start", "off")
 MADV_POPULATE_WRITE = 23
 #: Bytes of one tensor half populated per call: small, so that the thread, preempted
 #: while the kernel holds the process's mmap lock for the call, holds up a step's
-#: ``munmap`` by a fraction of a millisecond at most (16 pages; ~0.25 ms where the
-#: host backs them lazily).
+#: ``munmap`` by a fraction of a millisecond at most (16 pages).
 CHUNK_BYTES = 64 << 10
 #: How far ahead of the highest block used the pool is kept resident, all layers' keys
 #: and values together: a few seconds of new tokens at full speed for a small model,
@@ -86,6 +85,20 @@ def supported() -> bool:
     return populate_write(probe.data_ptr(), 1)
 
 
+@dataclass
+class _Pool:
+    """One layer's KV tensor as the thread sees it."""
+
+    #: the tensor, held weakly so that a freed pool is not kept alive
+    cache: weakref.ref
+    #: blocks in each half (keys, values)
+    num_blocks: int
+    #: bytes of one block in one half
+    block_bytes: int
+    #: blocks ``[0, done)`` of both halves are resident
+    done: int = 0
+
+
 class BackgroundPrefault:
     """Keeps the KV tensors given to :meth:`add` resident a margin ahead of use.
 
@@ -102,8 +115,7 @@ class BackgroundPrefault:
         self.ahead_bytes = ahead_bytes
         self.chunk_bytes = chunk_bytes
         self._cond = threading.Condition()
-        #: [weak tensor, blocks per half, bytes per block, blocks done]
-        self._pending: list[list] = []
+        self._pending: list[_Pool] = []
         #: The highest block id a step has reached (-1: none yet).
         self._frontier = -1
         self._thread: threading.Thread | None = None
@@ -117,10 +129,10 @@ class BackgroundPrefault:
         if not cache.is_contiguous() or cache.dim() < 2 or cache.numel() == 0:
             raise ValueError("BackgroundPrefault wants a contiguous (2, num_blocks, ...) "
                              "tensor")
-        num_blocks = cache.shape[1]
-        block_bytes = cache[0, 0].numel() * cache.element_size()
+        pool = _Pool(weakref.ref(cache), cache.shape[1],
+                     cache[0, 0].numel() * cache.element_size())
         with self._cond:
-            self._pending.append([weakref.ref(cache), num_blocks, block_bytes, 0])
+            self._pending.append(pool)
             self.idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -149,28 +161,28 @@ class BackgroundPrefault:
         while not self._stop.is_set():
             with self._cond:
                 self._pending = [p for p in self._pending
-                                 if p[0]() is not None and p[3] < p[1]]
+                                 if p.cache() is not None and p.done < p.num_blocks]
                 if not self._pending:
                     self._thread = None
                     self.idle.set()
                     return
                 work = list(self._pending)
-                per_block = sum(2 * p[2] for p in work)
+                per_block = sum(2 * p.block_bytes for p in work)
                 limit = self._frontier + 1 + max(1, self.ahead_bytes // per_block)
-                behind = [p for p in work if p[3] < min(limit, p[1])]
+                behind = [p for p in work if p.done < min(limit, p.num_blocks)]
                 if not behind:
                     self.idle.set()
                     self._cond.wait(timeout=1.0)  # also notices freed pools
                     continue
             # One chunk of blocks per round for every layer, so that blocks are
             # resident in all layers in the order the block manager hands them out.
-            step = max(1, self.chunk_bytes // max(p[2] for p in behind))
-            target = min(p[3] for p in behind) + step
-            for entry in behind:
-                cache = entry[0]()
+            step = max(1, self.chunk_bytes // max(p.block_bytes for p in behind))
+            target = min(p.done for p in behind) + step
+            for pool in behind:
+                cache = pool.cache()
                 if cache is None:
                     continue
-                ok = self._populate(cache, entry, min(target, limit, entry[1]))
+                ok = self._populate(cache, pool, min(target, limit, pool.num_blocks))
                 del cache
                 if not ok:
                     logger.info("populating the KV pool ahead of use stopped: "
@@ -183,18 +195,18 @@ class BackgroundPrefault:
             self._thread = None
             self.idle.set()
 
-    def _populate(self, cache: torch.Tensor, entry: list, upto: int) -> bool:
-        """Blocks ``[done, upto)`` of both halves, a chunk per call."""
-        _, num_blocks, block_bytes, done = entry
-        base, half = cache.data_ptr(), num_blocks * block_bytes
-        step = max(1, self.chunk_bytes // block_bytes)
-        while done < upto and not self._stop.is_set():
-            end = min(upto, done + step)
+    def _populate(self, cache: torch.Tensor, pool: _Pool, upto: int) -> bool:
+        """Blocks ``[pool.done, upto)`` of both halves, a chunk per call."""
+        size = pool.block_bytes
+        base, half = cache.data_ptr(), pool.num_blocks * size
+        step = max(1, self.chunk_bytes // size)
+        while pool.done < upto and not self._stop.is_set():
+            end = min(upto, pool.done + step)
             for offset in (0, half):  # keys, then values
-                if not populate_write(base + offset + done * block_bytes,
-                                      (end - done) * block_bytes):
+                if not populate_write(base + offset + pool.done * size,
+                                      (end - pool.done) * size):
                     return False
-            done = entry[3] = end
+            pool.done = end
         return True
 
 
