@@ -173,6 +173,52 @@ def test_prefix_caching_off_names_nothing():
     assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 5])) == []
 
 
+def test_pages_used_before_are_taken_before_never_used_ones_latest_first():
+    """A host pool's never-used page costs a fault at its first write, so a released page
+    is handed out again before the pool's untouched part grows."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a, b = make_seq([1, 2, 3, 4]), make_seq([5, 6, 7])
+    compute(bm, a)
+    compute(bm, b)
+    assert a.block_table + b.block_table == [0, 1, 2, 3]  # never-used pages in id order
+    assert bm.num_never_used_blocks == 4
+    bm.free(a)  # releases 1, then 0 (last-first)
+    c = make_seq([9] * 6)
+    compute(bm, c)
+    assert c.block_table == [0, 1, 4]  # the latest released first, then page 4
+    assert bm.num_never_used_blocks == 3
+    bm.check_invariants([b, c])
+
+
+def test_never_used_pages_are_taken_before_cached_ones_are_evicted():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2, 3, 4])
+    compute(bm, a)
+    bm.free(a)
+    b = make_seq([5, 6, 7, 8])
+    compute(bm, b)
+    assert b.block_table == [2, 3] and bm.num_evictions == 0
+    assert bm.find_cached_prefix(make_seq([1, 2, 3, 4, 0])) == [0, 1]
+    c = make_seq([9, 9])
+    compute(bm, c)
+    assert bm.num_evictions == 1 and bm.num_never_used_blocks == 0
+    bm.check_invariants([b, c])
+
+
+def test_invariant_check_catches_a_never_used_page_in_a_table():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2])
+    compute(bm, a)
+    bm._ref_count[3] = 1  # corrupt on purpose: a page past the used ones, held
+    a.block_table.append(3)
+    with pytest.raises(AssertionError, match="!= total"):
+        bm.check_invariants([a])
+    bm._ref_count[3], bm._ref_count[0] = 0, 0  # counts balance, the state does not
+    bm._fresh_from = 0
+    with pytest.raises(AssertionError, match="past the used ones"):
+        bm.check_invariants()
+
+
 def test_invariant_check_catches_a_wrong_ref_count():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq([1, 2, 3])

@@ -5,7 +5,7 @@ Every page is in exactly one of three states:
 ==========  ==========  =============  ===================================================
 state       ref_count   block_hash     where
 ==========  ==========  =============  ===================================================
-free        0           None           ``_free`` (taken first when a page is needed)
+free        0           None           ``_free`` if used before, else past ``_fresh_from``
 cached      0           set            ``_evictable`` (LRU order) and ``_by_hash``
 used        > 0         set or None    some sequences' block tables (``_by_hash`` if set)
 ==========  ==========  =============  ===================================================
@@ -15,6 +15,12 @@ ids, so equal hashes mean equal whole prefixes. A new sequence takes the longest
 cached pages without copying (ref count + 1); pages nobody uses keep their contents and
 stay findable until a new page is needed and none is free, then the least recently
 released is evicted.
+
+A new page is a free page used before (the latest released first), else a never-used one
+in id order. Pages used before are resident and likely in the CPU's caches; a never-used
+page of a host pool costs a page fault at its first write, dear under a hypervisor
+(docs/bench.md, "first touch"), so the pool's touched part grows only when its free
+pages run out.
 
 Only the scheduler calls the mutating methods; it owns the sequences whose
 ``block_table`` and ``block_hashes`` this class writes.
@@ -48,8 +54,11 @@ class BlockManager:
         # Per-page state as flat lists, not objects: an engine may have a million pages.
         self._ref_count = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
-        # Free pages, used in id order: a dict keeps insertion order and removes in O(1).
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # Free pages used before: a dict keeps insertion order (popitem takes the latest)
+        # and removes in O(1).
+        self._free: dict[int, None] = {}
+        # Pages [_fresh_from, num_blocks) were never used; they are free too.
+        self._fresh_from = 0
         # Cached pages with no user, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
@@ -68,7 +77,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Pages a sequence could take now (free and evictable)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self.num_blocks - self._fresh_from + len(self._evictable)
+
+    @property
+    def num_never_used_blocks(self) -> int:
+        """Free pages no sequence has held yet (the highest ids)."""
+        return self.num_blocks - self._fresh_from
 
     @property
     def num_cached_blocks(self) -> int:
@@ -158,7 +172,7 @@ class BlockManager:
                 - len(seq.block_table)
             if new_needed <= 0:
                 return True
-            if new_needed > len(self._free) + len(self._evictable):
+            if new_needed > self.num_free_blocks:
                 return False
             seq.block_table.extend(self._take_new() for _ in range(new_needed))
             return True
@@ -199,8 +213,10 @@ class BlockManager:
 
     def _take_new(self) -> int:
         if self._free:
-            block_id = next(iter(self._free))
-            del self._free[block_id]
+            block_id, _ = self._free.popitem()
+        elif self._fresh_from < self.num_blocks:
+            block_id = self._fresh_from
+            self._fresh_from += 1
         else:
             block_id, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash[block_id]]  # type: ignore[arg-type]
@@ -242,19 +258,23 @@ class BlockManager:
         each page's ref count equals the number of tables that hold it.
         """
         n_used = sum(1 for r in self._ref_count if r > 0)
-        if len(self._free) + len(self._evictable) + n_used != self.num_blocks:
+        n_free = len(self._free) + self.num_never_used_blocks
+        if n_free + len(self._evictable) + n_used != self.num_blocks:
             raise AssertionError(
-                f"free {len(self._free)} + cached {len(self._evictable)} + used {n_used} "
+                f"free {n_free} + cached {len(self._evictable)} + used {n_used} "
                 f"!= total {self.num_blocks}"
             )
         for b, (ref, h) in enumerate(zip(self._ref_count, self._hash)):
             page = f"page {b} (ref {ref}, hash {h})"
             if ref < 0:
                 raise AssertionError(f"{page} has a negative ref count")
+            never_used = b >= self._fresh_from
             in_free, in_evictable = b in self._free, b in self._evictable
+            if never_used and (ref or h is not None or in_free or in_evictable):
+                raise AssertionError(f"{page} is past the used ones yet not plainly free")
             if ref > 0 and (in_free or in_evictable):
                 raise AssertionError(f"{page} is used yet listed as free or cached")
-            if ref == 0 and h is None and not in_free:
+            if ref == 0 and h is None and not (in_free or never_used):
                 raise AssertionError(f"{page} is unused and unnamed but not in the free list")
             if ref == 0 and h is not None and not in_evictable:
                 raise AssertionError(f"{page} is unused and cached but not evictable")
