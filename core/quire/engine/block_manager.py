@@ -77,7 +77,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Pages a sequence could take now (free and evictable)."""
-        return len(self._free) + self.num_blocks - self._fresh_from + len(self._evictable)
+        return len(self._free) + self.num_never_used_blocks + len(self._evictable)
 
     @property
     def num_never_used_blocks(self) -> int:

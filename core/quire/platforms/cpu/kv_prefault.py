@@ -2,13 +2,14 @@
 
 A fresh page's first write costs a fault, and under a hypervisor that backs guest memory
 lazily (or takes freed memory back: virtio-balloon free page reporting) a far dearer
-one in the host (docs/bench.md, "first touch", has the figures). A step that reaches a never-used KV block pays it inside the step. vLLM and
-llama.cpp write the whole pool at start, which the start then waits for (the cpu
-option ``kv_prefault=start``). :class:`BackgroundPrefault` is the default: the engine
-starts at once, and a thread at idle priority (``SCHED_IDLE``) keeps a margin of blocks
-resident ahead of the highest block used, in the order the block manager hands out
-never-used blocks (ascending ids), paid for with CPU time nobody else wanted: a server
-between requests, a host with cores the engine leaves idle. An engine that keeps every
+one in the host (docs/bench.md, "first touch", has the figures). A step that reaches a
+never-used KV block pays it inside the step. vLLM and llama.cpp write the whole pool at
+start, which the start then waits for (the cpu option ``kv_prefault=start``).
+:class:`BackgroundPrefault` is the default: the engine starts at once, and a thread at
+idle priority (``SCHED_IDLE``) keeps a margin of blocks resident ahead of the highest
+block used, in the order the block manager hands out never-used blocks (ascending ids),
+paid for with CPU time nobody else wanted: a server between requests, a host with cores
+the engine leaves idle. An engine that keeps every
 core busy (an offline batch whose OpenMP threads spin between products) leaves it none,
 and its steps fault pages in as without it.
 
