@@ -151,3 +151,43 @@ def test_only_a_margin_ahead_of_the_steps_is_made_resident() -> None:
     prefault.stop()
     assert prefault.idle.wait(60)
     del cache
+
+
+# The exit the SIGABRT came from: the thread holds the last reference to a pool when the
+# script's last line has run, frees it (a long munmap, without the GIL) while the
+# interpreter begins to finalize, and asks for the GIL back too late. Before the thread
+# was joined at exit this aborted every time ("terminate called without an active
+# exception", exit -6).
+_EXIT_WHILE_FREEING = """
+import time, torch
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault
+def main():
+    prefault = BackgroundPrefault(ahead_bytes=1 << 40)
+    pools = [torch.empty(2, 1024, 1 << 20, dtype=torch.uint8)]  # 2 GiB
+    prefault.add(pools[0])
+    time.sleep(1.0)  # the thread populates, holding the pool during each call
+    del pools
+    time.sleep(0.02)  # the thread drops the last reference and frees the pool
+main()
+"""
+
+
+@pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
+def test_the_process_exits_cleanly_while_the_thread_frees_a_pool() -> None:
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _EXIT_WHILE_FREEING],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (out.returncode, out.stderr)
+        assert "terminate called" not in out.stderr
+
+
+def test_close_ends_the_thread_and_no_add_restarts_it() -> None:
+    prefault = BackgroundPrefault(ahead_bytes=1 << 40, chunk_bytes=4 << 10)
+    cache = torch.empty(2, 4096, 16, 2, 32)  # 32 MiB in 4 KiB calls: still running
+    prefault.add(cache)
+    thread = prefault._thread
+    assert thread is not None
+    prefault.close()
+    assert not thread.is_alive()
+    prefault.add(torch.empty(2, 16, 16))
+    assert prefault._thread is None

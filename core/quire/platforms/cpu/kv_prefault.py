@@ -17,10 +17,18 @@ Pages are populated with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which f
 page in writable without writing it: blocks a step has already written keep their
 contents, so the thread needs no coordination with the steps. Where the call is missing,
 the pool faults in on first use (logged once).
+
+The thread is stopped and joined at interpreter exit (an ``atexit`` handler, which runs
+while the interpreter is still whole), never left to finalization: a daemon thread that
+drops the last reference to a KV tensor frees it with the GIL released, and one that
+then asks for the GIL back during finalization is ended by ``pthread_exit``, whose
+unwinding through torch's C++ frames calls ``std::terminate`` (the SIGABRT, "terminate
+called without an active exception", that ``quire generate`` hit at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -135,9 +143,10 @@ class BackgroundPrefault:
         with self._cond:
             self._pending.append(pool)
             self.idle.clear()
-            if self._thread is None:
+            if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="quire-kv-prefault")
+                _LIVE.add(self)
                 self._thread.start()
             self._cond.notify()
 
@@ -156,6 +165,19 @@ class BackgroundPrefault:
         self._stop.set()
         with self._cond:
             self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the thread and wait for it to end (one chunk's call at most). The
+        thread is put back at normal priority first, so that a host whose CPUs other
+        processes keep busy cannot starve it of the little it needs to stop."""
+        self.stop()
+        with self._cond:
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        while thread.is_alive():
+            _restore_priority(thread)
+            thread.join(0.1)
 
     def _run(self) -> None:
         _lower_priority()
@@ -209,6 +231,27 @@ class BackgroundPrefault:
                     return False
             pool.done = end
         return True
+
+
+#: Every instance whose thread may be running, for :func:`_close_all` at exit.
+_LIVE: weakref.WeakSet[BackgroundPrefault] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Join every prefault thread before the interpreter finalizes (module docstring)."""
+    for prefault in list(_LIVE):
+        prefault.close()
+
+
+def _restore_priority(thread: threading.Thread) -> None:
+    """Put ``thread`` back under the normal policy (Linux takes a thread id here)."""
+    if thread.native_id is None:
+        return
+    try:
+        os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _lower_priority() -> None:
