@@ -125,11 +125,14 @@ class CpuPlatform(Platform):
         self._step_threads = StepThreads(chosen) if switch else None
         wanted = host_wait_policy(self.options.wait_policy, os.environ)
         if wanted.policy == "passive" and not passive_waiting(os.environ):
-            # torch (so OpenMP) was loaded before the engine: an in-process LLM
-            logger.warning("cpu platform: OpenMP threads should wait passively here (%s), "
-                           "but this process loaded OpenMP spinning; run the engine in its "
-                           "own process (quire serve), or set %s=PASSIVE before starting "
-                           "Python", wanted.reason, WAIT_ENV)
+            # torch (so OpenMP) was loaded before the engine (an in-process engine:
+            # LLM(...), quire generate): too late to change, and nothing is wrong, so
+            # a hint the user can act on, and the why in the debug log.
+            logger.info("cpu platform: steps may be faster with %s=PASSIVE set before "
+                        "the command starts (see the debug log)", WAIT_ENV)
+            logger.debug("cpu platform: OpenMP threads should wait passively here (%s), "
+                         "but OpenMP was loaded spinning before the engine started",
+                         wanted.reason)
 
     def details(self) -> list[str]:
         """The C kernels this host runs (loaded, as an engine start would), how the
