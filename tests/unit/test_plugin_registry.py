@@ -521,7 +521,7 @@ def test_duplicate_installed_platform_is_a_usage_error(
     monkeypatch.syspath_prepend(str(plugin_sites.duplicate))
     assert main(["plugins"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("quire: error: platform 'testdev' is provided twice")
+    assert err.startswith("quire plugins: error: platform 'testdev' is provided twice")
     assert "quire-dupplatform==0.2.0" in err and "quire-testplatform==0.1.0" in err
     # The remedy the message suggests works, before or after the subcommand.
     assert main(["plugins", "--disable-plugins", "dupplatform"]) == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
 
 import pytest
 from quire.entrypoints.cli import build_parser, main, parse_args
@@ -41,7 +43,7 @@ def serve(monkeypatch, tmp_path):
 
     def run(*flags: str) -> dict[str, dict]:
         with pytest.raises(_Stop):
-            main(["serve", "--model", str(tmp_path), *flags])
+            main(["serve", "--model", str(tmp_path), "--port", "0", *flags])
         return seen
 
     return run
@@ -107,7 +109,7 @@ def test_config_file_sets_the_server_flags_and_wins_over_the_environment(
 def test_a_bad_value_is_one_line_naming_its_flag(serve, capsys, flags, named):
     assert main(["serve", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"quire: error: {named}: "), lines
+    assert len(lines) == 1 and lines[0].startswith(f"quire serve: error: {named}: "), lines
 
 
 def test_the_engine_core_runs_in_its_own_process_unless_asked(serve, monkeypatch):
@@ -127,5 +129,153 @@ def test_the_engine_core_runs_in_its_own_process_unless_asked(serve, monkeypatch
 def test_bad_process_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, words):
     assert main(["serve", "--model", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("quire: error:") and "\n" not in err
+    assert err.startswith("quire serve: error:") and "\n" not in err
     assert all(w in err for w in words), err
+
+
+# -- refused before anything loads ---------------------------------------------------------
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if ``quire serve`` fetches the model or starts an engine."""
+    def loaded(*args, **kw):
+        raise AssertionError("the model was fetched or loaded before the flags were checked")
+
+    monkeypatch.setattr("quire.hub.fetch_model", loaded)
+    monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start", loaded)
+    monkeypatch.setattr("quire.engine.core_proc.CoreProcesses.__init__", loaded)
+    monkeypatch.setattr("quire.engine.LLMEngine", loaded)
+    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)
+
+
+def _one_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_a_port_out_of_range_is_one_line_naming_port(nothing_loads, capsys, port):
+    assert main(["serve", "--port", port]) == 2
+    assert _one_line(capsys).startswith("quire serve: error: --port: must be 0-65535")
+
+
+@pytest.mark.parametrize("layout", [[], ["--api-server-count", "2"], ["--engine-in-process"],
+                                    ["--data-parallel-size", "2"]])
+def test_a_port_in_use_is_refused_naming_the_address_before_the_model_loads(
+        nothing_loads, capsys, tmp_path, layout):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path), "--port", str(port), *layout]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"quire serve: error: --port: 127.0.0.1:{port} is already in use")
+
+
+def test_a_host_that_does_not_resolve_is_named(nothing_loads, capsys, tmp_path, monkeypatch):
+    def getaddrinfo(host, *args):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert main(["serve", "--model", str(tmp_path), "--host", "nosuch.invalid"]) == 2
+    assert _one_line(capsys).startswith(
+        "quire serve: error: --host: cannot resolve 'nosuch.invalid'")
+
+
+def test_a_host_not_of_this_machine_is_named(nothing_loads, capsys, tmp_path):
+    assert main(["serve", "--model", str(tmp_path), "--host", "192.0.2.1", "--port", "0"]) == 2
+    assert _one_line(capsys).startswith(
+        "quire serve: error: --host: cannot bind 192.0.2.1:0: '192.0.2.1' is not an address")
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, ["--chat-template: cannot read", "No such file"]),
+    ("  \n", ["--chat-template:", "is empty"]),
+    ("{% for m in messages %}{{ m.content }", ["--chat-template:", "line 1", "not a valid Jinja"]),
+])
+def test_a_bad_chat_template_is_refused_before_the_model_loads(
+        nothing_loads, capsys, tmp_path, text, words):
+    path = tmp_path / "chat.jinja"
+    if text is not None:
+        path.write_text(text)
+    assert main(["serve", "--model", str(tmp_path), "--chat-template", str(path)]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("quire serve: error: --chat-template: ")
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--served-model-name", ""], "--served-model-name"),
+    (["--api-key", " "], "--api-key"),
+    (["--device", "nope"], "--device"),
+    (["--engine-in-process", "--data-parallel-size", "2"], "--engine-in-process"),
+])
+def test_other_flags_are_refused_before_the_model_loads(nothing_loads, capsys, tmp_path,
+                                                        flags, named):
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    assert _one_line(capsys).startswith(f"quire serve: error: {named}: ")
+
+
+def test_the_chat_template_reaches_the_app(serve, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert serve("--chat-template", str(path))["app"]["chat_template"] == path.read_text()
+
+
+# -- the socket bound first is the one served on -------------------------------------------
+class _FakeServer:
+    """uvicorn's server as ``serve`` drives it: ``run(sockets)``, then ``on_started``."""
+
+    seen: dict[str, object] = {}
+
+    def __init__(self, config, engine, drain_s, on_started=None) -> None:
+        self.on_started = on_started
+
+    def run(self, sockets=None) -> None:
+        (sock,) = sockets
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass  # it listens already
+        _FakeServer.seen["port"] = sock.getsockname()[1]
+        _FakeServer.seen["socket"] = sock
+        self.on_started()
+
+
+def test_serve_hands_the_bound_socket_to_uvicorn_and_reports_the_port(
+        serve, monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr("uvicorn.Config", lambda app, **kw: "config")
+    monkeypatch.setattr("quire.entrypoints.cli.serve._graceful_server_class",
+                        lambda: _FakeServer)
+    monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry, client: object())
+
+    class Engine:
+        failure = None
+
+    monkeypatch.setattr("quire.entrypoints.server.async_engine.AsyncEngine",
+                        lambda engine, **kw: Engine())
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+            assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
+    finally:
+        logger.removeHandler(caplog.handler)
+    port = _FakeServer.seen["port"]
+    assert port != 0
+    assert f"Uvicorn running on http://127.0.0.1:{port} (Press CTRL+C" in caplog.text
+    assert _FakeServer.seen["socket"].fileno() == -1  # closed once served
+
+
+def test_api_servers_get_the_socket_bound_before_the_cores_start(monkeypatch, tmp_path):
+    seen = {}
+
+    def run_api_servers(args, config, blocked, listener):
+        seen["address"] = listener.getsockname()
+        with socket.create_connection(listener.getsockname()[:2], timeout=5):
+            return 0
+
+    monkeypatch.setattr("quire.entrypoints.cli.serve_processes.run_api_servers",
+                        run_api_servers)
+    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)
+    assert main(["serve", "--model", str(tmp_path), "--port", "0",
+                 "--api-server-count", "2"]) == 0
+    assert seen["address"][0] == "127.0.0.1" and seen["address"][1] != 0

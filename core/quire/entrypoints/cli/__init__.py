@@ -71,13 +71,31 @@ def parse_args(parser: argparse.ArgumentParser,
                argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``, taking values from ``--config`` where the command line gives none.
 
-    :raises UsageError: for a bad config file; argparse's own errors exit as usual.
+    :raises UsageError: for a bad config file, with the chosen command as its ``prog``;
+        argparse's own errors exit as usual, with the usage of the command they concern.
     """
-    args = parser.parse_args(expand_bare_flags(parser, sys.argv[1:] if argv is None
-                                               else argv))
-    args = apply_config_file(parser, _chosen_command(args), args, argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    expanded = expand_bare_flags(parser, words)
+    args = _parse(parser, expanded)
+    command = _chosen_command(args)
+    try:
+        if apply_config_file(command, args):
+            args = _parse(parser, expanded)
+    except common.UsageError as exc:
+        exc.prog = command.prog
+        raise
     # what a command that starts copies of itself (serve's API servers) parses again
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = words
+    return args
+
+
+def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:
+    """``words`` parsed; a word no flag takes is reported by the innermost subcommand
+    (``quire serve: error: unrecognized arguments``, after serve's usage), where
+    ``parse_args`` would show quire's usage, which lists no flag of serve's."""
+    args, extras = parser.parse_known_args(words)
+    if extras:
+        _chosen_command(args).error(f"unrecognized arguments: {' '.join(extras)}")
     return args
 
 
@@ -89,10 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed help (0) or a usage error (2) already
         return exc.code if isinstance(exc.code, int) else 2
     except common.UsageError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return _report(exc, exc.prog or parser.prog)
     try:
         return args.run(args)
     except common.UsageError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return _report(exc, exc.prog or _chosen_command(args).prog)
+
+
+def _report(exc: common.UsageError, prog: str) -> int:
+    """Print ``exc`` in one line as argparse words its errors; the exit status 2."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    return 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -23,15 +23,15 @@ def add_config_option(parser: argparse.ArgumentParser) -> None:
                         help="YAML file of flag values (the command line wins)")
 
 
-def apply_config_file(parser: argparse.ArgumentParser, command: argparse.ArgumentParser,
-                      args: argparse.Namespace, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Re-parse ``argv`` with the file's values as ``command``'s defaults.
+def apply_config_file(command: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Make ``--config``'s values ``command``'s defaults; True when there was a file (the
+    command line must then be parsed again, for the defaults to take).
 
     :raises UsageError: for an unreadable file, a non-mapping, or an unknown key.
     """
     path = getattr(args, "config", None)
     if not path:
-        return args
+        return False
     values = _load(Path(path))
     flags = {a.dest: a for a in command._actions if a.dest not in _INTERNAL}
     defaults: dict[str, Any] = {}
@@ -40,14 +40,20 @@ def apply_config_file(parser: argparse.ArgumentParser, command: argparse.Argumen
         if dest not in flags:
             known = ", ".join(sorted(d.replace("_", "-") for d in flags))
             raise UsageError(f"--config {path}: unknown key {key!r}; known keys: {known}")
-        action = flags[dest]
-        # argparse converts string defaults with the flag's type, and only those
-        if isinstance(value, str) or action.type is None:
-            defaults[dest] = value
-        else:
-            defaults[dest] = action.type(str(value)) if not isinstance(value, bool) else value
+        defaults[dest] = _converted(flags[dest], value, f"--config {path}: {key}")
     command.set_defaults(**defaults)
-    return parser.parse_args(argv)
+    return True
+
+
+def _converted(action: argparse.Action, value: Any, where: str) -> Any:
+    """``value`` as the flag's type makes it. :raises UsageError: naming ``where``."""
+    # argparse converts string defaults with the flag's type, and only those
+    if isinstance(value, (str, bool)) or action.type is None:
+        return value
+    try:
+        return action.type(str(value))
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise UsageError(f"{where}: invalid value {value!r}: {exc}") from exc
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,7 +100,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                 kind = str
         default = f.default if f.default is not dataclasses.MISSING else None
         parser.add_argument(_flag(f.name), type=kind, default=default, metavar=f.name.upper(),
-                            help=f"{help_text} (default: {default})", **bare)
+                            help=_with_default(help_text, default), **bare)
+
+
+def _with_default(help_text: str, default: Any) -> str:
+    """``help_text`` stating the flag's default once: as the field's help words it where
+    it does (a None default means something: "the model's", "the platform's"; each such
+    field's help says what, which a test checks), else the value as the flag takes it
+    (``true``, not ``True``)."""
+    if "default: " in help_text or default is None:
+        return help_text
+    shown = str(default).lower() if isinstance(default, bool) else default
+    return f"{help_text} (default: {shown})"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -114,8 +126,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(**values)
     except ValueError as exc:
-        message = str(exc)
-        for name in values:
-            if message.startswith(name) or f" {name}" in message or f"{name}=" in message:
-                raise UsageError(f"{_flag(name)}: {message}") from exc
-        raise UsageError(message) from exc
+        raise engine_error(exc, anywhere=True) from exc
+
+
+def engine_error(exc: Exception, *, anywhere: bool = False) -> UsageError:
+    """``exc`` as a usage error that names the flag of the field it is about.
+
+    The field is the first one the message names as a word (``pooling applies to
+    embedding models`` is about ``--pooling``, not ``--model``). With ``anywhere`` false
+    (an error of loading, whose words may name a field in passing) only a message that
+    begins with the field counts: ``max_model_len=99999 exceeds the model's context``.
+    """
+    message = str(exc)
+    found = [(m.start(), name) for name in (f.name for f in dataclasses.fields(EngineConfig))
+             if (m := re.search(rf"\b{name}\b", message))]
+    at, name = min(found, default=(len(message), ""))
+    if name and (anywhere or at == 0):
+        return UsageError(f"{_flag(name)}: {message}")
+    return UsageError(message)

@@ -9,8 +9,9 @@ from typing import Any
 def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser = subparsers.add_parser(
         "models", help="list built-in model names and cached model files",
-        description="List the built-in model names (usable as --model) and whether each is "
-                    "cached, then any other model files in the cache.")
+        description="List the built-in model names (usable as --model), whether each is "
+                    "cached and what it serves (chat needs a chat template), then any "
+                    "other model files in the cache.")
     parser.set_defaults(run=run)
 
 
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         path = cached.pop(model.filename, None)
         status = f"cached at {path}" if path else "not cached (fetched on first use)"
         default = " (default)" if name == DEFAULT_MODEL else ""
-        print(f"{name}{default}: {status}")
+        print(f"{name}{default}: {status}; serves {model.serves}")
     for filename, path in sorted(cached.items()):
         print(f"{filename}: cached at {path} (use --model {path})")
     return 0

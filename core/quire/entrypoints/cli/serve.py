@@ -9,16 +9,23 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quire.entrypoints.cli.common import UsageError, open_registry
+from quire.entrypoints.cli.common import (
+    UsageError,
+    open_registry,
+    read_chat_template,
+    resolve_device,
+)
 from quire.entrypoints.cli.engine_options import (
     add_engine_options,
     engine_config_from_args,
+    engine_error,
 )
+from quire.entrypoints.cli.listener import bind_listener, check_port, url
 from quire.entrypoints.server.limits import (
     MIN_DEFAULT_PROMPT_BYTES,
     PROMPT_BYTES_PER_TOKEN,
@@ -63,27 +70,33 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions and friends.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (0: any free)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; 0.0.0.0 for every interface (default: "
+                             "%(default)s)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="port to bind, 0-65535; 0: any free one, told in the start "
+                             "line (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
                              f"${API_KEY_ENV}; prefer it or --config to this flag, which "
                              "'ps' shows to every user)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="requests queued beyond this get HTTP 503")
+                        help="requests queued beyond this get HTTP 503 (default: "
+                             "%(default)s)")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model gives it (vLLM's 'serve MODEL')")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: --model)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="a Jinja chat template file, instead of the tokenizer's")
+                        help="a Jinja chat template file, for a model that has none (or "
+                             "instead of its own) (default: the tokenizer's)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="for quire's and uvicorn's logs; 'info' writes one access "
-                             "line per request")
+                             "line per request (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long in-flight requests may run on "
-                             "before they are aborted")
+                             "before they are aborted (default: %(default)s)")
     parser.add_argument("--limit-concurrency", type=int, default=512, metavar="N",
                         help="most open connections (or requests in progress) before new "
                              "requests get HTTP 503; 0: no cap. 512 holds the waiting queue, "
@@ -153,7 +166,7 @@ def fetch_model_once(args: argparse.Namespace, config: EngineConfig) -> EngineCo
     try:
         fetched = fetch_model(config)
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        raise engine_error(exc) from exc
     if fetched.revision != config.revision:
         args.argv = [*args.argv, "--revision", fetched.revision]
     return fetched
@@ -184,6 +197,39 @@ def _dest(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check every flag, bind the port, then fetch the model and serve it.
+
+    Whatever the command line alone can refute is refused before the model is fetched or
+    loaded (a minute, for a large one), each in one line naming its flag; the listening
+    socket is bound then too, so a port in use is told at once.
+    """
+    check_server_flags(args)
+    limits = limits_from_args(args)
+    config = engine_config_from_args(args)
+    template = read_chat_template(args.chat_template)
+    _configure_logging(args.log_level)
+    registry = open_registry(args)
+    resolve_device(registry, config.device)
+    listener = bind_listener(args.host, args.port)
+    try:
+        config = fetch_model_once(args, config)
+        if args.api_server_count > 1:
+            from quire.entrypoints.cli.serve_processes import run_api_servers
+
+            return run_api_servers(args, config, registry.blocked, listener)
+        address = url(args.host, listener)
+        return serve(args, limits, config, registry, listener, chat_template=template,
+                     on_started=lambda: _announce(address))
+    finally:
+        listener.close()
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The checks of serve's own flags that need no model.
+
+    :raises UsageError: naming the first flag whose value is refused.
+    """
+    check_port(args.port)
     if args.shutdown_timeout < 0:
         raise UsageError("--shutdown-timeout: must be >= 0")
     if args.max_waiting_requests < 1:
@@ -192,40 +238,68 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--limit-concurrency: must be >= 0 (0: no cap)")
     if not args.timeout_keep_alive > 0:
         raise UsageError("--timeout-keep-alive: must be > 0")
+    for name in ("served_model_name", "api_key"):
+        value = getattr(args, name)
+        if value is not None and not str(value).strip():
+            raise UsageError(f"--{name.replace('_', '-')}: must not be empty")
     if args.api_server_count < 1:
         raise UsageError("--api-server-count: must be >= 1")
-    limits = limits_from_args(args)
-    config = fetch_model_once(args, engine_config_from_args(args))
-    if args.engine_in_process and (config.data_parallel_size > 1
+    if args.engine_in_process and (args.data_parallel_size > 1
                                    or args.api_server_count > 1):
         raise UsageError("--engine-in-process: runs one engine core in one API server; "
                          "drop it to use --data-parallel-size or --api-server-count")
-    _configure_logging(args.log_level)
-    registry = open_registry(args)
-    if args.api_server_count > 1:
-        from quire.entrypoints.cli.serve_processes import run_api_servers
 
-        return run_api_servers(args, config, registry.blocked)
-    return serve(args, limits, config, registry)
+
+def _announce(address: str) -> None:
+    """uvicorn's start line, which it writes only for a socket it bound itself."""
+    logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)",
+                                            address)
 
 
 def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
-          registry: PlatformRegistry, *, client: CoreClient | None = None,
-          fd: int | None = None, on_started: Callable[[], None] | None = None) -> int:
-    """One API server: its engine front, the app, uvicorn until a signal or a failure.
+          registry: PlatformRegistry, listener: socket.socket, *,
+          chat_template: str | None = None, client: CoreClient | None = None,
+          on_started: Callable[[], None] | None = None) -> int:
+    """One API server on ``listener``: its engine front, the app, uvicorn until a signal
+    or a failure.
 
+    :param listener: the bound, listening socket (shared with the other API servers
+        under ``--api-server-count``); uvicorn closes it when it stops.
+    :param chat_template: the Jinja text of ``--chat-template``.
     :param client: the engine cores to use (another process started them); by default
         they are started here (or built in this process with ``--engine-in-process``).
-    :param fd: a listening socket shared with other API servers, instead of binding.
     :param on_started: called once uvicorn serves.
     """
     import uvicorn
 
+    async_engine = _start_engine(args, limits, config, registry, client)
+    app = _create_app(args, limits, async_engine, chat_template)
+    # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
+    # the app's lifespan shutdown (which joins the engine thread) and returns; its own
+    # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
+    # middleware writes the access lines (with request id and tokens), so uvicorn's own
+    # access log is off.
+    uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                               timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                               **connection_options(args, limits))
+    server = _graceful_server_class()(uv_config, async_engine, args.shutdown_timeout,
+                                      on_started)
+    server.run(sockets=[listener])
+    if async_engine.failure is not None:  # a supervisor should restart us
+        logging.getLogger("quire").error("exiting: %s", async_engine.failure)
+        return 1
+    return 0
+
+
+def _start_engine(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
+                  registry: PlatformRegistry, client: CoreClient | None) -> AsyncEngine:
+    """The engine front over ``client`` (or cores started here, or one in this process).
+
+    :raises UsageError: the device or the checkpoint refused, in one line.
+    """
     from quire.engine import LLMEngine
-    from quire.entrypoints.server.app import create_app
     from quire.entrypoints.server.async_engine import AsyncEngine
 
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     try:
         if client is None and not args.engine_in_process:
             from quire.engine.core_proc import ProcCoreClient
@@ -235,32 +309,20 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
     except (ValueError, RuntimeError) as exc:
         if client is not None:
             client.shutdown()
-        raise UsageError(str(exc)) from exc
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
-                               max_stream_backlog=limits.max_stream_backlog,
-                               api_servers=args.api_server_count)
-    app = create_app(async_engine, args.served_model_name or args.model,
-                     api_key=api_key_from(args), limits=limits, chat_template=template,
-                     tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser)
-    # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
-    # the app's lifespan shutdown (which joins the engine thread) and returns; its own
-    # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
-    # middleware writes the access lines (with request id and tokens), so uvicorn's own
-    # access log is off.
-    where: dict[str, Any] = {"fd": fd} if fd is not None else {"host": args.host,
-                                                               "port": args.port}
-    uv_config = uvicorn.Config(app, **where, log_level=args.log_level,
-                            access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            **connection_options(args, limits))
-    server = _graceful_server_class()(uv_config, async_engine, args.shutdown_timeout,
-                                      on_started)
-    server.run()
-    if async_engine.failure is not None:  # a supervisor should restart us
-        logging.getLogger("quire").error("exiting: %s", async_engine.failure)
-        return 1
-    return 0
+        raise engine_error(exc) from exc
+    return AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
+                       max_stream_backlog=limits.max_stream_backlog,
+                       api_servers=args.api_server_count)
+
+
+def _create_app(args: argparse.Namespace, limits: ServerLimits, async_engine: AsyncEngine,
+                chat_template: str | None) -> Any:
+    from quire.entrypoints.server.app import create_app
+
+    return create_app(async_engine, args.served_model_name or args.model,
+                      api_key=api_key_from(args), limits=limits, chat_template=chat_template,
+                      tool_call_parser=args.tool_call_parser,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def _graceful_server_class() -> type:

@@ -1,8 +1,9 @@
 """``quire serve --api-server-count N``: N API server processes on one port, in front of
 the engine core processes, and this process watching them all.
 
-This process starts the cores (one per data-parallel replica), binds the listening socket
-and hands it to N API server processes (each a fresh interpreter running
+This process starts the cores (one per data-parallel replica) and hands the listening
+socket (bound before anything loaded: :mod:`quire.entrypoints.cli.listener`) to N API
+server processes (each a fresh interpreter running
 :func:`quire.entrypoints.cli.serve.serve` on that socket, connected to every core as
 front ``i``); the kernel spreads connections over them. It then only watches: a signal is
 passed on to the API servers (each drains its requests), after which the cores are told
@@ -27,6 +28,7 @@ import time
 from quire.config import EngineConfig
 from quire.engine.core_proc import CoreProcesses
 from quire.entrypoints.cli.common import UsageError
+from quire.entrypoints.cli.listener import url
 from quire.entrypoints.server.metrics import MULTIPROC_DIR_ENV
 from quire.executor.multiproc import die_with_parent, reap
 
@@ -40,14 +42,10 @@ FAIL_GRACE_S = 10.0
 
 
 def run_api_servers(args: argparse.Namespace, config: EngineConfig,
-                    blocked: frozenset[str]) -> int:
-    """Run the cores and ``args.api_server_count`` API servers until a signal or a death."""
-    listener = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((args.host, args.port))
-    listener.listen(2048)
-    listener.set_inheritable(True)
-    host, port = listener.getsockname()[:2]
+                    blocked: frozenset[str], listener: socket.socket) -> int:
+    """Run the cores and ``args.api_server_count`` API servers on ``listener`` (bound and
+    listening; closed here at the end) until a signal or a death."""
+    address = url(args.host, listener)
     try:
         cores = CoreProcesses(config, blocked)
     except (ValueError, RuntimeError) as exc:  # the device or its options, refused here
@@ -76,7 +74,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig,
                     listener.fileno(), ready_w, cores.workdir, cores.pids, os.getpid()))],
                 pass_fds=(listener.fileno(), ready_w), env=env))
         os.close(ready_w)
-        status = _watch(servers, cores, ready_r, args.api_server_count, host, port,
+        status = _watch(servers, cores, ready_r, args.api_server_count, address,
                         lambda: stopping)
     finally:
         for sig, handler in saved.items():
@@ -96,7 +94,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig,
 
 
 def _watch(servers: list[subprocess.Popen[bytes]], cores: CoreProcesses, ready_r: int,
-           count: int, host: str, port: int, stopping: object) -> int:
+           count: int, address: str, stopping: object) -> int:
     """Wait for the API servers to be ready, then for any child to exit."""
     ready = 0
     os.set_blocking(ready_r, False)
@@ -107,8 +105,8 @@ def _watch(servers: list[subprocess.Popen[bytes]], cores: CoreProcesses, ready_r
             except BlockingIOError:
                 pass
             if ready >= count:
-                logger.info("%d API servers running on http://%s:%d (Press CTRL+C to quit)",
-                            count, host, port)
+                logger.info("%d API servers running on %s (Press CTRL+C to quit)", count,
+                            address)
         dead_core = cores.dead()
         if dead_core is not None:
             logger.error("%s; stopping the API servers", dead_core)
@@ -141,7 +139,7 @@ def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir
         return
     from quire.engine.core_proc import ProcCoreClient
     from quire.entrypoints.cli import build_parser, parse_args
-    from quire.entrypoints.cli.common import open_registry
+    from quire.entrypoints.cli.common import open_registry, read_chat_template
     from quire.entrypoints.cli.engine_options import engine_config_from_args
     from quire.entrypoints.cli.serve import _configure_logging, limits_from_args, serve
 
@@ -155,8 +153,10 @@ def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir
         os.write(ready_fd, b"1")
         os.close(ready_fd)
 
-    status = serve(args, limits_from_args(args), config, open_registry(args), client=client,
-                   fd=fd, on_started=ready)
+    listener = socket.socket(fileno=fd)  # its family and type read from the descriptor
+    status = serve(args, limits_from_args(args), config, open_registry(args), listener,
+                   chat_template=read_chat_template(args.chat_template), client=client,
+                   on_started=ready)
     raise SystemExit(status)
 
 

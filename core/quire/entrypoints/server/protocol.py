@@ -422,8 +422,9 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Any,
     templates that describe them), by ``chat_template`` or the tokenizer's own.
     :raises APIError: 400 when there is no template or it fails."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; start the server with one",
-                       param="messages")
+        raise APIError(400, "this model has no chat template; start the server with "
+                            "--chat-template FILE (a Jinja template), or use "
+                            "/v1/completions", param="messages")
     try:
         return tokenizer.apply_chat_template(template_messages(messages),
                                              chat_template=chat_template, tools=tools,
