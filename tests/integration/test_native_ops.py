@@ -17,6 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
+from native_builds import no_panels_reason
 from quire import LLM, SamplingParams
 from quire.models.registry import CORE_MODELS
 from quire.platforms.cpu.native import load_native_kernels
@@ -41,9 +42,12 @@ ALIASES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 @pytest.fixture(scope="module")
 def native():
-    kernels = load_native_kernels()
-    if kernels is None or not kernels.has_panel_gemm:
-        pytest.skip("no C compiler or no AVX2/FMA on this host: the fused layers need panels")
+    kernels = load_native_kernels()  # the best level this CPU runs
+    if kernels is None:
+        pytest.skip("no native kernels (turned off, or no prebuilt library fits and none "
+                    "builds here; the log says which): the fused layers need them")
+    if not kernels.has_panel_gemm:
+        pytest.skip(f"{no_panels_reason(kernels)}: the fused layers need panels")
     return kernels
 
 

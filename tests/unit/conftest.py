@@ -18,15 +18,14 @@ def _host_levels() -> list[str]:
 
 
 @pytest.fixture(scope="session", params=_host_levels())
-def kernels(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    """The C kernels of each ISA level this CPU runs, built once per session into a
-    fresh directory (not the user's cache). Skips where there is no C compiler; fails
-    where one exists but the build does not work."""
+def kernels(request: pytest.FixtureRequest) -> NativeKernels:
+    """The C kernels of each ISA level this CPU runs: the prebuilt library where it fits
+    the sources, else one built into the suite's kept cache (tests/conftest.py's
+    ``quire_cache``), once per change of the sources. Skips where there is no C
+    compiler; fails where one exists but the build does not work."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler on this host: the platform uses torch ops")
-    loaded = load_native_kernels(tmp_path_factory.mktemp(f"kernels-{request.param}"),
-                                 isa=request.param)
+    loaded = load_native_kernels(isa=request.param)
     assert loaded is not None, "cc exists but the kernels did not build; see the log"
     assert loaded.level == request.param
     return loaded

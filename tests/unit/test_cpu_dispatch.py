@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native_builds import no_panels_reason
 from quire.distributed import TorchDistributedCommunicator
 from quire.models.llama import LlamaForCausalLM
 from quire.platforms.cpu import dispatch
@@ -151,7 +152,7 @@ def _prepared(kernels: NativeKernels) -> tuple[LlamaForCausalLM, torch.Tensor]:
 def test_cached_timings_decide_and_the_winners_layout_is_kept(
         kernels: NativeKernels, tmp_path, monkeypatch, winner: str) -> None:
     if not kernels.has_panel_gemm:
-        pytest.skip("this build has no panel kernel")
+        pytest.skip(no_panels_reason(kernels))
     model, head = _prepared(kernels)
     cache = TimingCache(tmp_path / "host.json")
     cache.put((300, 64), _timings(1.0, 0.5) if winner == ONEDNN else _timings(0.5, 1.0))
@@ -177,7 +178,7 @@ def test_a_split_decision_keeps_both_layouts(kernels: NativeKernels, tmp_path,
     """Ours faster for one row, oneDNN for batches: one-row products on the panels,
     the rest on oneDNN, both layouts kept."""
     if not kernels.has_panel_gemm:
-        pytest.skip("this build has no panel kernel")
+        pytest.skip(no_panels_reason(kernels))
     model, head = _prepared(kernels)
     cache = TimingCache(tmp_path / "host.json")
     cache.put((300, 64), {PANELS: {1: 1.0, 8: 2.0, 64: 4.0},
@@ -199,7 +200,7 @@ def test_a_split_decision_keeps_both_layouts(kernels: NativeKernels, tmp_path,
 
 def test_a_first_start_measures_and_caches(kernels: NativeKernels, tmp_path) -> None:
     if not kernels.has_panel_gemm:
-        pytest.skip("this build has no panel kernel")
+        pytest.skip(no_panels_reason(kernels))
     model, head = _prepared(kernels)
     path = tmp_path / "host.json"
     (decision,) = dispatch_linears(model, TimingCache(path), ZEN4)
@@ -219,7 +220,7 @@ def test_a_first_start_measures_and_caches(kernels: NativeKernels, tmp_path) -> 
 
 def test_a_forced_implementation_skips_measuring(kernels: NativeKernels, monkeypatch) -> None:
     if not kernels.has_panel_gemm:
-        pytest.skip("this build has no panel kernel")
+        pytest.skip(no_panels_reason(kernels))
     model, _ = _prepared(kernels)
     monkeypatch.setattr(dispatch, "_measure", lambda *a: pytest.fail("measured anyway"))
     (decision,) = dispatch_linears(model, None, ZEN4, forced=ONEDNN)

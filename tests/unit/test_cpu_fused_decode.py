@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import no_panels_reason
 from quire.distributed import TorchDistributedCommunicator
 from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
@@ -175,7 +176,7 @@ def _skip_unless_compact_fits(name: str, compact: bool) -> None:
 def test_one_sequence_decodes_like_the_op_by_op_path(kernels: NativeKernels, name: str,
                                                      compact: bool) -> None:
     if not compact and not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: no panels")
+        pytest.skip(no_panels_reason(kernels))
     _skip_unless_compact_fits(name, compact)
     fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
     taken = single if compact else batch
@@ -249,7 +250,7 @@ def test_a_layer_mixing_compact_and_panel_weights_decodes_a_lone_sequence(
     others (K-quants) without. The one-row layer streams the first and runs the panel
     kernel on the rest, in the same call."""
     if not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: no panels")
+        pytest.skip(no_panels_reason(kernels))
     fused, plain, single, batch = _pair(CONFIGS[name], kernels,
                                         unrounded=("o_proj", "down_proj"))
     layer = fused.runner.model.model.layers[0].kernel
@@ -276,7 +277,7 @@ def test_a_decode_batch_decodes_like_the_op_by_op_path(kernels: NativeKernels, n
     """Seven sequences of different lengths (more rows than one 6-row tile of the panel
     kernel), on scattered pages, through the batch kernel, compact copies or not."""
     if not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: no panels")
+        pytest.skip(no_panels_reason(kernels))
     _skip_unless_compact_fits(name, compact)
     fused, plain, single, batch = _pair(CONFIGS[name], kernels, compact)
     gen = torch.Generator().manual_seed(5)
@@ -308,7 +309,7 @@ def test_a_long_prompt_crosses_the_halves_row_blocks(kernels: NativeKernels) -> 
     """600 prompt rows: the halves take 256 rows at a time (BLOCK_ROWS), each block with
     its own rows' rotary factors, residual and outputs."""
     if not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: no panels")
+        pytest.skip(no_panels_reason(kernels))
     config = LlamaConfig(**{**COMMON, "max_position_embeddings": 1024})
     fused, plain, _, _ = _pair(config, kernels, num_blocks=160)
     gen = torch.Generator().manual_seed(8)
@@ -351,7 +352,7 @@ def test_layers_that_do_not_qualify_keep_no_kernel(kernels: NativeKernels) -> No
 
 def test_float32_weights_qualify_on_panels_only(kernels: NativeKernels) -> None:
     if not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: no panels")
+        pytest.skip(no_panels_reason(kernels))
     unrounded = LlamaForCausalLM(CONFIGS["llama"], TorchDistributedCommunicator("gloo", 0, 1))
     with torch.no_grad():
         for param in unrounded.parameters():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native_builds import no_panels_reason
 from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.packed_linear import PackedLinear
 
@@ -20,7 +21,7 @@ from quire.platforms.cpu.packed_linear import PackedLinear
 @pytest.fixture(autouse=True)
 def _needs_panel_kernel(kernels: NativeKernels) -> None:
     if not kernels.has_panel_gemm:
-        pytest.skip("this host has no AVX2/FMA: the panel kernel is not built")
+        pytest.skip(no_panels_reason(kernels))
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:

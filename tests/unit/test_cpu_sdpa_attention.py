@@ -54,8 +54,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory) -> NativeKernels:
-    kernels = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+def native() -> NativeKernels:
+    kernels = load_native_kernels()  # prebuilt, or built into the suite's kept cache
     if kernels is None:  # tests/unit/test_cpu_native.py fails on its own when cc exists
         pytest.skip("native kernels could not be built here (no C compiler?)")
     return kernels
