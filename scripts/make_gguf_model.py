@@ -259,24 +259,16 @@ def _f16_field(rng: np.random.Generator, n: int, base: float) -> np.ndarray:
     return (base * rng.uniform(0.75, 1.25, n)).astype("<f2").view(np.uint8).reshape(n, 2)
 
 
-def _q4_0_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
-    # d f16 | 16 bytes of nibbles; w = d * (q - 8), q in 0..15 (std of q - 8: 4.64).
-    blocks = _random_bytes(rng, n, 18)
-    blocks[:, 0:2] = _f16_field(rng, n, TARGET_STD / 4.64)
-    return blocks
-
-
-def _q5_0_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
-    # d f16 | 4 bytes of high bits | 16 bytes of nibbles; w = d * (q - 16), q in 0..31.
-    blocks = _random_bytes(rng, n, 22)
-    blocks[:, 0:2] = _f16_field(rng, n, TARGET_STD / 9.25)
-    return blocks
-
-
-def _q8_0_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
-    # d f16 | 32 int8; w = d * q, q in -128..127 (std 73.9).
-    blocks = _random_bytes(rng, n, 34)
-    blocks[:, 0:2] = _f16_field(rng, n, TARGET_STD / 73.9)
+def _one_scale_blocks(size: int, q_std: float):
+    """Blocks of ``size`` bytes that open with one f16 scale ``d`` and hold integers ``q``
+    whose spread is ``q_std``, so that ``w = d * q`` has a spread near TARGET_STD:
+    Q4_0 (18 bytes: d | 16 bytes of nibbles; w = d * (q - 8), std of q - 8: 4.64),
+    Q5_0 (22: d | 4 bytes of high bits | 16 of nibbles; w = d * (q - 16): 9.25) and
+    Q8_0 (34: d | 32 int8; w = d * q: 73.9)."""
+    def blocks(rng: np.random.Generator, n: int) -> np.ndarray:
+        out = _random_bytes(rng, n, size)
+        out[:, 0:2] = _f16_field(rng, n, TARGET_STD / q_std)
+        return out
     return blocks
 
 
@@ -313,9 +305,9 @@ def _q6_k_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 _BLOCK_MAKERS: dict[GGMLQuantizationType, Callable[[np.random.Generator, int], np.ndarray]] = {
-    Q.Q4_0: _q4_0_blocks,
-    Q.Q5_0: _q5_0_blocks,
-    Q.Q8_0: _q8_0_blocks,
+    Q.Q4_0: _one_scale_blocks(18, 4.64),
+    Q.Q5_0: _one_scale_blocks(22, 9.25),
+    Q.Q8_0: _one_scale_blocks(34, 73.9),
     Q.Q4_K: _q4_k_blocks,
     Q.Q6_K: _q6_k_blocks,
 }

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,8 +101,10 @@ from tiny_models import build_checkpoint  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def quire_cache() -> Iterator[Path]:
-    """The quire cache of this session (``$QUIRE_CACHE_DIR``); at its end, fails the
-    session if the user's cache (:data:`USER_CACHE`) is not as it was at the start.
+    """The quire cache of this session (``$QUIRE_CACHE_DIR``); at its end, a warning if
+    the user's cache (:data:`USER_CACHE`) is not as it was at the start (the failing
+    check is ``tests/unit/test_user_cache_untouched.py``, which no other process can
+    disturb).
 
     Why not the user's cache: what tests write there would outlive them and change what
     the user sees and runs. Dispatch timings measured on test shapes, under the suite's
@@ -131,10 +134,13 @@ def quire_cache() -> Iterator[Path]:
                    + [f"removed {p}" for p in sorted(before.keys() - after.keys())]
                    + [f"changed {p}" for p in sorted(before.keys() & after.keys())
                       if before[p] != after[p]])
-        pytest.fail(f"the suite changed the user's quire cache {USER_CACHE} (tests must "
-                    f"use $QUIRE_CACHE_DIR, {SESSION_CACHE}): {'; '.join(changes[:10])}"
-                    f"{f'; and {len(changes) - 10} more' if len(changes) > 10 else ''}",
-                    pytrace=False)
+        # a warning, not a failure: the user's own quire may write there meanwhile;
+        # tests/unit/test_user_cache_untouched.py is the check that fails
+        warnings.warn(f"the user's quire cache {USER_CACHE} changed during the session "
+                      f"(tests use $QUIRE_CACHE_DIR, {SESSION_CACHE}; another quire "
+                      f"process may have written it): {'; '.join(changes[:10])}"
+                      f"{f'; and {len(changes) - 10} more' if len(changes) > 10 else ''}",
+                      stacklevel=1)
 
 
 @pytest.fixture(scope="session")
