@@ -1,4 +1,5 @@
-"""The torch dequantisers of :mod:`quire.models.gguf_reader` equal ``gguf.quants``, bit for bit.
+"""The torch dequantisers (:mod:`quire.quantization.dequant`, through
+:mod:`quire.models.gguf_reader`) equal ``gguf.quants``, bit for bit.
 
 Random bytes make every field take every value (sub-block scales and minima, high bits,
 signs); only the f16 scales are drawn as finite numbers, since a random NaN's payload
@@ -12,12 +13,13 @@ import pytest
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from quire.models.gguf_reader import _TORCH_DEQUANT, GGUFTensor, dequantize
+from quire.models.gguf_reader import GGUFTensor, dequantize
+from quire.quantization.dequant import BLOCK_DEQUANT
 
 #: Byte offsets of each type's f16 fields within a block.
 F16_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
 }
 
 
@@ -47,7 +49,7 @@ def test_torch_dequantize_equals_gguf_quants(name):
 
 def test_every_type_of_the_table_is_checked():
     floats = {"F32", "F16", "BF16"}
-    assert set(_TORCH_DEQUANT) - floats == set(F16_FIELDS)
+    assert {name.upper() for name in BLOCK_DEQUANT} - floats == set(F16_FIELDS)
 
 
 def test_f16_and_f32_pass_through():

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from quire.models.gguf_reader import dequantize, read_gguf_index
+from quire.models.gguf_reader import dequantize, quantized, read_gguf_index
+from quire.quantization.tensor import QuantizedTensor
 
 #: GGUF ``general.architecture`` values this reader maps.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -106,30 +107,42 @@ def unpermute_rows(rows: Any, num_heads: int) -> Any:
     )
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every weight in the file, one at a time.
+def iter_gguf_weights(path: str, keep_blocks: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, tensor) for every weight in the file, one at a time.
 
-    F32 tensors come back as views of a copy-on-write map of the file; the model's
-    weight loaders copy them into their parameters, the one copy a weight needs.
-
-    :raises ValueError: for an unsupported architecture or an unknown tensor name.
+    :param keep_blocks: 2-D weights come as their blocks
+        (:class:`~quire.quantization.tensor.QuantizedTensor`, views of a copy-on-write
+        map of the file; llama's q/k rows reordered, which copies those blocks); norms
+        and other 1-D tensors as float32 always. Otherwise every tensor is dequantised to
+        float32; F32 tensors are views of the map, which the model's weight loaders copy
+        into their parameters.
+    :raises ValueError: for an unsupported architecture, an unknown tensor name, or
+        (``keep_blocks``) a tensor type quire does not run, before any tensor is read.
     """
     index = read_gguf_index(path)
     arch = index.metadata.get("general.architecture")
     _check_architecture(arch, path)
     num_heads = int(index.metadata[f"{arch}.attention.head_count"])
     num_kv_heads = int(index.metadata.get(f"{arch}.attention.head_count_kv") or num_heads)
-    for tensor in index.tensors:
-        if tensor.name in CONFIG_TENSORS:
+    weights = [t for t in index.tensors if t.name not in CONFIG_TENSORS]
+    names = [hf_tensor_name(t.name, arch) for t in weights]  # unknown names: refused now
+    blocks = {t.name: quantized(t) for t in weights if keep_blocks and len(t.dims) == 2}
+    for tensor, name in zip(weights, names):
+        heads = (num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name
+                 else 0) if arch == "llama" else 0
+        if tensor.name in blocks:
+            data = blocks.pop(tensor.name)
+            if heads:
+                order = unpermute_rows(torch.arange(data.rows), heads)
+                data = data.select_rows(order)
+            yield name, data
             continue
-        name = hf_tensor_name(tensor.name, arch)
         data = dequantize(tensor)
         if arch in NORM_PLUS_ONE_ARCHITECTURES and tensor.name.endswith("norm.weight"):
             data = data - 1
-        if arch == "llama" and ".q_proj." in name:
-            data = unpermute_rows(data, num_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            data = unpermute_rows(data, num_kv_heads)
+        if heads:
+            data = unpermute_rows(data, heads)
         yield name, data
 
 

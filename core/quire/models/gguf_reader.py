@@ -12,23 +12,23 @@ metadata count u64; metadata ``(key, type u32, value)``; tensor infos ``(name,
 n_dims u32, dims u64 * n, type u32, offset u64)``; padding to ``general.alignment``
 (default 32); tensor data, each at its offset from there.
 
-Dequantisation does the same float32 operations as ``gguf.quants`` in the same order
-(an f16 scale times the integer values, plus the f16 minimum for Q4_1/Q5_1; for the
-K-quants Q4_K/Q5_K/Q6_K, the f16 super-block scale times each sub-block's integer scale
-first, then times the values, minus the sub-block minimum), so the results are bit for
-bit those of the reference loader; torch just runs them on whole tensors.
-Types without a torch path here go through ``gguf.quants.dequantize``.
+A tensor comes back as its blocks (:func:`quantized`, a view of the map) or dequantised
+(:func:`dequantize`, by :mod:`quire.quantization.dequant`: bit for bit ``gguf.quants``);
+types without a torch path there go through ``gguf.quants.dequantize``.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from quire.quantization.dequant import BLOCK_DEQUANT
+from quire.quantization.formats import FORMATS, format_of_ggml
+from quire.quantization.tensor import QuantizedTensor
 
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
@@ -113,9 +113,12 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
     qtype = GGMLQuantizationType(tensor.qtype)
     raw = torch.from_numpy(tensor.data)
-    convert = _TORCH_DEQUANT.get(qtype.name)
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(torch.float32).reshape(tensor.shape)
+    convert = BLOCK_DEQUANT.get(qtype.name.lower())
     if convert is not None:
-        return convert(raw).reshape(tensor.shape)
+        fmt = FORMATS[qtype.name.lower()]
+        return convert(raw.view(-1, fmt.block_bytes)).reshape(tensor.shape)
     from gguf.quants import dequantize as gguf_dequantize
 
     rows = tensor.data.reshape(int(np.prod(tensor.shape[:-1])), -1)
@@ -175,115 +178,15 @@ def _tensor_info(header: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
     return name, dims, header.scalar("<I"), header.scalar("<Q")
 
 
-# -- dequantisation (same float32 ops, same order, as gguf.quants) ------------------------
+def quantized(tensor: GGUFTensor) -> QuantizedTensor:
+    """A 2-D tensor's blocks as they lie in the file (a view of the map, no copy):
+    ``[rows, row bytes]`` in its format.
 
-def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """Bytes ``start:start+2`` of every block as an f16 scale, float32 ``[n, 1]``."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    :raises ValueError: naming the tensor and its type when quire does not run the type.
+    """
+    from gguf.constants import GGMLQuantizationType
 
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``[n, k]`` bytes -> ``[n, 2k]``: all low nibbles, then all high ones (ggml order)."""
-    return torch.cat((packed & 0x0F, packed >> 4), dim=1)
-
-
-def _q4_0(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 18)
-    q = (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
-    return _f16_column(blocks, 0) * q
-
-
-def _q4_1(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 20)
-    q = _nibbles(blocks[:, 4:]).float()
-    return _f16_column(blocks, 0) * q + _f16_column(blocks, 2)
-
-
-def _q8_0(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 34)
-    q = blocks[:, 2:].contiguous().view(torch.int8).float()
-    return q * _f16_column(blocks, 0)
-
-
-def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """``[n, k]`` bytes -> ``[n, k * 8 / width]`` fields of ``width`` bits, each byte's
-    lowest field first: bit ``i`` of a little-endian word is element ``i`` (width 1)."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).flatten(1)
-
-
-def _q5_0(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 22)
-    q = _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6], 1) << 4)
-    return _f16_column(blocks, 0) * (q.to(torch.int8) - 16).float()
-
-
-def _q5_1(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 24)
-    q = (_nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8], 1) << 4)).float()
-    return _f16_column(blocks, 0) * q + _f16_column(blocks, 2)
-
-
-def _k_scales(blocks: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: the 8 six-bit scales and minima packed in 12 bytes from ``start``,
-    each ``[n, 8, 1]`` float32, already multiplied by the block's f16 ``d``/``dmin``."""
-    packed = blocks[:, start:start + 12].reshape(-1, 3, 4)
-    d, m, m_d = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=1)
-    mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=1)
-    scale = (_f16_column(blocks, 0) * sc.float()).unsqueeze(-1)
-    minimum = (_f16_column(blocks, 2) * mn.float()).unsqueeze(-1)
-    return scale, minimum
-
-
-def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """``[n, 128]`` bytes -> ``[n, 8, 32]``: each 32-byte run gives two sub-blocks, its
-    low nibbles then its high ones."""
-    n = qs.shape[0]
-    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
-    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0x0F).reshape(n, 8, 32)
-
-
-def _q4_k(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 144)
-    scale, minimum = _k_scales(blocks, 4)
-    q = _k_low_nibbles(blocks[:, 16:]).float()
-    return (scale * q - minimum).reshape(-1, 256)
-
-
-def _q5_k(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 176)
-    n = blocks.shape[0]
-    scale, minimum = _k_scales(blocks, 4)
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-    high = ((blocks[:, 16:48].reshape(n, 1, 1, 32) >> shifts) & 1).reshape(n, 8, 32)
-    q = (_k_low_nibbles(blocks[:, 48:]) | (high << 4)).float()
-    return (scale * q - minimum).reshape(-1, 256)
-
-
-def _q6_k(raw: torch.Tensor) -> torch.Tensor:
-    blocks = raw.view(-1, 210)
-    n = blocks.shape[0]
-    low_shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
-    low = ((blocks[:, :128].reshape(n, 2, 1, 64) >> low_shifts) & 0x0F).reshape(n, 8, 32)
-    high_shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> high_shifts) & 0x03).reshape(n, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16_column(blocks, 208) * scales).unsqueeze(-1)
-    return (d * q).reshape(-1, 256)
-
-
-_TORCH_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "F32": lambda raw: raw.view(torch.float32),
-    "F16": lambda raw: raw.view(torch.float16).float(),
-    "BF16": lambda raw: raw.view(torch.bfloat16).float(),
-    "Q4_0": _q4_0,
-    "Q4_1": _q4_1,
-    "Q5_0": _q5_0,
-    "Q5_1": _q5_1,
-    "Q8_0": _q8_0,
-    "Q4_K": _q4_k,
-    "Q5_K": _q5_k,
-    "Q6_K": _q6_k,
-}
+    fmt = format_of_ggml(tensor.qtype, GGMLQuantizationType(tensor.qtype).name, tensor.name)
+    rows, cols = tensor.shape
+    data = torch.from_numpy(tensor.data).view(rows, fmt.row_bytes(cols))
+    return QuantizedTensor(fmt, data, cols)

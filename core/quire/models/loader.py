@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -19,11 +20,22 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
+from quire.models.layers.embedding import VocabParallelEmbedding
+from quire.models.layers.quantized import (
+    install_quantized_kernels,
+    prepare_quantized,
+    quantized_formats,
+)
 from quire.models.gguf_file import iter_gguf_weights
 from quire.models.gguf_hf_cache import hf_dir_for_gguf
 from quire.models.pipeline import PipelineStage
 from quire.models.registry import ModelRegistry
+from quire.ops import OpSet, reference_ops
 from quire.plugins.spec import ModelSpec
+from quire.quantization.methods import Quantization
+from quire.quantization.tensor import QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 def is_gguf(path: str) -> bool:
@@ -53,18 +65,32 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_quantization(config: PretrainedConfig) -> str | None:
+    """The method a checkpoint says it was quantised with (its ``quantization_config``'s
+    ``quant_method``: ``gptq``, ``awq``, ``fp8`` ...), or None for a float checkpoint."""
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return None
+    method = found.get("quant_method") if isinstance(found, dict) else getattr(
+        found, "quant_method", None)
+    return str(method or "unnamed")
+
+
+def iter_weights(path: str, keep_blocks: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield ``(Hugging Face name, tensor)`` for every weight, on the host.
 
     In a directory: the files of ``model.safetensors.index.json`` if present, else every
     ``*.safetensors`` (except Mistral's ``consolidated*`` duplicates, which use other
     names); without safetensors, ``pytorch_model*.bin`` (loaded ``weights_only``).
 
+    :param keep_blocks: a GGUF file's 2-D weights come as their blocks
+        (:func:`~quire.models.gguf_file.iter_gguf_weights`).
     :raises FileNotFoundError: when the directory holds no weight files.
     :raises ValueError: for a weight file that resolves outside the directory.
     """
     if is_gguf(path):
-        yield from iter_gguf_weights(path)
+        yield from iter_gguf_weights(path, keep_blocks=keep_blocks)
         return
     files = _safetensors_files(path)
     if files:
@@ -93,6 +119,8 @@ def load_model(
     config: PretrainedConfig | None = None,
     extra_models: Iterable[ModelSpec | tuple[ModelSpec, str]] = (),
     stage: PipelineStage | None = None,
+    quantization: Quantization | None = None,
+    ops: OpSet | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model a checkpoint needs, on ``device`` in ``dtype``, and load it.
 
@@ -101,6 +129,10 @@ def load_model(
         (reading a GGUF file's metadata takes seconds).
     :param extra_models: plugin model specs (see :class:`ModelRegistry`).
     :param stage: the pipeline stage this rank holds (its layers only), or None.
+    :param quantization: how weights are kept (:mod:`quire.quantization.methods`); the
+        layers it quantises never hold a float copy of their weight. None: ``none``.
+    :param ops: whose ``quantized_linear`` runs the quantised layers (the platform's op
+        set); None: the reference.
     :returns: (the model in eval mode, its config).
     :raises ValueError: for an unsupported architecture, a tensor that fits no
         parameter, or a parameter the checkpoint did not provide (all named; a
@@ -117,15 +149,41 @@ def load_model(
     else:
         raise ValueError(f"{model_cls.__name__} cannot be split into pipeline stages; "
                          f"use pipeline_parallel_size=1")
-    model.to(device=device, dtype=dtype)
-    loaded = model.load_weights(iter_weights(path))
+    quantization = quantization or Quantization("none")
+    if prepare_quantized(model, quantization, device):
+        _to_device_except_meta(model, device, dtype)
+    else:
+        model.to(device=device, dtype=dtype)
+    keep_blocks = quantization.method == "gguf"
+    loaded = model.load_weights(iter_weights(path, keep_blocks=keep_blocks))
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:
         shown = ", ".join(missing[:8])
         if len(missing) > 8:
             shown += f", ... ({len(missing)} in all)"
         raise ValueError(f"{path}: the checkpoint does not provide {shown}")
+    if quantization.enabled:
+        install_quantized_kernels(model, ops or reference_ops())
+        for module in model.modules():
+            if isinstance(module, VocabParallelEmbedding):
+                module.dtype = dtype
+        counts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(quantized_formats(model).items()))
+        logger.info("quantization %s: %s", quantization.method, counts or "no layer")
     return model.eval(), config
+
+
+def _to_device_except_meta(model: nn.Module, device: torch.device | str,
+                           dtype: torch.dtype) -> None:
+    """``model.to(device, dtype)`` for every parameter but the ``meta`` ones (the
+    quantised layers' placeholders, which hold nothing to move)."""
+    held = [(module, name, param) for module in model.modules()
+            for name, param in module._parameters.items()
+            if param is not None and param.is_meta]
+    for module, name, _ in held:
+        module._parameters[name] = None
+    model.to(device=device, dtype=dtype)
+    for module, name, param in held:
+        module._parameters[name] = param
 
 
 def _safetensors_files(path: str) -> list[str]:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from quire.ops import moe, pooling, reference
+from quire.ops import moe, pooling, quantized, reference
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class OpSet:
     #: Mixture of experts (:mod:`quire.ops.moe`): routing, then the experts it chose.
     select_experts: Callable[..., Any] = moe.select_experts
     fused_moe: Callable[..., Any] = moe.fused_moe
+    #: Products on quantised weights (:mod:`quire.ops.quantized`): a linear layer whose
+    #: weight is a ``QuantizedTensor`` runs on it, one call per stored part.
+    quantized_linear: Callable[..., Any] = quantized.quantized_linear
     #: Which implementation runs each op (``"reference"`` or the platform's name for
     #: its own), for logs and the native-ops test.
     sources: tuple[tuple[str, str], ...] = field(default=())

@@ -21,6 +21,7 @@ from torch import nn
 
 from quire.interfaces.communicator import Communicator
 from quire.models.layers.linear import LinearKernel, apply_linear
+from quire.ops.quantized import quantized_embedding
 
 
 class _VocabShard(nn.Module):
@@ -56,7 +57,15 @@ class _VocabShard(nn.Module):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"shape mismatch: expected {expected}, got {tuple(loaded.shape)}")
         owned = max(self.vocab_end - self.vocab_start, 0)
-        param.data[:owned].copy_(loaded[self.vocab_start : self.vocab_start + owned])
+        quant = getattr(self, "quant", None)
+        if quant is not None:  # kept quantised: this rank's rows, no padding stored
+            quant.store_rows(0, loaded, self.vocab_start, owned)
+            return
+        if not isinstance(loaded, torch.Tensor):  # quantised in the file, float here
+            loaded = loaded.narrow_rows(self.vocab_start, owned).dequantize()
+            param.data[:owned].copy_(loaded)
+        else:
+            param.data[:owned].copy_(loaded[self.vocab_start : self.vocab_start + owned])
         param.data[owned:].zero_()
 
     def extra_repr(self) -> str:
@@ -69,16 +78,26 @@ class _VocabShard(nn.Module):
 class VocabParallelEmbedding(_VocabShard):
     """Token id -> embedding row, with the rows split over ranks."""
 
+    #: The dtype rows of a quantised table are given in (the model's; set on load).
+    dtype: torch.dtype = torch.float32
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """:param input_ids: int64 [T], each below ``num_embeddings``. :returns: [T, dim]."""
         if self.comm.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         # Ids owned elsewhere look up row 0 and are then zeroed, so the sum over ranks
         # leaves exactly the owner's row.
         local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
-        rows = F.embedding(local_ids, self.weight).masked_fill(~owned.unsqueeze(-1), 0)
+        rows = self._rows(local_ids).masked_fill(~owned.unsqueeze(-1), 0)
         return self.comm.all_reduce(rows)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        quant = getattr(self, "quant", None)
+        if quant is None:
+            return F.embedding(ids, self.weight)
+        (table,) = quant.ordered_parts()  # only the rows asked for are dequantised
+        return quantized_embedding(ids, table, self.dtype)
 
 
 class ParallelLMHead(_VocabShard):
@@ -86,6 +105,14 @@ class ParallelLMHead(_VocabShard):
 
     #: What a platform may run its own way (``quire.ops.layer_spec``): ``F.linear``.
     op_site = "linear"
+    #: (the embedding this head shares its weight with,) when tied: in a tuple, so that
+    #: it is not registered as a second parent of that module
+    _tied: tuple[VocabParallelEmbedding, ...] = ()
+
+    @property
+    def tied_to(self) -> VocabParallelEmbedding | None:
+        """The embedding this head shares its weight with (quantised or not), or None."""
+        return self._tied[0] if self._tied else None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share ``embedding``'s weight (``tie_word_embeddings``); nothing is loaded twice.
@@ -103,6 +130,7 @@ class ParallelLMHead(_VocabShard):
                 f"({embedding.extra_repr()}) with another shape or group"
             )
         self.weight = embedding.weight
+        self._tied = (embedding,)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, dim] -> [N, num_embeddings] logits in the weight's dtype."""

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
+from quire.quantization.tensor import QuantizedTensor
 
 
 class LinearKernel(Protocol):
@@ -60,7 +61,24 @@ def default_weight_loader(
     if shard_id is not None:
         raise ValueError(f"this parameter is not fused; got shard id {shard_id!r}")
     _check_shape(param.shape, loaded.shape)
-    param.data.copy_(loaded)
+    param.data.copy_(_float(loaded))
+
+
+def _copy_rows(layer: nn.Module, param: nn.Parameter, loaded: Any, offset: int,
+               size: int, start: int) -> None:
+    """``param`` rows ``offset ..`` = ``loaded`` rows ``start ..`` (``size`` of them); for
+    a quantised layer's weight, that part kept quantised instead
+    (:class:`~quire.models.layers.quantized.LayerQuant`)."""
+    quant = getattr(layer, "quant", None)
+    if quant is not None and param is layer.weight:
+        quant.store_rows(offset, loaded, start, size)
+        return
+    param.data.narrow(0, offset, size).copy_(_float(loaded).narrow(0, start, size))
+
+
+def _float(loaded: Any) -> torch.Tensor:
+    """A checkpoint tensor as a float tensor (a quantised one dequantised)."""
+    return loaded.dequantize() if isinstance(loaded, QuantizedTensor) else loaded
 
 
 def divide(total: int, world_size: int, what: str) -> int:
@@ -134,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"this linear is not fused; got shard id {shard_id!r}")
         n = self.output_size_per_rank
         _check_shape((self.output_size, *param.shape[1:]), loaded.shape)
-        param.data.copy_(loaded.narrow(0, self.comm.rank * n, n))
+        _copy_rows(self, param, loaded, 0, n, self.comm.rank * n)
 
     def extra_repr(self) -> str:
         return (
@@ -182,7 +200,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // ws
         offset = sum(self.output_sizes[:shard_id]) // ws
         _check_shape((self.output_sizes[shard_id], *param.shape[1:]), loaded.shape)
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+        _copy_rows(self, param, loaded, offset, size, rank * size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -251,7 +269,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         _check_shape((expected, *param.shape[1:]), loaded.shape)
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        _copy_rows(self, param, loaded, offset, size, start)
 
 
 def _replicas(total_num_kv_heads: int, world_size: int) -> int:
@@ -309,11 +327,15 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"this linear is not fused; got shard id {shard_id!r}")
         if param is self.bias:
             _check_shape(param.shape, loaded.shape)
-            param.data.copy_(loaded)
+            param.data.copy_(_float(loaded))
             return
         n = self.input_size_per_rank
         _check_shape((self.output_size, self.input_size), loaded.shape)
-        param.data.copy_(loaded.narrow(1, self.comm.rank * n, n))
+        quant = getattr(self, "quant", None)
+        if quant is not None:
+            quant.store_cols(loaded, self.comm.rank * n, n)
+            return
+        param.data.copy_(_float(loaded).narrow(1, self.comm.rank * n, n))
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,190 @@
+"""Linear layers and vocabularies whose weight is kept quantised (:mod:`quire.quantization`).
+
+Before the weights load, :func:`prepare_quantized` gives each layer the method quantises a
+:class:`LayerQuant` and takes its float weight away (a ``meta`` parameter of the same
+shape, which holds no memory and fails loudly if read), so no float copy of it is ever
+made. The layer's own weight loader then hands each arriving part (a
+:class:`~quire.quantization.tensor.QuantizedTensor` from a GGUF file, or a float tensor
+that the method quantises) to :meth:`LayerQuant.store_rows` or
+:meth:`LayerQuant.store_cols` with the same rank slicing as a float weight: this rank's
+rows (or columns) of the part, a view of the file's blocks where it can be.
+:func:`install_quantized_kernels` then gives each layer a :class:`QuantizedLinearKernel`
+over its parts, on the platform's ``quantized_linear`` op. Fused layers (q/k/v, gate/up)
+keep their parts apart: a Q4_K_M file stores q and k in Q4_K and v in Q6_K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from quire.quantization.formats import FORMATS
+from quire.quantization.methods import Quantization
+from quire.quantization.quantize import quantize_rows
+from quire.quantization.tensor import QuantizedTensor
+
+
+@dataclass
+class LayerQuant:
+    """A quantised layer's method and the parts of its weight loaded so far."""
+
+    quantization: Quantization
+    #: where the parts go (the layer's device)
+    device: torch.device
+    #: ``[out, in]`` of this rank's whole weight
+    shape: tuple[int, int]
+    #: this rank's parts by their first output row
+    parts: dict[int, QuantizedTensor] = field(default_factory=dict)
+
+    def store_rows(self, offset: int, loaded: Any, start: int, size: int) -> None:
+        """Rows ``start .. start + size`` of ``loaded`` (a whole checkpoint tensor) are
+        this rank's output rows ``offset ..``."""
+        if isinstance(loaded, QuantizedTensor):
+            part = loaded.narrow_rows(start, size)
+        else:
+            part = self._quantize(loaded.narrow(0, start, size))
+        self._check_width(part)
+        self.parts[offset] = part.to(self.device)
+
+    def store_cols(self, loaded: Any, start: int, size: int) -> None:
+        """Columns ``start .. start + size`` of ``loaded`` are this rank's whole weight
+        (a row-parallel layer's input shard)."""
+        if isinstance(loaded, QuantizedTensor):
+            part = loaded.narrow_cols(start, size)
+        else:
+            part = self._quantize(loaded.narrow(1, start, size))
+        self._check_width(part)
+        self.parts[0] = part.to(self.device)
+
+    def ordered_parts(self) -> list[QuantizedTensor]:
+        """The parts in output order.
+
+        :raises ValueError: when they leave a gap or overlap (a part never loaded).
+        """
+        at, parts = 0, []
+        for offset in sorted(self.parts):
+            if offset != at:
+                raise ValueError(f"quantised weight rows {at}:{offset} were never loaded")
+            parts.append(self.parts[offset])
+            at += self.parts[offset].rows
+        return parts
+
+    def _quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+        fmt = self.quantization.on_load_format
+        if fmt is not None:
+            return quantize_rows(weight, fmt)
+        # a float tensor where the file is quantised elsewhere: kept as float32 rows
+        rows = weight.detach().float().contiguous()
+        return QuantizedTensor(FORMATS["f32"], rows.view(torch.uint8), rows.shape[1])
+
+    def _check_width(self, part: QuantizedTensor) -> None:
+        if part.cols != self.shape[1]:
+            raise ValueError(f"shape mismatch: expected {self.shape[1]} input features, "
+                             f"got {part.cols}")
+
+
+class QuantizedLinearKernel:
+    """A :class:`~quire.models.layers.linear.LinearKernel` over a layer's quantised parts:
+    one ``quantized_linear`` call per part, the outputs side by side, zero columns for
+    rows this rank holds none of (a tensor-parallel vocabulary's padding)."""
+
+    def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
+                 out_features: int, int8_activations: bool = False) -> None:
+        self.parts = parts
+        self.op = op
+        self.out_features = out_features
+        self.int8_activations = int8_activations
+        self.padding = out_features - sum(p.rows for p in parts)
+        if self.padding < 0:
+            raise ValueError(f"quantised parts hold {out_features - self.padding} rows, "
+                             f"the layer {out_features}")
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.format.name for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kwargs = {"int8_activations": True} if self.int8_activations else {}
+        if len(self.parts) == 1 and not self.padding:
+            return self.op(x, self.parts[0], bias, **kwargs)
+        ys = [self.op(x, part, None, **kwargs) for part in self.parts]
+        if self.padding:
+            ys.append(x.new_zeros(*x.shape[:-1], self.padding))
+        y = torch.cat(ys, dim=-1)
+        return y if bias is None else y + bias
+
+
+def quantized_sites(model: nn.Module, quantization: Quantization) -> list[nn.Module]:
+    """The layers ``quantization`` keeps quantised: every linear site and vocabulary for
+    ``gguf`` (each is what the file holds); the linear layers but the LM head for the
+    methods that quantise on load."""
+    from quire.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    if not quantization.enabled:
+        return []
+    sites = []
+    for module in model.modules():
+        if isinstance(module, (ParallelLMHead, VocabParallelEmbedding)):
+            if quantization.method == "gguf" and getattr(module, "tied_to", None) is None:
+                sites.append(module)
+        elif getattr(module, "op_site", None) == "linear":
+            sites.append(module)
+    return sites
+
+
+def prepare_quantized(model: nn.Module, quantization: Quantization,
+                      device: torch.device | str) -> int:
+    """Mark the layers ``quantization`` keeps quantised, their float weights taken away
+    (before the model moves to its device, so nothing is allocated for them).
+
+    :returns: how many layers were marked.
+    """
+    sites = quantized_sites(model, quantization)
+    for module in sites:
+        old = module.weight
+        meta = nn.Parameter(torch.empty(old.shape, device="meta"), requires_grad=False)
+        meta.weight_loader = old.weight_loader
+        module.weight = meta
+        module.quant = LayerQuant(quantization, torch.device(device), tuple(old.shape))
+    for module in model.modules():  # a tied LM head shares the (now meta) embedding
+        tied = getattr(module, "tied_to", None)
+        if tied is not None and getattr(tied, "quant", None) is not None:
+            module.weight = tied.weight
+    return len(sites)
+
+
+def install_quantized_kernels(model: nn.Module, ops: Any) -> int:
+    """Give every quantised layer its kernel on ``ops.quantized_linear``.
+
+    :returns: how many layers got one.
+    :raises ValueError: naming a layer whose parts were not all loaded.
+    """
+    installed = 0
+    for name, module in model.named_modules():
+        owner = getattr(module, "tied_to", None) or module
+        quant = getattr(owner, "quant", None)
+        if quant is None or getattr(module, "op_site", None) != "linear":
+            continue
+        try:
+            parts = quant.ordered_parts()
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        module.kernel = QuantizedLinearKernel(parts, ops.quantized_linear, quant.shape[0],
+                                              quant.quantization.int8_activations)
+        installed += 1
+    return installed
+
+
+def quantized_formats(model: nn.Module) -> dict[str, int]:
+    """How many layer parts each format holds (for the load log)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, QuantizedLinearKernel):
+            for fmt in kernel.formats:
+                counts[fmt] = counts.get(fmt, 0) + 1
+    return counts

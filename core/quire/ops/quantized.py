@@ -1,0 +1,72 @@
+"""The quantised-weight ops in plain torch: every platform's oracle and default.
+
+A weight here is a :class:`~quire.quantization.tensor.QuantizedTensor`. The products
+dequantise it to float32 a slab of rows at a time, so the float copy never exceeds
+:data:`SLAB_BYTES` whatever the weight's size; a platform replaces these with kernels
+that read the blocks in place (the cpu platform's C library, the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quire.quantization.tensor import QuantizedTensor
+
+#: Most bytes of float32 weights the reference dequantises at once.
+SLAB_BYTES = 64 << 20
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
+                     bias: torch.Tensor | None = None, *,
+                     int8_activations: bool = False) -> torch.Tensor:
+    """``x W^T (+ bias)`` for a quantised ``W`` ``[rows, cols]``: ``[..., cols] ->
+    [..., rows]`` in ``x``'s dtype.
+
+    Weight-only (the default): ``x`` is taken as float32 and multiplied by the float32
+    weights, float32 sums. ``int8_activations`` (``w8a8``; ``weight`` must be ``int8``):
+    each row of ``x`` is quantised to int8 with ``scale = max |x| / 127`` (round to
+    nearest), the integer products are summed exactly, and the sum is scaled by both
+    scales, as an integer kernel computes it.
+    """
+    rows = x.reshape(-1, weight.cols)
+    if int8_activations:
+        if weight.format.name != "int8":
+            raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
+        qx, sx = quantize_activations(rows)
+        qw = weight.data.view(torch.int8)
+        # float64 holds every int8 x int8 sum of up to 2^38 terms exactly
+        acc = qx.double() @ qw.double().t()
+        y = (acc * sx.double().unsqueeze(1) * weight.scale.double()).float()
+        if bias is not None:
+            y = y + bias.float()
+    else:
+        xf = rows.float()
+        slab = max(1, SLAB_BYTES // (4 * weight.cols))
+        if weight.rows <= slab:
+            y = F.linear(xf, weight.dequantize(), None if bias is None else bias.float())
+        else:
+            y = torch.cat([F.linear(xf, weight.narrow_rows(r, min(slab, weight.rows - r))
+                                    .dequantize()) for r in range(0, weight.rows, slab)],
+                          dim=1)
+            if bias is not None:
+                y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
+
+
+def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``rows`` ``[n, k]`` as int8 and its float32 scale ``[n]``
+    (``max |x| / 127``, 1 for a zero row; round half to even, as ``torch.round``)."""
+    xf = rows.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, 1.0)
+    q = torch.round(xf / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantized_embedding(ids: torch.Tensor, weight: QuantizedTensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``) of a quantised ``[vocab, dim]`` table, ``[T, dim]``
+    in ``dtype``: only the rows asked for are dequantised."""
+    return weight.select_rows(ids.reshape(-1)).dequantize(dtype).reshape(*ids.shape,
+                                                                         weight.cols)

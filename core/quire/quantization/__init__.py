@@ -1,0 +1,12 @@
+"""Quantised weights: block formats kept as stored (GGUF) or made on load (int8, fp8).
+
+``formats`` (the layouts and their ids), ``tensor`` (:class:`QuantizedTensor`, a weight
+in one format), ``dequant`` (each format back to float32 in torch: every kernel's
+oracle), ``quantize`` (float weights into the row-scaled formats), ``config`` (the
+``quantization`` option and what each method does to a model).
+"""
+
+from quire.quantization.formats import FORMATS, QuantFormat, format_named
+from quire.quantization.tensor import QuantizedTensor
+
+__all__ = ["FORMATS", "QuantFormat", "QuantizedTensor", "format_named"]

@@ -1,0 +1,84 @@
+"""The ``quantization`` option: what each method keeps in memory and how it multiplies.
+
+| method | weights | activations in the product |
+| --- | --- | --- |
+| ``gguf`` | a GGUF file's blocks as stored, tensor by tensor (mixed files too) | the model dtype (float32 or bfloat16), float32 sums |
+| ``int8`` | int8, a float32 scale per output row, quantised on load | the model dtype, float32 sums |
+| ``w8a8`` | as ``int8`` | int8, quantised per token (``max |x| / 127``); int32 sums |
+| ``fp8`` | float8 e4m3, a float32 scale per output row, quantised on load | the model dtype (weight-only: dequantised in the product) |
+| ``none`` | the model dtype (a GGUF file's blocks expanded on load) | the model dtype |
+
+``gguf`` quantises every linear layer and the embedding (the LM head too: each is what
+the file holds). The methods that quantise on load leave the embedding and the LM head
+in the model dtype, as vLLM does, and apply to the linear layers of dense and attention
+blocks, not to a mixture of experts' stacked experts (which stay in the model dtype).
+
+Which methods a platform runs is its ``Platform.quantizations`` (plugin API 1.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Every method, in the order ``--help`` lists them.
+METHODS: tuple[str, ...] = ("none", "gguf", "int8", "w8a8", "fp8")
+#: Methods that quantise a float checkpoint's linear weights on load, and into what.
+ON_LOAD_FORMATS = {"int8": "int8", "w8a8": "int8", "fp8": "fp8_e4m3"}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A settled method, as the model loader and the layers read it."""
+
+    method: str
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def on_load_format(self) -> str | None:
+        """The format float weights are quantised into on load, or None."""
+        return ON_LOAD_FORMATS.get(self.method)
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.method == "w8a8"
+
+
+def check_method(value: object) -> None:
+    """:raises ValueError: naming the methods, for anything else (None is ``auto``)."""
+    if value is not None and value not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or unset: gguf "
+                         f"for a .gguf file, none otherwise), got {value!r}")
+
+
+def resolve_method(requested: str | None, *, gguf_file: bool,
+                   checkpoint_quantization: str | None, platform_name: str,
+                   platform_methods: tuple[str, ...]) -> Quantization:
+    """The method for a checkpoint: ``requested``, or its default (``gguf`` for a GGUF
+    file, ``none`` otherwise), checked against the checkpoint and the platform.
+
+    :param checkpoint_quantization: the ``quant_method`` of a checkpoint's own
+        ``quantization_config`` (a GPTQ, AWQ or fp8 checkpoint), or None.
+    :raises ValueError: naming the option, for a method that contradicts the file or
+        that the platform does not run.
+    """
+    check_method(requested)
+    method = requested or ("gguf" if gguf_file else "none")
+    if checkpoint_quantization is not None:
+        raise ValueError(f"quantization: the checkpoint is already quantised "
+                         f"({checkpoint_quantization}, its config's quantization_config), "
+                         f"which quire does not load; use its float checkpoint with "
+                         f"quantization=int8, w8a8 or fp8, or a GGUF file")
+    if gguf_file and method not in ("gguf", "none"):
+        raise ValueError(f"quantization: {method} quantises a float checkpoint on load, but "
+                         f"this is a GGUF file, whose tensors are already quantised: use "
+                         f"gguf (its blocks as stored) or none (expanded to float)")
+    if not gguf_file and method == "gguf":
+        raise ValueError("quantization: gguf keeps a GGUF file's blocks, but this "
+                         "checkpoint is not a .gguf file; use int8, w8a8, fp8 or none")
+    if method not in platform_methods:
+        raise ValueError(f"quantization: {method} is not run by the '{platform_name}' "
+                         f"platform; it runs {', '.join(platform_methods)}")
+    return Quantization(method)
