@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from quire.quantization.methods import Quantization, check_method
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -72,6 +74,17 @@ class EngineConfig:
     dtype: str = field(
         default="auto", metadata=_help("float32, bfloat16, float16, or auto (the platform's)")
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help("what the KV pages hold: auto (the model dtype), float32, bfloat16, "
+                       "int8 or fp8 (e4m3; both with a float32 scale per token and KV head)"))
+    quantization: str | None = field(
+        default=None,
+        metadata=_help("how weights are kept: gguf (a GGUF file's blocks as stored), int8 "
+                       "(weight-only, a scale per output channel, quantised on load), w8a8 "
+                       "(int8 weights and int8 activations per token), fp8 (e4m3 weights, "
+                       "a scale per output channel), none (the model dtype) (default: gguf "
+                       "for a .gguf file, none otherwise)"))
     block_size: int | None = field(
         default=None, metadata=_help("tokens per KV page (default: the platform's)")
     )
@@ -170,6 +183,10 @@ class EngineConfig:
         if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
             raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, int8, "
+                             f"fp8, got {self.kv_cache_dtype!r}")
+        check_method(self.quantization)
         _positive("block_size", self.block_size, optional=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
@@ -260,12 +277,14 @@ class EngineConfig:
 
     def resolve(
         self, *, model_max_len: int, platform_block_size: int, platform_dtype: torch.dtype,
-        model_task: str = "generate",
+        model_task: str = "generate", quantization: Quantization | None = None,
     ) -> "ResolvedConfig":
         """Fill in what depends on the checkpoint and the platform.
 
         :param model_task: what ``task="auto"`` means for the checkpoint
             (:func:`quire.models.pooling.model_task`).
+        :param quantization: the method settled for the checkpoint and the platform
+            (:func:`quire.quantization.methods.resolve_method`); None: ``none``.
         :raises ValueError: when ``max_model_len`` exceeds the model's, or the token budget
             cannot hold one whole prompt without chunked prefill (an embedding model's
             prompts are refused one by one instead).
@@ -296,6 +315,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             task=task,
+            quantization=quantization or Quantization("none"),
         )
 
 
@@ -310,6 +330,8 @@ class ResolvedConfig:
     max_num_batched_tokens: int
     #: ``generate`` or ``embed`` (``task="auto"`` settled by the checkpoint).
     task: str = "generate"
+    #: how weights are kept (``quantization`` settled by the checkpoint and platform)
+    quantization: Quantization = Quantization("none")
 
     @property
     def max_num_seqs(self) -> int:

@@ -76,13 +76,14 @@ class KVBudget:
         return self.bytes // bytes_per_token  # type: ignore[operator]
 
 
-def kv_bytes_per_token(config: object, dtype_bytes: int) -> int:
-    """K and V of one token over all layers, from a Hugging Face model config."""
+def kv_bytes_per_token(config: object, dtype_bytes: int, scale_bytes: int = 0) -> int:
+    """K and V of one token over all layers, from a Hugging Face model config;
+    ``scale_bytes`` per head row beside its values (int8/fp8 pages: 4, a float32 scale)."""
     layers = config.num_hidden_layers  # type: ignore[attr-defined]
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 @dataclass(frozen=True)

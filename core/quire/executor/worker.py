@@ -10,7 +10,6 @@ then answers three calls: how many KV pages its memory holds, make that many, ru
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,13 +20,23 @@ from quire.config import EngineConfig, ResolvedConfig, parse_dtype
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
-from quire.interfaces.attention import AttentionBackend
+from quire.interfaces.attention import (
+    QUANTIZED_KV_TORCH_DTYPES,
+    AttentionBackend,
+    check_kv_cache_dtype,
+)
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
-from quire.models.loader import checkpoint_dtype, load_model, load_model_config
+from quire.models.loader import (
+    checkpoint_dtype,
+    checkpoint_quantization,
+    is_gguf,
+    load_model,
+    load_model_config,
+)
 from quire.models.pipeline import PipelineLink, PipelineStage
 from quire.models.pooling import (
     PoolingConfig,
@@ -37,6 +46,7 @@ from quire.models.pooling import (
 )
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
+from quire.quantization.methods import resolve_method
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +72,15 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     # asked only for dtype=auto: a worker handed the core's dtype (worker_config) would
     # otherwise log a choice of its own host's that it does not make
     dtype = parse_dtype(config.dtype) or platform.auto_dtype(checkpoint_dtype(model_config))
+    quantization = resolve_method(
+        config.quantization, gguf_file=is_gguf(model_path),
+        checkpoint_quantization=checkpoint_quantization(model_config),
+        platform_name=platform.name, platform_methods=tuple(platform.quantizations))
     return config.resolve(model_max_len=context_length(model_path,
                                                        model_max_len(model_config)),
                           platform_block_size=platform.default_block_size,
-                          platform_dtype=dtype, model_task=model_task(model_path, model_config))
+                          platform_dtype=dtype, model_task=model_task(model_path, model_config),
+                          quantization=quantization)
 
 
 def model_max_len(config: object) -> int:
@@ -104,9 +119,11 @@ class Worker:
         self.stage = (PipelineStage.of(stage_index, pp, model_config.num_hidden_layers)
                       if pp > 1 else None)
         tp_comm, pp_comm = self._communicators(tp_rank, tp, stage_index, pp)
+        self.ops: OpSet = self.platform.make_ops()
         self.model, _ = load_model(model_path, tp_comm, self.device, self.config.dtype,
                                    config=model_config, extra_models=registry.model_specs(),
-                                   stage=self.stage)
+                                   stage=self.stage, quantization=self.config.quantization,
+                                   ops=self.ops)
         self.model.eval()
         self.link = None if self.stage is None or pp_comm is None else PipelineLink(
             pp_comm, self.stage, model_config.hidden_size, self.config.dtype, self.device)
@@ -116,11 +133,15 @@ class Worker:
         if config.compile:
             compile_model(self.model)
         self.backend: AttentionBackend = self.platform.make_attention_backend()
-        self.ops: OpSet = self.platform.make_ops()
         self.kv_layer_ids: tuple[int, ...] = tuple(
             getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))
         spec = KVCacheSpec.of(self.model)
         self.kv_spec = KVCacheSpec(len(self.kv_layer_ids), spec.num_kv_heads, spec.head_size)
+        #: What the KV pages hold (``kv_cache_dtype``), refused here, at start, where this
+        #: platform's backend does not take it.
+        self.kv_dtype: torch.dtype = check_kv_cache_dtype(
+            self.backend, self.platform.name, config.kv_cache_dtype, self.config.dtype,
+            spec.head_size)
         #: An embedding model's pooling (its runner returns vectors, not logits).
         self.pooling: PoolingConfig | None = (
             pooling_config(model_path, model_config, config.pooling)
@@ -148,9 +169,9 @@ class Worker:
     def bytes_per_block(self) -> int:
         """Bytes one KV page takes on this rank, over every layer."""
         spec, bs = self.kv_spec, self.config.block_size
-        elems = math.prod(self.backend.kv_cache_shape(1, bs, spec.num_kv_heads,
-                                                      spec.head_size))
-        return elems * self.config.dtype.itemsize * spec.num_layers
+        # the real bytes: quantised values and their scales (kv_cache_dtype)
+        return self.backend.kv_cache_bytes(1, bs, spec.num_kv_heads, spec.head_size,
+                                           self.kv_dtype) * spec.num_layers
 
     def num_kv_blocks(self) -> int:
         """KV pages this rank's memory holds, after the largest step's activations."""
@@ -207,6 +228,8 @@ class Worker:
         if (cfg.engine.enforce_eager or self.link is not None or self.pooling is not None
                 or cfg.engine.world_size > 1):
             return
+        if self.kv_dtype in QUANTIZED_KV_TORCH_DTYPES:  # their KV write is not capturable
+            return
         capture = self.platform.graph_capture(self.rank)
         if capture is None:
             return
@@ -225,7 +248,7 @@ class Worker:
         held = set(self.kv_layer_ids)
         return [self.backend.allocate_kv_cache(num_blocks, self.config.block_size,
                                                spec.num_kv_heads, spec.head_size,
-                                               self.config.dtype, self.device)
+                                               self.kv_dtype, self.device)
                 if layer in held else None
                 for layer in range(self.model.num_layers)]
 

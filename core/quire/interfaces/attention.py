@@ -20,11 +20,43 @@ other backend is measured against by the conformance suite.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+#: Quantised page dtypes (int8, fp8 e4m3) and the bytes of the scale after each head row.
+QUANTIZED_KV_TORCH_DTYPES = (torch.int8, torch.float8_e4m3fn)
+KV_SCALE_BYTES = 4
+
+
+def kv_row_size(head_size: int, dtype: torch.dtype) -> int:
+    """Elements of one head row in pages of ``dtype``: ``D``, or ``D + 4`` quantised."""
+    return head_size + KV_SCALE_BYTES if dtype in QUANTIZED_KV_TORCH_DTYPES else head_size
+
+
+def check_kv_cache_dtype(backend: "AttentionBackend", platform: str, kv_cache_dtype: str,
+                         model_dtype: torch.dtype, head_size: int) -> torch.dtype:
+    """The pages' dtype for ``kv_cache_dtype``, once the backend is known to take it:
+    what an engine checks at start, before it loads a page.
+
+    :raises ValueError: one line naming the option, the platform and what it supports.
+    """
+    from quire.ops.kv_quant import kv_torch_dtype
+
+    dtype = kv_torch_dtype(kv_cache_dtype, model_dtype)
+    if kv_cache_dtype != "auto" and dtype != model_dtype \
+            and kv_cache_dtype not in backend.kv_cache_dtypes:
+        supported = ", ".join(("auto", *backend.kv_cache_dtypes))
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not supported by the "
+                         f"{platform!r} platform's attention backend ({backend.name}); "
+                         f"supported: {supported}")
+    if dtype in QUANTIZED_KV_TORCH_DTYPES and head_size % KV_SCALE_BYTES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} needs a head size that is a "
+                         f"multiple of {KV_SCALE_BYTES}; this model's is {head_size}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -87,6 +119,24 @@ class AttentionBackend(ABC):
     #: Short name shown in logs and conformance tables.
     name: str = "abstract"
 
+    #: ``kv_cache_dtype`` values this backend takes besides ``auto`` (pages of the model's
+    #: dtype, which every backend takes): ``"float32"``/``"bfloat16"`` (float pages of
+    #: another dtype than the model's: :meth:`write_kv` casts, :meth:`attend` reads them
+    #: in float32 or the query's dtype), ``"int8"``/``"fp8"`` (quantised pages, below).
+    #: The engine refuses at start (``check_kv_cache_dtype``) a value not named here.
+    #: Default: none, so a backend written before plugin API 1.3 gets ``auto`` only.
+    #:
+    #: Quantised pages (``quire.ops.kv_quant``): one layer's tensor is the backend's
+    #: :meth:`kv_cache_shape` at head size ``D + 4``, of dtype ``torch.int8`` (int8) or
+    #: ``torch.float8_e4m3fn`` (fp8); each head row holds the ``D`` quantised elements
+    #: then the 4 bytes of their float32 scale (``x ~= q * scale``; ``scale = absmax(x) /
+    #: 127`` or ``/ 448``, 1 for a zero row), one per token and KV head, for keys and
+    #: values. :meth:`write_kv` (and the op set's ``rotary_write_kv`` where
+    #: :meth:`kv_slots` names slots) quantises the float K/V it is given;
+    #: :meth:`attend` dequantises what it reads, and must match the reference
+    #: (``quire.ops.attention``) reading the same pages. ``D % 4 == 0``. Plugin API 1.3.
+    kv_cache_dtypes: tuple[str, ...] = ()
+
     @abstractmethod
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
@@ -104,10 +154,24 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Allocate one layer's KV cache. Contents are undefined until written.
 
+        ``dtype`` int8 or float8_e4m3fn: quantised pages, head rows of ``D + 4``
+        (:attr:`kv_cache_dtypes`).
+
         :raises RuntimeError: (from the allocator) when the memory is not there.
         """
-        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                    kv_row_size(head_size, dtype))
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def kv_cache_bytes(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int, dtype: torch.dtype) -> int:
+        """Bytes one layer's cache of ``num_blocks`` pages of ``dtype`` takes (quantised
+        values and their scales): what the engine sizes the KV pool by. Pure. Default:
+        :meth:`kv_cache_shape` (at head size ``D + 4`` for int8/fp8 pages) times the
+        element size. Plugin API 1.3."""
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                    kv_row_size(head_size, dtype))
+        return math.prod(shape) * dtype.itemsize
 
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> Any:

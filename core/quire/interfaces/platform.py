@@ -84,6 +84,13 @@ class Platform(ABC):
     default_block_size: ClassVar[int]
     #: Preference for ``device="auto"`` among available platforms; higher wins. cpu is 0.
     priority: ClassVar[int] = 0
+    #: The ``quantization`` methods this platform runs (:mod:`quire.quantization.methods`).
+    #: The default is what the op set's reference ``quantized_linear`` runs on any torch
+    #: device (weights dequantised a slab at a time, float products); a platform adds
+    #: ``w8a8`` when its ``quantized_linear`` takes ``int8_activations`` (integer
+    #: products), and replaces the op with kernels that read the blocks in place. Plugin
+    #: API 1.3; an older plugin gets this default.
+    quantizations: ClassVar[tuple[str, ...]] = ("none", "gguf", "int8", "fp8")
 
     @abstractmethod
     def availability(self) -> Availability:

@@ -7,7 +7,9 @@ must be set before triton is first imported, because ``@triton.jit`` reads it wh
 module defines the kernels).
 
 KV cache, per layer: ``[2, num_blocks, block_size, Hkv, D]`` (0 = keys, 1 = values), the
-cpu reference's layout. The launchers take the key and value halves as two views,
+cpu reference's layout; int8 / fp8 pages hold rows of ``D + 4`` (the values, then their
+float32 scale: ``quire.ops.kv_quant``), dequantised in the attention kernels as each tile
+is loaded. The launchers take the key and value halves as two views,
 ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, Hkv, D]`` with the head dim
 contiguous; every other stride is passed to the kernels.
 
@@ -79,6 +81,21 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _fp8_e4m3_to_f32(x):
+    """float8 e4m3fn bytes (uint8) as float32, from their bits: portable to every GPU (no
+    fp8 type needed; ROCm's native fp8 is the fnuz variant) and to the interpreter."""
+    b = x.to(tl.uint32)
+    e = (b >> 3) & 15
+    m = b & 7
+    sign = (b >> 7) << 31
+    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # e = 0: m * 2**-9
+    sub = tl.where(sign != 0, -sub, sub)
+    out = tl.where(e == 0, sub, normal)
+    return tl.where((e == 15) & (m == 7), float("nan"), out)
+
+
+@triton.jit
 def _softcap(s, cap):
     """``cap * tanh(s / cap)``; tanh from exp2, since tl has no portable tanh."""
     e = tl.exp2(s / cap * (2.0 * LOG2E))  # exp(2 s / cap); overflow to inf is fine
@@ -92,11 +109,16 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch,
     kv_head, block_size, head_size,
     scale, soft_cap, window,
+    ks_ptr, vs_ptr,
     TILE_N: tl.constexpr, D_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One online-softmax step of rows ``q`` [M, D_PAD] over keys ``j0 .. j0+TILE_N``.
+
+    ``QUANT`` 1 (int8) or 2 (fp8 e4m3, read as bytes): rows of ``head_size + 4`` bytes,
+    the values then their float32 scale, which ``ks_ptr``/``vs_ptr`` (the caches seen as
+    float32) read at ``(row + head_size) / 4``; the tiles are dequantised in registers.
 
     Keys at ``j >= kv_end`` are never loaded: a slot past a sequence's end may hold
     anything, NaN included, and a masked score would not cancel a NaN value. Rows see keys
@@ -114,7 +136,20 @@ def _attend_tile(
                   mask=d_ok[:, None] & kv_ok[None, :], other=0.0)  # [D_PAD, TILE_N]
     v = tl.load(v_cache_ptr + base[:, None] + d[None, :],
                 mask=kv_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, D_PAD]
-    if DOT_FP32:
+    if QUANT != 0:
+        if QUANT == 1:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k_t = _fp8_e4m3_to_f32(k_t)
+            v = _fp8_e4m3_to_f32(v)
+        srow = (base + head_size) // 4  # the scale after each row, as a float32 index
+        k_t = k_t * tl.load(ks_ptr + srow, mask=kv_ok, other=0.0)[None, :]
+        v = v * tl.load(vs_ptr + srow, mask=kv_ok, other=0.0)[:, None]
+        if not DOT_FP32:
+            k_t = k_t.to(q.dtype)
+            v = v.to(q.dtype)
+    elif DOT_FP32:
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
 
@@ -139,7 +174,7 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr, block_tables_ptr,
     query_start_ptr, seq_lens_ptr, qblock_seq_ptr, qblock_idx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_co, stride_ch,
@@ -147,7 +182,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, D_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     num_chunks: tl.constexpr = (GROUP + HEADS - 1) // HEADS
@@ -175,7 +210,7 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif QUANT == 0:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Keys any row of this block may see: up to the last real row's position, and from the
@@ -193,8 +228,8 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, pos, j0, kv_end, bt_row_ptr,
             k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch,
-            kv_head, block_size, head_size, scale, soft_cap, window,
-            TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION,
+            kv_head, block_size, head_size, scale, soft_cap, window, ks_ptr, vs_ptr,
+            TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION, QUANT,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only on padding rows
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -203,15 +238,15 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    query_start_ptr, seq_lens_ptr, decode_seqs_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
+    block_tables_ptr, query_start_ptr, seq_lens_ptr, decode_seqs_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_co, stride_ch,
     num_q_heads, head_size, block_size, scale, soft_cap, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_N: tl.constexpr, D_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -231,7 +266,7 @@ def _decode_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif QUANT == 0:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     # This split's share of the tiles that hold visible keys.
@@ -252,8 +287,8 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, pos, tile * TILE_N, seq_len, bt_row_ptr,
             k_cache_ptr, v_cache_ptr, stride_cb, stride_co, stride_ch,
-            kv_head, block_size, head_size, scale, soft_cap, window,
-            TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION,
+            kv_head, block_size, head_size, scale, soft_cap, window, ks_ptr, vs_ptr,
+            TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION, QUANT,
         )
 
     if NUM_SPLITS == 1:
@@ -329,6 +364,25 @@ def _dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
     return dot_fp32, ("ieee" if dot_fp32 else None)
 
 
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
+                           bool, str | None, torch.dtype]:
+    """(k, v, k scales, v scales, QUANT, DOT_FP32, PRECISION, the tiles' dtype) for the
+    attention launches. Quantised caches (int8; fp8 e4m3, passed as its bytes) come with
+    float32 views of the same memory for their scales; float caches pass themselves there
+    (unread)."""
+    if k_cache.dtype == torch.int8 or k_cache.dtype == torch.float8_e4m3fn:
+        quant = 1 if k_cache.dtype == torch.int8 else 2
+        if quant == 2:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        dot_fp32 = query.dtype == torch.float32 or INTERPRETED
+        tiles = torch.float32 if dot_fp32 else query.dtype
+        return (k_cache, v_cache, k_cache.view(torch.float32), v_cache.view(torch.float32),
+                quant, dot_fp32, "ieee" if dot_fp32 else None, tiles)
+    dot_fp32, precision = _dot_options(k_cache.dtype)
+    return k_cache, v_cache, k_cache, v_cache, 0, dot_fp32, precision, k_cache.dtype
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -389,13 +443,14 @@ def prefill_attention(
     _, hq, d = query.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
-    shrink = _row_shrink(d, k_cache.dtype)
+    k_cache, v_cache, ks, vs, quant, dot_fp32, precision, tiles = _cache_args(
+        k_cache, v_cache, query)
+    shrink = _row_shrink(d, tiles)
     tile_n = max(16, tile_n // shrink)
     heads = max(1, min(group, max_rows // shrink // block_q))
-    dot_fp32, precision = _dot_options(k_cache.dtype)
     grid = (num_qblocks, hkv * triton.cdiv(group, heads))
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables,
+        out, query, k_cache, v_cache, ks, vs, block_tables,
         query_start_loc, seq_lens, qblock_seq, qblock_idx,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -403,7 +458,8 @@ def prefill_attention(
         GROUP=group, HEADS=heads, BLOCK_Q=block_q, BLOCK_M=_pow2(block_q * heads, 16),
         TILE_N=tile_n, D_PAD=_pow2(d, 16),
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logits_soft_cap is not None,
-        DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quant, num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -437,15 +493,16 @@ def decode_attention(
     _, hq, d = query.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
-    tile_n = max(16, tile_n // _row_shrink(d, k_cache.dtype))
+    k_cache, v_cache, ks, vs, quant, dot_fp32, precision, tiles = _cache_args(
+        k_cache, v_cache, query)
+    tile_n = max(16, tile_n // _row_shrink(d, tiles))
     if num_splits > 1:
         part_acc = torch.empty(num_dec, hq, num_splits, d, dtype=torch.float32, device=out.device)
         part_ml = torch.empty(num_dec, hq, num_splits, 2, dtype=torch.float32, device=out.device)
     else:  # unused by the kernel; any float32 tensor keeps the signature fixed
         part_acc = part_ml = out.new_empty(1, dtype=torch.float32)
-    dot_fp32, precision = _dot_options(k_cache.dtype)
     _decode_kernel[(num_dec, hkv, num_splits)](
-        out, part_acc, part_ml, query, k_cache, v_cache, block_tables,
+        out, part_acc, part_ml, query, k_cache, v_cache, ks, vs, block_tables,
         query_start_loc, seq_lens, decode_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -453,7 +510,8 @@ def decode_attention(
         GROUP=group, G_PAD=_pow2(group, 16), NUM_SPLITS=num_splits,
         TILE_N=tile_n, D_PAD=_pow2(d, 16),
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logits_soft_cap is not None,
-        DOT_FP32=dot_fp32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=dot_fp32, PRECISION=precision, QUANT=quant, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_dec, hq)](

@@ -26,7 +26,14 @@ from types import ModuleType
 
 import torch
 
-from quire.interfaces.attention import AttentionBackend, AttentionBatch, check_attention_options
+from quire.interfaces.attention import (
+    KV_SCALE_BYTES,
+    QUANTIZED_KV_TORCH_DTYPES,
+    AttentionBackend,
+    AttentionBatch,
+    check_attention_options,
+    kv_row_size,
+)
 
 #: Largest head size the kernels take; bigger ones would not fit a tile in registers.
 MAX_HEAD_SIZE = 256
@@ -121,6 +128,9 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    #: int8 / fp8 pages (``quire.ops.kv_quant``): written by torch ops, dequantised in
+    #: the attention kernels.
+    kv_cache_dtypes = ("int8", "fp8")
 
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()
@@ -130,7 +140,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         """:raises ValueError: for a block size < 1 or a head size outside 1..256."""
         _check_block_size(block_size)
-        _check_head_size(head_size)
+        # a quantised cache asks at D + 4 (its rows hold their scale): D alone is checked
+        _check_head_size(head_size if head_size <= MAX_HEAD_SIZE else head_size - KV_SCALE_BYTES)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
@@ -209,6 +220,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         _check_cache(kv_cache, metadata.block_size)
         _check_device(key)
+        if kv_cache.dtype in QUANTIZED_KV_TORCH_DTYPES:  # every slot >= 0 (no graphs)
+            from quire.ops.kv_quant import write_kv
+
+            write_kv(kv_cache, metadata.slot_mapping, key, value)
+            return
         _kernels().write_kv(
             _dense_rows(key), _dense_rows(value), kv_cache[0], kv_cache[1],
             metadata.slot_mapping, num_warps=self.config.num_warps,
@@ -233,7 +249,7 @@ class TritonAttentionBackend(AttentionBackend):
         _check_cache(kv_cache, metadata.block_size)
         _check_device(query)
         hq, hkv = query.shape[1], kv_cache.shape[3]
-        if query.shape[2] != kv_cache.shape[4] or hq % hkv != 0:
+        if kv_row_size(query.shape[2], kv_cache.dtype) != kv_cache.shape[4] or hq % hkv != 0:
             raise ValueError(
                 f"query [T, {hq}, {query.shape[2]}] does not fit a cache of {hkv} kv heads "
                 f"of size {kv_cache.shape[4]} (Hq must be a multiple of Hkv)"
@@ -313,10 +329,14 @@ def _check_cache(kv_cache: torch.Tensor, block_size: int) -> None:
             f"kv_cache of shape {tuple(kv_cache.shape)} is not [2, num_blocks, "
             f"{block_size}, Hkv, D]"
         )
-    if kv_cache.dtype not in SUPPORTED_DTYPES:
+    quantized = kv_cache.dtype in QUANTIZED_KV_TORCH_DTYPES
+    if kv_cache.dtype not in SUPPORTED_DTYPES and not quantized:
         raise ValueError(f"the triton attention backend does not support cache dtype "
-                         f"{kv_cache.dtype}; use float32, float16 or bfloat16")
-    _check_head_size(kv_cache.shape[4])
+                         f"{kv_cache.dtype}; use float32, float16 or bfloat16 (or int8 / "
+                         f"float8_e4m3fn pages with scales)")
+    _check_head_size(kv_cache.shape[4] - (KV_SCALE_BYTES if quantized else 0))
+    if quantized and not kv_cache.is_contiguous():
+        raise ValueError("quantised kv_cache pages must be contiguous")
     if kv_cache.stride(-1) != 1:
         # A copy would silently drop writes, so a strided head dim is refused, not fixed.
         raise ValueError("kv_cache's head dim must be contiguous (stride 1)")

@@ -215,6 +215,13 @@ def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
     :raises ValueError: naming the shapes when ``qk``, ``value``, ``cos``/``sin`` or the
         cache do not fit together, or the cache's dtype differs from the inputs'.
     """
+    if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+        # quantised pages (rows of D + 4 with their scale): the rotation and the
+        # quantising write in torch (quire.ops.kv_quant); every slot must be >= 0 (no
+        # padding rows: the engine captures no decode graphs with quantised pages)
+        from quire.ops.reference import rotary_write_kv as reference_rotary_write_kv
+
+        return reference_rotary_write_kv(qk, value, cos, sin, kv_cache, slot_mapping)
     t, heads, d = qk.shape
     hkv = value.shape[1]
     if value.shape != (t, hkv, d) or heads <= hkv or d % 2:

@@ -14,7 +14,9 @@ its length.
 
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, Hkv, D]``, where
 index 0 holds keys and 1 holds values. ``slot = block * block_size + offset`` addresses
-``kv_cache[:, block, offset]``.
+``kv_cache[:, block, offset]``. Quantised pages (int8, fp8) hold rows of ``D + 4``: the
+values, then their float32 scale (:mod:`quire.ops.kv_quant`); they are dequantised to
+float32 as they are gathered.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from quire.interfaces.attention import (
     AttentionBatch,
     check_attention_options,
 )
+from quire.ops import kv_quant
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     """
 
     name = "cpu-reference"
+    kv_cache_dtypes = ("float32", "bfloat16", "int8", "fp8")
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
@@ -120,10 +124,13 @@ class ReferenceAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: ReferenceAttentionMetadata,
     ) -> None:
+        if kv_quant.is_quantized(kv_cache):
+            kv_quant.write_kv(kv_cache, metadata.slot_mapping, key, value)
+            return
         # A view, never a copy: a copy would silently drop the write.
         slots = kv_cache.view(2, -1, *kv_cache.shape[3:])
-        slots[0].index_copy_(0, metadata.slot_mapping, key)
-        slots[1].index_copy_(0, metadata.slot_mapping, value)
+        slots[0].index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
+        slots[1].index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
 
     def attend(
         self,
@@ -194,8 +201,12 @@ def _attend_group(
     b, max_q = group.num_seqs, group.max_q
 
     # gather: [b, n_blocks, block_size, Hkv, D] -> [b, L, Hkv, D]
-    keys = kv_cache[0][group.block_tables].flatten(1, 2).float()
-    values = kv_cache[1][group.block_tables].flatten(1, 2).float()
+    keys = kv_cache[0][group.block_tables].flatten(1, 2)
+    values = kv_cache[1][group.block_tables].flatten(1, 2)
+    if kv_quant.is_quantized(kv_cache):  # rows of D + 4: values, then their scale
+        keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)
+    else:
+        keys, values = keys.float(), values.float()
     # indexing made a copy, so this never touches the cache
     values.masked_fill_(~group.kv_valid, 0.0)
 

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from quire.interfaces.attention import AttentionBatch, check_attention_options
+from quire.interfaces.attention import AttentionBatch, check_attention_options, kv_row_size
+from quire.ops import kv_quant
 from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.kv_prefault import MODES as PREFAULT_MODES
 from quire.platforms.cpu.kv_prefault import BackgroundPrefault
@@ -115,6 +116,7 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
     """
 
     name = "cpu-sdpa"
+    kv_cache_dtypes = ("float32", "bfloat16", "int8", "fp8")
 
     def __init__(self, native: NativeKernels | None = None,
                  prefault: str = "background") -> None:
@@ -134,7 +136,8 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
         once (``start``: zeros, over torch's threads), a margin ahead of the blocks
         steps reach by a thread on idle CPU (``background``; :meth:`build_metadata`
         reports how far steps got), or at each page's first write (``off``)."""
-        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads,
+                                    kv_row_size(head_size, dtype))
         if self.prefault == "start":
             return torch.zeros(shape, dtype=dtype, device=device)
         cache = torch.empty(shape, dtype=dtype, device=device)
@@ -214,6 +217,11 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
     ) -> torch.Tensor:
         check_attention_options(window, cap)
         groups = metadata.groups
+        if kv_cache.dtype != query.dtype:
+            # int8/fp8 (or float pages of another dtype): every group reads the pages
+            # (dequantised as gathered), so a prompt sees what its decode steps will; the
+            # C kernels take only pages of the query's dtype and decline the rest
+            fresh = None
         if len(groups) == 1 and groups[0].token_idx is None:
             return _attend_group(query, kv_cache, groups[0], scale, window, cap, fresh,
                                  self.native)
@@ -333,12 +341,17 @@ def _attend_group(
     if fresh is not None and group.fresh_rows is not None and window is None and cap is None:
         outs = [_fresh_prompt(query, fresh, rows, scale) for rows in group.fresh_rows]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    hkv, d = kv_cache.shape[3], query.shape[2]
     b, length = group.num_seqs, group.key_len
     g = query.shape[1] // hkv
 
     q = _fold_queries(query, group, hkv)  # [b, Hkv, G * max_q, D]
-    keys, values = _gather(kv_cache, group).view(2, b, hkv, length, d)
+    gathered = _gather(kv_cache, group)
+    if kv_quant.is_quantized(kv_cache):  # rows of D + 4: values, then their scale
+        gathered = kv_quant.dequantize(gathered, query.dtype)
+    elif gathered.dtype != query.dtype:
+        gathered = gathered.to(query.dtype)
+    keys, values = gathered.view(2, b, hkv, length, d)
     mask = _mask(group, window, g, query.dtype)
     if cap is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
@@ -348,7 +361,8 @@ def _attend_group(
 
 
 def _gather(kv_cache: torch.Tensor, group: _Group) -> torch.Tensor:
-    """Keys and values per sequence, head, then position: ``[2, b * Hkv * L, D]``."""
+    """Keys and values per sequence, head, then position: ``[2, b * Hkv * L, D]`` (rows
+    of ``D + 4`` for quantised pages: still quantised)."""
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     rows = group.key_rows.get(hkv)
     if rows is None:  # first layer of the step
