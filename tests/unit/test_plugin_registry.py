@@ -203,24 +203,29 @@ def test_incompatible_platform_is_listed_refused_and_names_both_versions() -> No
     assert registry.auto_choice() == "cpu"
 
 
-def test_this_core_provides_api_1_2_and_keeps_plugins_built_for_1_0_and_1_1() -> None:
-    """1.1 added Communicator.send/recv, 1.2 Platform.auto_dtype and details; a MINOR
-    bump must not refuse older plugins, and a 1.1 platform gets the defaults."""
-    assert PLUGIN_API_VERSION == "1.2"
+def test_this_core_provides_api_1_3_and_keeps_plugins_built_for_1_0_to_1_2() -> None:
+    """1.1 added Communicator.send/recv, 1.2 Platform.auto_dtype and details, 1.3 the
+    quantised ops; a MINOR bump must not refuse older plugins, and an older platform
+    gets the defaults (the reference quantized_linear, no w8a8)."""
+    assert PLUGIN_API_VERSION == "1.3"
     registry = PlatformRegistry(entry_points=[
         ep("old", platform("old", api="1.0"), dist="quire-old"),
         ep("mid", platform("mid", api="1.1"), dist="quire-mid"),
-        ep("new", platform("new", api="1.2"), dist="quire-new"),
-        ep("next", PlatformSpec("next", "1.3", never_built), dist="quire-next"),
+        ep("prev", platform("prev", api="1.2"), dist="quire-prev"),
+        ep("new", platform("new", api="1.3"), dist="quire-new"),
+        ep("next", PlatformSpec("next", "1.4", never_built), dist="quire-next"),
     ])
     refused = {e.name: e.refused for e in registry.entries()}
-    assert refused["new"] is None and refused["mid"] is None and refused["old"] is None
+    assert all(refused[name] is None for name in ("old", "mid", "prev", "new"))
     assert refused["next"] is not None
-    assert "built for plugin API 1.3, but this Quire provides plugin API 1.2" in refused["next"]
-    assert "built for plugin API 1.x (at most 1.2)" in refused["next"]
+    assert "built for plugin API 1.4, but this Quire provides plugin API 1.3" in refused["next"]
+    assert "built for plugin API 1.x (at most 1.3)" in refused["next"]
     mid = registry.resolve("mid")
     assert mid.auto_dtype(torch.bfloat16) == mid.supported_dtypes[0]
     assert mid.auto_dtype(None) == mid.supported_dtypes[0]
+    prev = registry.resolve("prev")
+    assert "w8a8" not in prev.quantizations and "gguf" in prev.quantizations
+    assert prev.make_ops().source_of("quantized_linear") == "reference"
 
 
 def test_a_communicator_written_for_api_1_0_still_works_without_send_recv() -> None:

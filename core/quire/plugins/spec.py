@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 #:      Platform.child_environment (variables for the processes Quire starts); a 1.1
 #:      platform inherits defaults (its first supported dtype; no lines; no graphs; no
 #:      variables).
-PLUGIN_API_VERSION = "1.2"
+#: 1.3: quantised weights: Platform.quantizations (the ``quantization`` methods a
+#:      platform runs) and the op set's ``quantized_linear`` (a product on a
+#:      ``QuantizedTensor``, quire.quantization); a 1.2 platform inherits the
+#:      reference op, which runs gguf, int8 and fp8 on any torch device, and is refused
+#:      w8a8.
+PLUGIN_API_VERSION = "1.3"
 
 
 @dataclass(frozen=True)

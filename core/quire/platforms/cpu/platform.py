@@ -66,6 +66,9 @@ class CpuPlatform(Platform):
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     default_block_size = 16
     priority = 0
+    #: every method: weight-only products on the blocks (float activations), and w8a8's
+    #: integer products (:mod:`~quire.platforms.cpu.quant_linear`)
+    quantizations = ("none", "gguf", "int8", "w8a8", "fp8")
 
     #: Per-step thread switching, set by configure_process; None before the engine
     #: starts, or when the user set the thread count (then every step uses it).
