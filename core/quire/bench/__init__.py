@@ -9,6 +9,8 @@
 - ``serve.py``: streaming load on an OpenAI-compatible server (concurrency or Poisson)
 - ``sweep.py``: throughput over values of one engine option, and its plot
 - ``memory.py``: paged vs contiguous KV allocation, simulated on our ``BlockManager``
+- ``accuracy.py``: next-token distributions against a reference on a fixed text: KL,
+  top-1 agreement, perplexity (and llama.cpp's, against the same reference)
 - ``report.py``: tables for stdout, the JSON record of a run
 - ``peers/``: the peer engines (hf, vllm, llamacpp), their installs and workers
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +147,15 @@ class EngineCore:
 
     Call :meth:`shutdown` to stop the executor's worker processes (none at world size 1).
     """
+
+    #: Called as ``observer(request_id, first_pos, logits)`` with every chunk of prompt
+    #: logits a request that asked for ``prompt_logprobs`` gets, before its top-k is
+    #: taken: float32 ``[k, vocab]`` rows, on the device they were computed on, for
+    #: prompt positions ``first_pos .. first_pos+k-1`` (each predicts the next prompt
+    #: token). A recompute after preemption repeats positions. The rows are valid only
+    #: during the call. For tools that need whole distributions (``quire bench
+    #: accuracy``); None (the default) costs nothing.
+    prompt_logits_observer: Callable[[str, int, torch.Tensor], None] | None = None
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None):
@@ -452,6 +462,8 @@ class EngineCore:
             seq = out.scheduled[item_idx].seq
             if seq.request_id not in self._requests:
                 continue  # aborted while its step was in flight
+            if self.prompt_logits_observer is not None:
+                self.prompt_logits_observer(seq.request_id, first_pos, logits)
             entry = self._prompt_logprobs(self._requests[seq.request_id], first_pos, logits)
             if entry is not None:
                 outputs.prompt_logprobs.append(entry)

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 #:      ``QuantizedTensor``, quire.quantization); a 1.2 platform inherits the
 #:      reference op, which runs gguf, int8 and fp8 on any torch device, and is refused
 #:      w8a8.
+#:      Quantised KV pages: AttentionBackend.kv_cache_dtypes (the ``kv_cache_dtype``
+#:      values a backend takes besides ``auto``) and AttentionBackend.kv_cache_bytes
+#:      (what the KV pool is sized by); a 1.2 backend declares none, so it is refused
+#:      anything but ``auto`` at start.
 PLUGIN_API_VERSION = "1.3"
 
 

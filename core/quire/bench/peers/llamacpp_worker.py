@@ -220,5 +220,66 @@ def quantize_f32(job: Job) -> dict[str, Any]:
     return {"output": out}
 
 
+GGML_TYPE_F16 = 1
+_KV_TYPES = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}
+
+
+def _n_vocab(model: Any) -> int:
+    if hasattr(L, "llama_model_get_vocab"):
+        return int(L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)))
+    return int(L.llama_n_vocab(model))  # releases before the vocab API
+
+
+def logits(job: Job) -> dict[str, Any]:
+    """Write to ``job["output"]`` the float32 logits ``[n-1, n_vocab]`` of positions
+    ``0 .. n-2`` of ``job["token_ids"]`` (one sequence, fed as given: no BOS added), for
+    ``quire bench accuracy``. Chunks of ``n_batch`` tokens, each reading the KV cache the
+    earlier ones wrote; KV cache type ``kv_type`` (f16, llama.cpp's default, or f32)."""
+    ids = [int(t) for t in job["token_ids"]]
+    options = job.get("options", {})
+    n = len(ids)
+    n_batch = max(1, min(int(options.get("n_batch") or 512), n))
+    threads = int(options.get("threads") or os.cpu_count() or 1)
+    keep_alive = quiet_logs()  # noqa: F841 - llama.cpp calls it until we return
+    start = time.perf_counter()
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {job['model']}")
+    params = L.llama_context_default_params()
+    params.n_ctx = n
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = 1
+    params.n_threads = params.n_threads_batch = threads
+    params.type_k = params.type_v = _KV_TYPES[options.get("kv_type", "f16")]
+    ctx = L.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not create a context of {n} tokens")
+    load_s = time.perf_counter() - start
+    vocab = _n_vocab(model)
+    batch = L.llama_batch_init(n_batch, 0, 1)
+    partial = job["output"] + ".partial"
+    with open(partial, "wb") as out:
+        for first in range(0, n - 1, n_batch):
+            k = min(n_batch, n - 1 - first)
+            batch.n_tokens = k
+            for i in range(k):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = ids[first + i], first + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            rc = L.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            out.write(ctypes.string_at(L.llama_get_logits(ctx), k * vocab * 4))
+    os.replace(partial, job["output"])
+    desc = ctypes.create_string_buffer(256)
+    L.llama_model_desc(model, desc, len(desc))
+    kv = options.get("kv_type", "f16").upper()
+    return {"engine": f"llama.cpp (llama-cpp-python {L.__version__}), "
+                      f"{desc.value.decode()}, {kv} KV cache, {threads} threads",
+            "load_s": load_s, "n_vocab": vocab, "rows": n - 1}
+
+
 if __name__ == "__main__":
-    main({"throughput": throughput, "latency": latency, "quantize_f32": quantize_f32})
+    main({"throughput": throughput, "latency": latency, "quantize_f32": quantize_f32,
+          "logits": logits})

@@ -45,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     _register_sweep(benches)
     _register_host(benches)
     _register_memory(benches)
+    _register_accuracy(benches)
     _register_install_peer(benches)
 
 
@@ -261,8 +262,203 @@ def _register_memory(benches: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="only for a budget in bytes: the model whose KV size per "
                         "token converts it")
-    parser.add_argument("--dtype", default="float32", help="KV dtype, for a budget in bytes")
+    parser.add_argument("--dtype", default="float32",
+                        help="KV dtype, for a budget in bytes: float32, bfloat16, float16, "
+                        "or int8 / fp8 (kv_cache_dtype: 1 byte an element plus a 4-byte "
+                        "scale per head row)")
     parser.set_defaults(run=run_memory)
+
+
+#: The reference's own flags, and the engine option each sets.
+_REF_FLAGS = {"--ref-dtype": "dtype", "--ref-quantization": "quantization",
+              "--ref-kv-cache-dtype": "kv_cache_dtype"}
+
+
+def _register_accuracy(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "accuracy", help="next-token distributions against a reference: KL, top-1, perplexity",
+        description="Run a fixed text through the tested configuration (the engine flags) "
+        "and a reference (by default the same options at dtype=float32, quantization=none, "
+        "kv_cache_dtype=auto) and compare every position's full next-token distribution: "
+        "KL(ref || test), top-1 agreement, perplexity (see quire.bench.accuracy). With the "
+        "llamacpp peer installed and a GGUF model, llama.cpp's run of the same file is "
+        "scored against the same reference.")
+    text = parser.add_argument_group("text")
+    text.add_argument("--text", metavar="FILE", default=None,
+                      help="a UTF-8 text file instead of the shipped one (Alice's Adventures "
+                      "in Wonderland, chapter I: about 2,000 tokens)")
+    text.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                      help="use at most the first N tokens of the text (default: all of it, "
+                      "up to the context)")
+    ref = parser.add_argument_group("reference")
+    for flag, option in _REF_FLAGS.items():
+        ref.add_argument(flag, default=None, metavar=option.upper(),
+                         help=f"the reference's {option} (default: "
+                         f"{_ref_default(option)})")
+    ref.add_argument("--ref-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="any other engine option of the reference (repeatable): "
+                     "--ref-option device=cpu; the reference otherwise takes the tested "
+                     "options")
+    peer = parser.add_argument_group("llama.cpp peer")
+    peer.add_argument("--no-llamacpp", action="store_true",
+                      help="do not run the llamacpp peer even when it is installed")
+    peer.add_argument("--llamacpp-kv-type", default="f16", choices=("f16", "f32"),
+                      help="llama.cpp's KV cache type (default: f16, its own default)")
+    peer.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
+                      help="give up on the peer after this long (default: 3600)")
+    parser.add_argument("--json", "--output", dest="output", metavar="FILE", default=None,
+                        help="also write every figure and both configurations as JSON")
+    add_engine_options(parser)
+    parser.set_defaults(run=run_accuracy)
+
+
+def _ref_default(option: str) -> str:
+    from quire.bench.accuracy import REFERENCE_DEFAULTS
+
+    return f"{REFERENCE_DEFAULTS[option]}"
+
+
+def _accuracy_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tested options (the engine flags that differ from their defaults) and the
+    reference's overrides. :raises UsageError: naming the flag."""
+    import dataclasses
+
+    from quire.config import EngineConfig
+
+    config = engine_config_from_args(args)
+    test = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name != "model" and getattr(config, f.name) != f.default}
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides: dict[str, Any] = {}
+    for flag, option in _REF_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if option not in known:
+            raise UsageError(f"{flag}: this build has no {option} option")
+        overrides[option] = value
+    for item in args.ref_option:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(f"--ref-option: expected KEY=VALUE, got {item!r}")
+        if key not in known or key == "model":
+            raise UsageError(f"--ref-option: unknown engine option {key!r}; known: "
+                             f"{', '.join(sorted(known - {'model'}))}")
+        overrides[key] = _engine_value(key, value.strip())
+    return test, overrides
+
+
+class _ValueParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def _engine_value(key: str, text: str) -> Any:
+    """``text`` as engine option ``key``'s flag converts it."""
+    parser = _ValueParser(add_help=False)
+    add_engine_options(parser)
+    flag = "--" + key.replace("_", "-")
+    try:
+        return getattr(parser.parse_args([flag, text]), key)
+    except ValueError as exc:
+        raise UsageError(f"--ref-option {key}: {exc}") from None
+
+
+def run_accuracy(args: argparse.Namespace) -> int:
+    from quire.bench import accuracy
+    from quire.bench.peers.runner import PeerError, check_installed
+    from quire.bench.peers.spec import PEERS
+    from quire.bench.report import record
+    from quire.config import EngineConfig
+    from quire.model_store import model_path_of
+    from quire.tokenizer import load_tokenizer
+
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise UsageError("--max-tokens: must be >= 2 (one position predicting the next)")
+    test, overrides = _accuracy_options(args)
+    ref = accuracy.reference_options(test, overrides)
+    try:
+        EngineConfig.from_kwargs(args.model, **ref)
+    except ValueError as exc:
+        named = [f for f, o in _REF_FLAGS.items() if o in str(exc) and o in overrides]
+        raise UsageError(f"{named[0] if named else '--ref-option'}: {exc}") from exc
+    try:
+        text = accuracy.load_text(args.text)
+    except ValueError as exc:
+        raise UsageError(f"--text: {exc}") from exc
+    config = engine_config_from_args(args)
+    try:
+        tokenizer = load_tokenizer(config.tokenizer or model_path_of(config))
+        context = accuracy.context_of(config)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from exc
+    try:
+        ids = accuracy.text_token_ids(tokenizer, text, args.max_tokens, context)
+    except ValueError as exc:
+        raise UsageError(f"--text: {exc}") from exc
+    gguf = model_path_of(config)
+    peer_note, run_peer = None, False
+    if args.no_llamacpp:
+        peer_note = "llama.cpp peer: not run (--no-llamacpp)"
+    elif not gguf.endswith(".gguf"):
+        peer_note = "llama.cpp peer: not run (the model is not a GGUF file)"
+    else:
+        try:
+            check_installed(PEERS["llamacpp"])
+            run_peer = True
+        except PeerError:
+            peer_note = ("llama.cpp peer: not installed (quire bench install-peer "
+                         "llamacpp); skipped")
+    registry = open_registry(args)
+    columns: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+    try:
+        with accuracy.Comparison(args.model, ids, ref, registry) as comparison:
+            columns["quire"] = comparison.score(test)
+            if run_peer:
+                print("quire bench: running llama.cpp on the same token ids ...",
+                      file=sys.stderr)
+                try:
+                    columns["llamacpp"] = accuracy.score_llamacpp(
+                        comparison, gguf, kv_type=args.llamacpp_kv_type,
+                        timeout_s=args.peer_timeout)
+                except (PeerError, RuntimeError) as exc:
+                    print(f"quire bench: peer llamacpp failed: {exc}", file=sys.stderr)
+                    failures["llamacpp"] = str(exc)
+    except (ValueError, RuntimeError) as exc:
+        from quire.entrypoints.cli.engine_options import engine_error
+
+        raise engine_error(exc) from exc
+    source = args.text or "the shipped text (Alice's Adventures in Wonderland, ch. I)"
+    quire = columns["quire"]
+    title = (f"quire bench accuracy: {quire.num_positions} positions of {source} "
+             f"({quire.num_tokens} tokens), model {args.model}")
+    notes = [f"tested: {_describe_run(quire.test)}",
+             f"reference: {_describe_run(quire.reference)}"]
+    if "llamacpp" in columns:
+        notes.append(f"llamacpp: {columns['llamacpp'].test['description']} on {gguf}, "
+                     "against the same reference")
+    if peer_note:
+        notes.append(peer_note)
+    notes += [f"llamacpp: FAILED: {error}" for error in failures.values()]
+    settings = {"model": args.model, "text": args.text or str(accuracy.DEFAULT_TEXT),
+                "max_tokens": args.max_tokens, "num_tokens": len(ids),
+                "tested_options": accuracy.plain(test),
+                "reference_options": accuracy.plain(ref)}
+    payload = record("accuracy", settings,
+                     results={name: {"figures": r.figures(), "tested": r.test,
+                                     "reference": r.reference}
+                              for name, r in columns.items()},
+                     peer_errors=failures)
+    _finish(args, title, accuracy.table(columns), notes, payload)
+    return 1 if failures else 0
+
+
+def _describe_run(info: dict[str, Any]) -> str:
+    extra = ", ".join(f"{k}={info[k]}" for k in ("quantization", "kv_cache_dtype")
+                      if info.get(k) is not None)
+    return f"{info['description']}{', ' + extra if extra else ''}"
 
 
 def _register_install_peer(benches: argparse._SubParsersAction[Any]) -> None:
@@ -651,6 +847,11 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     from quire.model_store import resolve_model
     from quire.models.loader import load_model_config
 
+    if args.dtype in ("int8", "fp8"):  # quantised pages: a float32 scale per head row
+        from quire.ops.kv_quant import SCALE_BYTES
+
+        return kv_bytes_per_token(load_model_config(resolve_model(args.model)), 1,
+                                  SCALE_BYTES)
     dtype = parse_dtype(args.dtype)
     if dtype is None:
         raise ValueError("--dtype: give a dtype name, not 'auto'")
