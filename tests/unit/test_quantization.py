@@ -1,0 +1,152 @@
+"""The quantization option: which method a checkpoint gets, what is refused at start, and
+that a quantised model holds its weights quantised (no float copy) with the right parts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from quire.config import EngineConfig
+from quire.distributed import TorchDistributedCommunicator
+from quire.models.gguf_file import iter_gguf_weights
+from quire.models.layers.quantized import QuantizedLinearKernel
+from quire.models.loader import load_model
+from quire.quantization.formats import FORMATS
+from quire.quantization.methods import Quantization, resolve_method
+from quire.quantization.random import random_quantized
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_gguf_model.py"
+ALL = ("none", "gguf", "int8", "w8a8", "fp8")
+
+
+def _resolve(requested, gguf=False, ckpt=None, methods=ALL):
+    return resolve_method(requested, gguf_file=gguf, checkpoint_quantization=ckpt,
+                          platform_name="p", platform_methods=methods)
+
+
+def test_defaults_gguf_for_a_gguf_file_and_none_otherwise():
+    assert _resolve(None, gguf=True).method == "gguf"
+    assert _resolve(None).method == "none"
+    assert _resolve("none", gguf=True).method == "none"  # the blocks expanded to float
+    assert _resolve("w8a8").int8_activations and _resolve("fp8").on_load_format == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("requested, gguf, ckpt, methods, words", [
+    ("int8", True, None, ALL, "quantization: int8 quantises a float checkpoint on load, "
+                              "but this is a GGUF file"),
+    ("gguf", False, None, ALL, "quantization: gguf keeps a GGUF file's blocks, but this "
+                               "checkpoint is not a .gguf file"),
+    ("w8a8", False, None, ("none", "gguf", "int8", "fp8"),
+     "quantization: w8a8 is not run by the 'p' platform; it runs none, gguf, int8, fp8"),
+    ("fp8", False, None, ("none",), "quantization: fp8 is not run by the 'p' platform"),
+    (None, False, "gptq", ALL, "quantization: the checkpoint is already quantised (gptq"),
+])
+def test_contradictions_are_refused_naming_the_option(requested, gguf, ckpt, methods, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        _resolve(requested, gguf, ckpt, methods)
+
+
+def test_an_unknown_method_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, int8, "
+                                         "w8a8, fp8"):
+        EngineConfig(model="m", quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The script's tiny Llama in llama.cpp's Q4_K_M mix (Q4_K and Q6_K tensors)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--output",
+                           str(path), "--seed", "3"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def _load(path: Path, method: str):
+    comm = TorchDistributedCommunicator("gloo", 0, 1)
+    model, _ = load_model(str(path), comm, "cpu", torch.float32,
+                          quantization=Quantization(method))
+    return model
+
+
+def test_a_gguf_model_keeps_every_weight_as_its_blocks(tiny_gguf):
+    model = _load(tiny_gguf, "gguf")
+    linears = [m for m in model.modules() if getattr(m, "op_site", None) == "linear"]
+    assert linears and all(isinstance(m.kernel, QuantizedLinearKernel) for m in linears)
+    assert all(m.weight.is_meta for m in linears)
+    formats = {f for m in linears for f in m.kernel.formats}
+    assert {"q4_k", "q6_k"} <= formats
+    # no float weight anywhere: what the model holds is about the file's size
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    held += sum(part.nbytes for m in linears for part in m.kernel.parts)
+    held += model.model.embed_tokens.quant.ordered_parts()[0].nbytes
+    assert held <= 1.05 * tiny_gguf.stat().st_size
+
+
+def test_gguf_blocks_give_the_dequantised_model_s_outputs(tiny_gguf):
+    blocks, floats = _load(tiny_gguf, "gguf"), _load(tiny_gguf, "none")
+    g = torch.Generator().manual_seed(0)
+    for name, module in blocks.named_modules():
+        if isinstance(getattr(module, "kernel", None), QuantizedLinearKernel):
+            other = floats.get_submodule(name)
+            x = torch.randn(3, module.kernel.parts[0].cols, generator=g)
+            want = other(x) if other.kernel is None else other.kernel(x, other.bias)
+            torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([1, 7, 300])
+    assert torch.equal(blocks.model.embed_tokens(ids), floats.model.embed_tokens(ids))
+
+
+def test_int8_quantises_the_linears_on_load_and_keeps_the_vocabulary_float(
+        tiny_checkpoint):
+    model = _load(tiny_checkpoint("llama"), "int8")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert getattr(model.lm_head, "quant", None) is None
+    proj = model.model.layers[0].self_attn.qkv_proj
+    assert proj.kernel.formats == ("int8", "int8", "int8")  # q, k, v as loaded
+
+
+def _iq_file(tiny_gguf: Path, tmp_path: Path) -> Path:
+    """The tiny file with one Q4_K tensor's type set to IQ4_XS (also 256-blocks, but 136
+    bytes): the header is patched only, so the type is wrong but the file parses."""
+    data = bytearray(tiny_gguf.read_bytes())
+    name = b"blk.0.ffn_gate.weight"
+    at = data.index(name) + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == 12  # Q4_K
+    data[type_at:type_at + 4] = (23).to_bytes(4, "little")  # IQ4_XS, smaller: fits
+    path = tmp_path / "iq.gguf"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_tensor_type_quire_does_not_run_is_refused_before_any_tensor_is_read(
+        tiny_gguf, tmp_path):
+    weights = iter_gguf_weights(str(_iq_file(tiny_gguf, tmp_path)), keep_blocks=True)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_gate\.weight' is of "
+                                         r"type IQ4_XS, which quire does not run"):
+        next(weights)
+
+
+def test_a_row_parallel_shard_must_split_on_whole_blocks():
+    weight = random_quantized("q4_k", 4, 768, torch.Generator().manual_seed(0))
+    assert weight.narrow_cols(256, 512).cols == 512
+    with pytest.raises(ValueError, match="q4_k weights split on 256-weight blocks: columns "
+                                         "0:384 of 768 do not"):
+        weight.narrow_cols(0, 384)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_views_of_rows_and_columns_dequantise_to_the_same_numbers(name):
+    weight = random_quantized(name, 6, 512, torch.Generator().manual_seed(1))
+    whole = weight.dequantize()
+    block = weight.format.block if weight.format.block > 1 else 32
+    cols = max(block, 256 if block == 256 else 64)
+    part = weight.narrow_rows(1, 4).narrow_cols(cols, cols)
+    assert not part.data.is_contiguous() or part.rows == 1
+    assert torch.equal(part.dequantize(), whole[1:5, cols:2 * cols])
