@@ -140,8 +140,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         """:raises ValueError: for a block size < 1 or a head size outside 1..256."""
         _check_block_size(block_size)
-        # a quantised cache asks at D + 4 (its rows hold their scale): D alone is checked
-        _check_head_size(head_size if head_size <= MAX_HEAD_SIZE else head_size - KV_SCALE_BYTES)
+        # a quantised cache asks at D + 4 (its rows hold their scale; D a multiple of 4):
+        # D alone is checked
+        scaled = head_size - KV_SCALE_BYTES
+        _check_head_size(scaled if head_size > MAX_HEAD_SIZE and scaled % 4 == 0
+                         else head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from quire.kernels.triton_moe_op import fused_moe
+from quire.quantization.tensor import QuantizedTensor
 
 
 def triton_ops() -> dict[str, Callable[..., Any]]:
@@ -22,7 +23,7 @@ def triton_ops() -> dict[str, Callable[..., Any]]:
     ``reference_ops().with_ops("triton", **triton_ops())``."""
     return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
             "gelu_tanh_and_mul": gelu_tanh_and_mul, "rotary_write_kv": rotary_write_kv,
-            "fused_moe": fused_moe}
+            "fused_moe": fused_moe, "quantized_linear": quantized_linear}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -51,6 +52,17 @@ def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
     """:func:`quire.ops.reference.rotary_write_kv`'s contract, rotation and KV write in
     one kernel (a negative slot is padding and not written)."""
     return _kernels().rotary_write_kv(qk, value, cos, sin, kv_cache, slot_mapping)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
+                     bias: torch.Tensor | None = None, *,
+                     int8_activations: bool = False) -> torch.Tensor:
+    """:func:`quire.ops.quantized.quantized_linear`'s contract: the weight's blocks
+    dequantised in registers and multiplied in one kernel (split-K GEMV for a decode
+    row), or w8a8 on int8 ``tl.dot``."""
+    from quire.kernels import triton_quant
+
+    return triton_quant.quantized_linear(x, weight, bias, int8_activations=int8_activations)
 
 
 def _kernels() -> ModuleType:

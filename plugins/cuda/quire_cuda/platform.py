@@ -36,6 +36,11 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     default_block_size = 16
     priority = 100
+    #: the shared Triton kernels (quire.kernels.triton_quant) dequantise every GGUF
+    #: format and int8/fp8 rows in registers, and run w8a8 on int8 tensor cores; fp8 is
+    #: weight-only (e4m3 dequantised in the product). Checked under TRITON_INTERPRET=1
+    #: only: no GPU run yet.
+    quantizations = ("none", "gguf", "int8", "w8a8", "fp8")
 
     def availability(self) -> Availability:
         """Checks, in order: torch's build, the driver and devices, then triton."""
