@@ -53,10 +53,10 @@ class LayerQuant:
     def store_cols(self, loaded: Any, start: int, size: int) -> None:
         """Columns ``start .. start + size`` of ``loaded`` are this rank's whole weight
         (a row-parallel layer's input shard)."""
-        if isinstance(loaded, QuantizedTensor):
-            part = loaded.narrow_cols(start, size)
-        else:
-            part = self._quantize(loaded.narrow(1, start, size))
+        if not isinstance(loaded, QuantizedTensor):
+            # the whole rows first: a row's scale is then the one a single rank takes
+            loaded = self._quantize(loaded)
+        part = loaded.narrow_cols(start, size)
         self._check_width(part)
         self.parts[0] = part.to(self.device)
 

@@ -1,0 +1,48 @@
+"""Quantised models across worker processes (the ``mp`` executor, gloo on cpu): tensor
+and pipeline parallel ranks hold their share of a GGUF file's blocks (column shards are
+rows of blocks, row-parallel shards whole blocks of each row) or of int8 rows made on
+load, and greedy output equals the single-process engine token for token."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from quire import LLM, SamplingParams
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_gguf_model.py"
+PROMPTS = [[1, 17, 45, 99, 23, 7], [1, 200, 33], list(range(3, 40))]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _greedy(path, **options) -> list[list[int]]:
+    with LLM(str(path), device="cpu", max_model_len=128, kv_cache_memory=16 << 20,
+             **options) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory) -> Path:
+    """A small Llama in llama.cpp's Q4_K_M mix whose row-parallel inputs (512 and 1024
+    wide) split in two on whole 256-weight blocks."""
+    path = tmp_path_factory.mktemp("gguf") / "small-q4km.gguf"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--hidden-size",
+                           "512", "--ffn-size", "1024", "--head-dim", "128", "--output",
+                           str(path), "--seed", "5"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def test_tp2_and_pp2_on_gguf_blocks_equal_one_process(q4_k_m):
+    one = _greedy(q4_k_m, quantization="gguf")
+    assert _greedy(q4_k_m, quantization="gguf", tensor_parallel_size=2) == one
+    assert _greedy(q4_k_m, quantization="gguf", pipeline_parallel_size=2) == one
+
+
+def test_tp2_int8_equals_one_process(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    assert _greedy(path, quantization="int8", tensor_parallel_size=2) == _greedy(
+        path, quantization="int8")
