@@ -31,7 +31,7 @@ X86 = levels_for("x86_64")
 ARM = levels_for("aarch64")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 #: gcc's -m names that differ from /proc/cpuinfo's
-GCC_NAMES = {"avx512bf16": "avx512_bf16"}
+GCC_NAMES = {"avx512bf16": "avx512_bf16", "avx512vnni": "avx512_vnni"}
 CPUS = {
     "zen3": CpuFeatures.of("x86_64", {"avx2", "fma"}),
     "zen4": CpuFeatures.of("x86_64", {"avx2", "fma", *AVX512, "avx512_bf16",

@@ -111,9 +111,12 @@ _LEVELS: dict[str, tuple[IsaLevel, ...]] = {
         IsaLevel("avx2", _X86_AVX2, frozenset({"avx2", "fma"})),
         IsaLevel("avx512", (*_X86_AVX2, *(f"-m{f}" for f in _AVX512)),
                  frozenset({"avx2", "fma", *_AVX512})),
-        # bfloat16 dot products (vdpbf16ps): the pair-panel kernel, csrc/panel_bf16.c
-        IsaLevel("avx512_bf16", (*_X86_AVX2, *(f"-m{f}" for f in (*_AVX512, "avx512bf16"))),
-                 frozenset({"avx2", "fma", *_AVX512, "avx512_bf16"})),
+        # bfloat16 dot products (vdpbf16ps): the pair-panel kernel, csrc/panel_bf16.c; and
+        # int8 ones (vpdpbusd, AVX512_VNNI, which every CPU with AVX512_BF16 has):
+        # csrc/quant_gemm.c's w8a8 products
+        IsaLevel("avx512_bf16", (*_X86_AVX2, *(f"-m{f}" for f in (*_AVX512, "avx512bf16",
+                                                                  "avx512vnni"))),
+                 frozenset({"avx2", "fma", *_AVX512, "avx512_bf16", "avx512_vnni"})),
     ),
     "aarch64": (
         IsaLevel("generic", ("-march=armv8-a",)),  # NEON is part of every AArch64 CPU

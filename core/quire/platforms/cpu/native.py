@@ -41,6 +41,7 @@ import torch
 from quire.platforms.cpu import kernel_build
 from quire.platforms.cpu.compact import CompactWeight
 from quire.platforms.cpu.isa import IsaLevel, best_level, detect, levels_for
+from quire.quantization.tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,26 @@ class LinearArgs(ctypes.Structure):
     """
 
     _fields_ = [("format", ctypes.c_int32), ("out_features", _i64), ("in_features", _i64),
-                ("codes", _ptr), ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr)]
+                ("codes", _ptr), ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr),
+                ("num_parts", _i64)]
 
     #: ``format`` of a weight given as float32 panels (:meth:`NativeKernels.pack_panels`)
     #: rather than a compact encoding; a layer may mix the two.
     PANELS = 3
+    #: ``format`` of a quantised weight (:mod:`quire.quantization`): ``codes`` points to
+    #: ``num_parts`` :class:`QPartArgs`, the parts in output order.
+    QUANT = 4
+
+    @classmethod
+    def of_parts(cls, parts: list[QuantizedTensor], bias: torch.Tensor | None) -> LinearArgs:
+        """A quantised weight's parts (host tensors); the struct keeps its part array
+        alive, the caller the parts."""
+        array = (QPartArgs * len(parts))(*(QPartArgs.of(p) for p in parts))
+        args = cls(cls.QUANT, sum(p.rows for p in parts), parts[0].cols,
+                   ctypes.cast(array, ctypes.c_void_p), None, None,
+                   bias.data_ptr() if bias is not None else None, len(parts))
+        args._parts = array
+        return args
 
     @classmethod
     def of(cls, weight: CompactWeight, bias: torch.Tensor | None) -> LinearArgs:
@@ -76,6 +92,20 @@ class LinearArgs(ctypes.Structure):
                   bias: torch.Tensor | None) -> LinearArgs:
         return cls(cls.PANELS, out_features, panels.shape[1], panels.data_ptr(), None, None,
                    bias.data_ptr() if bias is not None else None)
+
+
+class QPartArgs(ctypes.Structure):
+    """``struct quire_qpart`` of ``csrc/decode_layer.c``: one part of a quantised weight
+    (a :class:`~quire.quantization.tensor.QuantizedTensor` on the host). Holds raw
+    pointers, as :class:`LinearArgs` does."""
+
+    _fields_ = [("fmt", ctypes.c_int32), ("rows", _i64), ("w", _ptr), ("w_stride", _i64),
+                ("scales", _ptr)]
+
+    @classmethod
+    def of(cls, part: QuantizedTensor) -> QPartArgs:
+        return cls(part.format.id, part.rows, part.data.data_ptr(), part.data.stride(0),
+                   None if part.scale is None else part.scale.data_ptr())
 
 
 class PanelArgs(ctypes.Structure):
@@ -212,6 +242,19 @@ class NativeKernels:
         self._norm = library.quire_rms_norm_f32
         self._norm.restype = ctypes.c_int
         self._norm.argtypes = [_ptr, _ptr, _ptr, ctypes.c_float, _i64, _i64, _ptr, _ptr]
+        # quant_gemm.c: products on quantised weights read in place (a library built
+        # before it existed lacks them: then has_quant_gemm is False)
+        self._quant_f32 = getattr(library, "quire_quant_gemm_f32", None)
+        self._quant_i8 = getattr(library, "quire_quant_gemm_i8", None)
+        #: whether this build has the quantised-weight products (every ISA level does)
+        self.has_quant_gemm = self._quant_f32 is not None and self._quant_i8 is not None
+        if self.has_quant_gemm:
+            self._quant_f32.restype = ctypes.c_int
+            self._quant_f32.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                        _ptr, _ptr, _ptr, _i64]
+            self._quant_i8.restype = ctypes.c_int
+            self._quant_i8.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+                                       _i64]
 
     @staticmethod
     def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -282,6 +325,81 @@ class NativeKernels:
                                    out_features, None if bias is None else bias.data_ptr(),
                                    y.data_ptr(), out_dtype == torch.bfloat16)
         return None if failed else y
+
+    #: quant_gemm.c's return codes that mean the arguments are wrong (not a fallback)
+    _QUANT_ERRORS = {1: "unknown weight format", 2: "a row is not a whole number of blocks"}
+    #: most columns quant_linear_i8 takes (int32 sums of larger rows could overflow)
+    QUANT_I8_MAX_K = 65536
+
+    def _quant_args(self, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None,
+                    out: torch.Tensor | None) -> torch.Tensor | None:
+        """The output of a quantised product, when the arguments fit the kernels (float32
+        host rows ``[m, cols]``, a host weight with contiguous rows, a float32 bias of
+        ``rows``, ``out`` float32 ``[m, rows]`` with contiguous rows); else None."""
+        data = weight.data
+        m, n = x.shape[0] if x.dim() == 2 else -1, weight.rows
+        if not (self.has_quant_gemm and x.dim() == 2 and x.dtype == torch.float32
+                and x.device.type == "cpu" and x.is_contiguous() and x.shape[1] == weight.cols
+                and data.device.type == "cpu" and (data.shape[1] <= 1 or data.stride(1) == 1)
+                and (weight.scale is None or weight.scale.is_contiguous())
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                                      and bias.shape == (n,) and bias.device.type == "cpu"))):
+            return None
+        if out is None:
+            return torch.empty(m, n, dtype=torch.float32)
+        if not (out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 2
+                and tuple(out.shape) == (m, n) and (n <= 1 or out.stride(1) == 1)):
+            return None
+        return out
+
+    def _quant_call(self, entry: Any, head: tuple, x: torch.Tensor, weight: QuantizedTensor,
+                    bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor | None:
+        data = weight.data
+        failed = entry(*head, x.data_ptr(), x.shape[0], x.shape[1], data.data_ptr(),
+                       data.stride(0) if data.shape[0] > 1 else data.shape[1], weight.rows,
+                       None if weight.scale is None else weight.scale.data_ptr(),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(),
+                       y.stride(0) if y.shape[0] > 1 else weight.rows)
+        if failed in self._QUANT_ERRORS:
+            raise ValueError(f"quant_gemm: {weight.format.name} (id {weight.format.id}), "
+                             f"{weight.cols} columns: {self._QUANT_ERRORS[failed]}")
+        return None if failed else y
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantizedTensor,
+                     bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for float32 ``x`` ``[m, cols]`` and a quantised ``W`` read
+        in place (its rows may be strided: a column slice), float32 sums of the weights
+        dequantised exactly as :mod:`quire.quantization.dequant` does.
+
+        :param out: where to write (float32 ``[m, rows]``, rows any distance apart: a
+            slice of a wider output); a new tensor when None.
+        :returns: ``out`` (or the new tensor); None when the arguments do not fit the
+            kernel or it could not allocate its scratch (the caller uses torch).
+        :raises ValueError: when the kernel does not know the format or the columns are
+            not whole blocks.
+        """
+        y = self._quant_args(x, weight, bias, out)
+        if y is None:
+            return None
+        return self._quant_call(self._quant_f32, (weight.format.id,), x, weight, bias, y)
+
+    def quant_linear_i8(self, x: torch.Tensor, weight: QuantizedTensor,
+                        bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``w8a8``: float32 ``x`` ``[m, cols]`` quantised per row to int8 (as
+        :func:`quire.ops.quantized.quantize_activations`) times an ``int8`` weight,
+        exact integer sums scaled as :func:`quire.ops.quantized.quantized_linear` does.
+
+        :returns: as :meth:`quant_linear`; None also for another format or more than
+            :data:`QUANT_I8_MAX_K` columns.
+        """
+        if weight.format.name != "int8" or weight.cols > self.QUANT_I8_MAX_K:
+            return None
+        y = self._quant_args(x, weight, bias, out)
+        if y is None:
+            return None
+        return self._quant_call(self._quant_i8, (), x, weight, bias, y)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -13,6 +13,7 @@ from torch import nn
 
 from quire.distributed import TorchDistributedCommunicator
 from quire.interfaces.platform import Availability, Platform
+from quire.ops import OpSet, reference_ops
 from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.dispatch import (
     TimingCache,
@@ -29,6 +30,7 @@ from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
+from quire.platforms.cpu.quant_linear import make_quantized_linear
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
     WAIT_ENV,
@@ -192,6 +194,14 @@ class CpuPlatform(Platform):
             install_fused_decode(model, native)  # needs the packed layers' panels or copies
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
+
+    def make_ops(self) -> OpSet:
+        """The reference ops, with ``quantized_linear`` on the C kernels when they are
+        loaded (:mod:`~quire.platforms.cpu.quant_linear`)."""
+        native = self._native_kernels()
+        if native is None or not native.has_quant_gemm:
+            return reference_ops()
+        return reference_ops().with_ops("cpu", quantized_linear=make_quantized_linear(native))
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""

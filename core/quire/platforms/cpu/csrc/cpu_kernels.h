@@ -297,6 +297,23 @@ void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *pa
 void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
                                   int64_t n, const float *bias, float *y, float *packed);
 
+/* panel_gemm.c: rows [0, m) of x (ldx floats apart) times np panels ([k][16] floats each,
+ * pstride floats apart) into y (ldy floats apart), output columns [0, cols) of the
+ * 16 * np: stored, or added to what y holds when `accumulate`. One thread, no OpenMP:
+ * for quant_gemm.c, which dequantises a strip of weights into panels and multiplies
+ * them here (the same tiles as the panel GEMM). */
+/* quant_gemm.c: the one-row products of quantised weights inside a running team (the
+ * fused decode layer's), and whether a format and width fit them. */
+void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
+                           const uint8_t *w, int64_t w_stride, int64_t n,
+                           const float *row_scales, const float *bias, float *y,
+                           int64_t ldy);
+int quire_quant_fits(int32_t fmt, int64_t k);
+
+void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
+                       int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,
+                       int accumulate);
+
 /* panel_bf16.c: y = round_bf16(x) W^T (+ bias) for float32 x [m, k] and W in pair
  * panels (bfloat16, hosts with AVX512_BF16), float32 out; x is first rounded into
  * `rows` (room for m times k rounded up to even bfloat16). Team function. */

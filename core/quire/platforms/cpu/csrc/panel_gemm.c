@@ -268,6 +268,32 @@ void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const fl
 
 int quire_panel_gemm_available(void) { return 1; }
 
+void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
+                       int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,
+                       int accumulate) {
+    int64_t g;
+    for (int64_t p = 0; p < np; p += g) {
+        g = np - p >= TILE_PANELS ? TILE_PANELS : np - p >= 2 ? 2 : 1;
+        const float *b = panels + p * pstride;
+        float out[TILE_ROWS * TILE_PANELS * 16];
+        for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+            const int64_t mr = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+            tile_rows(mr == 1, mr, (int)g, x + r0 * ldx, ldx, 1, b, pstride, k, out);
+            for (int64_t r = 0; r < mr; r++)
+                for (int64_t j = 0; j < g; j++) {
+                    const int64_t col0 = 16 * (p + j);
+                    const int64_t n = cols - col0 < 16 ? cols - col0 : 16;
+                    const float *src = out + (r * g + j) * 16;
+                    float *dst = y + (r0 + r) * ldy + col0;
+                    if (accumulate)
+                        for (int64_t c = 0; c < n; c++) dst[c] += src[c];
+                    else
+                        for (int64_t c = 0; c < n; c++) dst[c] = src[c];
+                }
+        }
+    }
+}
+
 void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
                            const float *bias, float *y) {
     panel_pass(0, x, m, k, panels, n, bias, y);
@@ -300,6 +326,19 @@ int quire_panel_gemm_f32(const float *x, int64_t m, int64_t k, const float *pane
 #else
 
 int quire_panel_gemm_available(void) { return 0; }
+
+void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
+                       int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,
+                       int accumulate) {
+    (void)np;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < cols; j++) {
+            const float *b = panels + (j / 16) * pstride + j % 16;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++) acc += x[r * ldx + i] * b[i * 16];
+            y[r * ldy + j] = accumulate ? y[r * ldy + j] + acc : acc;
+        }
+}
 
 void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
                                   int64_t n, const float *bias, float *y, float *packed) {

@@ -1,0 +1,829 @@
+/*
+ * Products on quantised weights read in place (cpu platform): y = x W^T (+ bias) for a
+ * weight kept in one of quire/quantization/formats.py's block formats (GGUF's types and
+ * Quire's row-scaled int8 / fp8), with no float copy of the weight ever made.
+ *
+ * Float activations (quire_quant_gemm_f32). Every weight is turned back into float32
+ * with exactly the float operations of the torch reference (quire/quantization/
+ * dequant.py: an f16 scale times the integer value, plus or minus the block's minimum,
+ * as separate roundings; -std=c11 keeps the compiler from contracting them into FMAs),
+ * so the results differ from F.linear(x, dequantize(W)) only by summation order. Two
+ * paths:
+ *   - up to DIRECT_MAX_ROWS rows (decode): each weight row is dequantised block by
+ *     block into registers and multiplied into every activation row's accumulators at
+ *     once; the quantised bytes are read once and nothing is written but y.
+ *   - more rows (a prompt): each thread takes a share of 16-row panels; 4 at a time
+ *     (64 weight rows), KC columns at a time, it dequantises them into a per-thread
+ *     [KC][16] panel buffer (row-major first, then transposed in 16 x 16 tiles) that
+ *     stays in L2, and runs panel_gemm.c's register tiles over all rows of x
+ *     (quire_panel_block), adding each K chunk into y.
+ * The dequantisers are written once on generic vectors of the level's register width
+ * (16 floats on AVX-512, 8 on AVX2, 4 at the generic level's SSE2; wider generic
+ * vectors GCC kept on the stack), so every level is vectorised from one source.
+ *
+ * Integer activations (quire_quant_gemm_i8, w8a8): each row of x is quantised to int8
+ * as quire.ops.quantized.quantize_activations does (scale max|x| / 127, round half to
+ * even, clamp to +-127), multiplied by int8 weights with exact int32 sums, and scaled
+ * as the reference does (in double: acc * sx * sw, then float, then + bias). AVX512-VNNI
+ * (vpdpbusd) takes the weights +128 as unsigned bytes and subtracts 128 * sum(x) per
+ * row; AVX-512BW and AVX2 use maddubs on |w| and x carrying w's sign; plain C otherwise.
+ *
+ * Return codes: 0; 1 unknown format; 2 k not a whole number of blocks (or, for int8
+ * activations, above I8_MAX_K, where int32 sums could overflow); 3 out of memory.
+ */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "cpu_kernels.h"
+
+enum {
+    QF_F32 = 0, QF_F16 = 1, QF_BF16 = 30, QF_Q4_0 = 2, QF_Q4_1 = 3, QF_Q5_0 = 6,
+    QF_Q5_1 = 7, QF_Q8_0 = 8, QF_Q2_K = 10, QF_Q3_K = 11, QF_Q4_K = 12, QF_Q5_K = 13,
+    QF_Q6_K = 14, QF_INT8 = 256, QF_FP8 = 257
+};
+
+/* Rows at or below which the direct (dequantise-and-dot) path runs. */
+#define DIRECT_MAX_ROWS 4
+/* Columns of K dequantised into panels at a time (a multiple of every block). */
+#define KC 512
+/* Most K for int8 activations: |sum| <= K * 255 * 127 stays below 2^31. */
+#define I8_MAX_K 65536
+
+#define INL static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* NL: lanes of the level's float register, which every vector below is: 16 (AVX-512),
+ * 8 (AVX2), 4 (SSE2 at the generic level). U = 16 / NL registers make 16 weights.
+ * (Generic vectors wider than the registers were kept on the stack by GCC.) */
+#if defined(__AVX512F__)
+#define NL 16
+#elif defined(__AVX2__)
+#define NL 8
+#else
+#define NL 4
+#endif
+#define U (16 / NL)
+typedef float vf __attribute__((vector_size(4 * NL)));
+typedef int32_t vi __attribute__((vector_size(4 * NL)));
+typedef uint32_t vu __attribute__((vector_size(4 * NL)));
+
+/* ---- scalar conversions (exact) ---- */
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* IEEE half to float: the magnitude's bits moved into a float's place and scaled by
+ * 2^112 (exact, subnormals included), infinities and NaNs rebuilt, the sign put back. */
+static inline float h2f(uint16_t h) {
+    float f = bits_f32((uint32_t)(h & 0x7fff) << 13) * 0x1p112f;
+    if ((h & 0x7c00) == 0x7c00)
+        f = bits_f32(0x7f800000u | ((uint32_t)(h & 0x3ff) << 13));
+    return bits_f32(f32_bits(f) | ((uint32_t)(h & 0x8000) << 16));
+}
+
+static inline float h2f_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h2f(h);
+}
+
+/* float8 e4m3fn to float: the same trick (2^120), 0x7f / 0xff are NaN (no infinity). */
+static inline float e4m3_to_f32(uint8_t b) {
+    float f = bits_f32((uint32_t)(b & 0x7f) << 20) * 0x1p120f;
+    if ((b & 0x7f) == 0x7f)
+        f = NAN;
+    return bits_f32(f32_bits(f) | ((uint32_t)(b & 0x80) << 24));
+}
+
+/* ---- NL-lane vectors ---- */
+
+INL vf splat(float x) {
+#if NL == 16
+    return (vf)_mm512_set1_ps(x);
+#elif NL == 8
+    return (vf)_mm256_set1_ps(x);
+#else
+    return (vf){x, x, x, x};
+#endif
+}
+INL vu splat_u(uint32_t x) { return (vu)splat(bits_f32(x)); }
+INL vu lanes(uint32_t first) {
+#if NL == 16
+    const vu l = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif NL == 8
+    const vu l = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+    const vu l = {0, 1, 2, 3};
+#endif
+    return l + first;
+}
+
+/* NL bytes widened to int32 lanes, unsigned or signed. */
+INL vi ld_u8(const uint8_t *p) {
+#if NL == 16
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)p));
+#elif NL == 8
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p));
+#elif defined(__SSE2__)
+    int32_t w;
+    memcpy(&w, p, 4);
+    const __m128i z = _mm_setzero_si128();
+    return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z);
+#else
+    return (vi){p[0], p[1], p[2], p[3]};
+#endif
+}
+INL vi ld_s8(const uint8_t *p) {
+#if NL == 16
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p));
+#elif NL == 8
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p));
+#elif defined(__SSE2__)
+    int32_t w;
+    memcpy(&w, p, 4);
+    const __m128i b = _mm_cvtsi32_si128(w), lo = _mm_unpacklo_epi8(b, b);
+    return (vi)_mm_srai_epi32(_mm_unpacklo_epi16(lo, lo), 24);
+#else
+    return (vi){(int8_t)p[0], (int8_t)p[1], (int8_t)p[2], (int8_t)p[3]};
+#endif
+}
+/* NL uint16 widened to uint32 lanes. */
+INL vu ld_u16(const uint8_t *p) {
+#if NL == 16
+    return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p));
+#elif NL == 8
+    return (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p));
+#elif defined(__SSE2__)
+    return (vu)_mm_unpacklo_epi16(_mm_loadl_epi64((const void *)p), _mm_setzero_si128());
+#else
+    uint16_t h[4];
+    memcpy(h, p, sizeof h);
+    return (vu){h[0], h[1], h[2], h[3]};
+#endif
+}
+INL vf cvt(vi q) { return __builtin_convertvector(q, vf); }
+INL vf ldf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+INL void stf(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+INL vf fmav(vf a, vf b, vf c) {
+#if NL == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif NL == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+INL float hsumv(vf a) {
+    float s = 0.0f;
+    for (int l = 0; l < NL; l++) s += a[l];
+    return s;
+}
+
+/* IEEE half to float, NL at a time (as h2f). */
+INL vf h2f_v(const uint8_t *p) {
+#if NL == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const void *)p));
+#else
+    const vu u = ld_u16(p);
+    const vf f = (vf)((u & 0x7fff) << 13) * splat(0x1p112f);
+    const vu special = (vu)((u & 0x7c00) == 0x7c00);
+    const vu r = ((vu)f & ~special) | ((0x7f800000u | ((u & 0x3ff) << 13)) & special);
+    return (vf)(r | ((u & 0x8000) << 16));
+#endif
+}
+
+INL vf bf16_v(const uint8_t *p) { return (vf)(ld_u16(p) << 16); }
+
+INL vf e4m3_v(const uint8_t *p) {
+    const vu u = (vu)ld_u8(p);
+    const vf f = (vf)((u & 0x7f) << 20) * splat(0x1p120f);
+    const vu nan = (vu)((u & 0x7f) == 0x7f);
+    const vu r = ((vu)f & ~nan) | (0x7fc00000u & nan);
+    return (vf)(r | ((u & 0x80) << 24));
+}
+
+/* ---- blocks to vectors: each writes block / NL vectors of consecutive weights ---- */
+
+INL void dq_q4_0(const uint8_t *b, vf *v) {
+    const vf d = splat(h2f_at(b));
+    for (int h = 0; h < U; h++) {
+        const vi q = ld_u8(b + 2 + NL * h);
+        v[h] = d * cvt((q & 15) - 8);
+        v[U + h] = d * cvt((q >> 4) - 8);
+    }
+}
+
+INL void dq_q4_1(const uint8_t *b, vf *v) {
+    const vf d = splat(h2f_at(b)), m = splat(h2f_at(b + 2));
+    for (int h = 0; h < U; h++) {
+        const vi q = ld_u8(b + 4 + NL * h);
+        v[h] = d * cvt(q & 15) + m;
+        v[U + h] = d * cvt(q >> 4) + m;
+    }
+}
+
+/* Bits first .. first + NL - 1 of the little-endian word at p, one a lane. */
+INL vi high_bits(const uint8_t *p, uint32_t first) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    return (vi)((splat_u(qh) >> lanes(first)) & 1u);
+}
+
+INL void dq_q5_0(const uint8_t *b, vf *v) {
+    const vf d = splat(h2f_at(b));
+    for (int h = 0; h < U; h++) {
+        const vi q = ld_u8(b + 6 + NL * h);
+        v[h] = d * cvt(((q & 15) | (high_bits(b + 2, NL * h) << 4)) - 16);
+        v[U + h] = d * cvt(((q >> 4) | (high_bits(b + 2, 16 + NL * h) << 4)) - 16);
+    }
+}
+
+INL void dq_q5_1(const uint8_t *b, vf *v) {
+    const vf d = splat(h2f_at(b)), m = splat(h2f_at(b + 2));
+    for (int h = 0; h < U; h++) {
+        const vi q = ld_u8(b + 8 + NL * h);
+        v[h] = d * cvt((q & 15) | (high_bits(b + 4, NL * h) << 4)) + m;
+        v[U + h] = d * cvt((q >> 4) | (high_bits(b + 4, 16 + NL * h) << 4)) + m;
+    }
+}
+
+INL void dq_q8_0(const uint8_t *b, vf *v) {
+    const vf d = splat(h2f_at(b));
+    for (int t = 0; t < 32 / NL; t++) v[t] = cvt(ld_s8(b + 2 + NL * t)) * d;
+}
+
+INL void dq_q2_k(const uint8_t *b, vf *v) {
+    const float d = h2f_at(b + 80), dmin = h2f_at(b + 82);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+        const int g = s / 8, sh = 2 * ((s % 8) / 2), half = s % 2;
+        const vf dl = splat(d * (float)(b[s] & 15)), ml = splat(dmin * (float)(b[s] >> 4));
+        for (int h = 0; h < U; h++) {
+            const vi q = (ld_u8(b + 16 + g * 32 + half * 16 + NL * h) >> sh) & 3;
+            v[U * s + h] = dl * cvt(q) - ml;
+        }
+    }
+}
+
+INL void dq_q3_k(const uint8_t *b, vf *v) {
+    const float d = h2f_at(b + 108);
+    const uint8_t *sc = b + 96;
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+        const int low = (s < 8 ? sc[s] : sc[s - 8] >> 4) & 15;
+        const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const vf dl = splat(d * (float)((low | (high << 4)) - 32));
+        const int g = s / 8, sh = 2 * ((s % 8) / 2), half = s % 2;
+        for (int h = 0; h < U; h++) {
+            const vi ql = (ld_u8(b + 32 + g * 32 + half * 16 + NL * h) >> sh) & 3;
+            const vi qh = (ld_u8(b + half * 16 + NL * h) >> (s / 2)) & 1;
+            v[U * s + h] = dl * cvt(ql - ((qh ^ 1) << 2));
+        }
+    }
+}
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum, times d and dmin. */
+INL void k_scale_min(const uint8_t *b, int j, vf *scale, vf *minimum) {
+    const uint8_t *p = b + 4;
+    int sc, mn;
+    if (j < 4) {
+        sc = p[j] & 63, mn = p[j + 4] & 63;
+    } else {
+        sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
+        mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
+    }
+    *scale = splat(h2f_at(b) * (float)sc);
+    *minimum = splat(h2f_at(b + 2) * (float)mn);
+}
+
+INL void dq_q4_k(const uint8_t *b, vf *v) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        vf scale, minimum;
+        k_scale_min(b, j, &scale, &minimum);
+        const int r = j / 2, sh = 4 * (j % 2);
+        for (int t = 0; t < 32 / NL; t++)
+            v[(32 / NL) * j + t] = scale * cvt((ld_u8(b + 16 + 32 * r + NL * t) >> sh) & 15)
+                                   - minimum;
+    }
+}
+
+INL void dq_q5_k(const uint8_t *b, vf *v) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        vf scale, minimum;
+        k_scale_min(b, j, &scale, &minimum);
+        const int r = j / 2, sh = 4 * (j % 2);
+        for (int t = 0; t < 32 / NL; t++) {
+            const vi low = (ld_u8(b + 48 + 32 * r + NL * t) >> sh) & 15;
+            const vi high = (ld_u8(b + 16 + NL * t) >> j) & 1;
+            v[(32 / NL) * j + t] = scale * cvt(low | (high << 4)) - minimum;
+        }
+    }
+}
+
+INL void dq_q6_k(const uint8_t *b, vf *v) {
+    const float d = h2f_at(b + 208);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+        const int g = s / 8, w8 = s % 8;
+        const vf ds = splat(d * (float)(int8_t)b[192 + s]);
+        for (int h = 0; h < U; h++) {
+            const vi low = (ld_u8(b + g * 64 + 16 * (w8 % 4) + NL * h) >> (4 * (w8 / 4))) & 15;
+            const vi high = (ld_u8(b + 128 + g * 32 + 16 * (w8 % 2) + NL * h) >> (2 * (w8 / 2)))
+                            & 3;
+            v[U * s + h] = ds * cvt((low | (high << 4)) - 32);
+        }
+    }
+}
+
+/* Weights a block holds (NL for the one-weight formats, taken a register at a time) and
+ * its bytes; 0 for an unknown format. */
+INL int blk_vals(int32_t fmt) {
+    switch (fmt) {
+    case QF_F32: case QF_F16: case QF_BF16: case QF_INT8: case QF_FP8: return NL;
+    case QF_Q4_0: case QF_Q4_1: case QF_Q5_0: case QF_Q5_1: case QF_Q8_0: return 32;
+    case QF_Q2_K: case QF_Q3_K: case QF_Q4_K: case QF_Q5_K: case QF_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+INL int blk_bytes(int32_t fmt) {
+    switch (fmt) {
+    case QF_F32: return 4 * NL;
+    case QF_F16: case QF_BF16: return 2 * NL;
+    case QF_INT8: case QF_FP8: return NL;
+    case QF_Q4_0: return 18;
+    case QF_Q4_1: return 20;
+    case QF_Q5_0: return 22;
+    case QF_Q5_1: return 24;
+    case QF_Q8_0: return 34;
+    case QF_Q2_K: return 84;
+    case QF_Q3_K: return 110;
+    case QF_Q4_K: return 144;
+    case QF_Q5_K: return 176;
+    case QF_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* True block size of the format (1 for the one-weight formats). */
+static int true_block(int32_t fmt) {
+    const int b = blk_vals(fmt);
+    return b == NL ? 1 : b;
+}
+
+/* The block at p (block number `blk` of a row whose scale is rs) as vectors. */
+INL void dq_block(int32_t fmt, const uint8_t *p, float rs, vf *v) {
+    switch (fmt) {
+    case QF_F32: v[0] = ldf((const float *)p); break;
+    case QF_F16: v[0] = h2f_v(p); break;
+    case QF_BF16: v[0] = bf16_v(p); break;
+    case QF_INT8: v[0] = cvt(ld_s8(p)) * splat(rs); break;
+    case QF_FP8: v[0] = e4m3_v(p) * splat(rs); break;
+    case QF_Q4_0: dq_q4_0(p, v); break;
+    case QF_Q4_1: dq_q4_1(p, v); break;
+    case QF_Q5_0: dq_q5_0(p, v); break;
+    case QF_Q5_1: dq_q5_1(p, v); break;
+    case QF_Q8_0: dq_q8_0(p, v); break;
+    case QF_Q2_K: dq_q2_k(p, v); break;
+    case QF_Q3_K: dq_q3_k(p, v); break;
+    case QF_Q4_K: dq_q4_k(p, v); break;
+    case QF_Q5_K: dq_q5_k(p, v); break;
+    case QF_Q6_K: dq_q6_k(p, v); break;
+    default: break;
+    }
+}
+
+/* Weight c of a row of a one-weight format (the tail past the last 16). */
+static float dq_one(int32_t fmt, const uint8_t *row, int64_t c, float rs) {
+    switch (fmt) {
+    case QF_F32: {
+        float f;
+        memcpy(&f, row + 4 * c, 4);
+        return f;
+    }
+    case QF_F16: return h2f_at(row + 2 * c);
+    case QF_BF16: {
+        uint16_t h;
+        memcpy(&h, row + 2 * c, 2);
+        return bits_f32((uint32_t)h << 16);
+    }
+    case QF_INT8: return (float)(int8_t)row[c] * rs;
+    case QF_FP8: return e4m3_to_f32(row[c]) * rs;
+    default: return 0.0f;
+    }
+}
+
+/* ---- the direct path: R (1..DIRECT_MAX_ROWS) rows of x, weight rows [j0, j1) ---- */
+
+INL void direct_rows(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
+                     int64_t ws, int64_t j0, int64_t j1, const float *rs, const float *bias,
+                     float *y, int64_t ldy) {
+    const int B = blk_vals(fmt), BB = blk_bytes(fmt), NV = B / NL;
+    const int64_t nb = k / B;
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * ws;
+        const float s = rs ? rs[j] : 0.0f;
+        vf acc[DIRECT_MAX_ROWS][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vf){0};
+        for (int64_t blk = 0; blk < nb; blk++) {
+            vf v[256 / NL];
+            dq_block(fmt, row + blk * BB, s, v);
+            const float *xb = x + blk * B;
+            for (int t = 0; t < NV; t++)
+                for (int r = 0; r < R; r++)
+                    acc[r][t & 1] = fmav(v[t], ldf(xb + r * k + NL * t), acc[r][t & 1]);
+        }
+        for (int r = 0; r < R; r++) {
+            float sum = hsumv(acc[r][0] + acc[r][1]);
+            for (int64_t c = nb * B; c < k; c++) sum += dq_one(fmt, row, c, s) * x[r * k + c];
+            y[r * ldy + j] = bias ? sum + bias[j] : sum;
+        }
+    }
+}
+
+#define DIRECT_FMT(F)                                                                      \
+    case F:                                                                                \
+        switch (R) {                                                                       \
+        case 1: direct_rows(F, 1, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
+        case 2: direct_rows(F, 2, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
+        case 3: direct_rows(F, 3, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
+        default: direct_rows(F, 4, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;         \
+        }                                                                                  \
+        break;
+
+static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w, int64_t ws,
+                   int64_t j0, int64_t j1, const float *rs, const float *bias, float *y,
+                   int64_t ldy) {
+    switch (fmt) {
+        DIRECT_FMT(QF_F32) DIRECT_FMT(QF_F16) DIRECT_FMT(QF_BF16) DIRECT_FMT(QF_INT8)
+        DIRECT_FMT(QF_FP8) DIRECT_FMT(QF_Q4_0) DIRECT_FMT(QF_Q4_1) DIRECT_FMT(QF_Q5_0)
+        DIRECT_FMT(QF_Q5_1) DIRECT_FMT(QF_Q8_0) DIRECT_FMT(QF_Q2_K) DIRECT_FMT(QF_Q3_K)
+        DIRECT_FMT(QF_Q4_K) DIRECT_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
+    default: break;
+    }
+}
+
+/* ---- the panel path ---- */
+
+/* Weights [c0, c0 + len) of one row into out (c0 a multiple of the block). */
+INL void dq_span(int32_t fmt, const uint8_t *row, float rs, int64_t c0, int64_t len,
+                 float *out) {
+    const int B = blk_vals(fmt), BB = blk_bytes(fmt), NV = B / NL;
+    const int64_t nb = len / B;
+    const uint8_t *p = row + c0 / B * BB;
+    for (int64_t blk = 0; blk < nb; blk++) {
+        vf v[256 / NL];
+        dq_block(fmt, p + blk * BB, rs, v);
+        for (int t = 0; t < NV; t++) stf(out + blk * B + NL * t, v[t]);
+    }
+    for (int64_t c = nb * B; c < len; c++) out[c] = dq_one(fmt, row, c0 + c, rs);
+}
+
+#define SPAN_FMT(F)                                                                        \
+    case F: dq_span(F, row, rs, c0, len, out); break;
+
+static void dequant_span(int32_t fmt, const uint8_t *row, float rs, int64_t c0, int64_t len,
+                         float *out) {
+    switch (fmt) {
+        SPAN_FMT(QF_F32) SPAN_FMT(QF_F16) SPAN_FMT(QF_BF16) SPAN_FMT(QF_INT8)
+        SPAN_FMT(QF_FP8) SPAN_FMT(QF_Q4_0) SPAN_FMT(QF_Q4_1) SPAN_FMT(QF_Q5_0)
+        SPAN_FMT(QF_Q5_1) SPAN_FMT(QF_Q8_0) SPAN_FMT(QF_Q2_K) SPAN_FMT(QF_Q3_K)
+        SPAN_FMT(QF_Q4_K) SPAN_FMT(QF_Q5_K) SPAN_FMT(QF_Q6_K)
+    default: break;
+    }
+}
+
+/* rows [16][len] (KC floats apart) to panel [len][16]. */
+static void transpose16(const float *rows, int64_t len, float *panel) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    typedef int32_t v16i __attribute__((vector_size(64)));
+    for (; c + 16 <= len; c += 16) {
+        vf r[16];
+        for (int i = 0; i < 16; i++) r[i] = ldf(rows + i * KC + c);
+        static const v16i A8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+        static const v16i A4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+        static const v16i A2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+        static const v16i A1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+#define STAGE(D, A)                                                                        \
+    for (int i = 0; i < 16; i++)                                                           \
+        if (!(i & D)) {                                                                    \
+            const vf a = r[i], b = r[i + D];                                               \
+            r[i] = __builtin_shuffle(a, b, A);                                             \
+            r[i + D] = __builtin_shuffle(a, b, A + D);                                     \
+        }
+        STAGE(8, A8) STAGE(4, A4) STAGE(2, A2) STAGE(1, A1)
+#undef STAGE
+        for (int i = 0; i < 16; i++) stf(panel + (c + i) * 16, r[i]);
+    }
+#elif defined(__AVX2__)
+    typedef int32_t v8i_ __attribute__((vector_size(32)));
+    for (; c + 8 <= len; c += 8)
+        for (int h = 0; h < 2; h++) {
+            v8f r[8];
+            for (int i = 0; i < 8; i++) r[i] = load8(rows + (8 * h + i) * KC + c);
+            static const v8i_ A4 = {0, 1, 2, 3, 8, 9, 10, 11};
+            static const v8i_ A2 = {0, 1, 8, 9, 4, 5, 12, 13};
+            static const v8i_ A1 = {0, 8, 2, 10, 4, 12, 6, 14};
+#define STAGE(D, A)                                                                        \
+    for (int i = 0; i < 8; i++)                                                            \
+        if (!(i & D)) {                                                                    \
+            const v8f a = r[i], b = r[i + D];                                              \
+            r[i] = __builtin_shuffle(a, b, A);                                             \
+            r[i + D] = __builtin_shuffle(a, b, A + D);                                     \
+        }
+            STAGE(4, A4) STAGE(2, A2) STAGE(1, A1)
+#undef STAGE
+            for (int i = 0; i < 8; i++) memcpy(panel + (c + i) * 16 + 8 * h, &r[i], 32);
+        }
+#endif
+    for (; c < len; c++)
+        for (int i = 0; i < 16; i++) panel[c * 16 + i] = rows[i * KC + c];
+}
+
+/* The panel path for the calling thread's share of panels; 0, or 3 without memory. */
+static int panel_share(int32_t fmt, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                       int64_t ws, int64_t n, const float *rs, const float *bias, float *y,
+                       int64_t ldy, int64_t p_begin, int64_t p_end) {
+    if (p_begin >= p_end)
+        return 0;
+    float *tmp = quire_thread_scratch((size_t)16 * KC + (size_t)4 * 16 * KC);
+    if (tmp == NULL)
+        return 3;
+    float *panels = tmp + 16 * KC;
+    int64_t np;
+    for (int64_t p = p_begin; p < p_end; p += np) {
+        np = p_end - p < 4 ? p_end - p : 4;
+        const int64_t j0 = 16 * p, cols = n - j0 < 16 * np ? n - j0 : 16 * np;
+        for (int64_t c0 = 0; c0 < k; c0 += KC) {
+            const int64_t len = k - c0 < KC ? k - c0 : KC;
+            for (int64_t q = 0; q < np; q++) {
+                for (int64_t r = 0; r < 16; r++) {
+                    const int64_t j = j0 + 16 * q + r;
+                    if (j < n)
+                        dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len,
+                                     tmp + r * KC);
+                    else
+                        memset(tmp + r * KC, 0, sizeof(float) * len);
+                }
+                transpose16(tmp, len, panels + q * 16 * KC);
+            }
+            quire_panel_block(x + c0, k, m, len, panels, 16 * KC, np, cols, y + j0, ldy,
+                              c0 > 0);
+        }
+        if (bias)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = 0; c < cols; c++) y[i * ldy + j0 + c] += bias[j0 + c];
+    }
+    return 0;
+}
+
+/* The direct path for up to DIRECT_MAX_ROWS rows, called by every thread of a team that
+ * is already running (the fused decode layer's): each thread a contiguous share of the
+ * n outputs, no barrier (the caller places one). fmt and k were checked by the caller. */
+void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
+                           const uint8_t *w, int64_t w_stride, int64_t n,
+                           const float *row_scales, const float *bias, float *y,
+                           int64_t ldy) {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    for (int64_t r0 = 0; r0 < m; r0 += DIRECT_MAX_ROWS) {
+        const int64_t rows = m - r0 < DIRECT_MAX_ROWS ? m - r0 : DIRECT_MAX_ROWS;
+        direct(fmt, (int)rows, x + r0 * k, k, w, w_stride, n * t / team, n * (t + 1) / team,
+               row_scales, bias, y + r0 * ldy, ldy);
+    }
+}
+
+/* Whether quire_quant_gemm_f32 takes fmt with rows of k weights. */
+int quire_quant_fits(int32_t fmt, int64_t k) {
+    return blk_vals(fmt) != 0 && k > 0 && k % true_block(fmt) == 0;
+}
+
+int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                         int64_t w_stride, int64_t n, const float *row_scales,
+                         const float *bias, float *y, int64_t ldy) {
+    if (blk_vals(fmt) == 0)
+        return 1;
+    if (k % true_block(fmt) || k < 0)
+        return 2;
+    if (m <= 0 || n <= 0)
+        return 0;
+    int failed = 0;
+    if (m <= DIRECT_MAX_ROWS) {
+#pragma omp parallel
+        {
+            const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+            direct(fmt, (int)m, x, k, w, w_stride, n * t / team, n * (t + 1) / team,
+                   row_scales, bias, y, ldy);
+        }
+        return 0;
+    }
+    const int64_t num_panels = (n + 15) / 16;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        failed |= panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
+                              num_panels * t / team, num_panels * (t + 1) / team);
+    }
+    return failed ? 3 : 0;
+}
+
+/* ---- int8 activations ---- */
+
+/* Row r of x [m, k] as int8 (kp bytes, zero past k), its scale and the sum of its values. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, int8_t *q, float *scale,
+                         int32_t *sum) {
+    float amax = 0.0f;
+    for (int64_t c = 0; c < k; c++) {
+        const float a = fabsf(x[c]);
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    int32_t total = 0;
+    for (int64_t c = 0; c < k; c++) {
+        float t = nearbyintf(x[c] / s);
+        t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
+        q[c] = (int8_t)t;
+        total += q[c];
+    }
+    memset(q + k, 0, (size_t)(kp - k));
+    *scale = s;
+    *sum = total;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define I8_STEP 64
+typedef __m512i iv;
+INL iv ld_iv(const void *p) { return _mm512_loadu_si512(p); }
+INL int32_t iv_sum(iv a) { return _mm512_reduce_add_epi32(a); }
+#if defined(__AVX512VNNI__)
+#define I8_OFFSET 1 /* sums carry 128 * sum(x): subtracted at the end */
+INL iv w_prep(iv w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+INL iv i8_dot(iv acc, iv wp, iv xv) { return _mm512_dpbusd_epi32(acc, wp, xv); }
+#else
+#define I8_OFFSET 0
+INL iv w_prep(iv w) { return w; }
+INL iv i8_dot(iv acc, iv w, iv xv) {
+    const iv xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xv);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs),
+                                                   _mm512_set1_epi16(1)));
+}
+#endif
+#elif defined(__AVX2__)
+#define I8_STEP 32
+#define I8_OFFSET 0
+typedef __m256i iv;
+INL iv ld_iv(const void *p) { return _mm256_loadu_si256(p); }
+INL int32_t iv_sum(iv a) {
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
+INL iv w_prep(iv w) { return w; }
+INL iv i8_dot(iv acc, iv w, iv xv) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(
+                                     _mm256_maddubs_epi16(_mm256_abs_epi8(w),
+                                                          _mm256_sign_epi8(xv, w)),
+                                     _mm256_set1_epi16(1)));
+}
+#endif
+
+#if defined(I8_STEP)
+#define I8_MR 4
+#define I8_NR 4
+/* out[r][q] = sum_c qx[r][c] * w_q[c] for MR activation rows (kp bytes apart, zero past
+ * k) and NR weight rows; the last partial step reads the weights from a zeroed copy. */
+INL void i8_tile(int MR, int NR, const int8_t *qx, int64_t kp, const uint8_t *const *wr,
+                 int64_t k, int32_t out[I8_MR][I8_NR]) {
+    iv acc[I8_MR][I8_NR];
+    for (int r = 0; r < MR; r++)
+        for (int q = 0; q < NR; q++) acc[r][q] = (iv){0};
+    int64_t c = 0;
+    for (; c + I8_STEP <= k; c += I8_STEP) {
+        iv wv[I8_NR];
+        for (int q = 0; q < NR; q++) wv[q] = w_prep(ld_iv(wr[q] + c));
+        for (int r = 0; r < MR; r++) {
+            const iv xv = ld_iv(qx + r * kp + c);
+            for (int q = 0; q < NR; q++) acc[r][q] = i8_dot(acc[r][q], wv[q], xv);
+        }
+    }
+    if (c < k) {
+        iv wv[I8_NR];
+        for (int q = 0; q < NR; q++) {
+            uint8_t buf[I8_STEP] = {0};
+            memcpy(buf, wr[q] + c, (size_t)(k - c));
+            wv[q] = w_prep(ld_iv(buf));
+        }
+        for (int r = 0; r < MR; r++) {
+            const iv xv = ld_iv(qx + r * kp + c);
+            for (int q = 0; q < NR; q++) acc[r][q] = i8_dot(acc[r][q], wv[q], xv);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int q = 0; q < NR; q++) out[r][q] = iv_sum(acc[r][q]);
+}
+
+#define I8_NR_CASES(MR)                                                                    \
+    switch (nr) {                                                                          \
+    case 4: i8_tile(MR, 4, qx, kp, wr, k, out); break;                                     \
+    case 3: i8_tile(MR, 3, qx, kp, wr, k, out); break;                                     \
+    case 2: i8_tile(MR, 2, qx, kp, wr, k, out); break;                                     \
+    default: i8_tile(MR, 1, qx, kp, wr, k, out); break;                                    \
+    }
+
+static void i8_block(int mr, int nr, const int8_t *qx, int64_t kp, const uint8_t *const *wr,
+                     int64_t k, int32_t out[I8_MR][I8_NR]) {
+    switch (mr) {
+    case 4: I8_NR_CASES(4) break;
+    case 3: I8_NR_CASES(3) break;
+    case 2: I8_NR_CASES(2) break;
+    default: I8_NR_CASES(1) break;
+    }
+}
+#else
+#define I8_MR 4
+#define I8_NR 4
+#define I8_OFFSET 0
+#define I8_STEP 1
+static void i8_block(int mr, int nr, const int8_t *qx, int64_t kp, const uint8_t *const *wr,
+                     int64_t k, int32_t out[I8_MR][I8_NR]) {
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < nr; q++) {
+            int32_t acc = 0;
+            for (int64_t c = 0; c < k; c++) acc += (int32_t)qx[r * kp + c] * (int8_t)wr[q][c];
+            out[r][q] = acc;
+        }
+}
+#endif
+
+int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                        int64_t w_stride, int64_t n, const float *row_scales,
+                        const float *bias, float *y, int64_t ldy) {
+    if (k < 0 || k > I8_MAX_K)
+        return 2;
+    if (m <= 0 || n <= 0)
+        return 0;
+    const int64_t kp = (k + 63) / 64 * 64;
+    /* qx [m][kp], then the scales and sums */
+    const size_t floats = ((size_t)m * kp + 3) / 4 + 2 * (size_t)m;
+    float *scratch = quire_thread_scratch(floats);
+    if (scratch == NULL)
+        return 3;
+    int8_t *qx = (int8_t *)scratch;
+    float *sx = scratch + ((size_t)m * kp + 3) / 4;
+    int32_t *sumx = (int32_t *)(sx + m);
+    const int64_t groups = (n + I8_NR - 1) / I8_NR;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, kp, qx + i * kp, sx + i,
+                                                   sumx + i);
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        for (int64_t g = groups * t / team; g < groups * (t + 1) / team; g++) {
+            const int64_t j0 = g * I8_NR;
+            const int nr = n - j0 < I8_NR ? (int)(n - j0) : I8_NR;
+            const uint8_t *wr[I8_NR];
+            for (int q = 0; q < I8_NR; q++) wr[q] = w + (j0 + (q < nr ? q : 0)) * w_stride;
+            for (int64_t i0 = 0; i0 < m; i0 += I8_MR) {
+                const int mr = m - i0 < I8_MR ? (int)(m - i0) : I8_MR;
+                int32_t out[I8_MR][I8_NR];
+                i8_block(mr, nr, qx + i0 * kp, kp, wr, k, out);
+                for (int r = 0; r < mr; r++)
+                    for (int q = 0; q < nr; q++) {
+                        const int64_t i = i0 + r, j = j0 + q;
+                        const int32_t acc = out[r][q] - (I8_OFFSET ? 128 * sumx[i] : 0);
+                        float v = (float)((double)acc * (double)sx[i] * (double)row_scales[j]);
+                        y[i * ldy + j] = bias ? v + bias[j] : v;
+                    }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,56 @@
+"""The cpu platform's quantised linear: products straight on a weight's blocks.
+
+:func:`quire.ops.quantized.quantized_linear` dequantises a slab of the weight to float32
+and calls ``F.linear``: every product writes and reads a float copy of the weight, which
+for a one-row decode product is several times the traffic of the quantised bytes. The C
+kernels (``csrc/quant_gemm.c``) dequantise blocks into registers or a cache-resident
+panel as they multiply, with the reference's float operations (so results differ from it
+only by summation order), and run ``w8a8`` on int8 dot-product instructions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from quire.ops.quantized import quantized_linear
+from quire.platforms.cpu.native import NativeKernels
+from quire.quantization.tensor import QuantizedTensor
+
+QuantizedLinear = Callable[..., torch.Tensor]
+
+
+def make_quantized_linear(native: NativeKernels | None) -> QuantizedLinear:
+    """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
+    reference op's signature and contract, on the C kernels of ``native``.
+
+    The kernels take host tensors: ``x`` of any leading shape in float32 or bfloat16
+    (bfloat16 is widened to float32 and the result rounded back to ``x``'s dtype), a
+    weight in any format of :mod:`quire.quantization.formats` whose rows may be strided,
+    an optional bias. Everything else falls back to the torch reference
+    (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
+    library without them), another device or dtype, ``w8a8`` rows longer than
+    :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
+    """
+    if native is None or not native.has_quant_gemm:
+        return quantized_linear
+
+    def linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
+               *, int8_activations: bool = False) -> torch.Tensor:
+        if not (x.device.type == "cpu" and weight.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == weight.cols
+                and (bias is None or bias.device.type == "cpu")):
+            return quantized_linear(x, weight, bias, int8_activations=int8_activations)
+        if int8_activations and weight.format.name != "int8":
+            raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
+        rows = x.reshape(-1, weight.cols).to(torch.float32).contiguous()
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        entry = native.quant_linear_i8 if int8_activations else native.quant_linear
+        y = entry(rows, weight, b)
+        if y is None:
+            return quantized_linear(x, weight, bias, int8_activations=int8_activations)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
+
+    linear.__doc__ = quantized_linear.__doc__
+    return linear

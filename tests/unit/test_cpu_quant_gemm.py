@@ -1,0 +1,166 @@
+"""The cpu platform's products on quantised weights (csrc/quant_gemm.c), at every ISA level
+this host runs (the ``kernels`` fixture), against the torch reference.
+
+Two kinds of check. One-hot rows of x read single weights: a product with 1.0 and sums of
+zeros are exact, so ``y`` must equal the reference dequantiser's weights bit for bit
+(the kernel's dequantisation is exact, as documented). Random rows: the kernel and
+``F.linear(x, W.dequantize())`` sum the same float32 products in different orders; each
+order's error is at most gamma_k * sum_c |x_c w_c| (gamma_k = k u / (1 - k u), u = 2^-24,
+the classic bound for any summation order, FMAs included), so they may differ by twice
+that (k + 1 terms with the bias), elementwise. ``w8a8`` is compared exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quire.ops.quantized import quantized_linear
+from quire.platforms.cpu.native import NativeKernels
+from quire.platforms.cpu.quant_linear import make_quantized_linear
+from quire.quantization.formats import FORMATS, QuantFormat
+from quire.quantization.tensor import QuantizedTensor
+
+#: offsets of each GGUF block's f16 scale fields (ggml-common.h)
+F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+              "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
+              "q6_k": (208,)}
+FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+def make_weight(name: str, rows: int, cols: int, gen: torch.Generator) -> QuantizedTensor:
+    """Random valid weights: random block bytes with small finite f16 scales (negative
+    ones too); random int8 bytes (-128 included) and fp8 bytes but NaN; random floats."""
+    fmt = FORMATS[name]
+    if name in FLOATS:
+        w = torch.randn(rows, cols, generator=gen).to(FLOATS[name])
+        return QuantizedTensor(fmt, w.view(torch.uint8).reshape(rows, -1), cols)
+    if fmt.row_scaled:
+        data = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+        if name == "fp8_e4m3":
+            data[(data & 0x7F) == 0x7F] = 0x3C
+        return QuantizedTensor(fmt, data, cols, torch.rand(rows, generator=gen) * 0.1 + 0.01)
+    blocks = rows * cols // fmt.block
+    data = torch.randint(0, 256, (blocks, fmt.block_bytes), generator=gen, dtype=torch.uint8)
+    for offset in F16_FIELDS[name]:
+        scale = (torch.rand(blocks, generator=gen) * 0.04 - 0.01).half()
+        data[:, offset:offset + 2] = scale.view(torch.uint8).reshape(-1, 2)
+    return QuantizedTensor(fmt, data.reshape(rows, -1), cols)
+
+def widths(name: str) -> tuple[int, ...]:
+    """Multiples of 256, and for smaller blocks a width that is not one."""
+    block = FORMATS[name].block
+    return (256, 1280) + (() if block == 256 else (96,) if block == 32 else (37,))
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                              bias: torch.Tensor | None) -> None:
+    ref = F.linear(x, w, bias)
+    terms = x.shape[1] + (bias is not None)
+    u = 2.0 ** -24
+    gamma = terms * u / (1 - terms * u)
+    bound = x.abs() @ w.abs().t() + (0 if bias is None else bias.abs())
+    assert ((y - ref).abs() <= 2 * gamma * bound).all(), (y - ref).abs().max()
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_one_hot_rows_read_each_weight_exactly(kernels: NativeKernels, name: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for cols in (512, widths(name)[-1]):
+        weight = make_weight(name, 37, cols, gen)
+        expected = weight.dequantize()
+        eye = torch.eye(cols)
+        # every column through the panel path (many rows), a few through the direct one
+        y = kernels.quant_linear(eye, weight)
+        assert torch.equal(y.t(), expected)
+        pick = torch.randperm(cols, generator=gen)[:3]
+        assert torch.equal(kernels.quant_linear(eye[pick].contiguous(), weight).t(),
+                           expected[:, pick])
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_matches_f_linear_on_the_dequantised_weight(kernels: NativeKernels, name: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    for cols in widths(name):
+        weight = make_weight(name, 37, cols, gen)
+        w = weight.dequantize()
+        for m in (1, 3, 7, 64):
+            x = torch.randn(m, cols, generator=gen)
+            bias = torch.randn(37, generator=gen) if m % 2 else None
+            y = kernels.quant_linear(x, weight, bias)
+            assert y is not None and y.shape == (m, 37)
+            assert_close_to_reference(y, x, w, bias)
+
+@pytest.mark.parametrize("name", ["q4_0", "q6_k", "int8", "f16"])
+def test_strided_rows_into_a_slice_of_a_wider_output(kernels: NativeKernels,
+                                                     name: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    block = max(FORMATS[name].block, 16)
+    whole = make_weight(name, 40, 4 * 256, gen)
+    weight = whole.narrow_cols(block, 2 * 256)  # rows further apart than their bytes
+    assert weight.data.stride(0) > weight.data.shape[1]
+    w = weight.dequantize()
+    bias = torch.randn(40, generator=gen)
+    for m in (2, 20):
+        x = torch.randn(m, 512, generator=gen)
+        wide = torch.full((m, 50), 7.0)
+        out = wide[:, 3:43]
+        assert kernels.quant_linear(x, weight, bias, out=out) is out
+        assert_close_to_reference(out, x, w, bias)
+        assert (wide[:, :3] == 7).all() and (wide[:, 43:] == 7).all()
+
+def test_bad_formats_and_widths_are_refused(kernels: NativeKernels) -> None:
+    bogus = QuantFormat("bogus", 99, 32, 18)
+    weight = QuantizedTensor(bogus, torch.zeros(4, 36, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        kernels.quant_linear(torch.ones(1, 64), weight)
+    # the C entry point itself: 33 weights are not whole Q4_0 blocks
+    x, y = torch.ones(1, 33), torch.empty(1, 4)
+    w = torch.zeros(4, 36, dtype=torch.uint8)
+    code = kernels._quant_f32(FORMATS["q4_0"].id, x.data_ptr(), 1, 33, w.data_ptr(), 36, 4,
+                              None, None, y.data_ptr(), 4)
+    assert code == 2
+    # float64 rows are not the kernel's: None, so the caller keeps torch
+    weight = make_weight("q8_0", 4, 64, torch.Generator().manual_seed(0))
+    assert kernels.quant_linear(torch.ones(1, 64, dtype=torch.float64), weight) is None
+
+def test_w8a8_equals_the_reference_exactly(kernels: NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for cols in (256, 100, 1000):
+        weight = make_weight("int8", 37, cols, gen)
+        for m in (1, 3, 7, 64):
+            x = torch.randn(m, cols, generator=gen) * 3
+            x[0, : cols // 2] = 0
+            if m > 1:
+                x[1] = 0  # a zero row: scale 1
+            bias = torch.randn(37, generator=gen) if m % 2 else None
+            y = kernels.quant_linear_i8(x, weight, bias)
+            ref = quantized_linear(x, weight, bias, int8_activations=True)
+            assert torch.equal(y, ref), (y - ref).abs().max()
+    # rows further apart than their bytes, into a slice of a wider output
+    weight = make_weight("int8", 37, 300, gen).narrow_cols(8, 280)
+    x = torch.randn(5, 280, generator=gen)
+    wide = torch.full((5, 40), 7.0)
+    out = wide[:, 2:39]
+    assert kernels.quant_linear_i8(x, weight, out=out) is out
+    assert torch.equal(out, quantized_linear(x, weight, int8_activations=True))
+    assert (wide[:, :2] == 7).all() and (wide[:, 39:] == 7).all()
+    assert kernels.quant_linear_i8(x, make_weight("q8_0", 4, 64, gen)) is None
+
+def test_quantized_linear_keeps_the_reference_contract(kernels: NativeKernels) -> None:
+    linear = make_quantized_linear(kernels)
+    gen = torch.Generator().manual_seed(5)
+    weight = make_weight("q4_k", 24, 512, gen)
+    bias = torch.randn(24, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 512, generator=gen).to(dtype)
+        y = linear(x, weight, bias)
+        ref = quantized_linear(x, weight, bias)
+        assert y.dtype == dtype and y.shape == (2, 3, 24)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol)
+    w8 = make_weight("int8", 24, 512, gen)
+    x = torch.randn(5, 512, generator=gen)
+    assert torch.equal(linear(x, w8, bias, int8_activations=True),
+                       quantized_linear(x, w8, bias, int8_activations=True))
+    with pytest.raises(ValueError, match="int8 weights"):
+        linear(x, weight, int8_activations=True)
+    # without kernels: the reference itself
+    assert make_quantized_linear(None) is quantized_linear
