@@ -13,7 +13,7 @@ import torch
 from quire.config import EngineConfig
 from quire.distributed import TorchDistributedCommunicator
 from quire.models.gguf_file import iter_gguf_weights
-from quire.models.layers.quantized import QuantizedLinearKernel
+from quire.ops.quantized import QuantizedLinearKernel
 from quire.models.loader import load_model
 from quire.quantization.formats import FORMATS
 from quire.quantization.methods import Quantization, resolve_method

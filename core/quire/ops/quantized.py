@@ -8,6 +8,8 @@ that read the blocks in place (the cpu platform's C library, the Triton kernels)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -70,3 +72,34 @@ def quantized_embedding(ids: torch.Tensor, weight: QuantizedTensor,
     in ``dtype``: only the rows asked for are dequantised."""
     return weight.select_rows(ids.reshape(-1)).dequantize(dtype).reshape(*ids.shape,
                                                                          weight.cols)
+
+
+class QuantizedLinearKernel:
+    """A :class:`~quire.models.layers.linear.LinearKernel` over a layer's quantised parts:
+    one ``quantized_linear`` call per part, the outputs side by side, zero columns for
+    rows this rank holds none of (a tensor-parallel vocabulary's padding)."""
+
+    def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
+                 out_features: int, int8_activations: bool = False) -> None:
+        self.parts = parts
+        self.op = op
+        self.out_features = out_features
+        self.int8_activations = int8_activations
+        self.padding = out_features - sum(p.rows for p in parts)
+        if self.padding < 0:
+            raise ValueError(f"quantised parts hold {out_features - self.padding} rows, "
+                             f"the layer {out_features}")
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.format.name for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kwargs = {"int8_activations": True} if self.int8_activations else {}
+        if len(self.parts) == 1 and not self.padding:
+            return self.op(x, self.parts[0], bias, **kwargs)
+        ys = [self.op(x, part, None, **kwargs) for part in self.parts]
+        if self.padding:
+            ys.append(x.new_zeros(*x.shape[:-1], self.padding))
+        y = torch.cat(ys, dim=-1)
+        return y if bias is None else y + bias

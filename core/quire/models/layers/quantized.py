@@ -8,20 +8,21 @@ made. The layer's own weight loader then hands each arriving part (a
 that the method quantises) to :meth:`LayerQuant.store_rows` or
 :meth:`LayerQuant.store_cols` with the same rank slicing as a float weight: this rank's
 rows (or columns) of the part, a view of the file's blocks where it can be.
-:func:`install_quantized_kernels` then gives each layer a :class:`QuantizedLinearKernel`
+:func:`install_quantized_kernels` then gives each layer a
+:class:`~quire.ops.quantized.QuantizedLinearKernel`
 over its parts, on the platform's ``quantized_linear`` op. Fused layers (q/k/v, gate/up)
 keep their parts apart: a Q4_K_M file stores q and k in Q4_K and v in Q6_K.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from quire.ops.quantized import QuantizedLinearKernel
 from quire.quantization.formats import FORMATS
 from quire.quantization.methods import Quantization
 from quire.quantization.quantize import quantize_rows
@@ -85,37 +86,6 @@ class LayerQuant:
         if part.cols != self.shape[1]:
             raise ValueError(f"shape mismatch: expected {self.shape[1]} input features, "
                              f"got {part.cols}")
-
-
-class QuantizedLinearKernel:
-    """A :class:`~quire.models.layers.linear.LinearKernel` over a layer's quantised parts:
-    one ``quantized_linear`` call per part, the outputs side by side, zero columns for
-    rows this rank holds none of (a tensor-parallel vocabulary's padding)."""
-
-    def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
-                 out_features: int, int8_activations: bool = False) -> None:
-        self.parts = parts
-        self.op = op
-        self.out_features = out_features
-        self.int8_activations = int8_activations
-        self.padding = out_features - sum(p.rows for p in parts)
-        if self.padding < 0:
-            raise ValueError(f"quantised parts hold {out_features - self.padding} rows, "
-                             f"the layer {out_features}")
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        return tuple(p.format.name for p in self.parts)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kwargs = {"int8_activations": True} if self.int8_activations else {}
-        if len(self.parts) == 1 and not self.padding:
-            return self.op(x, self.parts[0], bias, **kwargs)
-        ys = [self.op(x, part, None, **kwargs) for part in self.parts]
-        if self.padding:
-            ys.append(x.new_zeros(*x.shape[:-1], self.padding))
-        y = torch.cat(ys, dim=-1)
-        return y if bias is None else y + bias
 
 
 def quantized_sites(model: nn.Module, quantization: Quantization) -> list[nn.Module]:

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from quire.ops.layer_spec import DecoderLayerSpec, NormSpec
+from quire.ops.quantized import QuantizedLinearKernel
 from quire.platforms.cpu.native import (
     Bf16RowsArgs,
     LayerDescArgs,
@@ -102,7 +103,7 @@ class FusedDecodeLayer:
         #: the MLP the C layer leaves to the model (mixture of experts), or None
         self.mlp = spec.mlp
         modules = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
-        kernels = [module.kernel for module in modules]
+        kernels = [_view(module.kernel) for module in modules]
         # float32 biases (copies of a bfloat16 model's), kept alive for the structs
         biases = [_bias(m) for m in modules]
         # ctypes structs pointing into the PackedLinears' tensors and the biases, which
@@ -114,7 +115,8 @@ class FusedDecodeLayer:
         if (any(k.compact is not None for k in kernels)
                 and all(k.compact is not None or _f32_panels(k) for k in kernels)):
             self._compact_args = [
-                LinearArgs.of(k.compact, b) if k.compact is not None
+                LinearArgs.of_parts(k.compact.parts, b) if isinstance(k, _QuantizedView)
+                else LinearArgs.of(k.compact, b) if k.compact is not None
                 else LinearArgs.of_panels(k.panels, k.out_features, b)
                 for k, b in zip(kernels, biases)]
             self._compact = _with_absent_mlp(
@@ -368,6 +370,33 @@ class FusedDecodeLayer:
         return None if self.native.bf16_attend(self.rows_args) else attn
 
 
+class _QuantizedView:
+    """What :class:`FusedDecodeLayer` reads of a quantised layer's kernel
+    (:class:`~quire.models.layers.quantized.QuantizedLinearKernel`): its parts as the
+    one-row weight (``struct quire_linear`` format QUANT), no panels, so a lone
+    sequence's decode steps run the layer in C and other steps run op by op."""
+
+    panels = None
+    packed = None
+    dtype = torch.float32
+
+    def __init__(self, kernel: QuantizedLinearKernel) -> None:
+        self.compact = kernel
+        self.out_features = kernel.out_features
+        self.in_features = kernel.parts[0].cols
+
+
+def _view(kernel: object) -> object:
+    return _QuantizedView(kernel) if isinstance(kernel, QuantizedLinearKernel) else kernel
+
+
+def _fusable_quantized(kernel: object) -> bool:
+    """A quantised layer whose one-row products the C layer computes as the op does:
+    float activations (not w8a8), every part on the host, no padding rows."""
+    return (isinstance(kernel, QuantizedLinearKernel) and not kernel.int8_activations
+            and not kernel.padding and all(p.device.type == "cpu" for p in kernel.parts))
+
+
 def _f32_panels(kernel: PackedLinear) -> bool:
     """Whether ``kernel`` keeps float32 panels (a one-row layer's ``quire_linear`` can
     read those; not bfloat16 pair panels)."""
@@ -425,13 +454,15 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
     if len({n.eps for n in norms}) != 1:
         return "norms with different eps"
     linears = [m for m in (spec.qkv, spec.o, spec.gate_up, spec.down) if m is not None]
-    if not all(isinstance(getattr(m, "kernel", None), PackedLinear) for m in linears):
-        return "linears not packed"
+    if not all(isinstance(getattr(m, "kernel", None), PackedLinear)
+               or _fusable_quantized(getattr(m, "kernel", None)) for m in linears):
+        return "linears neither packed nor quantised with float activations"
     if not all(getattr(m, "bias", None) is None or m.bias.dtype in dtypes for m in linears):
         return "biases of another dtype than the norms"
-    if not all(m.kernel.compact is not None or m.kernel.panels is not None
-               or (m.kernel.dtype == torch.bfloat16 and m.kernel.packed is not None)
-               for m in linears):  # (a bfloat16 layer's products may run on oneDNN)
+    kernels = [_view(m.kernel) for m in linears]
+    if not all(k.compact is not None or k.panels is not None
+               or (k.dtype == torch.bfloat16 and k.packed is not None)
+               for k in kernels):  # (a bfloat16 layer's products may run on oneDNN)
         return "linears with neither a compact copy nor panels"
     return None
 

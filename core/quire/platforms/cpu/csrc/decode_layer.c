@@ -54,17 +54,31 @@ struct quire_layer_desc {
 #define QUIRE_ACT_SILU 0
 #define QUIRE_ACT_GELU_TANH 1
 
-/* A linear layer's compact weight (quire/platforms/cpu/compact.py's layout), or, with
- * format QUIRE_FORMAT_PANELS, its float32 panels (NativeKernels.pack_panels) in codes:
- * a layer may mix the two, its weights without an exact compact encoding on panels. */
+/* A linear layer's compact weight (quire/platforms/cpu/compact.py's layout); with format
+ * QUIRE_FORMAT_PANELS, its float32 panels (NativeKernels.pack_panels) in codes; with
+ * QUIRE_FORMAT_QUANT, num_parts quantised parts (struct quire_qpart, in output order) in
+ * codes: a GGUF layer's blocks as stored (quire/quantization), q, k and v each in its
+ * own format. A layer may mix the kinds. */
 struct quire_linear {
     int32_t format;
     int64_t out_features, in_features;
     const void *codes;
     const float *scales, *offsets, *bias; /* offsets: a4 only; bias may be NULL */
+    int64_t num_parts;                    /* QUIRE_FORMAT_QUANT only */
+};
+
+/* One part of a quantised weight: rows rows of in_features weights in format fmt (a
+ * quant_gemm.c id), row r at w + r * w_stride; scales: a row-scaled format's, or NULL. */
+struct quire_qpart {
+    int32_t fmt;
+    int64_t rows;
+    const uint8_t *w;
+    int64_t w_stride;
+    const float *scales;
 };
 
 #define QUIRE_FORMAT_PANELS 3
+#define QUIRE_FORMAT_QUANT 4
 
 /* y = W x (+ bias), rows split over the team; call inside a parallel region. */
 static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
@@ -73,12 +87,35 @@ static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
                               w->bias, y);
         return;
     }
+    if (w->format == QUIRE_FORMAT_QUANT) {
+        const struct quire_qpart *part = w->codes;
+        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++)
+            quire_quant_rows_team(part[p].fmt, x, 1, w->in_features, part[p].w,
+                                  part[p].w_stride, part[p].rows, part[p].scales,
+                                  w->bias ? w->bias + at : NULL, y + at, part[p].rows);
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < w->out_features; j++) {
         const float v = quire_compact_dot(w->format, x, w->in_features, w->codes, w->scales,
                                           w->offsets, j);
         y[j] = w->bias ? v + w->bias[j] : v;
     }
+}
+
+/* Whether a quantised weight's parts fit its shape and the kernels. */
+static int linear_fits(const struct quire_linear *w) {
+    if (w->format != QUIRE_FORMAT_QUANT)
+        return 1;
+    const struct quire_qpart *part = w->codes;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < w->num_parts; p++) {
+        if (!quire_quant_fits(part[p].fmt, w->in_features) || part[p].rows <= 0)
+            return 0;
+        rows += part[p].rows;
+    }
+    return w->num_parts > 0 && rows == w->out_features;
 }
 
 /* out = silu(g) * u = g / (1 + e^-g) * u over n values. Eight at a time with exp8 (one
@@ -161,7 +198,7 @@ static void mlp_row_team(const struct quire_layer_desc *desc,
                          const struct quire_linear *gate_up, const struct quire_linear *down,
                          const float *a, int64_t hidden, int64_t inter, float *gu, float *act,
                          float *out) {
-    if (gate_up->format == QUIRE_FORMAT_PANELS) {
+    if (gate_up->format == QUIRE_FORMAT_PANELS || gate_up->format == QUIRE_FORMAT_QUANT) {
         gemv_team(gate_up, a, gu);
 #pragma omp for schedule(static)
         for (int64_t i0 = 0; i0 < inter; i0 += 8)
@@ -215,7 +252,9 @@ int quire_decode_layer_f32(
         qkv->out_features != (hq + 2 * hkv) * d || o->in_features != hq * d ||
         o->out_features != hidden ||
         (!external && (gate_up->in_features != hidden || gate_up->out_features % 2 ||
-                       down->in_features != inter || down->out_features != hidden)))
+                       down->in_features != inter || down->out_features != hidden)) ||
+        !linear_fits(qkv) || !linear_fits(o) ||
+        (!external && (!linear_fits(gate_up) || !linear_fits(down))))
         return 1;
     const float eps = desc->eps;
     const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
