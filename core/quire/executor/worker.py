@@ -74,7 +74,8 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
     dtype = parse_dtype(config.dtype) or platform.auto_dtype(checkpoint_dtype(model_config))
     quantization = resolve_method(
         config.quantization, gguf_file=is_gguf(model_path),
-        checkpoint_quantization=checkpoint_quantization(model_config),
+        checkpoint_quantization=None if is_gguf(model_path)  # its blocks are the file's
+        else checkpoint_quantization(model_config),
         platform_name=platform.name, platform_methods=tuple(platform.quantizations))
     return config.resolve(model_max_len=context_length(model_path,
                                                        model_max_len(model_config)),
