@@ -151,8 +151,9 @@ class EngineConfig:
                        "'key=value,key=value' (cpu: attention=sdpa|reference, "
                        "linear=packed|torch, compact=true|false, native=true|false, "
                        "threads=N, isa=LEVEL, wait_policy=auto|spin|passive, "
-                       "kv_prefault=background|start|off) (default: none, the "
-                       "platform's defaults)"))
+                       "kv_prefault=background|start|off, "
+                       "decode_activations=float32|int8) (default: none, the platform's "
+                       "defaults)"))
     compile: bool = field(
         default=False,
         metadata=_help("compile the model with torch.compile (Inductor): fewer kernels per "

@@ -82,7 +82,10 @@ class FusedDecodeLayer:
     """One layer's :class:`~quire.ops.layer_spec.DecoderLayerKernel`: the whole layer in
     C for decode steps, its halves in C around the attention backend for the rest."""
 
-    def __init__(self, native: NativeKernels, spec: DecoderLayerSpec) -> None:
+    def __init__(self, native: NativeKernels, spec: DecoderLayerSpec,
+                 int8_decode: bool = False) -> None:
+        """:param int8_decode: quantised weights' one-row products take int8 activations
+            where the kernels have them (the ``decode_activations`` option)."""
         self.native = native
         self.layer_idx = spec.layer_idx
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -115,7 +118,10 @@ class FusedDecodeLayer:
         if (any(k.compact is not None for k in kernels)
                 and all(k.compact is not None or _f32_panels(k) for k in kernels)):
             self._compact_args = [
-                LinearArgs.of_parts(k.compact.parts, b) if isinstance(k, _QuantizedView)
+                LinearArgs.of_parts(k.compact.parts, b,
+                                    [int8_decode and native.quant_q8_fits(p)
+                                     for p in k.compact.parts])
+                if isinstance(k, _QuantizedView)
                 else LinearArgs.of(k.compact, b) if k.compact is not None
                 else LinearArgs.of_panels(k.panels, k.out_features, b)
                 for k, b in zip(kernels, biases)]
@@ -467,7 +473,8 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
     return None
 
 
-def install_fused_decode(model: nn.Module, native: NativeKernels) -> dict[str, int]:
+def install_fused_decode(model: nn.Module, native: NativeKernels,
+                         int8_decode: bool = False) -> dict[str, int]:
     """Give every decoder layer of ``model`` whose description the C layer runs a
     :class:`FusedDecodeLayer` (after
     :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
@@ -482,7 +489,7 @@ def install_fused_decode(model: nn.Module, native: NativeKernels) -> dict[str, i
         spec = describe()
         reason = decline_reason(spec)
         if reason is None:
-            module.kernel = FusedDecodeLayer(native, spec)
+            module.kernel = FusedDecodeLayer(native, spec, int8_decode)
         outcomes[reason or "fused"] = outcomes.get(reason or "fused", 0) + 1
     declined = {k: v for k, v in outcomes.items() if k != "fused"}
     logger.info("cpu platform: %d decoder layers run in C%s", outcomes.get("fused", 0),

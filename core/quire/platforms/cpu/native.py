@@ -70,10 +70,12 @@ class LinearArgs(ctypes.Structure):
     QUANT = 4
 
     @classmethod
-    def of_parts(cls, parts: list[QuantizedTensor], bias: torch.Tensor | None) -> LinearArgs:
-        """A quantised weight's parts (host tensors); the struct keeps its part array
-        alive, the caller the parts."""
-        array = (QPartArgs * len(parts))(*(QPartArgs.of(p) for p in parts))
+    def of_parts(cls, parts: list[QuantizedTensor], bias: torch.Tensor | None,
+                 q8: list[bool] | None = None) -> LinearArgs:
+        """A quantised weight's parts (host tensors), ``q8`` saying which take int8
+        activations; the struct keeps its part array alive, the caller the parts."""
+        q8 = q8 or [False] * len(parts)
+        array = (QPartArgs * len(parts))(*(QPartArgs.of(p, q) for p, q in zip(parts, q8)))
         args = cls(cls.QUANT, sum(p.rows for p in parts), parts[0].cols,
                    ctypes.cast(array, ctypes.c_void_p), None, None,
                    bias.data_ptr() if bias is not None else None, len(parts))
@@ -100,12 +102,14 @@ class QPartArgs(ctypes.Structure):
     pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("fmt", ctypes.c_int32), ("rows", _i64), ("w", _ptr), ("w_stride", _i64),
-                ("scales", _ptr)]
+                ("scales", _ptr), ("q8", ctypes.c_int32)]
 
     @classmethod
-    def of(cls, part: QuantizedTensor) -> QPartArgs:
+    def of(cls, part: QuantizedTensor, q8: bool = False) -> QPartArgs:
+        """``q8``: its one-row products take int8 activations (the caller checked that
+        :meth:`NativeKernels.quant_q8_fits` the part)."""
         return cls(part.format.id, part.rows, part.data.data_ptr(), part.data.stride(0),
-                   None if part.scale is None else part.scale.data_ptr())
+                   None if part.scale is None else part.scale.data_ptr(), q8)
 
 
 class PanelArgs(ctypes.Structure):
@@ -255,6 +259,23 @@ class NativeKernels:
             self._quant_i8.restype = ctypes.c_int
             self._quant_i8.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                                        _i64]
+        # quant_q8.c: the same products with the activations quantised to int8 per 32
+        # values (integer dot products); absent from a library built before it
+        self._quant_q8 = getattr(library, "quire_quant_gemm_q8", None)
+        self._quant_q8_fits = getattr(library, "quire_quant_q8_fits", None)
+        self._quant_q8_team_test = getattr(library, "quire_quant_rows_q8_team_test", None)
+        #: whether this build has the int8-activation products (every ISA level does)
+        self.has_quant_q8 = self._quant_q8 is not None and self._quant_q8_fits is not None
+        if self.has_quant_q8:
+            self._quant_q8.restype = ctypes.c_int
+            self._quant_q8.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                       _ptr, _ptr, _i64]
+            self._quant_q8_fits.restype = ctypes.c_int
+            self._quant_q8_fits.argtypes = [ctypes.c_int32, _i64]
+        if self._quant_q8_team_test is not None:
+            self._quant_q8_team_test.restype = ctypes.c_int
+            self._quant_q8_team_test.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64,
+                                                 _i64, _ptr, _ptr, _i64, ctypes.c_int32]
 
     @staticmethod
     def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -400,6 +421,45 @@ class NativeKernels:
         if y is None:
             return None
         return self._quant_call(self._quant_i8, (), x, weight, bias, y)
+
+    #: quire_quant_gemm_q8's code for a format it does not take (the caller falls back)
+    QUANT_Q8_UNSUPPORTED = 4
+
+    def quant_q8_fits(self, weight: QuantizedTensor) -> bool:
+        """Whether :meth:`quant_linear_q8` takes ``weight``'s format and width."""
+        return self.has_quant_q8 and bool(self._quant_q8_fits(weight.format.id, weight.cols))
+
+    def quant_linear_q8(self, x: torch.Tensor, weight: QuantizedTensor,
+                        bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, *,
+                        team_threads: int | None = None) -> torch.Tensor | None:
+        """``q8(x) @ W.T + bias``: float32 ``x`` ``[m, cols]`` quantised to int8 per 32
+        values (``d = max|x| / 127``, round half to even), integer dot products with a
+        GGUF block weight's codes read in place (rows may be strided), the block scales
+        and minima applied in float (``csrc/quant_q8.c``).
+
+        :param team_threads: run the team variant (``quire_quant_rows_q8_team``) in a
+            team of this many threads instead of the one-call entry (for tests).
+        :returns: ``out`` (or a new tensor); None when the format or shape does not fit
+            (the caller uses :meth:`quant_linear` or torch) or without scratch memory.
+        """
+        if not self.has_quant_q8 or not self._quant_q8_fits(weight.format.id, weight.cols):
+            return None
+        y = self._quant_args(x, weight, bias, out)
+        if y is None:
+            return None
+        data = weight.data
+        args = (weight.format.id, x.data_ptr(), x.shape[0], x.shape[1], data.data_ptr(),
+                data.stride(0) if data.shape[0] > 1 else data.shape[1], weight.rows,
+                None if bias is None else bias.data_ptr(), y.data_ptr(),
+                y.stride(0) if y.shape[0] > 1 else weight.rows)
+        if team_threads is not None:
+            if self._quant_q8_team_test is None:
+                return None
+            failed = self._quant_q8_team_test(*args, team_threads)
+        else:
+            failed = self._quant_q8(*args)
+        return None if failed else y
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float,

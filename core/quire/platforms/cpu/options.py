@@ -23,11 +23,12 @@ ENV_DEFAULTS = {
     "isa": "QUIRE_CPU_ISA",
     "wait_policy": "QUIRE_CPU_WAIT_POLICY",
     "kv_prefault": "QUIRE_CPU_KV_PREFAULT",
+    "decode_activations": "QUIRE_CPU_DECODE_ACTIVATIONS",
 }
 _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
-            "kv_prefault": PREFAULT_MODES}
+            "kv_prefault": PREFAULT_MODES, "decode_activations": ("float32", "int8")}
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class CpuOptions:
     #: start waits for it); ``off``: each page faults in on its first write, and the
     #: resident memory follows use (docs/bench.md, "first touch").
     kv_prefault: str = "background"
+    #: The activations of decode rows' products on quantised weights (``quantization``
+    #: gguf, int8, fp8): ``float32``, the dequantised model's products exactly; or
+    #: ``int8``, each row quantised per 32 values with integer dot products, as llama.cpp
+    #: does (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other
+    #: formats stay float32). Prompts keep float32 either way.
+    decode_activations: str = "float32"
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():

@@ -191,7 +191,9 @@ class CpuPlatform(Platform):
                 # before the fused layers take their products' kernels
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)),
                                  bfloat16=True)
-            install_fused_decode(model, native)  # needs the packed layers' panels or copies
+            # needs the packed layers' panels or copies
+            install_fused_decode(model, native,
+                                 int8_decode=options.decode_activations == "int8")
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
 
@@ -201,7 +203,9 @@ class CpuPlatform(Platform):
         native = self._native_kernels()
         if native is None or not native.has_quant_gemm:
             return reference_ops()
-        return reference_ops().with_ops("cpu", quantized_linear=make_quantized_linear(native))
+        int8_decode = self.options.decode_activations == "int8"
+        return reference_ops().with_ops(
+            "cpu", quantized_linear=make_quantized_linear(native, int8_decode))
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""

@@ -21,14 +21,21 @@ from quire.quantization.tensor import QuantizedTensor
 QuantizedLinear = Callable[..., torch.Tensor]
 
 
-def make_quantized_linear(native: NativeKernels | None) -> QuantizedLinear:
+#: Rows a product takes int8 activations for, with ``decode_activations=int8``.
+Q8_MAX_ROWS = 4
+
+
+def make_quantized_linear(native: NativeKernels | None,
+                          int8_decode: bool = False) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
     reference op's signature and contract, on the C kernels of ``native``.
 
     The kernels take host tensors: ``x`` of any leading shape in float32 or bfloat16
     (bfloat16 is widened to float32 and the result rounded back to ``x``'s dtype), a
     weight in any format of :mod:`quire.quantization.formats` whose rows may be strided,
-    an optional bias. Everything else falls back to the torch reference
+    an optional bias. With ``int8_decode``, products of up to :data:`Q8_MAX_ROWS` rows
+    on a format ``csrc/quant_q8.c`` takes quantise the rows to int8 per 32 values
+    (the platform's ``decode_activations`` option). Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
     library without them), another device or dtype, ``w8a8`` rows longer than
     :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
@@ -47,7 +54,12 @@ def make_quantized_linear(native: NativeKernels | None) -> QuantizedLinear:
         rows = x.reshape(-1, weight.cols).to(torch.float32).contiguous()
         b = None if bias is None else bias.to(torch.float32).contiguous()
         entry = native.quant_linear_i8 if int8_activations else native.quant_linear
-        y = entry(rows, weight, b)
+        y = None
+        if (int8_decode and not int8_activations and rows.shape[0] <= Q8_MAX_ROWS
+                and native.quant_q8_fits(weight)):
+            y = native.quant_linear_q8(rows, weight, b)
+        if y is None:
+            y = entry(rows, weight, b)
         if y is None:
             return quantized_linear(x, weight, bias, int8_activations=int8_activations)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)

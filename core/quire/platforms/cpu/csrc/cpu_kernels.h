@@ -310,6 +310,19 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            int64_t ldy);
 int quire_quant_fits(int32_t fmt, int64_t k);
 
+/* quant_q8.c: products on quantised weights with the activations quantised to int8 per
+ * 32 values (llama.cpp's Q8_0 way), integer dot products: the one-call entry (0; 4 for a
+ * format it does not take; 2 k not whole blocks; 3 no memory), the same inside a running
+ * team (each thread a contiguous share of the n outputs, no barrier), and whether a
+ * format and width fit them. */
+int quire_quant_gemm_q8(int32_t fmt, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                        int64_t w_stride, int64_t n, const float *bias, float *y,
+                        int64_t ldy);
+void quire_quant_rows_q8_team(int32_t fmt, const float *x, int64_t m, int64_t k,
+                              const uint8_t *w, int64_t w_stride, int64_t n, const float *bias,
+                              float *y, int64_t ldy);
+int quire_quant_q8_fits(int32_t fmt, int64_t k);
+
 void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
                        int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,
                        int accumulate);

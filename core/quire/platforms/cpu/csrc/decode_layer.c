@@ -75,6 +75,7 @@ struct quire_qpart {
     const uint8_t *w;
     int64_t w_stride;
     const float *scales;
+    int32_t q8; /* the activations quantised to int8 per 32 values (quant_q8.c) */
 };
 
 #define QUIRE_FORMAT_PANELS 3
@@ -89,10 +90,17 @@ static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
     }
     if (w->format == QUIRE_FORMAT_QUANT) {
         const struct quire_qpart *part = w->codes;
-        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++)
-            quire_quant_rows_team(part[p].fmt, x, 1, w->in_features, part[p].w,
-                                  part[p].w_stride, part[p].rows, part[p].scales,
-                                  w->bias ? w->bias + at : NULL, y + at, part[p].rows);
+        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
+            const float *bias = w->bias ? w->bias + at : NULL;
+            if (part[p].q8)
+                quire_quant_rows_q8_team(part[p].fmt, x, 1, w->in_features, part[p].w,
+                                         part[p].w_stride, part[p].rows, bias, y + at,
+                                         part[p].rows);
+            else
+                quire_quant_rows_team(part[p].fmt, x, 1, w->in_features, part[p].w,
+                                      part[p].w_stride, part[p].rows, part[p].scales, bias,
+                                      y + at, part[p].rows);
+        }
 #pragma omp barrier
         return;
     }
@@ -111,7 +119,8 @@ static int linear_fits(const struct quire_linear *w) {
     const struct quire_qpart *part = w->codes;
     int64_t rows = 0;
     for (int64_t p = 0; p < w->num_parts; p++) {
-        if (!quire_quant_fits(part[p].fmt, w->in_features) || part[p].rows <= 0)
+        if (!quire_quant_fits(part[p].fmt, w->in_features) || part[p].rows <= 0 ||
+            (part[p].q8 && !quire_quant_q8_fits(part[p].fmt, w->in_features)))
             return 0;
         rows += part[p].rows;
     }
