@@ -73,7 +73,7 @@ class _Runner:
     """A loaded model, one context and one batch, reused for every run."""
 
     def __init__(self, path: str, n_parallel: int, seq_len: int, n_batch: int,
-                 threads: int) -> None:
+                 threads: int, kv_type: str = "f16") -> None:
         self._log_callback = quiet_logs()
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
@@ -85,7 +85,7 @@ class _Runner:
         params.n_ubatch = min(n_batch, 512)
         params.n_seq_max = n_parallel
         params.n_threads = params.n_threads_batch = threads
-        params.type_k = params.type_v = GGML_TYPE_F32  # as wide as everyone else's cache
+        params.type_k = params.type_v = _KV_TYPES[kv_type]  # f16: llama.cpp's default
         if "kv_unified" in dict(type(params)._fields_):
             params.kv_unified = True  # one pool for all sequences, not n_ctx / n_seq_max each
         self.ctx = L.llama_init_from_model(self.model, params)
@@ -95,12 +95,14 @@ class _Runner:
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.sampler = L.llama_sampler_init_greedy()
         self.n_parallel, self.n_batch, self.threads = n_parallel, n_batch, threads
+        self.kv_type = kv_type
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)
         L.llama_model_desc(self.model, buf, len(buf))
         return (f"llama.cpp (llama-cpp-python {L.__version__}), {buf.value.decode()}, "
-                f"F32 KV cache, {self.threads} threads, {self.n_parallel} parallel sequences")
+                f"{self.kv_type.upper()} KV cache, {self.threads} threads, "
+                f"{self.n_parallel} parallel sequences")
 
     # -- KV cells: the memory API, or the kv_self one of older releases ----------------
     def _forget(self, seq: int) -> None:
@@ -168,7 +170,8 @@ def _runner(job: Job, n_parallel: int) -> tuple[_Runner, float]:
     start = time.perf_counter()
     runner = _Runner(job["model"], n_parallel, seq_len,
                      int(options.get("n_batch") or _DEFAULT_BATCH),
-                     int(options.get("threads") or os.cpu_count() or 1))
+                     int(options.get("threads") or os.cpu_count() or 1),
+                     options.get("kv_type", "f16"))
     return runner, time.perf_counter() - start
 
 

@@ -33,8 +33,12 @@ def _cached_name(source: Path, suffix: str) -> Path:
     return models_dir() / f"{stem}-{source.stat().st_size}{suffix}"
 
 
-def model_variants(spec: PeerSpec, model_path: str) -> list[tuple[str, str]]:
+def model_variants(spec: PeerSpec, model_path: str,
+                   variant: str = "both") -> list[tuple[str, str]]:
     """(column name, file) for each way ``spec`` runs ``model_path``, making files as needed.
+
+    :param variant: for a GGUF peer: ``native`` (the file), ``f32`` (an F32 copy of it)
+        or ``both``.
 
     :raises PeerError: when the peer cannot load this kind of model, or a conversion fails.
     """
@@ -42,8 +46,12 @@ def model_variants(spec: PeerSpec, model_path: str) -> list[tuple[str, str]]:
         return [(spec.name, str(hf_checkpoint(model_path)))]
     if not model_path.endswith(".gguf"):
         raise PeerError(f"peer {spec.name!r} needs a .gguf model, got {model_path!r}")
-    return [(f"{spec.name}-f32", str(f32_gguf(spec, Path(model_path)))),
-            (f"{spec.name}-native", model_path)]
+    columns = []
+    if variant in ("both", "f32"):
+        columns.append((f"{spec.name}-f32", str(f32_gguf(spec, Path(model_path)))))
+    if variant in ("both", "native"):
+        columns.append((f"{spec.name}-native", model_path))
+    return columns
 
 
 def hf_checkpoint(model_path: str) -> Path:

@@ -85,6 +85,13 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
                         choices=("float32", "bfloat16", "float16"),
                         help="the dtype of the vllm peer, to measure it at its best on the "
                         "host (default: float32)")
+    parser.add_argument("--llamacpp-kv-type", default="f16", choices=("f16", "f32"),
+                        help="the llamacpp peer's KV cache type (default: f16, llama.cpp's "
+                        "own)")
+    parser.add_argument("--llamacpp-variant", default="both",
+                        choices=("both", "native", "f32"),
+                        help="which llamacpp runs: the GGUF file as it is (native), an F32 "
+                        "copy of it (f32), or both (default: both)")
     if name == "throughput":
         parser.add_argument("--structured-json", default=None, metavar="SCHEMA",
                             help="put every request under this JSON schema (its text) "
@@ -626,11 +633,13 @@ def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
 
     columns, failures = [], {}
     options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-               "vllm_dtype": getattr(args, "vllm_dtype", "float32"), **(where or {})}
+               "vllm_dtype": getattr(args, "vllm_dtype", "float32"),
+               "kv_type": getattr(args, "llamacpp_kv_type", "f16"), **(where or {})}
     for name in dict.fromkeys(args.peers):
         spec = PEERS[name]
         try:
-            for column, path in model_variants(spec, model_path):
+            variant = getattr(args, "llamacpp_variant", "both")
+            for column, path in model_variants(spec, model_path, variant):
                 print(f"quire bench: running {column} on {path} ...", file=sys.stderr)
                 result = measure(spec, mode, column, path, runs, options, args.peer_timeout)
                 timed = result.runs[args.warmup:]
