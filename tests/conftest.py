@@ -175,3 +175,25 @@ def _quire_logger_restored() -> Iterator[None]:
     saved = (list(logger.handlers), logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture(scope="session")
+def random_gguf(tmp_path_factory):
+    """``random_gguf(*args) -> Path``: a GGUF file of random weights written by
+    ``scripts/make_gguf_model.py`` with ``args`` (e.g. ``"--preset", "tiny"``), once per
+    session and argument list."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_gguf_model.py"
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in made:
+            path = tmp_path_factory.mktemp("gguf") / "random.gguf"
+            done = subprocess.run([sys.executable, str(script), *args, "--output", str(path)],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            made[args] = path
+        return made[args]
+
+    return get

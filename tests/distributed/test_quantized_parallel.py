@@ -5,14 +5,11 @@ load, and greedy output equals the single-process engine token for token."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from quire import LLM, SamplingParams
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_gguf_model.py"
 PROMPTS = [[1, 17, 45, 99, 23, 7], [1, 200, 33], list(range(3, 40))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -24,16 +21,11 @@ def _greedy(path, **options) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory) -> Path:
+def q4_k_m(random_gguf) -> Path:
     """A small Llama in llama.cpp's Q4_K_M mix whose row-parallel inputs (512 and 1024
     wide) split in two on whole 256-weight blocks."""
-    path = tmp_path_factory.mktemp("gguf") / "small-q4km.gguf"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--hidden-size",
-                           "512", "--ffn-size", "1024", "--head-dim", "128", "--output",
-                           str(path), "--seed", "5"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return path
+    return random_gguf("--preset", "tiny", "--hidden-size", "512", "--ffn-size", "1024",
+                       "--head-dim", "128", "--seed", "5")
 
 
 def test_tp2_and_pp2_on_gguf_blocks_equal_one_process(q4_k_m):

@@ -6,25 +6,17 @@ run op by op on the quantised products, and both give what the torch reference g
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from quire import LLM, SamplingParams
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_gguf_model.py"
 PROMPTS = [[1, 17, 45, 99, 23, 7], [1, 200, 33, 9, 41, 5, 77, 12]]
 
 
 @pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--output",
-                           str(path), "--seed", "7"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return path
+def q4_k_m(random_gguf) -> Path:
+    return random_gguf("--preset", "tiny", "--seed", "7")
 
 
 def _run(path: Path, prompts, **options):

@@ -4,8 +4,6 @@ that a quantised model holds its weights quantised (no float copy) with the righ
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +11,12 @@ import torch
 from quire.config import EngineConfig
 from quire.distributed import TorchDistributedCommunicator
 from quire.models.gguf_file import iter_gguf_weights
-from quire.ops.quantized import QuantizedLinearKernel
 from quire.models.loader import load_model
+from quire.ops.quantized import QuantizedLinearKernel
 from quire.quantization.formats import FORMATS
 from quire.quantization.methods import Quantization, resolve_method
 from quire.quantization.random import random_quantized
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_gguf_model.py"
 ALL = ("none", "gguf", "int8", "w8a8", "fp8")
 
 
@@ -57,14 +54,9 @@ def test_an_unknown_method_is_refused_by_the_config():
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
+def tiny_gguf(random_gguf) -> Path:
     """The script's tiny Llama in llama.cpp's Q4_K_M mix (Q4_K and Q6_K tensors)."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--output",
-                           str(path), "--seed", "3"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return path
+    return random_gguf("--preset", "tiny", "--seed", "3")
 
 
 def _load(path: Path, method: str):

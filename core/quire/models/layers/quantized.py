@@ -9,8 +9,8 @@ that the method quantises) to :meth:`LayerQuant.store_rows` or
 :meth:`LayerQuant.store_cols` with the same rank slicing as a float weight: this rank's
 rows (or columns) of the part, a view of the file's blocks where it can be.
 :func:`install_quantized_kernels` then gives each layer a
-:class:`~quire.ops.quantized.QuantizedLinearKernel`
-over its parts, on the platform's ``quantized_linear`` op. Fused layers (q/k/v, gate/up)
+:class:`~quire.ops.quantized.QuantizedLinearKernel` over its parts, on the platform's
+``quantized_linear`` op. Fused layers (q/k/v, gate/up)
 keep their parts apart: a Q4_K_M file stores q and k in Q4_K and v in Q6_K.
 """
 
