@@ -3,7 +3,7 @@ multiplies by them.
 
 The encodings must give every float32 weight back bit for bit (a -0.0 may come back
 +0.0), or refuse: weights are
-made the way a GGUF reader makes them (``quire.models.gguf_reader``'s dequantisers on
+made the way a GGUF reader makes them (``quire.quantization.dequant``'s dequantisers on
 random blocks with float16 scales), or rounded to bf16, or plain random (refused).
 Products are checked against float64 on random inputs (never zeros) with float32
 ``rtol = atol = 1e-5`` (the kernel sums in another order; ~2e-7 relative seen).
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quire.models import gguf_reader
 from quire.platforms.cpu.compact import FORMATS, CompactWeight, encode
 from quire.platforms.cpu.native import NativeKernels
 from quire.platforms.cpu.packed_linear import PackedLinear, onednn_available
+from quire.quantization.dequant import BLOCK_DEQUANT
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 
@@ -47,7 +47,7 @@ def _gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
         raw[raw == 0x80] = 0x81
         raw[:, 2 + 11] = rng.choice(np.array([127, 129], dtype=np.uint8), n)  # +-127
     raw[:, 0:2] = scales.view(np.uint8).reshape(n, 2)
-    return gguf_reader._TORCH_DEQUANT[qtype](torch.from_numpy(raw)).reshape(rows, cols)
+    return BLOCK_DEQUANT[qtype.lower()](torch.from_numpy(raw)).reshape(rows, cols)
 
 
 def _quantized_like_llamacpp(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
