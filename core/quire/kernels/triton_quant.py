@@ -69,6 +69,7 @@ import triton.language as tl
 
 # whether the kernels run in Triton's interpreter, fixed at import
 from quire.kernels.triton_attention import INTERPRETED
+from quire.kernels.triton_fused import _round  # the interpreter's bfloat16 rounding, shared
 from quire.ops.quantized import quantize_activations
 from quire.quantization.tensor import QuantizedTensor
 
@@ -81,20 +82,6 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # -- device functions -----------------------------------------------------------------------
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """float32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in float32.
-
-    As in :mod:`quire.kernels.triton_fused`: the interpreter truncates float32 to
-    bfloat16, so there the rounding is done on the bits.
-    """
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
