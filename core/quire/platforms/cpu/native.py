@@ -259,6 +259,16 @@ class NativeKernels:
             self._quant_i8.restype = ctypes.c_int
             self._quant_i8.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
                                        _i64]
+        # quant_gemm.c's bfloat16 path (levels with AVX512_BF16; absent from older builds)
+        self._quant_bf16 = getattr(library, "quire_quant_gemm_bf16", None)
+        available = getattr(library, "quire_quant_gemm_bf16_available", None)
+        #: whether this build multiplies bfloat16 rows by quantised weights (AVX512_BF16)
+        self.has_quant_bf16 = (self._quant_bf16 is not None and available is not None
+                               and bool(available()))
+        if self._quant_bf16 is not None:
+            self._quant_bf16.restype = ctypes.c_int
+            self._quant_bf16.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                         _ptr, _ptr, _ptr, _i64]
         # quant_q8.c: the same products with the activations quantised to int8 per 32
         # values (integer dot products); absent from a library built before it
         self._quant_q8 = getattr(library, "quire_quant_gemm_q8", None)
@@ -353,13 +363,14 @@ class NativeKernels:
     QUANT_I8_MAX_K = 65536
 
     def _quant_args(self, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None,
-                    out: torch.Tensor | None) -> torch.Tensor | None:
-        """The output of a quantised product, when the arguments fit the kernels (float32
-        host rows ``[m, cols]``, a host weight with contiguous rows, a float32 bias of
-        ``rows``, ``out`` float32 ``[m, rows]`` with contiguous rows); else None."""
+                    out: torch.Tensor | None, rows_dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor | None:
+        """The output of a quantised product, when the arguments fit the kernels (host
+        rows ``[m, cols]`` of ``rows_dtype``, a host weight with contiguous rows, a float32
+        bias of ``rows``, ``out`` float32 ``[m, rows]`` with contiguous rows); else None."""
         data = weight.data
         m, n = x.shape[0] if x.dim() == 2 else -1, weight.rows
-        if not (self.has_quant_gemm and x.dim() == 2 and x.dtype == torch.float32
+        if not (self.has_quant_gemm and x.dim() == 2 and x.dtype == rows_dtype
                 and x.device.type == "cpu" and x.is_contiguous() and x.shape[1] == weight.cols
                 and data.device.type == "cpu" and (data.shape[1] <= 1 or data.stride(1) == 1)
                 and (weight.scale is None or weight.scale.is_contiguous())
@@ -421,6 +432,24 @@ class NativeKernels:
         if y is None:
             return None
         return self._quant_call(self._quant_i8, (), x, weight, bias, y)
+
+    def quant_linear_bf16(self, x: torch.Tensor, weight: QuantizedTensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for bfloat16 ``x`` ``[m, cols]`` and a quantised ``W`` read in
+        place: each weight dequantised as :mod:`quire.quantization.dequant` does, rounded
+        to bfloat16, and summed in float32 (``csrc/quant_gemm.c``, AVX512_BF16 only).
+
+        :returns: float32 ``[m, rows]``; None when the build has no such path, the
+            arguments do not fit it (odd ``cols``) or scratch could not be had.
+        :raises ValueError: as :meth:`quant_linear`.
+        """
+        if not (self.has_quant_bf16 and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.device.type == "cpu" and x.is_contiguous()):
+            return None
+        y = self._quant_args(x, weight, bias, None, rows_dtype=torch.bfloat16)
+        if y is None:
+            return None
+        return self._quant_call(self._quant_bf16, (weight.format.id,), x, weight, bias, y)
 
     #: quire_quant_gemm_q8's code for a format it does not take (the caller falls back)
     QUANT_Q8_UNSUPPORTED = 4

@@ -24,18 +24,25 @@ QuantizedLinear = Callable[..., torch.Tensor]
 #: Rows a product takes int8 activations for, with ``decode_activations=int8``.
 Q8_MAX_ROWS = 4
 
+#: Rows above which bfloat16 activations take the bfloat16 panel kernel (the direct
+#: one-row path below, widened to float32, reads the blocks once and is faster there).
+BF16_MIN_ROWS = 4
+
 
 def make_quantized_linear(native: NativeKernels | None,
                           int8_decode: bool = False) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
     reference op's signature and contract, on the C kernels of ``native``.
 
-    The kernels take host tensors: ``x`` of any leading shape in float32 or bfloat16
-    (bfloat16 is widened to float32 and the result rounded back to ``x``'s dtype), a
+    The kernels take host tensors: ``x`` of any leading shape in float32 or bfloat16, a
     weight in any format of :mod:`quire.quantization.formats` whose rows may be strided,
     an optional bias. With ``int8_decode``, products of up to :data:`Q8_MAX_ROWS` rows
     on a format ``csrc/quant_q8.c`` takes quantise the rows to int8 per 32 values
-    (the platform's ``decode_activations`` option). Everything else falls back to the torch reference
+    (the platform's ``decode_activations`` option). bfloat16 ``x`` of more than
+    :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
+    the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
+    computes); fewer rows, or no such build, are widened to float32, and every result is
+    rounded back to ``x``'s dtype. Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
     library without them), another device or dtype, ``w8a8`` rows longer than
     :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
@@ -51,8 +58,14 @@ def make_quantized_linear(native: NativeKernels | None,
             return quantized_linear(x, weight, bias, int8_activations=int8_activations)
         if int8_activations and weight.format.name != "int8":
             raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
-        rows = x.reshape(-1, weight.cols).to(torch.float32).contiguous()
         b = None if bias is None else bias.to(torch.float32).contiguous()
+        if (x.dtype == torch.bfloat16 and not int8_activations and native.has_quant_bf16
+                and x.numel() > BF16_MIN_ROWS * weight.cols):
+            flat = x.reshape(-1, weight.cols).contiguous()
+            y = native.quant_linear_bf16(flat, weight, b)
+            if y is not None:
+                return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
+        rows = x.reshape(-1, weight.cols).to(torch.float32).contiguous()
         entry = native.quant_linear_i8 if int8_activations else native.quant_linear
         y = None
         if (int8_decode and not int8_activations and rows.shape[0] <= Q8_MAX_ROWS

@@ -21,6 +21,14 @@
  * (16 floats on AVX-512, 8 on AVX2, 4 at the generic level's SSE2; wider generic
  * vectors GCC kept on the stack), so every level is vectorised from one source.
  *
+ * bfloat16 activations (quire_quant_gemm_bf16, levels with AVX512_BF16): a bfloat16
+ * model's products of more than DIRECT_MAX_ROWS rows. The panel path again, each K chunk's
+ * dequantised weights rounded to bfloat16 (nearest even) into panel_bf16.c's pair layout
+ * and multiplied with vdpbf16ps into float32 sums: what F.linear on bfloat16 activations
+ * and the dequantised weight rounded to bfloat16 computes, up to summation order, at the
+ * bfloat16 product rate (twice float32's per instruction) with the dequantisation spread
+ * over every row. Returns 4 where the level has no AVX512_BF16, or K is odd.
+ *
  * Integer activations (quire_quant_gemm_i8, w8a8): each row of x is quantised to int8
  * as quire.ops.quantized.quantize_activations does (scale max|x| / 127, round half to
  * even, clamp to +-127), multiplied by int8 weights with exact int32 sums, and scaled
@@ -29,7 +37,8 @@
  * row; AVX-512BW and AVX2 use maddubs on |w| and x carrying w's sign; plain C otherwise.
  *
  * Return codes: 0; 1 unknown format; 2 k not a whole number of blocks (or, for int8
- * activations, above I8_MAX_K, where int32 sums could overflow); 3 out of memory.
+ * activations, above I8_MAX_K, where int32 sums could overflow); 3 out of memory; 4 the
+ * bfloat16 path not taken here.
  */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -654,6 +663,162 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
     }
     return failed ? 3 : 0;
 }
+
+/* ---- bfloat16 activations (levels with AVX512_BF16) ---- */
+
+#if defined(__AVX512BF16__)
+#define BF_ROWS 6
+#define BF_PANELS 4
+
+/* float panel [len][16] (len even) as bfloat16 pairs [len / 2][16]: element (i, c) holds
+ * column c's weights 2i (low half) and 2i + 1, each rounded to nearest even, the layout
+ * panel_bf16.c's tiles read. */
+static void pair_panel(const float *panel, int64_t len, uint32_t *pairs) {
+    for (int64_t i = 0; i < len / 2; i++) {
+        const __m512i lo = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(panel + 32 * i)));
+        const __m512i hi = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(panel + 32 * i + 16)));
+        _mm512_storeu_si512(pairs + 16 * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+/* MR rows of x (bfloat16, ldx apart) by NP pair panels (pstride pairs apart) over k2
+ * pairs, added into (or, for the first chunk, stored to) y's columns [0, cols). */
+INL void bf_tile(int MR, int NP, const uint16_t *x, int64_t ldx, const uint32_t *b,
+                 int64_t pstride, int64_t k2, float *y, int64_t ldy, int64_t cols,
+                 int accumulate) {
+    __m512 acc[BF_ROWS][BF_PANELS];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NP; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k2; i++) {
+        __m512bh w[BF_PANELS];
+        for (int j = 0; j < NP; j++)
+            w[j] = (__m512bh)_mm512_loadu_si512(b + j * pstride + 16 * i);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * i, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < NP; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
+        }
+    }
+    for (int j = 0; j < NP; j++) {
+        const int64_t c = 16 * j;
+        if (c >= cols)
+            break;
+        const __mmask16 mk = cols - c >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (cols - c)) - 1);
+        for (int r = 0; r < MR; r++) {
+            __m512 v = acc[r][j];
+            if (accumulate)
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, y + r * ldy + c));
+            _mm512_mask_storeu_ps(y + r * ldy + c, mk, v);
+        }
+    }
+}
+
+#define BF_ROW_CASES(NP)                                                                   \
+    switch (mr) {                                                                          \
+    case 6: bf_tile(6, NP, ARGS); break;                                                   \
+    case 5: bf_tile(5, NP, ARGS); break;                                                   \
+    case 4: bf_tile(4, NP, ARGS); break;                                                   \
+    case 3: bf_tile(3, NP, ARGS); break;                                                   \
+    case 2: bf_tile(2, NP, ARGS); break;                                                   \
+    default: bf_tile(1, NP, ARGS); break;                                                  \
+    }
+
+/* The bfloat16 panel path for the calling thread's share of panels: as panel_share, with
+ * each K chunk's dequantised weights rounded to bfloat16 pairs; 0, or 3 without memory. */
+static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
+                            const uint8_t *w, int64_t ws, int64_t n, const float *rs,
+                            const float *bias, float *y, int64_t ldy, int64_t p_begin,
+                            int64_t p_end) {
+    if (p_begin >= p_end)
+        return 0;
+    /* rows [16][KC], one float panel [KC][16], then BF_PANELS pair panels [KC / 2][16] */
+    float *tmp = quire_thread_scratch((size_t)2 * 16 * KC + (size_t)BF_PANELS * 8 * KC);
+    if (tmp == NULL)
+        return 3;
+    float *fpanel = tmp + 16 * KC;
+    uint32_t *pairs = (uint32_t *)(fpanel + 16 * KC);
+    int64_t np;
+    for (int64_t p = p_begin; p < p_end; p += np) {
+        np = p_end - p < BF_PANELS ? p_end - p : BF_PANELS;
+        const int64_t j0 = 16 * p, cols = n - j0 < 16 * np ? n - j0 : 16 * np;
+        for (int64_t c0 = 0; c0 < k; c0 += KC) {
+            const int64_t len = k - c0 < KC ? k - c0 : KC, pstride = 8 * len;
+            for (int64_t q = 0; q < np; q++) {
+                for (int64_t r = 0; r < 16; r++) {
+                    const int64_t j = j0 + 16 * q + r;
+                    if (j < n)
+                        dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len,
+                                     tmp + r * KC);
+                    else
+                        memset(tmp + r * KC, 0, sizeof(float) * len);
+                }
+                transpose16(tmp, len, fpanel);
+                pair_panel(fpanel, len, pairs + q * pstride);
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += BF_ROWS) {
+                const int64_t mr = m - r0 < BF_ROWS ? m - r0 : BF_ROWS;
+#define ARGS x + r0 * k + c0, k, pairs, pstride, len / 2, y + r0 * ldy + j0, ldy, cols, c0 > 0
+                if (np == 4) {
+                    BF_ROW_CASES(4)
+                } else if (np == 3) {
+                    BF_ROW_CASES(3)
+                } else if (np == 2) {
+                    BF_ROW_CASES(2)
+                } else {
+                    BF_ROW_CASES(1)
+                }
+#undef ARGS
+            }
+        }
+        if (bias)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = 0; c < cols; c++) y[i * ldy + j0 + c] += bias[j0 + c];
+    }
+    return 0;
+}
+#undef BF_ROW_CASES
+
+int quire_quant_gemm_bf16_available(void) { return 1; }
+
+int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
+                          const uint8_t *w, int64_t w_stride, int64_t n,
+                          const float *row_scales, const float *bias, float *y, int64_t ldy) {
+    if (blk_vals(fmt) == 0)
+        return 1;
+    if (k % true_block(fmt) || k < 0)
+        return 2;
+    if (k & 1)
+        return 4; /* pairs need an even K (every block format has one) */
+    if (m <= 0 || n <= 0)
+        return 0;
+    const int64_t num_panels = (n + 15) / 16;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        failed |= bf16_panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
+                                   num_panels * t / team, num_panels * (t + 1) / team);
+    }
+    return failed ? 3 : 0;
+}
+
+#else
+
+int quire_quant_gemm_bf16_available(void) { return 0; }
+
+/* Levels without AVX512_BF16: never taken (the caller checks availability first). */
+int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
+                          const uint8_t *w, int64_t w_stride, int64_t n,
+                          const float *row_scales, const float *bias, float *y, int64_t ldy) {
+    (void)fmt, (void)x, (void)m, (void)k, (void)w, (void)w_stride, (void)n;
+    (void)row_scales, (void)bias, (void)y, (void)ldy;
+    return 4;
+}
+#endif
 
 /* ---- int8 activations ---- */
 
