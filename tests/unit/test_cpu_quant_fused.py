@@ -52,3 +52,30 @@ def test_int8_decode_activations_stay_close_to_float32(q4_k_m):
     assert agree >= 3
     assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.05)
     assert logprobs[:agree] != pytest.approx(ref_logprobs[:agree], abs=1e-6)  # int8 ran
+
+
+def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkeypatch):
+    """``--dtype bfloat16`` on the blocks: a batch of 6 decode rows runs the C steps
+    between the products (``_bf16_rows``), the products on the blocks. Against the torch
+    reference in bfloat16 (the op-by-op path, float32 weights): the same first tokens,
+    logprobs within bfloat16's noise (0.1; measured within 0.01)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+
+    calls = []
+    original = FusedDecodeLayer._bf16_rows
+
+    def counting(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return original(self, hidden, *args)
+
+    monkeypatch.setattr(FusedDecodeLayer, "_bf16_rows", counting)
+    prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
+    native = _run(q4_k_m, prompts, dtype="bfloat16")
+    assert 6 in calls  # the decode batches took the C steps
+    monkeypatch.setattr(FusedDecodeLayer, "_bf16_rows", original)
+    reference = _run(q4_k_m, prompts, dtype="bfloat16", platform_options={"native": "false"})
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
+                     len(tokens))
+        assert agree >= 2
+        assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.1)

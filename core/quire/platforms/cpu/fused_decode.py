@@ -49,6 +49,11 @@ norms, q/k norms and rotary, for decode steps the KV writes and paged attention 
 stream in float32 through a layer and round it once, where the op-by-op path rounds
 it after each add. Numbers differ from the op-by-op bfloat16 path by bfloat16
 rounding (the C layers round less often), not float32's.
+
+A bfloat16 model on quantised weights (a GGUF file's blocks with ``--dtype bfloat16``)
+runs its lone sequence's decode steps as the whole C layer on the blocks, and its other
+steps as the bfloat16 steps above, each product through the platform's
+``quantized_linear`` (bfloat16 pair panels made from the blocks, ``csrc/quant_gemm.c``).
 """
 
 from __future__ import annotations
@@ -139,14 +144,17 @@ class FusedDecodeLayer:
                 [ctypes.byref(args) for args in self._panel_args])
         self._biases = biases
         # a bfloat16 layer's other steps: each product on its PackedLinear's own
-        # choice (pair panels or oneDNN's packed copy; the modules' own biases), the
-        # rest in C
+        # choice (pair panels or oneDNN's packed copy) or its quantised parts' op (the
+        # platform's quantized_linear: bfloat16 pair panels from the blocks), with the
+        # modules' own biases; the rest in C
         self._products = None
         if self.dtype == torch.bfloat16 and all(
-                k.dtype == torch.bfloat16 and (k.packed is not None or k.panels is not None)
+                isinstance(k, _QuantizedView)
+                or (k.dtype == torch.bfloat16 and (k.packed is not None or k.panels is not None))
                 for k in kernels):
             self._products = _with_absent_mlp(
-                [(k, getattr(m, "bias", None)) for k, m in zip(kernels, modules)])
+                [(k.compact if isinstance(k, _QuantizedView) else k, getattr(m, "bias", None))
+                 for k, m in zip(kernels, modules)])
             inter = 0 if spec.gate_up is None else kernels[2].out_features // 2
             self._rows = Bf16RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
                                       desc=ctypes.pointer(self._desc), window=self.window,
@@ -310,7 +318,8 @@ class FusedDecodeLayer:
                    cos: torch.Tensor, sin: torch.Tensor,
                    ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A bfloat16 layer's step of several rows (or one without compact copies): each
-        product one oneDNN bfloat16 call, what lies between them one C call
+        product one call (oneDNN, pair panels or the quantised op), what lies between
+        them one C call
         (``quire_bf16_*``); a decode step's attention in C too, any other step's by the
         attention backend. None when the inputs do not fit (nothing written yet)."""
         rows, hq, hkv, d = hidden.shape[0], self.hq, self.hkv, self.d

@@ -670,16 +670,19 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
 #define BF_ROWS 6
 #define BF_PANELS 4
 
-/* float panel [len][16] (len even) as bfloat16 pairs [len / 2][16]: element (i, c) holds
- * column c's weights 2i (low half) and 2i + 1, each rounded to nearest even, the layout
- * panel_bf16.c's tiles read. */
-static void pair_panel(const float *panel, int64_t len, uint32_t *pairs) {
-    for (int64_t i = 0; i < len / 2; i++) {
-        const __m512i lo = _mm512_cvtepu16_epi32(
-            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(panel + 32 * i)));
-        const __m512i hi = _mm512_cvtepu16_epi32(
-            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(panel + 32 * i + 16)));
-        _mm512_storeu_si512(pairs + 16 * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+/* len floats (len even) rounded to bfloat16 (nearest even), stored in order: as 32-bit
+ * words, len / 2 pairs of neighbouring weights, low half first. */
+static void round_to_pairs(const float *src, int64_t len, uint32_t *dst) {
+    int64_t c = 0;
+    for (; c + 32 <= len; c += 32)
+        _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(
+                                             _mm512_loadu_ps(src + c + 16),
+                                             _mm512_loadu_ps(src + c)));
+    for (; c < len; c += 16) {
+        const int64_t left = len - c < 16 ? len - c : 16;
+        const __mmask16 mk = (__mmask16)((1u << left) - 1);
+        _mm256_mask_storeu_epi16((uint16_t *)dst + c, mk,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, src + c)));
     }
 }
 
@@ -735,12 +738,12 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
                             int64_t p_end) {
     if (p_begin >= p_end)
         return 0;
-    /* rows [16][KC], one float panel [KC][16], then BF_PANELS pair panels [KC / 2][16] */
-    float *tmp = quire_thread_scratch((size_t)2 * 16 * KC + (size_t)BF_PANELS * 8 * KC);
-    if (tmp == NULL)
+    /* one row's floats [KC], 16 rows of pairs [16][KC] (KC / 2 used, so that transpose16
+     * reads them as floats KC apart), then BF_PANELS pair panels [KC / 2][16] */
+    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)BF_PANELS * 8 * KC);
+    if (row == NULL)
         return 3;
-    float *fpanel = tmp + 16 * KC;
-    uint32_t *pairs = (uint32_t *)(fpanel + 16 * KC);
+    uint32_t *rows = (uint32_t *)(row + KC), *pairs = rows + 16 * KC;
     int64_t np;
     for (int64_t p = p_begin; p < p_end; p += np) {
         np = p_end - p < BF_PANELS ? p_end - p : BF_PANELS;
@@ -750,14 +753,15 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
             for (int64_t q = 0; q < np; q++) {
                 for (int64_t r = 0; r < 16; r++) {
                     const int64_t j = j0 + 16 * q + r;
-                    if (j < n)
-                        dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len,
-                                     tmp + r * KC);
-                    else
-                        memset(tmp + r * KC, 0, sizeof(float) * len);
+                    if (j < n) {
+                        dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len, row);
+                        round_to_pairs(row, len, rows + r * KC);
+                    } else {
+                        memset(rows + r * KC, 0, sizeof(uint32_t) * (len / 2));
+                    }
                 }
-                transpose16(tmp, len, fpanel);
-                pair_panel(fpanel, len, pairs + q * pstride);
+                /* pairs are 32-bit words: the float transpose moves them whole */
+                transpose16((const float *)rows, len / 2, (float *)(pairs + q * pstride));
             }
             for (int64_t r0 = 0; r0 < m; r0 += BF_ROWS) {
                 const int64_t mr = m - r0 < BF_ROWS ? m - r0 : BF_ROWS;
