@@ -33,6 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
+from quire.models.compile import never_traced
 from quire.models.context import ForwardContext
 from quire.models.layers import (
     GatedMLP,
@@ -145,14 +146,14 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(t, hq * d))
 
     # Not traced by torch.compile, as LlamaAttention._attend (per-step Python metadata).
-    @torch.compiler.disable
+    @never_traced
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         return ctx.attention(self.layer_idx, q, k, v, scale=self.scale,
                              sliding_window=self.sliding_window,
                              logits_soft_cap=self.logits_soft_cap)
 
-    @torch.compiler.disable
+    @never_traced
     def _rotate_and_attend(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.rotary_attention(self.layer_idx, qk, v, cos, sin, scale=self.scale,

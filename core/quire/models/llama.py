@@ -36,6 +36,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
+from quire.models.compile import never_traced
 from quire.models.context import ForwardContext
 from quire.models.layers import (
     GatedMLP,
@@ -178,14 +179,14 @@ class LlamaAttention(nn.Module):
     # Never traced by torch.compile (quire.models.compile): the backend's metadata is
     # per-step Python data, and reading layer_idx here rather than in the traced code
     # keeps one graph for every layer instead of one per layer index.
-    @torch.compiler.disable
+    @never_traced
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         return ctx.attention(
             self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window
         )
 
-    @torch.compiler.disable
+    @never_traced
     def _rotate_and_attend(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.rotary_attention(self.layer_idx, qk, v, cos, sin, scale=self.scale,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
+from quire.models.compile import never_traced
 from quire.models.context import ForwardContext
 from quire.models.layers.linear import divide
 
@@ -90,7 +91,7 @@ class FusedMoE(nn.Module):
 
     # Never traced by torch.compile (quire.models.compile): which experts run, and on how
     # many tokens, changes every step, and would make every step a new graph.
-    @torch.compiler.disable
+    @never_traced
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
         return ctx.ops.fused_moe(x, self.w13, self.w2, weights, ids)

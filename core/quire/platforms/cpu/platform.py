@@ -111,6 +111,12 @@ class CpuPlatform(Platform):
                     else "dtype unstated",
                     "the CPU has bfloat16 products" if has_bf16_products(features)
                     else "no bfloat16 products on this CPU")
+        if chosen == torch.float32 and checkpoint_dtype is None and has_bf16_products(features):
+            # a GGUF file: float32 keeps the file's exact products; say what the other
+            # choice gives (docs/quantization.md has its speed and accuracy)
+            logger.info("cpu platform: --dtype bfloat16 would run batches and prompts on "
+                        "bfloat16 products, faster and within llama.cpp's accuracy on "
+                        "the same file (docs/quantization.md, 'Activations')")
         return chosen
 
     def child_environment(self, options: Mapping[str, Any],
