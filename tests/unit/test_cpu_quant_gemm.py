@@ -196,6 +196,13 @@ def test_bfloat16_rows_multiply_the_weights_rounded_to_bfloat16(kernels: NativeK
                                   x[:5].float(), w, bias)
         eye = torch.eye(cols, dtype=torch.bfloat16)
         assert torch.equal(kernels.quant_linear_bf16(eye, weight).t(), w)
+    if kernels.has_quant_bf16:  # a row-parallel shard: rows further apart than their bytes
+        block = max(FORMATS[name].block, 16)
+        weight = make_weight(name, 40, 4 * 256, gen).narrow_cols(block, 2 * 256)
+        assert weight.data.stride(0) > weight.data.shape[1]
+        x = torch.randn(9, 512, generator=gen).to(torch.bfloat16)
+        assert_close_to_reference(kernels.quant_linear_bf16(x, weight), x.float(),
+                                  weight.dequantize().to(torch.bfloat16).float(), None)
 
 
 def test_a_bfloat16_model_s_batched_products_take_the_bfloat16_path(
