@@ -28,10 +28,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     Weight-only (the default): ``x`` is taken as float32 and multiplied by the float32
     weights, float32 sums. A platform may multiply bfloat16 ``x`` by the weights rounded
     to bfloat16 instead (float32 sums, as a bfloat16 model of the dequantised weights
-    computes); the conformance suite's bfloat16 tolerance allows it. ``int8_activations`` (``w8a8``; ``weight`` must be ``int8``):
-    each row of ``x`` is quantised to int8 with ``scale = max |x| / 127`` (round to
-    nearest), the integer products are summed exactly, and the sum is scaled by both
-    scales, as an integer kernel computes it.
+    computes); the conformance suite's bfloat16 tolerance allows it.
+    ``int8_activations`` (``w8a8``; ``weight`` must be ``int8``): each row of ``x`` is
+    quantised to int8 with ``scale = max |x| / 127`` (round to nearest), the integer
+    products are summed exactly, and the sum is scaled by both scales, as an integer
+    kernel computes it.
     """
     rows = x.reshape(-1, weight.cols)
     if int8_activations:

@@ -112,11 +112,12 @@ class CpuPlatform(Platform):
                     "the CPU has bfloat16 products" if has_bf16_products(features)
                     else "no bfloat16 products on this CPU")
         if chosen == torch.float32 and checkpoint_dtype is None and has_bf16_products(features):
-            # a GGUF file: float32 keeps the file's exact products; say what the other
-            # choice gives (docs/quantization.md has its speed and accuracy)
-            logger.info("cpu platform: --dtype bfloat16 would run batches and prompts on "
-                        "bfloat16 products, faster and within llama.cpp's accuracy on "
-                        "the same file (docs/quantization.md, 'Activations')")
+            # a GGUF file (its dtype unstated): float32 keeps the file's exact products;
+            # say what the other choice gives (its figures: docs/quantization.md)
+            logger.info("cpu platform: float32 activations keep the file's exact products; "
+                        "--dtype bfloat16 runs batches and prompts faster on this CPU's "
+                        "bfloat16 products (speed and accuracy: docs/quantization.md, "
+                        "'Activations')")
         return chosen
 
     def child_environment(self, options: Mapping[str, Any],
