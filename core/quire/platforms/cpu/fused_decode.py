@@ -387,9 +387,10 @@ class FusedDecodeLayer:
 
 class _QuantizedView:
     """What :class:`FusedDecodeLayer` reads of a quantised layer's kernel
-    (:class:`~quire.models.layers.quantized.QuantizedLinearKernel`): its parts as the
-    one-row weight (``struct quire_linear`` format QUANT), no panels, so a lone
-    sequence's decode steps run the layer in C and other steps run op by op."""
+    (:class:`~quire.ops.quantized.QuantizedLinearKernel`, kept as ``compact``): its parts
+    as the one-row weight (``struct quire_linear`` format QUANT), no panels. A lone
+    sequence's decode steps run the layer in C; other steps run op by op, or in a
+    bfloat16 model the C steps between products with the kernel as a product."""
 
     panels = None
     packed = None
