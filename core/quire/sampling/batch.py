@@ -16,15 +16,15 @@ from operator import attrgetter
 
 import torch
 
-from quire.engine.sequence import Sequence
 from quire.sampling.logprobs import resolve_k
 from quire.sampling.penalties import PenaltyState, uses_penalties
+from quire.sampling.rows import SamplingRow
 
 _NEG_INF = float("-inf")
 _seq_id, _params = attrgetter("seq_id"), attrgetter("params")
 
 
-def batch_key(seqs: list[Sequence], device: torch.device) -> Hashable:
+def batch_key(seqs: list[SamplingRow], device: torch.device) -> Hashable:
     """What identifies a composition. ``id(params)`` is stable while the sequence (which
     holds its params) lives, and sequence ids are never reused."""
     # per step: map over C getters, not generator expressions
@@ -50,7 +50,7 @@ class RandomRows:
 class MinTokens:
     """The (row, token) pairs to mask while a row has fewer than ``min_tokens`` outputs."""
 
-    seqs: list[Sequence]  # rows with min_tokens > 0
+    seqs: list[SamplingRow]  # rows with min_tokens > 0
     min_tokens: list[int]
     pair_rows: torch.Tensor  # int64, batch row of each pair
     pair_cols: torch.Tensor  # int64, token id of each pair
@@ -89,7 +89,7 @@ class BatchParams:
     logprobs: LogprobRows | None
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[int],
+    def build(cls, seqs: list[SamplingRow], vocab_size: int, eos_token_ids: frozenset[int],
               device: torch.device, previous: BatchParams | None) -> BatchParams:
         """:param previous: the last composition's params; its penalty counts are reused
             for sequences in both.
@@ -118,7 +118,7 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
-def _random_rows(seqs: list[Sequence], vocab_size: int,
+def _random_rows(seqs: list[SamplingRow], vocab_size: int,
                  device: torch.device) -> RandomRows | None:
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0.0]
     if not rows:
@@ -145,7 +145,7 @@ def _random_rows(seqs: list[Sequence], vocab_size: int,
     )
 
 
-def _bias(seqs: list[Sequence], vocab_size: int,
+def _bias(seqs: list[SamplingRow], vocab_size: int,
           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     cols: list[int] = []
@@ -167,9 +167,9 @@ def _bias(seqs: list[Sequence], vocab_size: int,
         torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _min_tokens(seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[int],
+def _min_tokens(seqs: list[SamplingRow], vocab_size: int, eos_token_ids: frozenset[int],
                 device: torch.device) -> MinTokens | None:
-    owners: list[Sequence] = []
+    owners: list[SamplingRow] = []
     minimums: list[int] = []
     rows: list[int] = []
     cols: list[int] = []
@@ -194,7 +194,7 @@ def _min_tokens(seqs: list[Sequence], vocab_size: int, eos_token_ids: frozenset[
                      _index(owner_of_pair, device))
 
 
-def _logprob_rows(seqs: list[Sequence], vocab_size: int,
+def _logprob_rows(seqs: list[SamplingRow], vocab_size: int,
                   device: torch.device) -> LogprobRows | None:
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:

@@ -22,10 +22,10 @@ import itertools
 
 import torch
 
-from quire.engine.sequence import Sequence
+from quire.sampling.rows import SamplingRow
 
 
-def uses_penalties(seq: Sequence) -> bool:
+def uses_penalties(seq: SamplingRow) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
         or p.frequency_penalty != 0.0
@@ -36,11 +36,11 @@ class PenaltyState:
 
     :param seqs: the whole batch, in row order.
     :param rows: the rows (indices into ``seqs``) that use a penalty; not empty.
-    :param previous: the state of the previous composition; rows of sequences in both
-        are copied from it. It must not be used afterwards.
+    :param previous: the state of the previous composition; rows that hold the same
+        output list in both are copied from it. It must not be used afterwards.
     """
 
-    def __init__(self, seqs: list[Sequence], rows: list[int], vocab_size: int,
+    def __init__(self, seqs: list[SamplingRow], rows: list[int], vocab_size: int,
                  device: torch.device, previous: PenaltyState | None = None):
         self.vocab_size = vocab_size
         self.seqs = [seqs[r] for r in rows]
@@ -70,8 +70,12 @@ class PenaltyState:
         if previous is not None and previous.vocab_size == self.vocab_size \
                 and (self.seen is None or previous.seen is not None):
             old_rows = {s.seq_id: i for i, s in enumerate(previous.seqs)}
-        kept = [(i, old_rows[s.seq_id]) for i, s in enumerate(self.seqs)
-                if s.seq_id in old_rows]
+        # a row is taken over only from the row that held the very same output list: a
+        # draft row (speculative decoding) holds a new list of tokens not yet accepted
+        kept = [(i, j) for i, s in enumerate(self.seqs)
+                if (j := old_rows.get(s.seq_id)) is not None
+                and previous is not None
+                and previous.seqs[j].output_token_ids is s.output_token_ids]
         if previous is not None and kept:
             dst = torch.tensor([i for i, _ in kept], device=self.rows.device)
             src = torch.tensor([j for _, j in kept], device=self.rows.device)
@@ -81,8 +85,9 @@ class PenaltyState:
             for i, j in kept:
                 self._counted[i] = previous._counted[j]
         if self.seen is not None:
+            taken = {i for i, _ in kept}
             fresh = [i for i, s in enumerate(self.seqs)
-                     if s.seq_id not in old_rows and s.params.repetition_penalty != 1.0]
+                     if i not in taken and s.params.repetition_penalty != 1.0]
             self._mark(fresh, [self.seqs[i].prompt_token_ids for i in fresh])
 
     def update(self) -> None:
