@@ -82,7 +82,7 @@ def test_a_refused_optional_block_size_is_not_run_a_refused_default_fails() -> N
     options = {"checks": ("attention",), "dtypes": (torch.float32,)}
     ok, refused = run_conformance(platform, ConformanceOptions(block_sizes=(16, 3), **options),
                                   expected_name="cpu").results
-    assert ok.outcome is Outcome.PASS and ok.figure.endswith("; 15 cases")
+    assert ok.outcome is Outcome.PASS and ok.figure.endswith("; 20 cases")
     assert refused.outcome is Outcome.NOT_RUN and "block size 3 is not supported" in refused.reason
     [required] = run_conformance(platform, ConformanceOptions(block_sizes=(3,), **options),
                                  expected_name="cpu").results

@@ -46,7 +46,15 @@ def mixed_shapes(block_size: int) -> list[tuple[int, int]]:
     return [(0, bs + 3), (bs, 1), (max(bs - 2, 0), 5), (2 * bs + 1, 1), (0, 1), (3, bs)]
 
 
-SHAPES = {"decode": decode_shapes, "prefill": prefill_shapes, "mixed": mixed_shapes}
+def verify_shapes(block_size: int) -> list[tuple[int, int]]:
+    """Speculative decoding's verification: each sequence's last token and its drafts
+    (1 + k query tokens) after a cached context, beside a plain decode."""
+    bs = block_size
+    return [(2 * bs + 1, 4), (max(bs - 1, 0), 2), (3 * bs, 6), (5, 1), (bs, 3)]
+
+
+SHAPES = {"decode": decode_shapes, "prefill": prefill_shapes, "mixed": mixed_shapes,
+          "verify": verify_shapes}
 
 
 @dataclass(frozen=True)

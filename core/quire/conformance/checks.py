@@ -264,8 +264,9 @@ def _changed_exactly(
 
 
 def check_paged_attention(ctx: CheckContext) -> list[CheckResult]:
-    """Per dtype and block size, 15 cases (:func:`attention_cases`): decode-only,
-    prefill-only and mixed batches, each with every combination of sliding window and
+    """Per dtype and block size, 20 cases (:func:`attention_cases`): decode-only,
+    prefill-only, mixed and verification (a few query tokens after a cached context:
+    speculative decoding's drafts) batches, each with every combination of sliding window and
     soft cap, at head sizes 64 and 128 and GQA groups 1, 2 and 4, plus one case per
     batch kind at the small head size 16."""
     backend = make_backend(ctx, ATTENTION)
