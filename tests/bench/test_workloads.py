@@ -31,10 +31,25 @@ def test_presets_give_exact_lengths_that_round_trip(name, tiny_corpus, tiny_toke
     requests = build_requests(spec, tiny_corpus)
     assert len(requests) == spec.num_requests
     for r in requests:
-        assert spec.input_len[0] <= r.prompt_len - spec.shared_prefix_len <= spec.input_len[1]
+        own = r.prompt_len - spec.shared_prefix_len - spec.quote_len
+        assert spec.input_len[0] <= own <= spec.input_len[1]
         assert spec.output_len[0] <= r.output_len <= spec.output_len[1]
         # the text is what a server receives: it must tokenize to the very same ids
         assert tuple(tiny_tokenizer.encode(r.prompt.text)) == r.prompt_token_ids
+
+
+def test_a_quoting_workload_repeats_each_prompt_s_start_after_it(tiny_corpus):
+    spec = PRESETS["W6"].with_overrides(num_requests=4)
+    for r in build_requests(spec, tiny_corpus):
+        ids = r.prompt_token_ids
+        assert len(ids) == 128 + 64
+        passage = ids[tiny_corpus.num_special:128]
+        quoted = ids[128:]
+        # the quote is the passage's opening text again: the same ids, but for the first,
+        # which the boundary with the passage's end may merge
+        assert quoted[1:40] == passage[1:40]
+    with pytest.raises(ValueError, match="quote_len"):
+        PRESETS["W6"].__class__("X", "x", 1, (8, 8), (4, 4), quote_len=8)
 
 
 def test_fixed_lengths_are_exact(tiny_corpus):

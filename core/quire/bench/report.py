@@ -37,6 +37,16 @@ def _seconds_as_ms(prefix: str, name: str, quantiles: Iterable[int]) -> list[Fig
     return [Figure(f"{prefix}_p{q}", f"{name} p{q} (ms)", 1000.0) for q in quantiles]
 
 
+#: Speculative decoding's, where a run verified drafts
+#: (:func:`quire.bench.quire_engine.spec_decode_figures`).
+SPEC_FIGURES = (
+    Figure("spec_draft_tokens", "draft tokens"),
+    Figure("spec_accepted_tokens", "drafts accepted"),
+    Figure("spec_acceptance_rate", "draft acceptance rate"),
+    Figure("spec_mean_acceptance_length", "tokens per verification"),
+    *(Figure(f"spec_acceptance_rate_pos{i}", f"acceptance rate, draft {i}")
+      for i in range(16)),
+)
 THROUGHPUT_FIGURES = (
     Figure("requests_per_s", "requests/s"),
     Figure("output_tokens_per_s", "output tokens/s"),
@@ -45,6 +55,7 @@ THROUGHPUT_FIGURES = (
     Figure("peak_kv_mib", "peak KV in use (MiB)"),
     Figure("kv_pool_mib", "KV pool (MiB)"),
     Figure("elapsed_s", "elapsed (s)"),
+    *SPEC_FIGURES,
 )
 LATENCY_FIGURES = (
     *_seconds_as_ms("ttft_s", "TTFT", (50, 95)),
@@ -52,6 +63,7 @@ LATENCY_FIGURES = (
     *_seconds_as_ms("e2e_s", "end-to-end", (50, 95)),
     Figure("decode_tokens_per_s", "decode tokens/s"),
     Figure("peak_rss_mib", "peak RSS (MiB)"),
+    *SPEC_FIGURES,
 )
 SERVE_FIGURES = (
     Figure("completed", "completed"),

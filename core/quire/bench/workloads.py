@@ -1,4 +1,4 @@
-"""Benchmark workloads: the named presets W1..W5 and the requests they expand to.
+"""Benchmark workloads: the named presets W1..W6 and the requests they expand to.
 
 A :class:`WorkloadSpec` says how many requests, which prompt and output lengths (fixed or
 a range drawn from a seed), and whether they share a system prompt. :func:`build_requests`
@@ -43,6 +43,10 @@ class WorkloadSpec:
     #: Concurrent clients for ``quire bench serve`` (None: one per request).
     concurrency: int | None = None
     seed: int = 0
+    #: Tokens of each prompt's own start repeated after it (a model asked to quote or
+    #: edit its input, which n-gram speculation serves); ``input_len`` counts the
+    #: passage before them.
+    quote_len: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -55,10 +59,13 @@ class WorkloadSpec:
             raise ValueError(f"shared_prefix_len must be >= 0, got {self.shared_prefix_len}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not 0 <= self.quote_len < self.input_len[0]:
+            raise ValueError(f"quote_len must be in [0, {self.input_len[0]}), got "
+                             f"{self.quote_len}")
 
     @property
     def max_prompt_len(self) -> int:
-        return self.shared_prefix_len + self.input_len[1]
+        return self.shared_prefix_len + self.input_len[1] + self.quote_len
 
     @property
     def max_total_len(self) -> int:
@@ -88,8 +95,9 @@ class WorkloadSpec:
 
         prefix = f"a {self.shared_prefix_len}-token shared prefix + " \
             if self.shared_prefix_len else ""
-        return (f"{self.num_requests} requests, prompts {prefix}{span(*self.input_len)}, "
-                f"outputs {span(*self.output_len)}")
+        quote = f" + their first {self.quote_len} again" if self.quote_len else ""
+        return (f"{self.num_requests} requests, prompts {prefix}{span(*self.input_len)}"
+                f"{quote}, outputs {span(*self.output_len)}")
 
 
 PRESETS: dict[str, WorkloadSpec] = {
@@ -108,6 +116,10 @@ PRESETS: dict[str, WorkloadSpec] = {
                      "prompts 16-1024, outputs 16-256",
                      num_requests=240, input_len=(16, 1024), output_len=(16, 256),
                      concurrency=120, seed=5),
+        WorkloadSpec("W6", "quoting: single stream, a 128-token passage then its first 64 "
+                     "tokens again, 128 out (n-gram speculation's case)",
+                     num_requests=1, input_len=(128, 128), output_len=(128, 128),
+                     quote_len=64, seed=6),
     )
 }
 
@@ -147,31 +159,39 @@ def build_requests(spec: WorkloadSpec, corpus: Corpus, repeat: int = 0) -> list[
                for _ in range(spec.num_requests)]
     lead = None
     if spec.shared_prefix_len:
-        lead = _draw_prompt(corpus, rng, spec.shared_prefix_len, None, set(), spec.name)
+        lead, _ = _draw_prompt(corpus, rng, spec.shared_prefix_len, None, set(), spec.name)
     heads: set[tuple[int, ...]] = set()
     requests = []
     for input_len, output_len in lengths:
         total = input_len + (spec.shared_prefix_len if lead else 0)
-        prompt = _draw_prompt(corpus, rng, total, lead, heads, spec.name)
+        prompt, start = _draw_prompt(corpus, rng, total, lead, heads, spec.name)
+        if spec.quote_len:
+            quoted = corpus.prompt(start, total + spec.quote_len, prompt)
+            if quoted is None:
+                raise ValueError(f"workload {spec.name}: the passage at corpus token {start} "
+                                 f"cannot be quoted to exactly {spec.quote_len} tokens")
+            prompt = quoted
         requests.append(BenchRequest(prompt, output_len))
     return requests
 
 
 def _draw_prompt(corpus: Corpus, rng: random.Random, num_tokens: int, lead: Prompt | None,
-                 heads: set[tuple[int, ...]], name: str) -> Prompt:
-    """A prompt at a random offset whose first tokens after the shared part are new."""
+                 heads: set[tuple[int, ...]], name: str) -> tuple[Prompt, int]:
+    """A prompt at a random offset whose first tokens after the shared part are new, and
+    the corpus token its text starts at."""
     fixed = len(lead.token_ids) if lead else corpus.num_special
     last_start = len(corpus) - (num_tokens - fixed) - _MAX_SLACK
     if last_start < 0:
         raise ValueError(f"workload {name}: a {num_tokens}-token prompt is longer than the "
                          f"benchmark corpus ({len(corpus)} tokens)")
     for _ in range(_MAX_OFFSET_TRIES):
-        prompt = corpus.prompt(rng.randint(0, last_start), num_tokens, lead)
+        start = rng.randint(0, last_start)
+        prompt = corpus.prompt(start, num_tokens, lead)
         if prompt is None:
             continue
         head = prompt.token_ids[fixed:fixed + DISTINCT_HEAD]
         if head not in heads:
             heads.add(head)
-            return prompt
+            return prompt, start
     raise ValueError(f"workload {name}: could not find distinct {num_tokens}-token prompts in "
                      f"the corpus after {_MAX_OFFSET_TRIES} tries; ask for fewer or longer ones")

@@ -34,7 +34,7 @@ _EXTRA_HINT = "pip install -e '.[bench]'"
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "bench", help="benchmark throughput, latency, serving, options and KV memory",
-        description="Benchmarks on fixed, seeded workloads (W1..W5); see docs/bench.md.")
+        description="Benchmarks on fixed, seeded workloads (W1..W6); see docs/bench.md.")
     benches = parser.add_subparsers(title="benchmarks", dest="bench_command", required=True)
     _register_offline(benches, "throughput", "W1", run_throughput,
                       "offline throughput: every request at once, run to completion")
@@ -575,7 +575,7 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
     import dataclasses
     import gc
 
-    from quire.bench.quire_engine import build_engine, describe
+    from quire.bench.quire_engine import build_engine, describe, spec_decode_figures
     from quire.bench.report import Column, comparison_table, record
     from quire.model_store import model_path_of
 
@@ -588,7 +588,13 @@ def _run_offline(args: argparse.Namespace, mode: str, run_quire: Any, figures: A
         raise UsageError(str(exc)) from exc
     _check_fits(spec, engine.config.max_model_len)
     runs = _requests(spec, engine.tokenizer, config.model, args)
-    figures_per_run = [run_quire(engine, requests).figures() for requests in runs]
+
+    def measured(requests: Any) -> dict[str, float]:
+        before = engine.stats()
+        figures = run_quire(engine, requests).figures()
+        return {**figures, **spec_decode_figures(before, engine.stats())}
+
+    figures_per_run = [measured(requests) for requests in runs]
     columns = [Column("quire", describe(engine), figures_per_run[args.warmup:])]
     # the hf peer runs where Quire ran, at its dtype (the CPU builds of vLLM and llama.cpp
     # cannot follow)
