@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from quire.quantization.methods import Quantization, check_method
+from quire.spec.config import SpeculativeConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -174,7 +175,21 @@ class EngineConfig:
                        "untested on a GPU, and no gain on the cpu platform"),
     )
 
+    #: Given as a dict or JSON text too; held as a :class:`SpeculativeConfig` (the type
+    #: names that alone, so that the config crosses processes as JSON).
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=_help("vLLM's speculative decoding, as a JSON object: "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                       "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt "
+                       "lookup); outputs keep the model's distribution at any temperature "
+                       "(default: none)"),
+    )
+
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
         for name in ("revision", "gguf_file"):
@@ -224,6 +239,13 @@ class EngineConfig:
                      "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config cannot run with async_scheduling yet: a "
+                             "step's drafts come from the tokens the previous step sampled; "
+                             "turn one of them off")
+        if self.speculative_config is not None and self.task == "embed":
+            raise ValueError("speculative_config applies to generating models, not "
+                             "task='embed'")
         if self.async_scheduling and self.pipeline_parallel_size > 1:
             raise ValueError("async_scheduling cannot run with pipeline_parallel_size > 1 "
                              f"(got {self.pipeline_parallel_size}): a pipeline already keeps "

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quire.engine.sequence import Sequence
 from quire.sampling.argmax import row_argmax
 from quire.sampling.batch import BatchParams, RandomRows, batch_key
 from quire.sampling.filters import apply_min_p, apply_top_k_top_p
@@ -41,8 +40,10 @@ from quire.sampling.logprobs import (
     token_logprobs_of,
 )
 from quire.sampling.noise import NoiseSource
+from quire.sampling.rejection import verify as verify_drafts
+from quire.sampling.rows import DraftRow, SamplingRow
 
-__all__ = ["DeviceSample", "Sampler", "SamplerOutput", "TokenLogprobs",
+__all__ = ["DeviceSample", "Sampler", "SamplerOutput", "TokenLogprobs", "VerifyOutput",
            "compute_prompt_logprobs"]
 
 
@@ -55,6 +56,18 @@ class SamplerOutput:
     #: Per row: the chosen token's raw logprob, rank and top ``params.logprobs``
     #: alternatives; None for rows whose ``params.logprobs`` is None.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class VerifyOutput:
+    """What one :meth:`Sampler.verify` call chose, per sequence."""
+
+    #: The accepted drafts followed by one token the target chose (1 .. k+1 tokens).
+    token_ids: list[list[int]]
+    #: Drafts accepted, per sequence.
+    num_accepted: list[int]
+    #: Per token of ``token_ids``: as :attr:`SamplerOutput.logprobs`.
+    logprobs: list[list[TokenLogprobs | None]]
 
 
 @dataclass
@@ -100,7 +113,7 @@ class Sampler:
         self._noise = NoiseSource(seed)
         self._batch: BatchParams | None = None
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         """Choose one token per row.
 
         :param logits: float32 [N, vocab_size], row i for ``seqs[i]``. Changed in place
@@ -111,7 +124,7 @@ class Sampler:
         """
         return self.to_host(self.sample_on_device(logits, seqs))
 
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> DeviceSample:
         """:meth:`sample`'s device half: the same choice, left on the device, with its
         copies to the host started (nothing here waits for the device). The sequences'
         host state (outputs for penalties and ``min_tokens``) is read now.
@@ -158,6 +171,98 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(tokens, logprobs)
 
+    def verify(self, logits: torch.Tensor, seqs: list[SamplingRow],
+               drafts: list[list[int]]) -> VerifyOutput:
+        """Speculative decoding: accept or reject each sequence's draft tokens by the
+        exact rejection-sampling rule (:mod:`quire.sampling.rejection`), so that the
+        tokens follow the target's distribution at any temperature.
+
+        :param logits: float32 [sum(len(d) + 1), vocab]: for sequence i, its rows in
+            order are the logits after its context, then after its context and the first
+            ``1 .. len(drafts[i])`` drafts. Changed in place, as in :meth:`sample`.
+        :param seqs: one row owner per sequence, as :meth:`sample` takes them.
+        :param drafts: each sequence's draft tokens (deterministic proposals: n-gram).
+        Every row is adjusted (bias, ``min_tokens``, penalties) as if the drafts before
+        it had been sampled. Greedy rows accept a draft iff it is the argmax.
+
+        :raises ValueError: as :meth:`sample`.
+        """
+        rows: list[SamplingRow] = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            rows.append(seq)
+            rows.extend(DraftRow.extend(seq, draft[:j]) for j in range(1, len(draft) + 1))
+        if logits.dim() != 2 or logits.shape != (len(rows), self.vocab_size):
+            raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}] (a row per "
+                             f"sequence and draft), got {list(logits.shape)}")
+        logits = logits.float()
+        # not cached: draft rows change every step; the sequences' counts are taken over
+        batch = BatchParams.build(rows, self.vocab_size, self.eos_token_ids, logits.device,
+                                  self._batch)
+        raw_logprobs = (torch.log_softmax(logits[batch.logprobs.index], dim=-1)
+                        if batch.logprobs else None)
+        self._adjust(logits, batch)
+        if batch.random is None:  # greedy rows read only the argmax: the logits give it
+            probs, greedy = logits, torch.ones(len(rows), dtype=torch.bool,
+                                               device=logits.device)
+            uniforms = logits.new_zeros(len(rows))
+            noise = logits.new_ones((1, 1)).expand(logits.shape)
+        else:
+            probs, greedy, uniforms, noise = self._verification_inputs(logits, batch)
+        tokens, accepted = verify_drafts(probs, drafts, None, greedy, uniforms, noise)
+        return VerifyOutput(tokens, accepted,
+                            self._emitted_logprobs(raw_logprobs, batch, drafts, tokens))
+
+    def _verification_inputs(self, logits: torch.Tensor, batch: BatchParams
+                             ) -> tuple[torch.Tensor, ...]:
+        """The rejection rule's inputs for a batch with random rows: each row's target
+        distribution (a greedy row's one-hot on its argmax), which rows are greedy, and
+        a uniform and an exponential noise row per random row, from its generator."""
+        rnd = batch.random
+        assert rnd is not None
+        num_rows = logits.shape[0]
+        greedy = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+        greedy[rnd.rows] = False
+        uniforms = logits.new_zeros(num_rows)
+        uniforms[rnd.rows] = self._noise.uniform(len(rnd.rows), logits.device, rnd.seeded,
+                                                 rnd.unseeded)
+        noise = torch.ones_like(logits)
+        noise[rnd.rows] = self._noise.exponential(len(rnd.rows), self.vocab_size,
+                                                  logits.device, rnd.seeded, rnd.unseeded)
+        if batch.greedy_rows is not None:  # before the random rows' filters, in place
+            best = row_argmax(logits[batch.greedy_rows])
+        probs = self._random_probs(logits, rnd)
+        if not rnd.all_rows:
+            probs = torch.zeros_like(logits).index_copy_(0, rnd.rows, probs)
+        if batch.greedy_rows is not None:
+            probs[batch.greedy_rows] = 0.0
+            probs[batch.greedy_rows, best] = 1.0
+        return probs, greedy, uniforms, noise
+
+    @staticmethod
+    def _emitted_logprobs(raw: torch.Tensor | None, batch: BatchParams,
+                          drafts: list[list[int]],
+                          tokens: list[list[int]]) -> list[list[TokenLogprobs | None]]:
+        """Each emitted token's logprobs, from the row that chose it."""
+        out: list[list[TokenLogprobs | None]] = [[None] * len(t) for t in tokens]
+        if raw is None or batch.logprobs is None:
+            return out
+        starts, first = [], 0
+        for draft in drafts:
+            starts.append(first)
+            first += len(draft) + 1
+        at = {row: i for i, row in enumerate(batch.logprobs.rows)}  # row -> raw's row
+        picks = [(seq, t, at[starts[seq] + t]) for seq, emitted in enumerate(tokens)
+                 for t in range(len(emitted)) if starts[seq] + t in at]
+        if not picks:
+            return out
+        index = torch.tensor([r for _, _, r in picks], device=raw.device)
+        chosen = torch.tensor([tokens[s][t] for s, t, _ in picks], device=raw.device)
+        ks = [batch.logprobs.ks[r] for _, _, r in picks]
+        entries = token_logprobs_of(token_logprob_tensors(raw[index], chosen, max(ks)), ks)
+        for (seq, t, _), entry in zip(picks, entries):
+            out[seq][t] = entry
+        return out
+
     def release(self, seq_id: int) -> None:
         """Forget what the sampler keeps for a finished or aborted sequence (its
         generator). Unknown ids are ignored. Its token counts go with the cached batch
@@ -170,7 +275,7 @@ class Sampler:
         return self._noise.num_seq_generators()
 
     # -- steps -----------------------------------------------------------------------------
-    def _batch_for(self, seqs: list[Sequence], device: torch.device) -> BatchParams:
+    def _batch_for(self, seqs: list[SamplingRow], device: torch.device) -> BatchParams:
         key = batch_key(seqs, device)
         if self._batch is None or self._batch.key != key:
             self._batch = BatchParams.build(seqs, self.vocab_size, self.eos_token_ids,
@@ -200,7 +305,9 @@ class Sampler:
         tokens[batch.random.rows] = sampled
         return tokens
 
-    def _sample_random(self, logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+    @staticmethod
+    def _random_probs(logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+        """The random rows' distributions [R, vocab]: temperature, min-p, top-k, top-p."""
         x = logits if rnd.all_rows else logits[rnd.rows]
         x.div_(rnd.temperature)
         # an extreme (valid) repetition penalty can push a logit to +inf, and softmax of
@@ -209,7 +316,10 @@ class Sampler:
         if rnd.log_min_p is not None:
             apply_min_p(x, rnd.log_min_p)
         x = apply_top_k_top_p(x, rnd.top_k, rnd.top_k_max, rnd.top_p)
-        probs = x.softmax(dim=-1)
+        return x.softmax(dim=-1)
+
+    def _sample_random(self, logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+        probs = self._random_probs(logits, rnd)
         noise = self._noise.exponential(probs.shape[0], probs.shape[1], probs.device,
                                         rnd.seeded, rnd.unseeded)
         return row_argmax(probs.div_(noise))

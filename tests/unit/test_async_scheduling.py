@@ -9,9 +9,9 @@ from quire.engine.block_manager import BlockManager
 from quire.engine.scheduler import ScheduledSeq, Scheduler
 from quire.engine.sequence import Sequence, SequenceStatus
 from quire.executor.input_batch import InputBatch
+from quire.engine.step_items import ItemBuilder
 from quire.executor.messages import (
     PENDING_TOKEN,
-    ItemBuilder,
     StepItem,
     resolve_pending,
 )

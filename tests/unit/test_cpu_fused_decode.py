@@ -24,7 +24,7 @@ from native_builds import no_panels_reason
 from quire.distributed import TorchDistributedCommunicator
 from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
-from quire.executor.messages import StepItem
+from quire.engine.step_items import step_item
 from quire.executor.model_runner import ModelRunner
 from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
@@ -92,7 +92,7 @@ class Run:
         self.runner = ModelRunner(model, self.backend, self.caches, BLOCK, torch.device("cpu"))
 
     def step(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        return self.runner.execute([StepItem.of(s) for s in scheduled]).logits
+        return self.runner.execute([step_item(s) for s in scheduled]).logits
 
 
 def _seq(seq_id: int, prompt: list[int], blocks: list[int]) -> Sequence:

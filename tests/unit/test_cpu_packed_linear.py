@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from quire.distributed import TorchDistributedCommunicator
 from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
-from quire.executor.messages import StepItem
+from quire.engine.step_items import step_item
 from quire.executor.model_runner import ModelRunner
 from quire.models.llama import LlamaForCausalLM
 from quire.platforms.cpu.packed_linear import (
@@ -124,7 +124,7 @@ def _logits(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
                    params=SamplingParams(max_tokens=1))
     seq.block_table = [2, 0, 3]
     runner = ModelRunner(model, backend, caches, 16, torch.device("cpu"))
-    return runner.execute([StepItem.of(ScheduledSeq(seq, 0, len(prompt)))]).logits
+    return runner.execute([step_item(ScheduledSeq(seq, 0, len(prompt)))]).logits
 
 
 @pytest.mark.parametrize("tied", [False, True])

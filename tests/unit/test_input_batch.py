@@ -11,7 +11,8 @@ from quire.engine.block_manager import BlockManager
 from quire.engine.scheduler import ScheduledSeq, Scheduler
 from quire.engine.sequence import Sequence
 from quire.executor.input_batch import InputBatch, StepLimits
-from quire.executor.messages import ItemBuilder, Step, StepItem, StepPlan
+from quire.engine.step_items import ItemBuilder, step_item
+from quire.executor.messages import Step, StepItem, StepPlan
 from quire.sampling_params import SamplingParams
 
 BS = 4
@@ -89,7 +90,7 @@ def test_steps_of_changes_equal_steps_built_from_scratch(seed):
         # what a worker receives went through msgpack
         plan = msgspec.msgpack.decode(msgspec.msgpack.encode(Step(StepPlan(items, released))),
                                       type=Step).plan
-        want = from_scratch([StepItem.of(s) for s in out.scheduled], BS)
+        want = from_scratch([step_item(s) for s in out.scheduled], BS)
         assert got(batch, plan.items, plan.released) == want, f"step {steps}"
         sched.complete_step(out)
         for s in out.scheduled:

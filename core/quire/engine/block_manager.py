@@ -232,14 +232,32 @@ class BlockManager:
         which is the part other requests are likeliest to share.
         """
         for block_id in reversed(seq.block_table):
-            self._ref_count[block_id] -= 1
-            if self._ref_count[block_id] == 0:
-                if self._hash[block_id] is None:
-                    self._free[block_id] = None
-                else:
-                    self._evictable[block_id] = None
+            self._release(block_id)
         seq.block_table.clear()
         seq.num_named_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Release ``seq``'s pages past those that hold ``num_tokens`` tokens (the pages
+        of rejected draft tokens); returns how many went back."""
+        keep = self.blocks_for(num_tokens)
+        table = seq.block_table
+        if len(table) <= keep:
+            return 0
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        released = len(table) - keep
+        del table[keep:]
+        del seq.block_hashes[keep:]
+        seq.num_named_blocks = min(seq.num_named_blocks, keep)
+        return released
+
+    def _release(self, block_id: int) -> None:
+        self._ref_count[block_id] -= 1
+        if self._ref_count[block_id] == 0:
+            if self._hash[block_id] is None:
+                self._free[block_id] = None
+            else:
+                self._evictable[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page that nobody uses (they become free)."""

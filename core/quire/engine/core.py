@@ -38,9 +38,10 @@ from quire.engine.messages import (
 )
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
+from quire.engine.speculation import Speculator
 from quire.executor import check_parallel, make_executor, worker_config
 from quire.executor.abstract import Executor
-from quire.executor.messages import ItemBuilder
+from quire.engine.step_items import ItemBuilder
 from quire.executor.model_runner import StepResult
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform
@@ -218,6 +219,8 @@ class EngineCore:
         self._items = ItemBuilder()
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
+        spec = config.speculative_config
+        self._speculator = Speculator(spec) if spec is not None else None
         # generate only: an embedding's step ends its request, with nothing to overlap
         self._async = config.async_scheduling and self.config.task == "generate"
         self._requests: dict[str, _Request] = {}
@@ -351,7 +354,17 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
             has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, object]:
+        if self._speculator is None:
+            return {}
+        spec = self._speculator.stats
+        return {"spec_num_drafts": spec.num_drafts,
+                "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_pos": list(spec.accepted_per_pos)}
 
     # -- the step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -373,11 +386,36 @@ class EngineCore:
         if result.pooled is not None:
             self._finish_embeddings(out, result.sample_items, result.pooled, outputs)
             return self._report(outputs)
-        seqs, logits = self._live_rows(out, result, outputs)
-        if seqs:
+        seqs, logits, drafts = self._live_rows(out, result, outputs)
+        if seqs and drafts is None:
             self._mask(logits, seqs)
             self._take_tokens(seqs, self.sampler.sample(logits, seqs), outputs)
+        elif seqs:
+            self._verify(seqs, logits, drafts, outputs)
+        if seqs and self._speculator is not None:
+            self._speculator.propose(seqs, len(self.scheduler.running), self._matchers,
+                                     {i for i, g in self._thinking.items()
+                                      if g.phase != "answer"})
         return self._report(outputs)
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
+                outputs: CoreOutputs) -> None:
+        """Speculative decoding: keep the drafts the target accepts, and one token more;
+        then only the accepted tokens' K/V count as computed, and the pages of rejected
+        drafts go back."""
+        self._mask_drafts(logits, seqs, drafts)
+        verified = self.sampler.verify(logits, seqs, drafts)
+        stats = self._speculator.stats if self._speculator is not None else None
+        for seq, draft, tokens, logprobs, accepted in zip(
+                seqs, drafts, verified.token_ids, verified.logprobs, verified.num_accepted):
+            for token, entry in zip(tokens, logprobs):
+                self._take_tokens([seq], SamplerOutput([token], [entry]), outputs)
+                if seq.is_finished:
+                    break
+            if stats is not None:
+                stats.record(len(draft), accepted)
+            if draft and self.scheduler.settle_drafts(seq):
+                self._items.truncate(seq.seq_id, len(seq.block_table))
 
     def _step_async(self) -> CoreOutputs:
         """Complete step k and submit step k+1 before step k's tokens reach the host.
@@ -402,7 +440,7 @@ class EngineCore:
             return self._idle()
         out, result = self._complete_oldest()
         outputs = CoreOutputs()
-        seqs, logits = self._live_rows(out, result, outputs)
+        seqs, logits, _ = self._live_rows(out, result, outputs)
         if not seqs:
             self._schedule_next()
             return self._report(outputs)
@@ -453,11 +491,12 @@ class EngineCore:
         return CoreOutputs(time=time.monotonic(), stats=self.stats(),
                            finished=self.take_finished())
 
-    def _live_rows(self, out: SchedulerOutput, result: StepResult,
-                   outputs: CoreOutputs) -> tuple[list[Sequence], torch.Tensor]:
+    def _live_rows(self, out: SchedulerOutput, result: StepResult, outputs: CoreOutputs
+                   ) -> tuple[list[Sequence], torch.Tensor, list[list[int]] | None]:
         """Report the step's prompt logprobs; its sampling sequences not finished while
         it was in flight (aborted, a stop string, async scheduling's one step late), and
-        their logits rows."""
+        their logits rows; with drafts in the step, each sequence's drafts too (its rows
+        are then ``1 + len(drafts)``), else None."""
         for item_idx, first_pos, logits in result.prompt_logits:
             seq = out.scheduled[item_idx].seq
             if seq.request_id not in self._requests:
@@ -467,12 +506,33 @@ class EngineCore:
             entry = self._prompt_logprobs(self._requests[seq.request_id], first_pos, logits)
             if entry is not None:
                 outputs.prompt_logprobs.append(entry)
+        if self._speculator is not None and any(s.spec for s in out.scheduled):
+            return self._live_draft_rows(out, result)
         rows = [(row, out.scheduled[i].seq) for row, i in enumerate(result.sample_items)]
         live = [(row, seq) for row, seq in rows if not seq.is_finished]
         logits = result.logits
         if len(live) < len(rows):
             logits = logits[[r for r, _ in live]]
-        return [seq for _, seq in live], logits
+        return [seq for _, seq in live], logits, None
+
+    @staticmethod
+    def _live_draft_rows(out: SchedulerOutput, result: StepResult
+                         ) -> tuple[list[Sequence], torch.Tensor, list[list[int]]]:
+        """:meth:`_live_rows` for a step with drafts: an item's rows are consecutive."""
+        seqs, drafts, keep = [], [], []
+        row, items = 0, result.sample_items
+        while row < len(items):
+            scheduled = out.scheduled[items[row]]
+            count = 1 + len(scheduled.spec)
+            if not scheduled.seq.is_finished:
+                seqs.append(scheduled.seq)
+                drafts.append(list(scheduled.spec))
+                keep.extend(range(row, row + count))
+            row += count
+        logits = result.logits
+        if len(keep) < len(items):
+            logits = logits[keep]
+        return seqs, logits, drafts
 
     def _take_tokens(self, seqs: list[Sequence], sampled: SamplerOutput,
                      outputs: CoreOutputs) -> None:
@@ -550,6 +610,40 @@ class EngineCore:
                 start = gate.tokens.start
                 assert start is not None
                 bitmask[i, start // 32] |= _bit(start % 32)
+        apply_bitmask(logits, bitmask, rows)
+
+    def _mask_drafts(self, logits: torch.Tensor, seqs: list[Sequence],
+                     drafts: list[list[int]]) -> None:
+        """:meth:`_mask` for verification rows: a sequence's row j is masked to what its
+        grammar allows after its first j drafts (the matcher steps through them and
+        back). A sequence whose grammar waits for its thinking to end has no drafts."""
+        if not self._matchers:
+            return
+        rows: list[int] = []
+        masks: list[tuple[Matcher, list[int]]] = []
+        first = 0
+        for seq, draft in zip(seqs, drafts):
+            matcher = self._matchers.get(seq.seq_id)
+            if matcher is not None and not self._is_thinking(seq.seq_id):
+                gate = self._thinking.get(seq.seq_id)
+                if gate is not None and gate.phase == "first":
+                    self._mask(logits[first : first + 1], [seq])  # one row, no drafts
+                else:
+                    rows.extend(range(first, first + len(draft) + 1))
+                    masks.append((matcher, draft))
+            first += len(draft) + 1
+        if not rows:
+            return
+        bitmask = torch.empty((len(rows), bitmask_words(logits.shape[1])), dtype=torch.int32)
+        i = 0
+        for matcher, draft in masks:
+            matcher.fill_bitmask(bitmask, i)
+            for token in draft:
+                matcher.accept(token)
+                i += 1
+                matcher.fill_bitmask(bitmask, i)
+            matcher.rollback(len(draft))
+            i += 1
         apply_bitmask(logits, bitmask, rows)
 
     def _is_thinking(self, seq_id: int) -> bool:

@@ -335,4 +335,9 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         prefix_queries=sum(s.prefix_queries for s in stats),
         prefix_hits=sum(s.prefix_hits for s in stats),
         has_unfinished=any(s.has_unfinished for s in stats),
-        num_requests=sum(s.num_requests for s in stats))
+        num_requests=sum(s.num_requests for s in stats),
+        spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+        spec_accepted_per_pos=[sum(column) for column in itertools.zip_longest(
+            *(s.spec_accepted_per_pos for s in stats), fillvalue=0)])

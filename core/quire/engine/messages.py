@@ -32,6 +32,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     has_unfinished: bool
     #: Requests the core took since it started.
     num_requests: int = 0
+    #: Speculative decoding since the core started: verifications of drafts, drafts
+    #: proposed, drafts accepted, and drafts accepted at each position of a proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class ThinkingTokens(msgspec.Struct, frozen=True):

@@ -42,11 +42,13 @@ from quire.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of a step: tokens ``[start, start + num_tokens)``."""
+    """One sequence's share of a step: tokens ``[start, start + num_tokens)``, the last
+    ``len(spec)`` of them draft tokens (speculative decoding) after its known ones."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    spec: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -55,8 +57,8 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """True when this step reaches the last known (or pending) token, so its logits
-        are sampled."""
-        return self.end == self.seq.num_tokens_with_pending
+        are sampled (with drafts, at that token and at each draft)."""
+        return self.end == self.seq.num_tokens_with_pending + len(self.spec)
 
 
 @dataclass
@@ -218,9 +220,17 @@ class Scheduler:
                 i += 1  # in flight, or seq.pending_finishes_it
                 continue
             num = known - seq.num_computed_tokens  # seq.num_uncomputed_tokens
-            if num > budget:
-                num = budget
-            if not allocate(seq, num):
+            # drafts ride behind the known tokens, within the budget, and give way
+            # before any sequence is preempted for them
+            n_spec = len(seq.spec_token_ids)
+            if num + n_spec > budget:
+                n_spec = max(0, budget - num)
+                num = min(num, budget)
+            ok = allocate(seq, num + n_spec)
+            if not ok and n_spec:
+                n_spec = 0
+                ok = allocate(seq, num)
+            if not ok:
                 victim = self._victim()
                 if victim is None:  # every other sequence is in flight: wait for them
                     i += 1
@@ -228,8 +238,10 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
                 continue  # retry seq, unless it was the victim (then the loop ends)
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
-            budget -= num
+            scheduled.append(ScheduledSeq(
+                seq, seq.num_computed_tokens, num + n_spec,
+                tuple(seq.spec_token_ids[:n_spec]) if n_spec else ()))
+            budget -= num + n_spec
             i += 1
         return budget
 
@@ -279,6 +291,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.stats.num_preemptions += 1
@@ -310,4 +323,20 @@ class Scheduler:
                 continue
             end = item.start + item.num_tokens
             seq.num_computed_tokens = end
-            cache_full_blocks(seq, end)
+            # pages of drafts are not the sequence's until accepted (settle_drafts)
+            cache_full_blocks(seq, end - len(item.spec))
+
+    def settle_drafts(self, seq: Sequence) -> bool:
+        """After the verifier appended a step's tokens to ``seq`` (speculative decoding):
+        only the K/V of its tokens before the last are valid (a rejected draft's are
+        not), the full pages among them become findable, and the pages past what its
+        tokens need go back to the pool.
+
+        :returns: True when ``seq``'s table shrank (its holders must be told)."""
+        if seq.is_finished:
+            return False
+        valid = seq.num_tokens - 1
+        if seq.num_computed_tokens > valid:
+            seq.num_computed_tokens = valid
+        self.block_manager.cache_full_blocks(seq, valid)
+        return self.block_manager.trim(seq, seq.num_tokens) > 0

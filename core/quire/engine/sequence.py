@@ -61,6 +61,10 @@ class Sequence:
     #: The longest the sequence may grow (prompt + output limit): a token that reaches it
     #: ends it by length. The scheduler never schedules a pending token that will.
     max_num_tokens: int = sys.maxsize
+    #: Draft tokens proposed for the next step (speculative decoding). They are not the
+    #: sequence's tokens: the step computes them after its own, and the tokens the
+    #: verifier accepts are appended to ``output_token_ids`` like sampled ones.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def order(self) -> tuple[int, int]:

@@ -51,7 +51,7 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
         """One forward on every rank; the logits of the rank that has them. Each rank
-        forgets the ``released`` sequences first (see :class:`~quire.executor.messages.
+        forgets the ``released`` sequences first (see :class:`~quire.engine.step_items.
         ItemBuilder`).
 
         :raises WorkerDied: when a worker died or raised (the step is lost).

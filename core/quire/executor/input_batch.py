@@ -52,7 +52,8 @@ class StepInputs:
     positions: torch.Tensor
     batch: AttentionBatch
     #: Rows of the flattened batch whose logits are sampled, and their sequences' indices
-    #: in the scheduled list.
+    #: in the scheduled list (an item with drafts once per row: its last ``1 + num_spec``
+    #: tokens, in order).
     sample_rows: torch.Tensor
     sample_items: tuple[int, ...]
     #: For sequences that want prompt logprobs: (index in the scheduled list, position of
@@ -73,7 +74,7 @@ class _Buffers:
         self.slot_mapping = make(max_tokens)
         self.query_start_loc = make(max_seqs + 1)
         self.seq_lens = make(max_seqs)
-        self.sample_rows = make(max_seqs)
+        self.sample_rows = make(max_tokens)  # drafts sample at every token
         #: [B, w] tables viewed out of one flat buffer, so every step's is contiguous.
         self.block_tables = make(max_seqs * max_pages, torch.int32)
 
@@ -192,6 +193,7 @@ class InputBatch:
         # one pass over the items gathers every per-sequence figure (per step, per item)
         update = self._update
         rows_list, q_lens_list, starts_list, token_ids, sampling = [], [], [], [], []
+        num_spec = 0
         for i, item in enumerate(items):
             rows_list.append(update(item))
             ids = item.token_ids
@@ -200,6 +202,7 @@ class InputBatch:
             token_ids += ids
             if item.samples:
                 sampling.append(i)
+                num_spec += item.num_spec
         rows = np.array(rows_list, dtype=np.int64)
         bs = self.block_size
         b = len(items)
@@ -231,8 +234,17 @@ class InputBatch:
             pos[:t] = np.arange(t) - qsl[:b][seq_index] + starts[seq_index]
         p = pos[:t]
         slots[:t] = step_tables[seq_index, p // bs].astype(np.int64) * bs + p % bs
-        sample_items = tuple(sampling)
-        sample[: len(sample_items)] = qsl[1 : b + 1][sampling] - 1
+        if not num_spec:
+            sample_items = tuple(sampling)
+            sample[: len(sample_items)] = qsl[1 : b + 1][sampling] - 1
+        else:  # an item with drafts samples its last 1 + num_spec tokens, in order
+            counts = np.array([1 + items[i].num_spec for i in sampling], dtype=np.int64)
+            sample_items = tuple(np.repeat(np.array(sampling, dtype=np.int64),
+                                           counts).tolist())
+            firsts = np.repeat(qsl[1 : b + 1][sampling] - counts, counts)
+            within = np.arange(len(sample_items)) - np.repeat(np.cumsum(counts) - counts,
+                                                              counts)
+            sample[: len(sample_items)] = firsts + within
 
         self._copy_to_device(t, b, len(sample_items), b * width)
         self._fill_pending(items, qsl, sampled)

@@ -48,6 +48,24 @@ class NoiseSource:
         # An exact 0 would turn a masked token's 0/0 into NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
+    def uniform(self, num_rows: int, device: torch.device,
+                seeded: list[tuple[int, int, int]],
+                unseeded: torch.Tensor | None) -> torch.Tensor:
+        """One Uniform[0, 1) draw per row, float32 [num_rows] (speculative decoding's
+        acceptance tests), from the same generators as :meth:`exponential`: a seeded
+        row takes exactly one draw from its sequence's generator."""
+        draws = torch.empty(num_rows, dtype=torch.float32, device=device)
+        if unseeded is not None:
+            shared = self._shared_generator(device)
+            if len(unseeded) == num_rows:
+                draws.uniform_(generator=shared)
+            else:
+                draws[unseeded] = torch.empty(len(unseeded), dtype=torch.float32,
+                                              device=device).uniform_(generator=shared)
+        for row, seq_id, seed in seeded:
+            draws[row : row + 1].uniform_(generator=self._seq_generator(seq_id, seed, device))
+        return draws
+
     def release(self, seq_id: int) -> None:
         """Forget a finished sequence's generator; unknown ids are ignored."""
         self._per_seq.pop(seq_id, None)

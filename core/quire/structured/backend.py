@@ -33,6 +33,15 @@ class Matcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (only EOS)."""
 
+    @abstractmethod
+    def num_valid(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order from the current state, the grammar allows
+        (speculative decoding's drafts); changes nothing."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` :meth:`accept` calls."""
+
 
 class GrammarBackend(ABC):
     """Compiles requests' grammars and starts matchers; caches by grammar text."""

@@ -40,6 +40,13 @@ class _LLMatcher(Matcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
+    def num_valid(self, tokens: list[int]) -> int:
+        return int(self._m.validate_tokens(tokens)) if tokens else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
 
 class LLGuidanceBackend(GrammarBackend):
     """:param tokenizer: the engine's Hugging Face fast tokenizer.

@@ -78,7 +78,7 @@ def _parse_options(text: str) -> dict[str, str]:
 
 
 _TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float,
-                          "platform_options": _parse_options}
+                          "platform_options": _parse_options, "speculative_config": str}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

@@ -106,8 +106,27 @@ class _EngineCollector:
         added = CounterMetricFamily("quire:engine_requests",
                                     "Requests each engine core (data-parallel rank) took.",
                                     labels=["engine"])
+        # speculative decoding (vLLM's spec_decode names), when the engine speculates
+        # (its stats then count acceptances at each of num_speculative_tokens positions)
+        speculating = any(s.spec_accepted_per_pos for s in self.stats)
+        drafts = CounterMetricFamily("quire:spec_decode_num_drafts",
+                                     "Verifications of draft tokens (speculative decoding).",
+                                     labels=["engine"])
+        draft_tokens = CounterMetricFamily("quire:spec_decode_num_draft_tokens",
+                                           "Draft tokens proposed.", labels=["engine"])
+        accepted = CounterMetricFamily("quire:spec_decode_num_accepted_tokens",
+                                       "Draft tokens the target model accepted.",
+                                       labels=["engine"])
+        per_pos = CounterMetricFamily("quire:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position of their "
+                                      "proposal (0 first).", labels=["engine", "position"])
         for i, s in enumerate(self.stats):
             engine = [str(i)]
+            drafts.add_metric(engine, s.spec_num_drafts)
+            draft_tokens.add_metric(engine, s.spec_num_draft_tokens)
+            accepted.add_metric(engine, s.spec_num_accepted_tokens)
+            for pos, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([str(i), str(pos)], count)
             running.add_metric(engine, s.num_running)
             waiting.add_metric(engine, s.num_waiting)
             usage.add_metric(engine, s.kv_usage)
@@ -124,6 +143,8 @@ class _EngineCollector:
             processes.add_metric([role], self.processes.get(role, 0))
         yield from (running, waiting, usage, used, total, rate, queries, hits, preemptions,
                     added, processes)
+        if speculating:
+            yield from (drafts, draft_tokens, accepted, per_pos)
 
 
 class ServerMetrics:

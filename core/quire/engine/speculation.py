@@ -1,0 +1,79 @@
+"""The engine's side of speculative decoding: drafts for the next step, and the counts of
+what the verifier accepted.
+
+After each step the core hands the sequences that got tokens to :class:`Speculator`,
+which sets each one's ``spec_token_ids``: the proposer's drafts (n-gram prompt lookup),
+cut so that the sequence can never outgrow its length limit, to what its grammar allows,
+and to nothing when the running batch reaches ``disable_by_batch_size`` (a large batch
+is bound by compute, not by streaming weights, so verifying drafts costs more than it
+saves). The scheduler runs the drafts after the sequence's last token in the same
+forward, and the sampler's :meth:`~quire.sampler.Sampler.verify` keeps those the target
+accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quire.engine.sequence import Sequence
+from quire.spec.config import SpeculativeConfig
+from quire.spec.ngram import NgramProposer
+from quire.structured.backend import Matcher
+
+
+@dataclass
+class SpecStats:
+    """Counters since the core started (vLLM's ``spec_decode`` metrics)."""
+
+    #: Verifications of at least one draft.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    #: Drafts accepted at position i (0-based) of their proposal.
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        per_pos = self.accepted_per_pos
+        for pos in range(accepted):
+            per_pos[pos] += 1
+
+
+class Speculator:
+    """Proposes drafts for sequences; one per engine core."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens,
+                                      config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, seqs: list[Sequence], num_running: int,
+                matchers: dict[int, Matcher], thinking: set[int]) -> None:
+        """Set ``spec_token_ids`` of each unfinished sequence of ``seqs``.
+
+        :param matchers: seq_id -> its grammar's matcher; drafts are cut to the tokens it
+            allows.
+        :param thinking: seq_ids whose grammar waits for the end of their thinking: they
+            get no drafts (which of their drafts the grammar holds is not known ahead).
+        """
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and num_running >= limit
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            # the step computes the drafts and samples one more token: k + 1 may be added
+            room = seq.max_num_tokens - seq.num_tokens - 1
+            if off or room <= 0 or seq.seq_id in thinking:
+                seq.spec_token_ids = []
+                continue
+            drafts = self.proposer.propose(seq.token_ids, room)
+            if drafts and matchers:
+                matcher = matchers.get(seq.seq_id)
+                if matcher is not None:
+                    drafts = drafts[: matcher.num_valid(drafts)]
+            seq.spec_token_ids = drafts

@@ -1,0 +1,100 @@
+"""``speculative_config``: what speculative decoding runs, in vLLM's shape.
+
+``LLM(..., speculative_config={...})`` and ``--speculative-config '{...}'`` take the same
+keys as vLLM's. What is built so far is ``method: "ngram"`` (prompt lookup, no second
+model); a draft ``model`` and the ``eagle``/``eagle3`` heads are refused at start, naming
+the field, until they are.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: Methods vLLM names, and whether Quire runs them yet.
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+BUILT = ("ngram",)
+#: The most drafts per step: the verifier's rows and the pages they need grow with it.
+MAX_SPECULATIVE_TOKENS = 16
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
+         "prompt_lookup_max", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Checked on creation; every error names the field (``speculative_config.X``)."""
+
+    method: str
+    num_speculative_tokens: int
+    #: n-gram lengths prompt lookup tries, longest first (vLLM's defaults: both 5, or
+    #: each the other when only one is given).
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    #: A draft model's path or name (``method`` draft_model, eagle, eagle3).
+    model: str | None = None
+    #: No drafts in a step whose running sequences reach this many (vLLM's name); None:
+    #: always speculate.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)},"
+                             f" got {self.method!r}")
+        if self.method not in BUILT:
+            raise ValueError(f"speculative_config.method {self.method!r} is not built yet; "
+                             f"the methods that run are: {', '.join(BUILT)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) \
+                or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer "
+                             f"in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min})"
+                             f" exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+        d = self.disable_by_batch_size
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError("speculative_config.disable_by_batch_size must be an integer "
+                             f">= 1, got {d!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a config, a dict, or JSON text (the CLI's flag), with vLLM's defaults.
+
+        :raises ValueError: naming the field, an unknown key, or bad JSON.
+        """
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {value!r}")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(_KEYS)}")
+        method = value.get("method")
+        if method is None:
+            if value.get("model") is None:
+                raise ValueError("speculative_config needs a method (ngram) or a model")
+            method = "draft_model"
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5
+        elif low is None:  # a bad given value is named as given, not as the default
+            low = high if isinstance(high, int) and high >= 1 else 5
+        elif high is None:
+            high = low if isinstance(low, int) and low >= 1 else 5
+        return cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
+                   prompt_lookup_min=low, prompt_lookup_max=high, model=value.get("model"),
+                   disable_by_batch_size=value.get("disable_by_batch_size"))

@@ -1,0 +1,151 @@
+"""Speculative decoding (n-gram prompt lookup) changes no greedy output: the same tokens,
+finish and stop reasons and text as without it, through chunked prefill, preemption,
+prefix hits, n > 1, stop strings, stop token ids, EOS, max_tokens, min_tokens, penalties
+and a grammar; seeded sampling stays reproducible; nothing leaks. On the tiny llama,
+whose greedy outputs repeat, so that drafts are proposed, accepted and rejected."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from quire import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64, 8, 5, 17, 42, 9], [12, 7, 7, 12, 7, 7, 12, 7],
+           [99, 98, 97, 96, 95, 94], list(range(30, 51)) * 2, [1, 2, 3, 4, 5, 1, 2, 3]]
+REGEX = r"[a-z]{2,5}( [a-z]{2,5}){0,3}\."
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint, tmp_path_factory):
+    """A copy of the tiny llama whose EOS is a token greedy decoding reaches, and a stop
+    string and a stop token id that the greedy outputs hold."""
+    path = tiny_checkpoint("llama")
+    with LLM(str(path), device="cpu", block_size=4) as probe:
+        greedy = [o.outputs[0] for o in probe.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    eos = greedy[0].token_ids[6]
+    model_dir = tmp_path_factory.mktemp("spec") / "eos"
+    shutil.copytree(path, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    text = greedy[3].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), "the probe's text has no stop string to pick"
+    return str(model_dir), eos, stop, greedy[2].token_ids[5]
+
+
+def _greedy_params(stop: str, stop_id: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),  # EOS on
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=8, repetition_penalty=1.2,
+                       frequency_penalty=0.3, presence_penalty=0.2, logit_bias={7: 2.0}),
+    ]
+
+
+def _generate(path: str, spec: dict | None, params, passes: int = 1, **options):
+    """Every pass's outputs (per sample: tokens, finish and stop reasons, text, logprobs)
+    and the engine's stats; checks that nothing leaked."""
+    with LLM(path, device="cpu", block_size=4, speculative_config=spec, **options) as llm:
+        core = llm.engine.core
+        runs = []
+        for _ in range(passes):
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+            runs.append([[(c.token_ids, c.finish_reason, c.stop_reason, c.text,
+                           [{t: lp.rank for t, lp in d.items()} for d in c.logprobs or []])
+                          for c in o.outputs] for o in outs])
+        assert not core.has_unfinished_requests()
+        assert core.block_manager.num_used_blocks == 0
+        core.block_manager.check_invariants(list(core.scheduler.live_sequences()))
+        assert core.sampler.num_seq_generators() == 0
+        return runs, core.stats()
+
+
+def _page_bytes(path: str) -> int:
+    with LLM(path, device="cpu", block_size=4) as probe:
+        return probe.engine.core.executor.bytes_per_block()
+
+
+@pytest.mark.parametrize("scenario", ["plain", "chunked-prefill", "preemption",
+                                      "prefix-hits"])
+def test_greedy_outputs_equal_those_without_speculation(scenario, setup):
+    path, eos, stop, stop_id = setup
+    options: dict = {}
+    passes = 1
+    if scenario == "chunked-prefill":
+        options = {"max_num_batched_tokens": 8}
+    elif scenario == "preemption":
+        options = {"kv_cache_memory": 20 * _page_bytes(path)}
+    elif scenario == "prefix-hits":
+        passes = 2  # the second pass finds pages the first pass's accepted drafts filled
+    params = _greedy_params(stop, stop_id)
+    plain, plain_stats = _generate(path, None, params, passes, **options)
+    spec, stats = _generate(path, SPEC, params, passes, **options)
+    assert spec == plain
+    # drafts were proposed, and both accepted and rejected
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_drafts > 0 and len(stats.spec_accepted_per_pos) == 3
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert plain_stats.spec_num_drafts == 0
+    # the rules this workload is meant to exercise did fire
+    samples = [s for run in plain for out in run for s in out]
+    assert any(s[1] == "stop" and s[2] is None and s[0][-1] == eos for s in samples), "no EOS"
+    assert any(s[2] == stop_id for s in samples), "no stop token id"
+    assert any(s[2] == stop for s in samples), "no stop string"
+    assert any(s[1] == "length" for s in samples)
+    if scenario == "preemption":
+        assert stats.num_preemptions > 0
+    if scenario == "prefix-hits":
+        assert stats.prefix_hits > 0
+
+
+def test_a_grammar_holds_drafts_and_outputs(setup):
+    path = setup[0]
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": REGEX})
+    plain, _ = _generate(path, None, params)
+    spec, _ = _generate(path, SPEC, params)
+    assert spec == plain
+    for out in spec[0]:
+        assert re.fullmatch(REGEX, out[0][3]), out[0][3]
+
+
+def test_seeded_sampling_is_reproducible_and_keeps_its_rules(setup):
+    path = setup[0]
+    params = [SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=3, max_tokens=14,
+                             min_tokens=6, ignore_eos=False, repetition_penalty=1.1),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=30,
+                             structured_outputs={"regex": REGEX}),
+              SamplingParams(temperature=0.5, top_k=5, seed=5, max_tokens=16, logprobs=1,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.9, min_p=0.05, seed=8, max_tokens=12,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=9, max_tokens=12, ignore_eos=True,
+                             presence_penalty=0.5, frequency_penalty=0.2)]
+    first, stats = _generate(path, SPEC, params)
+    again, _ = _generate(path, SPEC, params)
+    assert first == again
+    assert stats.spec_num_drafts > 0
+    for out in first[0][0]:
+        assert len(out[0]) >= 6  # min_tokens
+    assert re.fullmatch(REGEX, first[0][1][0][3])
+    for tokens, _, _, _, logprobs in first[0][2]:
+        assert len(tokens) == 16 and len(logprobs) == len(tokens)
+        assert all(len(entry) in (1, 2) for entry in logprobs)
+
+
+@pytest.mark.slow  # about 30 s: two worker processes per engine
+def test_greedy_outputs_with_worker_processes_equal_those_without(setup):
+    path, _, stop, stop_id = setup
+    params = _greedy_params(stop, stop_id)
+    plain, _ = _generate(path, None, params)
+    spec, stats = _generate(path, SPEC, params, tensor_parallel_size=2,
+                            distributed_executor_backend="mp")
+    assert spec == plain
+    assert stats.spec_num_accepted_tokens > 0

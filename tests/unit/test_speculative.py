@@ -1,0 +1,332 @@
+"""Speculative decoding's parts without a model: the sampler's verification rows, the
+scheduler's drafts and their pages, the input batch's rows, the speculator's limits, the
+configuration and the metrics. The end-to-end checks are in
+``tests/integration/test_speculative_outputs.py``; the rejection rule's own statistics in
+``test_rejection_sampling.py``."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from quire.config import EngineConfig
+from quire.engine.block_manager import BlockManager
+from quire.engine.messages import EngineStats
+from quire.engine.scheduler import Scheduler
+from quire.engine.sequence import Sequence, SequenceStatus
+from quire.engine.speculation import Speculator
+from quire.engine.step_items import ItemBuilder
+from quire.executor.input_batch import InputBatch
+from quire.executor.messages import StepItem
+from quire.sampler import Sampler
+from quire.sampling.rows import DraftRow
+from quire.sampling_params import SamplingParams
+from quire.spec.config import SpeculativeConfig
+
+V = 12
+_ids = itertools.count()
+
+
+def make_seq(params: SamplingParams, prompt: list[int] | None = None,
+             output: list[int] | None = None, max_num_tokens: int = 10**6) -> Sequence:
+    i = next(_ids)
+    return Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=prompt or [1, 2, 3],
+                    params=params, output_token_ids=list(output or []),
+                    max_num_tokens=max_num_tokens)
+
+
+# -- the sampler ---------------------------------------------------------------------------
+def _adjusted_argmax(sampler_seed: int, logits: torch.Tensor, row) -> int:
+    """What a plain greedy step picks for ``row`` from ``logits`` (one row)."""
+    return Sampler(frozenset({0}), V, sampler_seed).sample(logits.clone()[None], [row]) \
+        .token_ids[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7,
+                   presence_penalty=0.4),
+    SamplingParams(temperature=0, min_tokens=4, logit_bias={5: 1.5}),
+])
+def test_each_verification_row_is_adjusted_as_if_its_drafts_were_output(params):
+    """Penalties, ``min_tokens`` and bias of row j count drafts 0..j-1 as output: with
+    drafts equal to what plain greedy steps would choose, every draft is accepted."""
+    torch.manual_seed(0)
+    seq = make_seq(params, prompt=[3, 4], output=[6])
+    rows = torch.randn(5, V)
+    rows[:, 0] += 3.0  # EOS the likeliest: min_tokens must keep it out
+    rows[:, 6] += 1.0
+    drafts: list[int] = []
+    for j in range(4):  # the greedy chain, one plain step at a time
+        drafts.append(_adjusted_argmax(0, rows[j], DraftRow.extend(seq, drafts)))
+    bonus = _adjusted_argmax(0, rows[4], DraftRow.extend(seq, drafts))
+    sampler = Sampler(frozenset({0}), V)
+    out = sampler.verify(rows.clone(), [seq], [drafts])
+    assert out.token_ids == [drafts + [bonus]] and out.num_accepted == [4]
+    # a wrong draft at position 2 is rejected there, and the row's choice replaces it
+    wrong = drafts[:2] + [(drafts[2] + 1) % V, drafts[3]]
+    out = Sampler(frozenset({0}), V).verify(rows.clone(), [seq], [wrong])
+    assert out.token_ids == [drafts[:3]] and out.num_accepted == [2]
+    assert seq.output_token_ids == [6]  # the sequence itself is untouched
+
+
+def test_verification_keeps_the_target_distribution_through_the_sampler():
+    """One draft per sequence at temperature 0.8 with top-k: the first emitted token
+    follows the filtered target distribution, whatever the draft (total variation
+    within the bound that test_sampler uses)."""
+    torch.manual_seed(1)
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.2, 0.0, 1.5, -3.0, 0.8, -0.5, 1.0, -2.0, 0.5])
+    params = SamplingParams(temperature=0.8, top_k=6)
+    n = 30000
+    seqs = [make_seq(params) for _ in range(n)]
+    drafts = [[d] for d in torch.randint(0, V, (n,)).tolist()]
+    batch = torch.stack([logits, logits.roll(1)]).repeat(n, 1)
+    out = Sampler(frozenset(), V, seed=3).verify(batch, seqs, drafts)
+    firsts = torch.tensor([t[0] for t in out.token_ids])
+    scaled = logits.double() / 0.8
+    keep = scaled >= scaled.sort(descending=True).values[5]
+    want = torch.where(keep, scaled.softmax(-1), 0.0)
+    want /= want.sum()
+    got = torch.bincount(firsts, minlength=V).double() / n
+    bound = math.sqrt((V * math.log(2) + math.log(2 / 1e-6)) / (2 * n))
+    assert 0.5 * (got - want).abs().sum().item() < bound
+    assert (got[~keep] == 0).all()
+    accepted = sum(out.num_accepted) / n
+    assert accepted == pytest.approx(sum(want[d[0]].item() for d in drafts) / n, abs=0.02)
+
+
+def test_seeded_verification_draws_from_the_sequence_s_generator():
+    params = SamplingParams(temperature=1.0, seed=42)
+    logits = torch.randn(3, V)
+
+    def run(other_rows: int) -> list[int]:
+        seqs = [make_seq(params)] + [make_seq(SamplingParams(temperature=1.0))
+                                     for _ in range(other_rows)]
+        seqs[0].seq_id = 10**9  # one id for the seeded sequence in both runs
+        drafts = [[4, 5]] + [[] for _ in range(other_rows)]
+        rows = torch.cat([logits] + [torch.randn(1, V) for _ in range(other_rows)])
+        return Sampler(frozenset(), V, seed=other_rows).verify(rows, seqs, drafts).token_ids[0]
+
+    assert run(0) == run(3)
+
+
+def test_verification_logprobs_are_each_token_s_own_row():
+    params = SamplingParams(temperature=0, logprobs=2)
+    seq = make_seq(params)
+    rows = torch.randn(3, V)
+    drafts = [int(rows[0].argmax()), int(rows[1].argmax())]
+    out = Sampler(frozenset(), V).verify(rows.clone(), [seq], [drafts])
+    assert out.num_accepted == [2] and len(out.logprobs[0]) == 3
+    for j, (token, entry) in enumerate(zip(out.token_ids[0], out.logprobs[0])):
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(rows[j].log_softmax(-1)[token].item(), abs=1e-5)
+
+
+def test_verification_refuses_rows_that_do_not_match_the_drafts():
+    with pytest.raises(ValueError, match=r"\[3, 12\]"):
+        Sampler(frozenset(), V).verify(torch.zeros(2, V), [make_seq(SamplingParams())], [[1, 2]])
+
+
+# -- the scheduler and the pages -------------------------------------------------------------
+def _scheduler(num_blocks: int = 16, budget: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, 4), max_num_seqs=8,
+                     max_num_batched_tokens=budget)
+
+
+def _decoding(sched: Scheduler, prompt: list[int], room: int = 50) -> Sequence:
+    """A sequence past its prompt, with one output token."""
+    seq = make_seq(SamplingParams(max_tokens=room), prompt=prompt)
+    sched.add(seq, len(prompt) + room - 1)
+    out = sched.schedule()
+    sched.complete_step(out)
+    seq.output_token_ids.append(9)
+    return seq
+
+
+def test_drafts_follow_the_known_token_and_their_pages_go_back_when_rejected():
+    sched = _scheduler()
+    bm = sched.block_manager
+    seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])  # 7 computed, 8 tokens
+    seq.spec_token_ids = [11, 12, 13, 14, 15]
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert (item.start, item.num_tokens, item.spec) == (7, 6, (11, 12, 13, 14, 15))
+    assert item.samples and len(seq.block_table) == 4  # 13 positions
+    sched.complete_step(out)
+    assert seq.num_named_blocks == 2  # the pages of its 8 known tokens, not the drafts'
+    seq.output_token_ids += [11, 30]  # one draft accepted, then the target's token
+    assert sched.settle_drafts(seq)
+    assert seq.num_computed_tokens == 9 and len(seq.block_table) == 3
+    bm.check_invariants([seq])
+    # the prefix cache holds the accepted tokens' pages, never a page of drafts: a
+    # prompt of the known tokens and the rejected drafts finds only the first two
+    other = make_seq(SamplingParams(), prompt=seq.token_ids[:8] + [11, 12, 13, 14, 1])
+    assert len(bm.find_cached_prefix(other)) == 2
+    # once the accepted token and the next fill the third page, it is found too
+    seq.output_token_ids += [31, 32, 33]
+    sched.block_manager.cache_full_blocks(seq, 12)
+    assert len(bm.find_cached_prefix(make_seq(SamplingParams(),
+                                              prompt=seq.token_ids[:12] + [1]))) == 3
+
+
+def test_drafts_give_way_to_the_budget_and_before_any_preemption():
+    sched = _scheduler(budget=4)
+    seq = _decoding(sched, [1, 2, 3])
+    seq.spec_token_ids = [5, 6, 7, 8, 9]
+    (item,) = sched.schedule().scheduled
+    assert item.num_tokens == 4 and item.spec == (5, 6, 7)
+
+    sched = _scheduler(num_blocks=3, budget=64)
+    a = _decoding(sched, [1, 2, 3, 4, 5, 6, 7], room=4)  # 2 pages; 8 tokens fill them
+    b = _decoding(sched, [1, 2, 3], room=4)  # 1 page
+    a.spec_token_ids = [5, 6]  # would need a third and fourth page: none free
+    out = sched.schedule()
+    assert not out.preempted
+    assert {s.seq.seq_id: s.spec for s in out.scheduled} == {a.seq_id: (), b.seq_id: ()}
+    assert b.status is SequenceStatus.RUNNING
+
+
+def test_a_preempted_sequence_drops_its_drafts():
+    sched = _scheduler()
+    seq = _decoding(sched, [1, 2, 3])
+    seq.spec_token_ids = [4, 5]
+    sched._preempt(seq)
+    assert seq.spec_token_ids == []
+
+
+def test_a_shrunk_table_is_sent_again_from_where_it_shrank():
+    builder = ItemBuilder()
+    sched = _scheduler()
+    seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])
+    seq.spec_token_ids = [11, 12, 13, 14, 15]
+    out = sched.schedule()
+    (item,) = builder.items(out.scheduled)
+    assert item.token_ids == [9, 11, 12, 13, 14, 15] and item.num_spec == 5
+    batch = InputBatch(4, torch.device("cpu"))
+    batch.prepare([item])
+    sched.complete_step(out)
+    seq.output_token_ids += [11, 30]
+    assert sched.settle_drafts(seq)
+    builder.truncate(seq.seq_id, len(seq.block_table))
+    seq.spec_token_ids = [40, 41, 42, 43, 44, 45]  # needs a fourth page again: a new one
+    out = sched.schedule()
+    (item,) = builder.items(out.scheduled)
+    assert item.first_page == 3 and item.block_table == seq.block_table[3:]
+    inputs = batch.prepare([item])
+    assert batch.pages_of(seq.seq_id) == seq.block_table
+    assert inputs.sample_items == (0,) * 7
+
+
+def test_the_input_batch_samples_every_draft_position_in_order():
+    batch = InputBatch(4, torch.device("cpu"))
+    items = [StepItem(0, [1, 2, 3], 0, [0], True),
+             StepItem(1, [7, 20, 21], 5, [1, 2], True, num_spec=2),
+             StepItem(2, [4, 5], 0, [3], False),
+             StepItem(3, [8, 30], 9, [4, 5, 6], True, num_spec=1)]
+    inputs = batch.prepare(items)
+    assert inputs.sample_items == (0, 1, 1, 1, 3, 3)
+    assert inputs.sample_rows.tolist() == [2, 3, 4, 5, 8, 9]
+    assert inputs.positions.tolist() == [0, 1, 2, 5, 6, 7, 0, 1, 9, 10]
+
+
+# -- the speculator ------------------------------------------------------------------------
+class _Matcher:
+    """Allows tokens below 20 only."""
+
+    def num_valid(self, tokens: list[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if t >= 20), len(tokens))
+
+
+def test_drafts_never_outgrow_the_length_limit_nor_the_grammar_and_stop_at_batch_size():
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=3))
+    text = [5, 6, 7, 8, 25, 9, 5, 6]  # "5 6" recurs: 7 8 25 9 follows it
+    free = make_seq(SamplingParams(), prompt=text)
+    short = make_seq(SamplingParams(), prompt=text, max_num_tokens=len(text) + 3)
+    done = make_seq(SamplingParams(), prompt=text, max_num_tokens=len(text) + 1)
+    held = make_seq(SamplingParams(), prompt=text)
+    thinking = make_seq(SamplingParams(), prompt=text)
+    seqs = [free, short, done, held, thinking]
+    spec.propose(seqs, num_running=2, matchers={held.seq_id: _Matcher()},
+                 thinking={thinking.seq_id})
+    assert free.spec_token_ids == [7, 8, 25, 9]
+    assert short.spec_token_ids == [7, 8]  # two drafts and one sampled token fill it
+    assert done.spec_token_ids == []
+    assert held.spec_token_ids == [7, 8]  # the grammar allows no 25
+    assert thinking.spec_token_ids == []
+    spec.propose(seqs, num_running=3, matchers={}, thinking=set())
+    assert all(s.spec_token_ids == [] for s in seqs)
+
+
+def test_acceptance_counts_per_position():
+    spec = Speculator(SpeculativeConfig("ngram", 3, 1, 1))
+    spec.stats.record(3, 2)
+    spec.stats.record(2, 0)
+    spec.stats.record(0, 0)
+    assert (spec.stats.num_drafts, spec.stats.num_draft_tokens,
+            spec.stats.num_accepted_tokens, spec.stats.accepted_per_pos) == (2, 5, 2, [1, 1, 0])
+
+
+# -- configuration and metrics ---------------------------------------------------------------
+@pytest.mark.parametrize("value, message", [
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
+     "prompt_lookup_max"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "not built yet"),
+    ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model' is not built"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
+    ("{not json", "JSON object"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_field(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative_config=value)
+
+
+def test_vllm_defaults_and_the_json_form():
+    assert EngineConfig(model="m", speculative_config='{"method": "ngram", '
+                        '"num_speculative_tokens": 3}').speculative_config == \
+        SpeculativeConfig("ngram", 3, 5, 5)
+    only_max = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(model="m", async_scheduling=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_the_cli_flag_names_itself_in_its_error():
+    import argparse
+
+    from quire.entrypoints.cli.common import UsageError
+    from quire.entrypoints.cli.engine_options import add_engine_options, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 99}'])
+    with pytest.raises(UsageError, match="--speculative-config"):
+        engine_config_from_args(args)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_config_from_args(args).speculative_config.num_speculative_tokens == 2
+
+
+def test_metrics_carry_vllm_s_spec_decode_counters():
+    from quire.entrypoints.server.metrics import ServerMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, kv_usage=0.0, num_used_blocks=0,
+                        num_blocks=1, num_preemptions=0, prefix_queries=0, prefix_hits=0,
+                        has_unfinished=False, spec_num_drafts=4, spec_num_draft_tokens=12,
+                        spec_num_accepted_tokens=5, spec_accepted_per_pos=[3, 2, 0])
+    text = ServerMetrics(max_model_len=64).render([stats], {})
+    assert 'quire:spec_decode_num_drafts_total{engine="0"} 4.0' in text
+    assert 'quire:spec_decode_num_draft_tokens_total{engine="0"} 12.0' in text
+    assert 'quire:spec_decode_num_accepted_tokens_total{engine="0"} 5.0' in text
+    assert ('quire:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 2.0'
+            in text)
