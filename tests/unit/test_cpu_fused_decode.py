@@ -542,3 +542,35 @@ def test_a_bfloat16_mixed_step_runs_the_c_pieces_around_the_backend(
     want, got, plain_got = results
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.08)
     torch.testing.assert_close(got, plain_got, rtol=0.02, atol=0.08)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_sequence_s_verification_rows_run_whole_in_c_like_the_op_by_op_path(
+        kernels: NativeKernels, name: str) -> None:
+    """Speculative decoding's step for one sequence (its last token and its drafts, 2 to
+    8 rows after its cached context) runs the whole layer in C on the compact weights
+    (``quire_decode_rows_f32``), and gives the op-by-op path's logits and cache."""
+    _skip_unless_compact_fits(name, True)
+    fused, plain, _, _ = _pair(CONFIGS[name], kernels, compact=True)
+    rows_calls = Counting(kernels.decode_rows_f32)
+    for layer in fused.runner.model.model.layers:
+        layer.kernel.native.decode_rows_f32 = rows_calls
+    prompt = [5, 17, 90, 3, 64, 11, 7]
+    table = [9, 2, 30, 4, 17, 6, 21, 22, 23, 24]
+    seqs = [_seq(0, prompt, table), _seq(0, prompt, table)]
+    for run, seq in zip((fused, plain), seqs):
+        run.step([ScheduledSeq(seq, 0, len(prompt))])
+    expected_calls = 0
+    for n, rows in enumerate((2, 3, 4, 5, 8, 2)):  # past page boundaries and the window
+        start = seqs[0].num_tokens
+        tokens = [(11 * n + 5 * i + 3) % 96 for i in range(rows)]
+        got, want = [], []
+        for run, seq, out in zip((fused, plain), seqs, (got, want)):
+            seq.output_token_ids.append(tokens[0])
+            out.append(run.step([ScheduledSeq(seq, start, rows, spec=tuple(tokens[1:]))]))
+            seq.output_token_ids += tokens[1:]  # every draft accepted
+        expected_calls += 2  # both layers
+        assert rows_calls.calls == expected_calls
+        assert got[0].shape == (rows, 96)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    _assert_same_caches(fused, plain, seqs[:1])

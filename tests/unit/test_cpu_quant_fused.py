@@ -79,3 +79,41 @@ def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkey
                      len(tokens))
         assert agree >= 2
         assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_verification_step_runs_the_one_sequence_layer_on_the_blocks(q4_k_m, dtype,
+                                                                       monkeypatch):
+    """Speculative decoding's verification steps (the last token and its drafts of one
+    sequence) run the whole layer in C on the blocks (``quire_decode_rows_f32``), and
+    give the torch reference's tokens, with logprobs within float32 rounding (bfloat16:
+    within its noise, 0.1)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+
+    rows: list[int] = []
+    original = FusedDecodeLayer._last_rows
+
+    def counting(self, n, ctx):
+        fits = original(self, n, ctx)
+        if fits:
+            rows.append(n)
+        return fits
+
+    monkeypatch.setattr(FusedDecodeLayer, "_last_rows", counting)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    prompt = [[1, 17, 45, 99, 23, 7, 17, 45, 99, 23, 7, 17, 45]]
+    native = _run(q4_k_m, prompt, dtype=dtype, speculative_config=spec)
+    assert rows and max(rows) > 1  # verification steps took the C layer
+    monkeypatch.setattr(FusedDecodeLayer, "_last_rows", original)
+    reference = _run(q4_k_m, prompt, dtype=dtype, speculative_config=spec,
+                     platform_options={"native": "false"})
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = native[0], reference[0]
+    if dtype == "float32":
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+    else:
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
+                     len(tokens))
+        assert agree >= 2
+        assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.1)

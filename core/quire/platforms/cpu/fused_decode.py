@@ -14,6 +14,10 @@ SiLU and products, the rotary's roll) and the Python around them took ~40 ms of 
   norm and gated MLP. A lone sequence on compact weights runs
   ``quire_decode_layer_f32`` (weights streamed from their encoding, one row); other
   decode steps run ``quire_decode_batch_f32`` on the float32 panels.
+- *a lone sequence's last few tokens* (speculative decoding's verification: its last
+  token and its drafts, up to :data:`LAST_ROWS_MAX`): the same whole layer for those
+  rows, ``quire_decode_rows_f32``, each weight read once for up to 4 rows, every
+  token's K/V written before any attends. Op by op, two rows took nearly twice one.
 - *any other step* (prompts, chunks after a cached prefix, mixed steps), on panels:
   the layer before attention (``quire_layer_front_f32``: residual, norm, QKV, rotary)
   and after it (``quire_layer_back_f32``: output projection, residual, norm, gated MLP)
@@ -81,6 +85,11 @@ if TYPE_CHECKING:
     from quire.models.context import ForwardContext
 
 logger = logging.getLogger(__name__)
+
+
+#: Most tokens of one sequence the one-sequence C layer takes in a step (a verification
+#: step's last token and drafts; speculative decoding allows 16 drafts).
+LAST_ROWS_MAX = 17
 
 
 class FusedDecodeLayer:
@@ -181,7 +190,8 @@ class FusedDecodeLayer:
             done = self._float32(hidden, residual, cos, sin, ctx)
         elif residual is not None and residual.dtype != torch.bfloat16:
             return None
-        elif rows == 1 and self._compact is not None and self._pure_decode(rows, ctx):
+        elif self._compact is not None and (
+                (rows == 1 and self._pure_decode(rows, ctx)) or self._last_rows(rows, ctx)):
             done = self._lone_bf16(hidden, residual, cos, sin, ctx)
         else:
             done = None
@@ -213,6 +223,8 @@ class FusedDecodeLayer:
         done = None
         if self._pure_decode(hidden.shape[0], ctx):
             done = self._decode(hidden, residual, cos, sin, ctx)
+        elif self._compact is not None and self._last_rows(hidden.shape[0], ctx):
+            done = self._decode(hidden, residual, cos, sin, ctx)
         if done is None and self._panels is not None:
             done = self._halves(hidden, residual, cos, sin, ctx)
         return done
@@ -220,8 +232,8 @@ class FusedDecodeLayer:
     def _lone_bf16(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor,
                    ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A bfloat16 lone sequence's decode step, in float32 from the compact copies:
-        its rows widened here and its outputs rounded back."""
+        """A bfloat16 lone sequence's decode step (or its last rows), in float32 from the
+        compact copies: its rows widened here and its outputs rounded back."""
         residual = None if residual is None else residual.float()
         done = self._decode(hidden.float(), residual, cos.float(), sin.float(), ctx)
         return None if done is None else (done[0].to(self.dtype), done[1].to(self.dtype))
@@ -235,11 +247,24 @@ class FusedDecodeLayer:
         return (group.decode_tables is not None and group.num_seqs == rows
                 and group.token_idx is None)
 
+    def _last_rows(self, rows: int, ctx: ForwardContext) -> bool:
+        """Whether the step is the last few tokens of one sequence after its cached
+        context (speculative decoding's verification: its last token and its drafts),
+        which the one-sequence C layer takes as :data:`LAST_ROWS_MAX` rows at most. A
+        prompt's first step is not (it runs the halves)."""
+        meta = ctx.metadata
+        if not isinstance(meta, CpuSdpaMetadata) or len(meta.groups) != 1:
+            return False
+        group = meta.groups[0]
+        return (1 < rows <= LAST_ROWS_MAX and group.num_seqs == 1 and group.max_q == rows
+                and group.token_idx is None and group.fresh_rows is None)
+
     def _decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole layer in one call, attention included; None when the cache or the
-        weights do not fit it."""
+        weights do not fit it. A decode step's rows, or one sequence's last rows on the
+        compact weights."""
         rows = hidden.shape[0]
         meta = ctx.metadata
         group = meta.groups[0]
@@ -248,15 +273,29 @@ class FusedDecodeLayer:
                 and kv_cache.shape[3:] == (self.hkv, self.d)):
             return None
         # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
-        use_compact = rows == 1 and self._compact is not None and hidden.dtype == torch.float32
-        if not use_compact and self._panels is None:
+        one_sequence = group.num_seqs == 1 and (rows == 1 or group.decode_tables is None)
+        use_compact = (one_sequence and self._compact is not None
+                       and hidden.dtype == torch.float32)
+        if not use_compact and (self._panels is None or group.decode_tables is None):
             return None
         out = torch.empty_like(hidden)
         new_residual = torch.empty_like(hidden)
         half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
         residual_ptr = None if residual is None else residual.data_ptr()
-        if use_compact:
+        if use_compact and rows > 1:
+            qkv, o, gate_up, down = self._compact
+            table, slots = group.tables, meta.slot_mapping
+            if not (table.is_contiguous() and slots.is_contiguous()
+                    and table.dtype == slots.dtype == torch.int64):
+                return None
+            failed = self.native.decode_rows_f32(
+                rows, hidden.data_ptr(), residual_ptr, self.hidden, self.desc, qkv, o,
+                gate_up, down, cos.data_ptr(), sin.data_ptr(), cos.stride(0), base,
+                base + half, slots.data_ptr(), table.data_ptr(), int(group.lens[0]),
+                kv_cache.shape[2], self.window, self.hq, self.hkv, self.d, self.scale,
+                out.data_ptr(), new_residual.data_ptr())
+        elif use_compact:
             qkv, o, gate_up, down = self._compact
             failed = self.native.decode_layer_f32(
                 hidden.data_ptr(), residual_ptr, self.hidden, self.desc, qkv, o, gate_up,

@@ -204,6 +204,13 @@ class NativeKernels:
             _ptr, _ptr, _i64, desc, linear, linear, linear, linear,
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_float, _ptr, _ptr]
+        # the last rows of one sequence (speculative decoding's verification), as raw
+        self.decode_rows_f32 = library.quire_decode_rows_f32
+        self.decode_rows_f32.restype = ctypes.c_int
+        self.decode_rows_f32.argtypes = [
+            _i64, _ptr, _ptr, _i64, desc, linear, linear, linear, linear,
+            _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+            ctypes.c_float, _ptr, _ptr]
         # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
         self.decode_batch_f32 = library.quire_decode_batch_f32
         self.decode_batch_f32.restype = ctypes.c_int

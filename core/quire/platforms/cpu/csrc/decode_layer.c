@@ -112,6 +112,45 @@ static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
     }
 }
 
+/* y = W x (+ bias) for m rows of x (in_features apart) into m rows of y (out_features
+ * apart): each weight row or block read once for all m rows where the kernel takes
+ * several (the blocks' direct path, panels); call inside a parallel region. */
+static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t m, float *y) {
+    if (m == 1) {
+        gemv_team(w, x, y);
+        return;
+    }
+    if (w->format == QUIRE_FORMAT_PANELS) {
+        quire_panel_gemm_team(x, m, w->in_features, (const float *)w->codes, w->out_features,
+                              w->bias, y);
+        return;
+    }
+    if (w->format == QUIRE_FORMAT_QUANT) {
+        const struct quire_qpart *part = w->codes;
+        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
+            const float *bias = w->bias ? w->bias + at : NULL;
+            if (part[p].q8)
+                quire_quant_rows_q8_team(part[p].fmt, x, m, w->in_features, part[p].w,
+                                         part[p].w_stride, part[p].rows, bias, y + at,
+                                         w->out_features);
+            else
+                quire_quant_rows_team(part[p].fmt, x, m, w->in_features, part[p].w,
+                                      part[p].w_stride, part[p].rows, part[p].scales, bias,
+                                      y + at, w->out_features);
+        }
+#pragma omp barrier
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < w->out_features; j++)
+        for (int64_t r = 0; r < m; r++) {
+            const float v = quire_compact_dot(w->format, x + r * w->in_features,
+                                              w->in_features, w->codes, w->scales,
+                                              w->offsets, j);
+            y[r * w->out_features + j] = w->bias ? v + w->bias[j] : v;
+        }
+}
+
 /* Whether a quantised weight's parts fit its shape and the kernels. */
 static int linear_fits(const struct quire_linear *w) {
     if (w->format != QUIRE_FORMAT_QUANT)
@@ -240,6 +279,15 @@ static void mlp_row_team(const struct quire_layer_desc *desc,
     }
 }
 
+int quire_decode_rows_f32(
+    int64_t rows, const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
+    const struct quire_linear *o, const struct quire_linear *gate_up,
+    const struct quire_linear *down, const float *cos, const float *sin, int64_t cos_stride,
+    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *table, int64_t seq_len,
+    int64_t block_size, int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale,
+    float *out, float *residual_out);
+
 /*
  * x, residual (NULL on the first layer), out, residual_out: [hidden] rows. k_cache and
  * v_cache: the layer's two halves, [num_blocks * block_size, hkv, d]; slot: where this
@@ -254,64 +302,113 @@ int quire_decode_layer_f32(
     void *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
     int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
     float *residual_out) {
+    return quire_decode_rows_f32(1, x, residual, hidden, desc, qkv, o, gate_up, down, cos, sin,
+                                 d, k_cache, v_cache, &slot, table, seq_len, block_size,
+                                 window, hq, hkv, d, scale, out, residual_out);
+}
+
+/*
+ * quire_decode_layer_f32 for the last `rows` tokens of one sequence (speculative
+ * decoding's verification: its last token and its drafts): x, residual, out,
+ * residual_out: [rows, hidden]; cos, sin: row r at r * cos_stride; slots: each token's;
+ * seq_len counts the last token, so token r attends positions [0, seq_len - rows + r].
+ * Every weight is read once for all rows where its kernel takes several, and every
+ * token's key and value are written before any token attends.
+ */
+int quire_decode_rows_f32(
+    int64_t rows, const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
+    const struct quire_linear *o, const struct quire_linear *gate_up,
+    const struct quire_linear *down, const float *cos, const float *sin, int64_t cos_stride,
+    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *table, int64_t seq_len,
+    int64_t block_size, int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale,
+    float *out, float *residual_out) {
     const int external = desc->mlp_external;
     const int64_t inter = external ? 0 : gate_up->out_features / 2;
-    if (!desc_fits(desc) || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
-        d % 2 || seq_len < 1 || qkv->in_features != hidden ||
-        qkv->out_features != (hq + 2 * hkv) * d || o->in_features != hq * d ||
-        o->out_features != hidden ||
+    if (!desc_fits(desc) || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv ||
+        d <= 0 || d % 2 || seq_len < rows || cos_stride < d ||
+        qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d ||
+        o->in_features != hq * d || o->out_features != hidden ||
         (!external && (gate_up->in_features != hidden || gate_up->out_features % 2 ||
                        down->in_features != inter || down->out_features != hidden)) ||
         !linear_fits(qkv) || !linear_fits(o) ||
         (!external && (!linear_fits(gate_up) || !linear_fits(down))))
         return 1;
     const float eps = desc->eps;
-    const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t n = seq_len - start;
     const int64_t row = hkv * d; /* floats per cache slot */
-    float *scratch = malloc(sizeof(float) * (hidden + qkv->out_features + hq * d + hidden +
-                                             3 * inter + hq * n));
+    const int64_t nqkv = qkv->out_features;
+    const int64_t longest = (window > 0 && seq_len > window) ? window : seq_len;
+    float *scratch = malloc(sizeof(float) * rows * (hidden + nqkv + hq * d + hidden +
+                                                    3 * inter + hq * longest));
     if (scratch == NULL)
         return 2;
-    float *normed = scratch, *qkv_out = normed + hidden, *attn = qkv_out + qkv->out_features;
-    float *o_out = attn + hq * d, *act = o_out + hidden, *gu = act + inter;
-    float *scores = gu + 2 * inter;
+    float *normed = scratch, *qkv_out = normed + rows * hidden;
+    float *attn = qkv_out + rows * nqkv, *o_out = attn + rows * hq * d;
+    float *act = o_out + rows * hidden, *gu = act + rows * inter;
+    float *scores = gu + 2 * rows * inter;
 
 #pragma omp parallel
     {
 #pragma omp single
-        {
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * hidden;
+            float *res = residual_out + r * hidden;
             for (int64_t i = 0; i < hidden; i++)
-                residual_out[i] = residual ? residual[i] + x[i] : x[i];
-            quire_rms_norm_row(residual_out, desc->norm_in, eps, hidden, normed);
+                res[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
+            quire_rms_norm_row(res, desc->norm_in, eps, hidden, normed + r * hidden);
         }
-        gemv_team(qkv, normed, qkv_out);
+        gemm_rows_team(qkv, normed, rows, qkv_out);
 #pragma omp single
-        {
+        for (int64_t r = 0; r < rows; r++) {
+            float *qr = qkv_out + r * nqkv;
             if (desc->q_norm) {
-                norm_heads(qkv_out, hq, d, desc->q_norm, eps);
-                norm_heads(qkv_out + hq * d, hkv, d, desc->k_norm, eps);
+                norm_heads(qr, hq, d, desc->q_norm, eps);
+                norm_heads(qr + hq * d, hkv, d, desc->k_norm, eps);
             }
-            rotate(qkv_out, hq + hkv, d, cos, sin); /* q heads then k heads */
-            store_kv_row(k_cache, desc->kv_bf16, slot, row, qkv_out + hq * d);
-            store_kv_row(v_cache, desc->kv_bf16, slot, row, qkv_out + (hq + hkv) * d);
+            rotate(qr, hq + hkv, d, cos + r * cos_stride, sin + r * cos_stride);
+            store_kv_row(k_cache, desc->kv_bf16, slots[r], row, qr + hq * d);
+            store_kv_row(v_cache, desc->kv_bf16, slots[r], row, qr + (hq + hkv) * d);
         }
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < hq; h++)
-            attend_heads_kv(desc->kv_bf16, qkv_out, k_cache, v_cache, table, start, n, h, h + 1,
-                            hq / hkv, row, d, block_size, scale, scores + h * n, attn);
-        gemv_team(o, attn, o_out);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < hq; h++) {
+                const int64_t len = seq_len - rows + 1 + r;
+                const int64_t start = (window > 0 && len > window) ? len - window : 0;
+                attend_heads_kv(desc->kv_bf16, qkv_out + r * nqkv, k_cache, v_cache, table,
+                                start, len - start, h, h + 1, hq / hkv, row, d, block_size,
+                                scale, scores + (r * hq + h) * longest, attn + r * hq * d);
+            }
+        gemm_rows_team(o, attn, rows, o_out);
 #pragma omp single
-        {
+        for (int64_t r = 0; r < rows; r++) {
+            float *orow = o_out + r * hidden, *res = residual_out + r * hidden;
             if (desc->attn_out_norm)
-                quire_rms_norm_row(o_out, desc->attn_out_norm, eps, hidden, o_out);
+                quire_rms_norm_row(orow, desc->attn_out_norm, eps, hidden, orow);
             for (int64_t i = 0; i < hidden; i++)
-                residual_out[i] += o_out[i];
-            quire_rms_norm_row(residual_out, desc->norm_pre_mlp, eps, hidden,
-                               external ? out : normed);
+                res[i] += orow[i];
+            quire_rms_norm_row(res, desc->norm_pre_mlp, eps, hidden,
+                               external ? out + r * hidden : normed + r * hidden);
         }
-        if (!external)
-            mlp_row_team(desc, gate_up, down, normed, hidden, inter, gu, act, out);
+        if (!external) {
+            if (rows == 1) {
+                mlp_row_team(desc, gate_up, down, normed, hidden, inter, gu, act, out);
+            } else {
+                gemm_rows_team(gate_up, normed, rows, gu);
+#pragma omp for schedule(static) collapse(2)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t i0 = 0; i0 < inter; i0 += 8)
+                        act_mul(desc->activation, gu + r * 2 * inter + i0,
+                                gu + r * 2 * inter + inter + i0,
+                                inter - i0 < 8 ? inter - i0 : 8, act + r * inter + i0);
+                gemm_rows_team(down, act, rows, out);
+                if (desc->mlp_out_norm) {
+#pragma omp single
+                    for (int64_t r = 0; r < rows; r++)
+                        quire_rms_norm_row(out + r * hidden, desc->mlp_out_norm, eps, hidden,
+                                           out + r * hidden);
+                }
+            }
+        }
     }
     free(scratch);
     return 0;
