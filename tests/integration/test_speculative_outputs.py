@@ -65,6 +65,7 @@ def _generate(path: str, spec: dict | None, params, passes: int = 1, **options):
         assert core.block_manager.num_used_blocks == 0
         core.block_manager.check_invariants(list(core.scheduler.live_sequences()))
         assert core.sampler.num_seq_generators() == 0
+        assert core._speculator is None or len(core._speculator.tokens) == 0
         return runs, core.stats()
 
 
@@ -149,3 +150,31 @@ def test_greedy_outputs_with_worker_processes_equal_those_without(setup):
                             distributed_executor_backend="mp")
     assert spec == plain
     assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.slow  # about 30 s: two pipeline stages, one process each
+def test_greedy_outputs_with_a_pipeline_equal_those_without(setup):
+    path, _, stop, stop_id = setup
+    params = _greedy_params(stop, stop_id)
+    plain, _ = _generate(path, None, params)
+    spec, stats = _generate(path, SPEC, params, pipeline_parallel_size=2,
+                            distributed_executor_backend="mp")
+    assert spec == plain
+    assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.slow  # about 20 s: two engine core processes
+def test_engine_core_processes_speculate_and_report_their_counts(setup):
+    path, _, stop, stop_id = setup
+    params = _greedy_params(stop, stop_id)
+    plain, _ = _generate(path, None, params)
+    with LLM(path, device="cpu", block_size=4, speculative_config=SPEC,
+             data_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        stats = llm.engine.stats()
+    got = [[(c.token_ids, c.finish_reason, c.stop_reason, c.text,
+             [{t: lp.rank for t, lp in d.items()} for d in c.logprobs or []])
+            for c in o.outputs] for o in outs]
+    assert got == plain[0]
+    assert stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens > 0
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens

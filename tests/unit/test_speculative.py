@@ -258,6 +258,19 @@ def test_drafts_never_outgrow_the_length_limit_nor_the_grammar_and_stop_at_batch
     assert all(s.spec_token_ids == [] for s in seqs)
 
 
+def test_token_arrays_follow_each_sequence_as_it_grows():
+    from quire.engine.speculation import TokenArrays
+
+    arrays = TokenArrays()
+    seq = make_seq(SamplingParams(), prompt=list(range(50)))
+    assert arrays.of(seq).tolist() == seq.token_ids
+    for step in range(100):  # past the first capacity, twice
+        seq.output_token_ids += [step, step + 1][: 1 + step % 2]
+        assert arrays.of(seq).tolist() == seq.token_ids
+    arrays.forget(seq.seq_id)
+    assert len(arrays) == 0
+
+
 def test_acceptance_counts_per_position():
     spec = Speculator(SpeculativeConfig("ngram", 3, 1, 1))
     spec.stats.record(3, 2)
@@ -291,7 +304,10 @@ def test_bad_speculative_configs_are_refused_naming_the_field(value, message):
 def test_vllm_defaults_and_the_json_form():
     assert EngineConfig(model="m", speculative_config='{"method": "ngram", '
                         '"num_speculative_tokens": 3}').speculative_config == \
-        SpeculativeConfig("ngram", 3, 5, 5)
+        SpeculativeConfig("ngram", 3, 5, 5, disable_by_batch_size=40)
+    always = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                      "disable_by_batch_size": None})
+    assert always.disable_by_batch_size is None
     only_max = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 4})
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)

@@ -317,6 +317,8 @@ class EngineCore:
         its table in the workers' input batches."""
         self.sampler.release(seq.seq_id)
         self._items.release(seq.seq_id)
+        if self._speculator is not None:
+            self._speculator.forget(seq.seq_id)
         self._matchers.pop(seq.seq_id, None)
         self._thinking.pop(seq.seq_id, None)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from quire.engine.sequence import Sequence
 from quire.spec.config import SpeculativeConfig
 from quire.spec.ngram import NgramProposer
@@ -43,14 +45,53 @@ class SpecStats:
             per_pos[pos] += 1
 
 
+class TokenArrays:
+    """Each live sequence's tokens as an int32 array that grows as tokens come (a
+    sequence's tokens are never taken back, preemption included), so that a proposal
+    reads its tokens without copying the whole list every step."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[np.ndarray, int]] = {}
+
+    def of(self, seq: Sequence) -> np.ndarray:
+        """``seq``'s tokens, prompt then output (a view, valid until the next call)."""
+        total = seq.num_tokens
+        array, known = self._arrays.get(seq.seq_id, (None, 0))
+        if array is None or total > len(array):
+            grown = np.empty(max(64, 2 * total), dtype=np.int32)
+            if array is None:
+                known = seq.num_prompt_tokens
+                grown[:known] = seq.prompt_token_ids
+            else:
+                grown[:known] = array[:known]
+            array = grown
+        if total > known:
+            n_prompt = seq.num_prompt_tokens
+            array[known:total] = seq.output_token_ids[known - n_prompt : total - n_prompt]
+        self._arrays[seq.seq_id] = (array, total)
+        return array[:total]
+
+    def forget(self, seq_id: int) -> None:
+        self._arrays.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
 class Speculator:
-    """Proposes drafts for sequences; one per engine core."""
+    """Proposes drafts for sequences; one per engine core. Call :meth:`forget` when a
+    sequence finishes."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens,
                                       config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.tokens = TokenArrays()
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what is kept for a finished or aborted sequence."""
+        self.tokens.forget(seq_id)
 
     def propose(self, seqs: list[Sequence], num_running: int,
                 matchers: dict[int, Matcher], thinking: set[int]) -> None:
@@ -71,7 +112,7 @@ class Speculator:
             if off or room <= 0 or seq.seq_id in thinking:
                 seq.spec_token_ids = []
                 continue
-            drafts = self.proposer.propose(seq.token_ids, room)
+            drafts = self.proposer.propose(self.tokens.of(seq), room)
             if drafts and matchers:
                 matcher = matchers.get(seq.seq_id)
                 if matcher is not None:

@@ -17,6 +17,10 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 BUILT = ("ngram",)
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
+#: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
+#: platform (docs/bench.md, "Speculative decoding": a gain up to 32 running sequences,
+#: a loss at 64). vLLM's default is never; give null for that.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 40
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
          "prompt_lookup_max", "disable_by_batch_size")
 
@@ -35,7 +39,7 @@ class SpeculativeConfig:
     model: str | None = None
     #: No drafts in a step whose running sequences reach this many (vLLM's name); None:
     #: always speculate.
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -97,4 +101,5 @@ class SpeculativeConfig:
             high = low if isinstance(low, int) and low >= 1 else 5
         return cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
                    prompt_lookup_min=low, prompt_lookup_max=high, model=value.get("model"),
-                   disable_by_batch_size=value.get("disable_by_batch_size"))
+                   disable_by_batch_size=value.get("disable_by_batch_size",
+                                                   DEFAULT_DISABLE_BY_BATCH_SIZE))
