@@ -22,6 +22,11 @@ A call is two halves: :meth:`Sampler.sample_on_device` launches the work and the
 to the host and returns at once; :meth:`Sampler.to_host` waits for those copies only and
 builds the lists. Async scheduling submits the next step between the two, which then
 reads the tokens on the device (:class:`DeviceSample`'s ``token_ids``).
+
+Speculative decoding calls :meth:`Sampler.verify` instead: several rows per sequence,
+each adjusted as above with the drafts before it counted as output, then the exact
+rejection rule (:mod:`quire.sampling.rejection`). Rows are the sampler's own input type
+(:class:`~quire.sampling.rows.SamplingRow`), which the engine's sequences satisfy.
 """
 
 from __future__ import annotations

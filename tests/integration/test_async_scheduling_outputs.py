@@ -6,10 +6,8 @@ the ordering and the bookkeeping, not an overlap) and once with worker processes
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
+from eos_variant import eos_variant
 from quire import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64, 8], [5, 17, 42, 9, 77, 3, 101, 64, 8, 6, 6],
@@ -21,19 +19,8 @@ REGEX = r"[a-z]{2,5}( [a-z]{2,5}){0,3}\."
 def setup(tiny_checkpoint, tmp_path_factory):
     """A copy of the tiny llama whose EOS is a token greedy decoding reaches, and a stop
     string and a stop token id that the greedy outputs hold."""
-    path = tiny_checkpoint("llama")
-    with LLM(str(path), device="cpu", block_size=4) as probe:
-        greedy = [o.outputs[0] for o in probe.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
-    eos = greedy[0].token_ids[4]
-    model_dir = tmp_path_factory.mktemp("async") / "eos"
-    shutil.copytree(path, model_dir)
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
-    text = greedy[3].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    assert stop.strip(), "the probe's text has no stop string to pick"
-    return str(model_dir), eos, stop, greedy[2].token_ids[5]
+    return eos_variant(tiny_checkpoint("llama"), PROMPTS, tmp_path_factory.mktemp("async"),
+                       eos_at=4)
 
 
 def _params(stop: str, stop_id: int) -> list[SamplingParams]:

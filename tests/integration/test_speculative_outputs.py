@@ -6,11 +6,10 @@ whose greedy outputs repeat, so that drafts are proposed, accepted and rejected.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 
 import pytest
+from eos_variant import eos_variant
 from quire import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64, 8, 5, 17, 42, 9], [12, 7, 7, 12, 7, 7, 12, 7],
@@ -24,19 +23,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def setup(tiny_checkpoint, tmp_path_factory):
     """A copy of the tiny llama whose EOS is a token greedy decoding reaches, and a stop
     string and a stop token id that the greedy outputs hold."""
-    path = tiny_checkpoint("llama")
-    with LLM(str(path), device="cpu", block_size=4) as probe:
-        greedy = [o.outputs[0] for o in probe.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
-    eos = greedy[0].token_ids[6]
-    model_dir = tmp_path_factory.mktemp("spec") / "eos"
-    shutil.copytree(path, model_dir)
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
-    text = greedy[3].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    assert stop.strip(), "the probe's text has no stop string to pick"
-    return str(model_dir), eos, stop, greedy[2].token_ids[5]
+    return eos_variant(tiny_checkpoint("llama"), PROMPTS, tmp_path_factory.mktemp("spec"),
+                       eos_at=6)
 
 
 def _greedy_params(stop: str, stop_id: int) -> list[SamplingParams]:

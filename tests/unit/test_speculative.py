@@ -187,6 +187,24 @@ def test_drafts_give_way_to_the_budget_and_before_any_preemption():
     assert b.status is SequenceStatus.RUNNING
 
 
+def test_drafts_never_take_the_page_a_later_sequence_needs():
+    sched = _scheduler(num_blocks=4, budget=64)
+    a = make_seq(SamplingParams(max_tokens=8), prompt=[1, 2, 3, 4, 5, 6, 7])
+    b = make_seq(SamplingParams(max_tokens=8), prompt=[1, 2, 3, 9])
+    for seq in (a, b):
+        sched.add(seq, seq.num_tokens + 7)
+    out = sched.schedule()  # both prompts: 2 + 1 pages, one left
+    sched.complete_step(out)
+    a.output_token_ids.append(8)  # position 7 still fits a's second page
+    b.output_token_ids.append(8)  # position 4 needs b's second page: the last one
+    a.spec_token_ids = [5]  # position 8 would need the last page too
+    out = sched.schedule()
+    assert not out.preempted
+    assert [(s.seq.seq_id, s.num_tokens, s.spec) for s in out.scheduled] == \
+        [(a.seq_id, 1, ()), (b.seq_id, 1, ())]
+    a.spec_token_ids = []
+
+
 def test_a_preempted_sequence_drops_its_drafts():
     sched = _scheduler()
     seq = _decoding(sched, [1, 2, 3])

@@ -39,9 +39,9 @@ from quire.engine.messages import (
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
 from quire.engine.speculation import Speculator
+from quire.engine.step_items import ItemBuilder
 from quire.executor import check_parallel, make_executor, worker_config
 from quire.executor.abstract import Executor
-from quire.engine.step_items import ItemBuilder
 from quire.executor.model_runner import StepResult
 from quire.executor.worker import model_max_len
 from quire.interfaces.platform import Platform, configure_platform

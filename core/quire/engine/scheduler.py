@@ -26,6 +26,12 @@ the step samples, the pages it needs), and the step computes it from the device.
 sequence whose pending token will surely end it by length is not scheduled, so no
 sequence outgrows the K/V it was admitted for. Depth is 1 then: the previous step is
 complete when the next is scheduled, so every running sequence may be preempted.
+
+With speculative decoding a decoding sequence may carry draft tokens
+(``Sequence.spec_token_ids``): they are computed after its last token in the same step
+(``ScheduledSeq.spec``), within the budget and only on pages that leave one free for each
+running sequence after it. After verification :meth:`Scheduler.settle_drafts` keeps only
+the accepted tokens' K/V as computed and gives the rejected drafts' pages back.
 """
 
 from __future__ import annotations
@@ -220,12 +226,16 @@ class Scheduler:
                 i += 1  # in flight, or seq.pending_finishes_it
                 continue
             num = known - seq.num_computed_tokens  # seq.num_uncomputed_tokens
-            # drafts ride behind the known tokens, within the budget, and give way
-            # before any sequence is preempted for them
+            # drafts ride behind the known tokens, within the budget, and only on pages
+            # that leave one free for each running sequence after this one: they never
+            # cause a preemption
             n_spec = len(seq.spec_token_ids)
             if num + n_spec > budget:
                 n_spec = max(0, budget - num)
                 num = min(num, budget)
+            if n_spec and self._draft_pages(seq, num, n_spec) > \
+                    self.block_manager.num_free_blocks - (len(running) - i - 1):
+                n_spec = 0
             ok = allocate(seq, num + n_spec)
             if not ok and n_spec:
                 n_spec = 0
@@ -244,6 +254,12 @@ class Scheduler:
             budget -= num + n_spec
             i += 1
         return budget
+
+    def _draft_pages(self, seq: Sequence, num: int, n_spec: int) -> int:
+        """New pages ``seq``'s drafts need beyond those of its ``num`` known tokens."""
+        bm = self.block_manager
+        held = max(len(seq.block_table), bm.blocks_for(seq.num_computed_tokens + num))
+        return max(0, bm.blocks_for(seq.num_computed_tokens + num + n_spec) - held)
 
     def _victim(self) -> Sequence | None:
         """The running sequence to preempt: the last in (priority, arrival) order that is

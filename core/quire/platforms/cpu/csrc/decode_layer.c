@@ -81,45 +81,11 @@ struct quire_qpart {
 #define QUIRE_FORMAT_PANELS 3
 #define QUIRE_FORMAT_QUANT 4
 
-/* y = W x (+ bias), rows split over the team; call inside a parallel region. */
-static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
-    if (w->format == QUIRE_FORMAT_PANELS) {
-        quire_panel_gemm_team(x, 1, w->in_features, (const float *)w->codes, w->out_features,
-                              w->bias, y);
-        return;
-    }
-    if (w->format == QUIRE_FORMAT_QUANT) {
-        const struct quire_qpart *part = w->codes;
-        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
-            const float *bias = w->bias ? w->bias + at : NULL;
-            if (part[p].q8)
-                quire_quant_rows_q8_team(part[p].fmt, x, 1, w->in_features, part[p].w,
-                                         part[p].w_stride, part[p].rows, bias, y + at,
-                                         part[p].rows);
-            else
-                quire_quant_rows_team(part[p].fmt, x, 1, w->in_features, part[p].w,
-                                      part[p].w_stride, part[p].rows, part[p].scales, bias,
-                                      y + at, part[p].rows);
-        }
-#pragma omp barrier
-        return;
-    }
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < w->out_features; j++) {
-        const float v = quire_compact_dot(w->format, x, w->in_features, w->codes, w->scales,
-                                          w->offsets, j);
-        y[j] = w->bias ? v + w->bias[j] : v;
-    }
-}
-
 /* y = W x (+ bias) for m rows of x (in_features apart) into m rows of y (out_features
- * apart): each weight row or block read once for all m rows where the kernel takes
- * several (the blocks' direct path, panels); call inside a parallel region. */
+ * apart), weight rows split over the team: each weight row or block read once for all m
+ * rows where the kernel takes several (the blocks' direct path, panels); call inside a
+ * parallel region. */
 static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t m, float *y) {
-    if (m == 1) {
-        gemv_team(w, x, y);
-        return;
-    }
     if (w->format == QUIRE_FORMAT_PANELS) {
         quire_panel_gemm_team(x, m, w->in_features, (const float *)w->codes, w->out_features,
                               w->bias, y);
@@ -149,6 +115,11 @@ static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t
                                               w->offsets, j);
             y[r * w->out_features + j] = w->bias ? v + w->bias[j] : v;
         }
+}
+
+/* y = W x (+ bias) for one row. */
+static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
+    gemm_rows_team(w, x, 1, y);
 }
 
 /* Whether a quantised weight's parts fit its shape and the kernels. */
