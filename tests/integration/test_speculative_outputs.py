@@ -129,24 +129,14 @@ def test_seeded_sampling_is_reproducible_and_keeps_its_rules(setup):
         assert all(len(entry) in (1, 2) for entry in logprobs)
 
 
-@pytest.mark.slow  # about 30 s: two worker processes per engine
-def test_greedy_outputs_with_worker_processes_equal_those_without(setup):
+@pytest.mark.slow  # about 30 s each: two worker processes per engine
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+def test_greedy_outputs_with_worker_processes_equal_those_without(setup, layout):
     path, _, stop, stop_id = setup
     params = _greedy_params(stop, stop_id)
     plain, _ = _generate(path, None, params)
-    spec, stats = _generate(path, SPEC, params, tensor_parallel_size=2,
-                            distributed_executor_backend="mp")
-    assert spec == plain
-    assert stats.spec_num_accepted_tokens > 0
-
-
-@pytest.mark.slow  # about 30 s: two pipeline stages, one process each
-def test_greedy_outputs_with_a_pipeline_equal_those_without(setup):
-    path, _, stop, stop_id = setup
-    params = _greedy_params(stop, stop_id)
-    plain, _ = _generate(path, None, params)
-    spec, stats = _generate(path, SPEC, params, pipeline_parallel_size=2,
-                            distributed_executor_backend="mp")
+    spec, stats = _generate(path, SPEC, params, distributed_executor_backend="mp", **layout)
     assert spec == plain
     assert stats.spec_num_accepted_tokens > 0
 

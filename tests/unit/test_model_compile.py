@@ -2,7 +2,7 @@
 
 Methods that ``torch.compile`` must run eagerly are marked :func:`never_traced`, and only
 :func:`compile_model` wraps them in ``torch.compiler.disable``: decorating at class
-definition imported Dynamo in every process (about 0.9 s of a 5 s cold start here).
+definition imported Dynamo in every process (docs/bench.md, "Start-up", has its cost).
 """
 
 from __future__ import annotations

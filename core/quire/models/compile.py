@@ -44,7 +44,7 @@ def never_traced(method: Method) -> Method:
 
     :func:`compile_model` wraps the marked methods in ``torch.compiler.disable`` when it
     compiles. Decorating with ``torch.compiler.disable`` at class definition imports
-    Dynamo, which cost every start about 0.9 s on 2 cores, compiled or not.
+    Dynamo, a large share of every start, compiled or not (docs/bench.md, "Start-up").
     """
     setattr(method, _NEVER_TRACED, True)
     return method

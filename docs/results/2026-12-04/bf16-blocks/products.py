@@ -1,6 +1,6 @@
 """Products at SmolLM2 and Llama shapes: the blocks (float32 and bfloat16 rows) against
-float32 and bfloat16 panels of the dequantised weight. Run from the repository root:
-``python docs/results/2026-12-04/bf16-blocks/products.py``."""
+float32 and bfloat16 panels of the dequantised weight. Run from the repository root,
+with this file's path."""
 import sys, time, torch
 sys.path.insert(0, "tests/unit")
 from test_cpu_quant_gemm import make_weight

@@ -1,7 +1,7 @@
 """One sequence's step of R tokens after a 200-token context, on SmolLM2-135M Q4_1 at the
 defaults: what a speculative decoding verification step costs against a decode step
-(R = 1). Prints the mean of 20 runner steps per R. Run from the repository root:
-``python docs/results/2026-12-04/spec-ngram/steptime.py [dtype]``."""
+(R = 1). Prints the mean of 20 runner steps per R. Run from the repository root, with
+this file's path and an optional dtype."""
 
 import sys
 import time

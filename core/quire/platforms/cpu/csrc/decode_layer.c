@@ -250,41 +250,16 @@ static void mlp_row_team(const struct quire_layer_desc *desc,
     }
 }
 
-int quire_decode_rows_f32(
-    int64_t rows, const float *x, const float *residual, int64_t hidden,
-    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
-    const struct quire_linear *o, const struct quire_linear *gate_up,
-    const struct quire_linear *down, const float *cos, const float *sin, int64_t cos_stride,
-    void *k_cache, void *v_cache, const int64_t *slots, const int64_t *table, int64_t seq_len,
-    int64_t block_size, int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale,
-    float *out, float *residual_out);
-
 /*
- * x, residual (NULL on the first layer), out, residual_out: [hidden] rows. k_cache and
- * v_cache: the layer's two halves, [num_blocks * block_size, hkv, d]; slot: where this
- * token's key and value go; table: the sequence's block table; seq_len counts this
- * token. Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
- */
-int quire_decode_layer_f32(
-    const float *x, const float *residual, int64_t hidden,
-    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
-    const struct quire_linear *o, const struct quire_linear *gate_up,
-    const struct quire_linear *down, const float *cos, const float *sin, void *k_cache,
-    void *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
-    int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
-    float *residual_out) {
-    return quire_decode_rows_f32(1, x, residual, hidden, desc, qkv, o, gate_up, down, cos, sin,
-                                 d, k_cache, v_cache, &slot, table, seq_len, block_size,
-                                 window, hq, hkv, d, scale, out, residual_out);
-}
-
-/*
- * quire_decode_layer_f32 for the last `rows` tokens of one sequence (speculative
- * decoding's verification: its last token and its drafts): x, residual, out,
- * residual_out: [rows, hidden]; cos, sin: row r at r * cos_stride; slots: each token's;
- * seq_len counts the last token, so token r attends positions [0, seq_len - rows + r].
- * Every weight is read once for all rows where its kernel takes several, and every
- * token's key and value are written before any token attends.
+ * One sequence's whole decoder layer for its last `rows` tokens (a decode step's one, or
+ * speculative decoding's verification: its last token and its drafts). x, residual (NULL
+ * on the first layer), out, residual_out: [rows, hidden]; cos, sin: row r at
+ * r * cos_stride; k_cache and v_cache: the layer's two halves, [num_blocks * block_size,
+ * hkv, d]; slots: where each token's key and value go; table: the sequence's block
+ * table; seq_len counts the last token, so token r attends positions
+ * [0, seq_len - rows + r]. Every weight is read once for all rows where its kernel takes
+ * several, and every token's key and value are written before any token attends.
+ * Returns 0; 1 when the shapes disagree; 2 when scratch memory is short.
  */
 int quire_decode_rows_f32(
     int64_t rows, const float *x, const float *residual, int64_t hidden,
@@ -383,6 +358,20 @@ int quire_decode_rows_f32(
     }
     free(scratch);
     return 0;
+}
+
+/* quire_decode_rows_f32 for one row: a decode step, this token's key and value at slot. */
+int quire_decode_layer_f32(
+    const float *x, const float *residual, int64_t hidden,
+    const struct quire_layer_desc *desc, const struct quire_linear *qkv,
+    const struct quire_linear *o, const struct quire_linear *gate_up,
+    const struct quire_linear *down, const float *cos, const float *sin, void *k_cache,
+    void *v_cache, int64_t slot, const int64_t *table, int64_t seq_len, int64_t block_size,
+    int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
+    float *residual_out) {
+    return quire_decode_rows_f32(1, x, residual, hidden, desc, qkv, o, gate_up, down, cos, sin,
+                                 d, k_cache, v_cache, &slot, table, seq_len, block_size,
+                                 window, hq, hkv, d, scale, out, residual_out);
 }
 
 /* A linear layer's weight in 16-column panels: float32 (NativeKernels.pack_panels), or
