@@ -182,8 +182,9 @@ class EngineConfig:
         metadata=_help("vLLM's speculative decoding, as a JSON object: "
                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt "
-                       "lookup); outputs keep the model's distribution at any temperature "
-                       "(default: none)"),
+                       "lookup) or '{\"model\": DRAFT, \"num_speculative_tokens\": 4}' (a "
+                       "draft model with the target's vocabulary); outputs keep the "
+                       "model's distribution at any temperature (default: none)"),
     )
 
     def __post_init__(self) -> None:
@@ -243,6 +244,14 @@ class EngineConfig:
             raise ValueError("speculative_config cannot run with async_scheduling yet: a "
                              "step's drafts come from the tokens the previous step sampled; "
                              "turn one of them off")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" \
+                and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config.model (a draft model) cannot run with "
+                             f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size})"
+                             ": the draft proposes in the workers before the target's "
+                             "forward, which a pipeline's stages split; use ngram or no "
+                             "pipeline")
         if self.speculative_config is not None and self.task == "embed":
             raise ValueError("speculative_config applies to generating models, not "
                              "task='embed'")

@@ -14,7 +14,7 @@ import torch
 from quire.config import EngineConfig
 from quire.engine.block_manager import BlockManager
 from quire.engine.messages import EngineStats
-from quire.engine.scheduler import Scheduler
+from quire.engine.scheduler import ScheduledSeq, Scheduler
 from quire.engine.sequence import Sequence, SequenceStatus
 from quire.engine.speculation import Speculator
 from quire.engine.step_items import ItemBuilder
@@ -236,6 +236,29 @@ def test_a_shrunk_table_is_sent_again_from_where_it_shrank():
     assert inputs.sample_items == (0,) * 7
 
 
+def test_a_draft_model_gets_the_tokens_its_k_v_lags_by():
+    """The drafter writes its K/V for the known tokens and its own proposals but the
+    last: after a step that accepted every draft, the next item names that last one."""
+    builder = ItemBuilder(drafting=True)
+    sched = _scheduler()
+    seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])  # 8 tokens, 7 computed
+    assert seq.draft_computed == 7
+    seq.spec_token_ids = [0, 0, 0]  # stand-ins
+    out = sched.schedule()
+    (item,) = builder.items(out.scheduled)
+    assert item.draft_lag == [] and item.start == 7 and item.num_spec == 3
+    sched.complete_step(out)
+    assert seq.draft_computed == 10  # the known token, drafts 1 and 2
+    seq.output_token_ids += [21, 22, 23, 24]  # all three accepted, and one more
+    sched.settle_drafts(seq)
+    assert seq.num_computed_tokens == 11
+    seq.spec_token_ids = []
+    (item,) = builder.items(sched.schedule().scheduled)
+    assert (item.start, item.token_ids, item.draft_lag) == (11, [24], [23])
+    # without a draft model nothing lags
+    assert ItemBuilder().items([ScheduledSeq(seq, 11, 1)])[0].draft_lag == []
+
+
 def test_the_input_batch_samples_every_draft_position_in_order():
     batch = InputBatch(4, torch.device("cpu"))
     items = [StepItem(0, [1, 2, 3], 0, [0], True),
@@ -308,7 +331,17 @@ def test_acceptance_counts_per_position():
      "prompt_lookup_max"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "not built yet"),
-    ({"model": "some/draft", "num_speculative_tokens": 2}, "'draft_model' is not built"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, r"\.model must name the draft"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2},
+     r"\.model does not apply to method 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "dtype": "bfloat16"},
+     r"\.quantization and \.dtype apply to a draft model"),
+    ({"model": "some/draft", "num_speculative_tokens": 2, "quantization": "int3"},
+     r"speculative_config\.quantization must be one of"),
+    ({"model": "some/draft", "num_speculative_tokens": 2, "dtype": "float8"},
+     r"speculative_config\.dtype must be"),
+    ({"model": "some/draft", "num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "disable_by_batch_size"),
@@ -332,6 +365,16 @@ def test_vllm_defaults_and_the_json_form():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="m", async_scheduling=True,
                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # a model alone means a draft model, vLLM's way
+    draft = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 4,
+                                     "quantization": "int8", "dtype": "bfloat16"})
+    assert (draft.method, draft.model, draft.quantization, draft.dtype) == \
+        ("draft_model", "d", "int8", "bfloat16")
+    with pytest.raises(ValueError, match=r"speculative_config\.model .* pipeline"):
+        EngineConfig(model="m", pipeline_parallel_size=2,
+                     speculative_config={"model": "d", "num_speculative_tokens": 3})
+    EngineConfig(model="m", pipeline_parallel_size=2,  # n-gram drafts run with stages
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
 def test_the_cli_flag_names_itself_in_its_error():

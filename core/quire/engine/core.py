@@ -51,6 +51,7 @@ from quire.models.pooling import check_task, context_length, model_task
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
+from quire.spec.draft import check_draft
 from quire.structured.backend import (
     GrammarBackend,
     Matcher,
@@ -182,6 +183,9 @@ class EngineCore:
         self._tokenizer = tokenizer  # for the grammar engine, built on first use
         self.eos_token_ids = eos_token_ids(tokenizer, self.model_config, model_path)
         self.vocab_size: int = self.model_config.vocab_size
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            check_draft(spec, self.vocab_size, tokenizer)  # before a worker loads it
 
         # the workers run at this core's dtype, not at what auto means on their hosts
         self.executor: Executor = make_executor(worker_config(config, self.config.dtype),
@@ -215,12 +219,13 @@ class EngineCore:
         # steps submitted and not yet completed, oldest first (pipeline micro-batches)
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = \
             collections.deque()
-        # what the workers' input batches hold: each sequence's pages cross once
-        self._items = ItemBuilder()
-        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
-                               seed=config.seed)
         spec = config.speculative_config
         self._speculator = Speculator(spec) if spec is not None else None
+        # what the workers' input batches hold: each sequence's pages cross once
+        self._items = ItemBuilder(drafting=spec is not None
+                                  and spec.method == "draft_model")
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
+                               seed=config.seed)
         # generate only: an embedding's step ends its request, with nothing to overlap
         self._async = config.async_scheduling and self.config.task == "generate"
         self._requests: dict[str, _Request] = {}
@@ -405,6 +410,7 @@ class EngineCore:
         """Speculative decoding: keep the drafts the target accepts, and one token more;
         then only the accepted tokens' K/V count as computed, and the pages of rejected
         drafts go back."""
+        logits, drafts = self._cut_to_grammar(logits, seqs, drafts)
         self._mask_drafts(logits, seqs, drafts)
         verified = self.sampler.verify(logits, seqs, drafts)
         stats = self._speculator.stats if self._speculator is not None else None
@@ -416,7 +422,8 @@ class EngineCore:
                     break
             if stats is not None:
                 stats.record(len(draft), accepted)
-            if draft and self.scheduler.settle_drafts(seq):
+            # every row owner: a draft cut to nothing by its grammar was still computed
+            if self.scheduler.settle_drafts(seq):
                 self._items.truncate(seq.seq_id, len(seq.block_table))
 
     def _step_async(self) -> CoreOutputs:
@@ -520,15 +527,18 @@ class EngineCore:
     @staticmethod
     def _live_draft_rows(out: SchedulerOutput, result: StepResult
                          ) -> tuple[list[Sequence], torch.Tensor, list[list[int]]]:
-        """:meth:`_live_rows` for a step with drafts: an item's rows are consecutive."""
+        """:meth:`_live_rows` for a step with drafts: an item's rows are consecutive. A
+        draft model's proposals come with the result (the step held stand-ins)."""
         seqs, drafts, keep = [], [], []
         row, items = 0, result.sample_items
+        proposed = result.drafts
         while row < len(items):
-            scheduled = out.scheduled[items[row]]
+            index = items[row]
+            scheduled = out.scheduled[index]
             count = 1 + len(scheduled.spec)
             if not scheduled.seq.is_finished:
                 seqs.append(scheduled.seq)
-                drafts.append(list(scheduled.spec))
+                drafts.append(list(scheduled.spec if proposed is None else proposed[index]))
                 keep.extend(range(row, row + count))
             row += count
         logits = result.logits
@@ -613,6 +623,31 @@ class EngineCore:
                 assert start is not None
                 bitmask[i, start // 32] |= _bit(start % 32)
         apply_bitmask(logits, bitmask, rows)
+
+    def _cut_to_grammar(self, logits: torch.Tensor, seqs: list[Sequence],
+                        drafts: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
+        """Each sequence's drafts cut to the first one its grammar refuses, and their
+        rows dropped: a draft model proposes without the grammar (n-gram drafts were cut
+        before the step, and pass unchanged). A refused draft would be rejected anyway;
+        the rows after it could not be masked."""
+        if not self._matchers:
+            return logits, drafts
+        keep: list[int] = []
+        cut: list[list[int]] = []
+        first = 0
+        for seq, draft in zip(seqs, drafts):
+            matcher = self._matchers.get(seq.seq_id)
+            n = len(draft)
+            if draft and matcher is not None and not self._is_thinking(seq.seq_id):
+                gate = self._thinking.get(seq.seq_id)
+                n = 0 if gate is not None and gate.phase == "first" \
+                    else matcher.num_valid(draft)
+            keep.extend(range(first, first + n + 1))
+            cut.append(draft[:n])
+            first += len(draft) + 1
+        if len(keep) == first:
+            return logits, drafts
+        return logits[keep], cut
 
     def _mask_drafts(self, logits: torch.Tensor, seqs: list[Sequence],
                      drafts: list[list[int]]) -> None:

@@ -339,8 +339,11 @@ class Scheduler:
                 continue
             end = item.start + item.num_tokens
             seq.num_computed_tokens = end
+            n_spec = len(item.spec)
             # pages of drafts are not the sequence's until accepted (settle_drafts)
-            cache_full_blocks(seq, end - len(item.spec))
+            cache_full_blocks(seq, end - n_spec)
+            # a draft model wrote the known tokens' K/V and its own proposals' but the last
+            seq.draft_computed = end - 1 if n_spec else end
 
     def settle_drafts(self, seq: Sequence) -> bool:
         """After the verifier appended a step's tokens to ``seq`` (speculative decoding):

@@ -3,12 +3,13 @@ what the verifier accepted.
 
 After each step the core hands the sequences that got tokens to :class:`Speculator`,
 which sets each one's ``spec_token_ids``: the proposer's drafts (n-gram prompt lookup),
-cut so that the sequence can never outgrow its length limit, to what its grammar allows,
-and to nothing when the running batch reaches ``disable_by_batch_size`` (a large batch
-is bound by compute, not by streaming weights, so verifying drafts costs more than it
-saves). The scheduler runs the drafts after the sequence's last token in the same
-forward, and the sampler's :meth:`~quire.sampler.Sampler.verify` keeps those the target
-accepts.
+or with a draft model as many stand-ins (:data:`DRAFT_STAND_IN`), which the workers'
+drafter replaces before the target's forward; cut so that the sequence can never
+outgrow its length limit, to what its grammar allows (n-gram drafts), and to nothing
+when the running batch reaches ``disable_by_batch_size`` (a large batch is bound by
+compute, not by streaming weights, so verifying drafts costs more than it saves). The
+scheduler runs the drafts after the sequence's last token in the same forward, and the
+sampler's :meth:`~quire.sampler.Sampler.verify` keeps those the target accepts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from quire.engine.sequence import Sequence
 from quire.spec.config import SpeculativeConfig
 from quire.spec.ngram import NgramProposer
 from quire.structured.backend import Matcher
+
+#: The value of a draft the workers' draft model has yet to propose (any valid id: the
+#: scheduler only counts drafts, and the drafter overwrites it).
+DRAFT_STAND_IN = 0
 
 
 @dataclass
@@ -84,8 +89,10 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        #: None with a draft model: its proposals are made in the workers.
         self.proposer = NgramProposer(config.num_speculative_tokens,
-                                      config.prompt_lookup_min, config.prompt_lookup_max)
+                                      config.prompt_lookup_min, config.prompt_lookup_max
+                                      ) if config.method == "ngram" else None
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.tokens = TokenArrays()
 
@@ -101,6 +108,8 @@ class Speculator:
             allows.
         :param thinking: seq_ids whose grammar waits for the end of their thinking: they
             get no drafts (which of their drafts the grammar holds is not known ahead).
+        A draft model's stand-ins are not cut to the grammar (their values are not known
+        here): the core cuts its proposals before verifying them.
         """
         limit = self.config.disable_by_batch_size
         off = limit is not None and num_running >= limit
@@ -111,6 +120,10 @@ class Speculator:
             room = seq.max_num_tokens - seq.num_tokens - 1
             if off or room <= 0 or seq.seq_id in thinking:
                 seq.spec_token_ids = []
+                continue
+            if self.proposer is None:
+                seq.spec_token_ids = [DRAFT_STAND_IN] * min(room,
+                                                            self.config.num_speculative_tokens)
                 continue
             drafts = self.proposer.propose(self.tokens.of(seq), room)
             if drafts and matchers:

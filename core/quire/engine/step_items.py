@@ -14,10 +14,12 @@ from quire.engine.scheduler import ScheduledSeq
 from quire.executor.messages import PENDING_TOKEN, StepItem
 
 
-def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1) -> StepItem:
+def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
+              drafting: bool = False) -> StepItem:
     """What the forward needs of one scheduled sequence, with its pages from
     ``first_page`` on (the whole table by default); ``prev_row`` holds its pending
-    token, if the step reaches it; its drafts follow its known tokens."""
+    token, if the step reaches it; its drafts follow its known tokens. ``drafting``:
+    a draft model runs in the workers, and gets the tokens its K/V lags by."""
     # per sequence per step: ScheduledSeq's and Sequence's properties inlined
     seq, start = s.seq, s.start
     spec = s.spec
@@ -44,8 +46,11 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1) -> StepI
     # boundary copies anyway
     table = seq.block_table[first_page:] if first_page else seq.block_table
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
+    lag: list[int] = []
+    if drafting and 0 <= seq.draft_computed < start:
+        lag = seq.token_slice(seq.draft_computed, start)
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
-                    len(spec))
+                    len(spec), lag)
 
 
 class ItemBuilder:
@@ -53,7 +58,9 @@ class ItemBuilder:
     and collects the sequences they may forget. Plans must reach every worker in the
     order they were built."""
 
-    def __init__(self) -> None:
+    def __init__(self, drafting: bool = False) -> None:
+        """:param drafting: a draft model runs in the workers (:func:`step_item`)."""
+        self.drafting = drafting
         # seq_id -> (its preemptions, pages the workers hold for it): a preempted
         # sequence's table starts over, whether or not it was released
         self._known: dict[int, tuple[int, int]] = {}
@@ -72,7 +79,7 @@ class ItemBuilder:
             seq = s.seq
             preemptions, pages = known.get(seq.seq_id, (-1, 0))
             out.append(step_item(s, pages if preemptions == seq.num_preemptions else 0,
-                                 rows.get(seq.seq_id, -1)))
+                                 rows.get(seq.seq_id, -1), self.drafting))
             known[seq.seq_id] = (seq.num_preemptions, len(seq.block_table))
         return out
 

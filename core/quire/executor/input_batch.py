@@ -112,6 +112,11 @@ class InputBatch:
         row = self._row_of.get(seq_id)
         return [] if row is None else self._tables[row, : self._num_pages[row]].tolist()
 
+    def num_pages_of(self, seq_id: int) -> int:
+        """How many pages the batch holds for ``seq_id`` (0 when none)."""
+        row = self._row_of.get(seq_id)
+        return 0 if row is None else int(self._num_pages[row])
+
     def _grow_tables(self, rows: int, cols: int) -> None:
         old_rows, old_cols = self._tables.shape
         rows, cols = max(rows, old_rows), max(cols, old_cols)

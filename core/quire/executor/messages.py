@@ -47,6 +47,11 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
     #: The last ``num_spec`` of ``token_ids`` are draft tokens (speculative decoding):
     #: when the item samples, logits are due at each of them and at the token before.
     num_spec: int = 0
+    #: With a draft model (the runner has a drafter): the sequence's tokens just before
+    #: ``start`` whose draft K/V is not in the pages yet (at most one after a step that
+    #: accepted every draft). The last ``num_spec`` of ``token_ids`` are then stand-ins
+    #: that the drafter replaces with its proposals before the target's forward.
+    draft_lag: list[int] = msgspec.field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -96,6 +101,8 @@ class StepOutput(msgspec.Struct, array_like=True, frozen=True):
     prompt_logits: list[tuple[int, int, Array]]
     #: An embedding model's float32 [N, hidden] vectors, rows following ``sample_items``.
     pooled: Array | None = None
+    #: With a draft model: each item's proposals (empty for items without drafts).
+    drafts: list[list[int]] | None = None
 
 
 class Call(msgspec.Struct, array_like=True, frozen=True, tag=True):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quire.executor.drafter import Drafter
 from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
@@ -46,6 +47,9 @@ class StepResult:
     #: An embedding model's float32 [N, hidden] pooled vectors (rows follow
     #: ``sample_items``; ``logits`` is then empty), None for a generating model.
     pooled: torch.Tensor | None = None
+    #: With a draft model: each scheduled item's proposals, which the forward verified
+    #: in place of its stand-ins (empty for items without drafts); None without one.
+    drafts: tuple[tuple[int, ...], ...] | None = None
 
 
 class ModelRunner:
@@ -62,6 +66,7 @@ class ModelRunner:
         ops: OpSet | None = None,
         pooling: PoolingConfig | None = None,
         limits: StepLimits | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
@@ -70,7 +75,9 @@ class ModelRunner:
         :param pooling: for an embedding model, how each finished prompt becomes one
             vector (then no logits are computed); None to generate.
         :param limits: the largest step, for the input batch's buffers (they grow from
-            small ones when None)."""
+            small ones when None).
+        :param drafter: a draft model that fills each item's draft stand-ins before the
+            forward (speculative decoding), or None."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -82,6 +89,7 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, device, limits)
         #: Captured decode forwards (:meth:`capture_graphs`), or None: all steps eager.
         self.graphs: DecodeGraphs | None = None
+        self.drafter = drafter
 
     @torch.inference_mode()
     def capture_graphs(self, capture: GraphCapture, sizes: Sequence[int],
@@ -114,6 +122,9 @@ class ModelRunner:
 
         :param sampled: the previous step's sampled token ids on this device, for items
             with a pending token (``StepItem.prev_row``; async scheduling)."""
+        drafts = None
+        if self.drafter is not None:
+            scheduled, drafts = self.drafter.propose(scheduled, released)
         inputs = self.prepare(scheduled, released, sampled)
         # a decode step that fits a captured graph replays it
         hidden = None if self.graphs is None else self.graphs.replay(inputs)
@@ -139,7 +150,7 @@ class ModelRunner:
             (i, first, self.model.compute_logits(hidden[rows]))
             for i, first, rows in inputs.prompt_rows
         )
-        return StepResult(logits, inputs.sample_items, prompt_logits)
+        return StepResult(logits, inputs.sample_items, prompt_logits, drafts=drafts)
 
     def _context(self, inputs: StepInputs) -> ForwardContext:
         return ForwardContext(backend=self.backend,

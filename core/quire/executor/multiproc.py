@@ -277,7 +277,8 @@ def _handle(worker: Worker, request: Call | Step) -> Reply:
         return Reply(output=StepOutput(
             Array.of(result.logits), list(result.sample_items),
             [(i, first, Array.of(logits)) for i, first, logits in result.prompt_logits],
-            None if result.pooled is None else Array.of(result.pooled)))
+            None if result.pooled is None else Array.of(result.pooled),
+            None if result.drafts is None else [list(d) for d in result.drafts]))
     if request.method == "num_kv_blocks":
         return Reply(value=worker.num_kv_blocks())
     if request.method == "init_cache":

@@ -72,4 +72,5 @@ class RemoteExecutor(Executor):
         assert out.logits is not None
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
                           tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits),
-                          None if out.pooled is None else out.pooled.tensor())
+                          None if out.pooled is None else out.pooled.tensor(),
+                          None if out.drafts is None else tuple(map(tuple, out.drafts)))

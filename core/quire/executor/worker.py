@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig, parse_dtype
+from quire.executor.drafter import Drafter
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
@@ -27,7 +28,7 @@ from quire.interfaces.attention import (
 )
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
-from quire.model_store import model_path_of
+from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
 from quire.models.interface import CausalLM
 from quire.models.loader import (
@@ -47,6 +48,7 @@ from quire.models.pooling import (
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
 from quire.quantization.methods import resolve_method
+from quire.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,44 @@ class Worker:
         self.pooling: PoolingConfig | None = (
             pooling_config(model_path, model_config, config.pooling)
             if self.config.task == "embed" else None)
+        #: The draft model (speculative decoding with ``speculative_config.model``), on
+        #: the same ranks as the target, and its KV shape facts; None without one.
+        self.draft_model: CausalLM | None = None
+        self.draft_kv_spec: KVCacheSpec | None = None
+        self.draft_kv_dtype: torch.dtype | None = None
+        spec_config = config.speculative_config
+        if spec_config is not None and spec_config.method == "draft_model":
+            self._load_draft(spec_config, tp_comm, registry)
         self.runner: ModelRunner | None = None
+
+    def _load_draft(self, spec: SpeculativeConfig, comm: Communicator,
+                    registry: PlatformRegistry) -> None:
+        """Load the draft model as the target is loaded: this rank's shard, at its own
+        dtype and weight format when ``speculative_config`` names them."""
+        assert spec.model is not None
+        path = resolve_model(spec.model)
+        draft_config = load_model_config(path)
+        dtype = parse_dtype(spec.dtype) if spec.dtype is not None else self.config.dtype
+        self.platform.check_dtype(dtype)
+        quantization = resolve_method(
+            spec.quantization, gguf_file=is_gguf(path),
+            checkpoint_quantization=None if is_gguf(path)
+            else checkpoint_quantization(draft_config),
+            platform_name=self.platform.name,
+            platform_methods=tuple(self.platform.quantizations))
+        model, _ = load_model(path, comm, self.device, dtype, config=draft_config,
+                              extra_models=registry.model_specs(),
+                              quantization=quantization, ops=self.ops)
+        model.eval()
+        self.platform.prepare_model(model, compiled=False)
+        layer_ids = tuple(getattr(model, "kv_layer_ids", range(model.num_layers)))
+        if len(layer_ids) != model.num_layers:
+            raise ValueError("speculative_config.model: a draft whose layers share K/V "
+                             "is not supported")
+        self.draft_model = model
+        self.draft_kv_spec = KVCacheSpec.of(model)
+        self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
+                                                   dtype, model.head_dim)
 
     def _communicators(self, tp_rank: int, tp: int, stage: int,
                        pp: int) -> tuple[Communicator, Communicator | None]:
@@ -171,8 +210,14 @@ class Worker:
         """Bytes one KV page takes on this rank, over every layer."""
         spec, bs = self.kv_spec, self.config.block_size
         # the real bytes: quantised values and their scales (kv_cache_dtype)
-        return self.backend.kv_cache_bytes(1, bs, spec.num_kv_heads, spec.head_size,
-                                           self.kv_dtype) * spec.num_layers
+        total = self.backend.kv_cache_bytes(1, bs, spec.num_kv_heads, spec.head_size,
+                                            self.kv_dtype) * spec.num_layers
+        draft = self.draft_kv_spec
+        if draft is not None:  # the draft's K/V sits under the same page ids
+            assert self.draft_kv_dtype is not None
+            total += self.backend.kv_cache_bytes(1, bs, draft.num_kv_heads, draft.head_size,
+                                                 self.draft_kv_dtype) * draft.num_layers
+        return total
 
     def num_kv_blocks(self) -> int:
         """KV pages this rank's memory holds, after the largest step's activations."""
@@ -205,7 +250,8 @@ class Worker:
         bs = self.config.block_size
         num_blocks = -(-num_tokens // bs)
         runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks), bs,
-                             self.device, self.link, self.ops, self.pooling)
+                             self.device, self.link, self.ops, self.pooling,
+                             drafter=self._drafter(num_blocks))
         runner.execute([StepItem(0, [0] * num_tokens, 0, list(range(num_blocks)), True)])
         self.platform.synchronize()
 
@@ -217,8 +263,22 @@ class Worker:
                             max_pages=-(-cfg.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
                                   cfg.block_size, self.device, self.link, self.ops,
-                                  self.pooling, limits)
+                                  self.pooling, limits, self._drafter(num_blocks, limits))
         self._capture_graphs(self.runner)
+
+    def _drafter(self, num_blocks: int, limits: StepLimits | None = None) -> Drafter | None:
+        """The draft model's runner over ``num_blocks`` pages of its own K/V, or None."""
+        if self.draft_model is None:
+            return None
+        spec = self.draft_kv_spec
+        assert spec is not None and self.draft_kv_dtype is not None
+        caches: list[torch.Tensor | None] = [
+            self.backend.allocate_kv_cache(num_blocks, self.config.block_size,
+                                           spec.num_kv_heads, spec.head_size,
+                                           self.draft_kv_dtype, self.device)
+            for _ in range(spec.num_layers)]
+        return Drafter(self.draft_model, self.backend, caches, self.config.block_size,
+                       self.device, self.ops, limits)
 
     def _capture_graphs(self, runner: ModelRunner) -> None:
         """Capture the decode graphs when the platform records graphs and nothing turns

@@ -1,9 +1,10 @@
 """``speculative_config``: what speculative decoding runs, in vLLM's shape.
 
 ``LLM(..., speculative_config={...})`` and ``--speculative-config '{...}'`` take the same
-keys as vLLM's. What is built so far is ``method: "ngram"`` (prompt lookup, no second
-model); a draft ``model`` and the ``eagle``/``eagle3`` heads are refused at start, naming
-the field, until they are.
+keys as vLLM's. What is built so far: ``method: "ngram"`` (prompt lookup, no second
+model) and a draft ``model`` (``method: "draft_model"``, implied by ``model`` alone) that
+proposes greedily in the workers (:mod:`quire.executor.drafter`). The ``eagle``/
+``eagle3`` heads and ``mtp`` are refused at start, naming the field, until they are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 #: Methods vLLM names, and whether Quire runs them yet.
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-BUILT = ("ngram",)
+BUILT = ("ngram", "draft_model")
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
@@ -22,7 +23,7 @@ MAX_SPECULATIVE_TOKENS = 16
 #: a loss at 64). vLLM's default is never; give null for that.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 40
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
-         "prompt_lookup_max", "disable_by_batch_size")
+         "prompt_lookup_max", "disable_by_batch_size", "quantization", "dtype")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class SpeculativeConfig:
     #: No drafts in a step whose running sequences reach this many (vLLM's name); None:
     #: always speculate.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    #: The draft model's weight format (vLLM's key; the engine's ``quantization``
+    #: names): None picks as for a target (a GGUF file keeps its blocks).
+    quantization: str | None = None
+    #: The draft model's dtype (Quire's key): None runs it at the target's.
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,6 +67,30 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min})"
                              f" exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and (not isinstance(self.model, str)
+                                             or not self.model):
+            raise ValueError("speculative_config.model must name the draft model (a path, "
+                             f"a Hub repo id or a built-in name), got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model does not apply to method 'ngram' "
+                             "(prompt lookup runs no second model)")
+        if self.method == "ngram" and (self.quantization, self.dtype) != (None, None):
+            raise ValueError("speculative_config.quantization and .dtype apply to a draft "
+                             "model, not to method 'ngram'")
+        if self.quantization is not None:
+            from quire.quantization.methods import check_method
+
+            try:
+                check_method(self.quantization)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config.{exc}") from None
+        if self.dtype is not None:
+            from quire.config import parse_dtype
+
+            try:
+                parse_dtype(self.dtype)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config.{exc}") from None
         d = self.disable_by_batch_size
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError("speculative_config.disable_by_batch_size must be an integer "
@@ -102,4 +132,5 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=value["num_speculative_tokens"],
                    prompt_lookup_min=low, prompt_lookup_max=high, model=value.get("model"),
                    disable_by_batch_size=value.get("disable_by_batch_size",
-                                                   DEFAULT_DISABLE_BY_BATCH_SIZE))
+                                                   DEFAULT_DISABLE_BY_BATCH_SIZE),
+                   quantization=value.get("quantization"), dtype=value.get("dtype"))
