@@ -49,6 +49,29 @@ def test_every_family_drafted_by_itself_and_by_another_keeps_greedy_output(
     assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
 
 
+def test_a_draft_catches_up_on_what_it_sat_out(tiny_checkpoint):
+    """A model drafting for itself has every proposal accepted only if its K/V is right
+    at every position. Here it sits out the steps where 3 or more sequences run
+    (``disable_by_batch_size``), the prompts of its second pass come from the prefix
+    cache and forked samples (n = 2) share their parent's pages, all computed without
+    it, and catch-up forwards are cut to an 8-token budget: still every proposal is
+    accepted, and the outputs are the target's."""
+    path = tiny_checkpoint("llama")
+    spec = {"model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    # top-k 1: deterministic, as greedy (which n = 2 may not be)
+    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        with LLM(str(path), device="cpu", block_size=4, max_num_batched_tokens=8,
+                 enable_prefix_caching=True, speculative_config=config) as llm:
+            runs[name] = [[[c.token_ids for c in o.outputs] for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params)] for _ in range(2)]
+            stats = llm.engine.core.stats()
+    assert runs["spec"] == runs["plain"]
+    assert stats.prefix_hits > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
 def test_acceptance_counts_match_a_case_counted_by_hand(tiny_checkpoint):
     """One sequence, 11 tokens, k=3, drafted by itself (every draft accepted): the
     prefill gives token 1; verifications then give 4 (3 drafts + 1), 4, and 2 (one

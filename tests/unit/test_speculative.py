@@ -237,26 +237,35 @@ def test_a_shrunk_table_is_sent_again_from_where_it_shrank():
 
 
 def test_a_draft_model_gets_the_tokens_its_k_v_lags_by():
-    """The drafter writes its K/V for the known tokens and its own proposals but the
-    last: after a step that accepted every draft, the next item names that last one."""
+    """The drafter runs only in steps that draft, over every item: a prompt computed
+    without drafts reaches it at the first drafting step. It writes its K/V for the
+    known tokens and its own proposals but the last: after a step that accepted every
+    draft, the next item names that last one."""
     builder = ItemBuilder(drafting=True)
     sched = _scheduler()
-    seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])  # 8 tokens, 7 computed
-    assert seq.draft_computed == 7
+    seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])  # 8 tokens, 7 computed, without drafts
+    assert seq.draft_computed == 0
+    out = sched.schedule()
+    (item,) = builder.items(out.scheduled)  # a step without drafts
+    assert item.draft_lag == []  # the drafter skips it: nothing to send
+    sched.complete_step(out)
+    assert seq.draft_computed == 0
+    seq.output_token_ids.append(10)
     seq.spec_token_ids = [0, 0, 0]  # stand-ins
     out = sched.schedule()
     (item,) = builder.items(out.scheduled)
-    assert item.draft_lag == [] and item.start == 7 and item.num_spec == 3
+    assert item.draft_lag == [1, 2, 3, 4, 5, 6, 7, 9] and item.start == 8
+    assert item.token_ids == [10, 0, 0, 0] and item.num_spec == 3
     sched.complete_step(out)
-    assert seq.draft_computed == 10  # the known token, drafts 1 and 2
+    assert seq.draft_computed == 11  # the known tokens, drafts 1 and 2
     seq.output_token_ids += [21, 22, 23, 24]  # all three accepted, and one more
     sched.settle_drafts(seq)
-    assert seq.num_computed_tokens == 11
-    seq.spec_token_ids = []
+    assert seq.num_computed_tokens == 12
+    seq.spec_token_ids = [0]
     (item,) = builder.items(sched.schedule().scheduled)
-    assert (item.start, item.token_ids, item.draft_lag) == (11, [24], [23])
+    assert (item.start, item.token_ids, item.draft_lag) == (12, [24, 0], [23])
     # without a draft model nothing lags
-    assert ItemBuilder().items([ScheduledSeq(seq, 11, 1)])[0].draft_lag == []
+    assert ItemBuilder().items([ScheduledSeq(seq, 12, 2, (0,))])[0].draft_lag == []
 
 
 def test_the_input_batch_samples_every_draft_position_in_order():

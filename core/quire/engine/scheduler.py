@@ -307,6 +307,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_computed = 0
         seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -332,6 +333,8 @@ class Scheduler:
         Sequences that finished meanwhile (aborted, stopped) are only released."""
         in_flight, cache_full_blocks = self._in_flight, self.block_manager.cache_full_blocks
         finished = SequenceStatus.FINISHED
+        # a draft model runs in a step that drafts, over every item (drafter.py)
+        drafted = any(item.spec for item in out.scheduled)
         for item in out.scheduled:
             seq = item.seq
             in_flight.discard(seq.seq_id)
@@ -342,8 +345,8 @@ class Scheduler:
             n_spec = len(item.spec)
             # pages of drafts are not the sequence's until accepted (settle_drafts)
             cache_full_blocks(seq, end - n_spec)
-            # a draft model wrote the known tokens' K/V and its own proposals' but the last
-            seq.draft_computed = end - 1 if n_spec else end
+            if drafted:  # the known tokens' draft K/V, and its proposals' but the last
+                seq.draft_computed = end - 1 if n_spec else end
 
     def settle_drafts(self, seq: Sequence) -> bool:
         """After the verifier appended a step's tokens to ``seq`` (speculative decoding):

@@ -65,10 +65,11 @@ class Sequence:
     #: sequence's tokens: the step computes them after its own, and the tokens the
     #: verifier accepts are appended to ``output_token_ids`` like sampled ones.
     spec_token_ids: list[int] = field(default_factory=list)
-    #: With a draft model: tokens whose K/V the draft has written, from the first on
-    #: (-1: none recorded; a prefix cache hit's pages are taken to hold the draft's
-    #: K/V too). It may lag the target's by the last draft of a step.
-    draft_computed: int = -1
+    #: With a draft model: tokens, from the first, whose draft K/V this sequence's own
+    #: steps wrote (pages from the prefix cache or a forked parent are not trusted to
+    #: hold the draft's: steps without drafts skip it). The next drafting step's items
+    #: carry the tokens from here on (``StepItem.draft_lag``).
+    draft_computed: int = 0
 
     @property
     def order(self) -> tuple[int, int]:

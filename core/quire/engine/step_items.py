@@ -19,7 +19,8 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     """What the forward needs of one scheduled sequence, with its pages from
     ``first_page`` on (the whole table by default); ``prev_row`` holds its pending
     token, if the step reaches it; its drafts follow its known tokens. ``drafting``:
-    a draft model runs in the workers, and gets the tokens its K/V lags by."""
+    the step drafts with a draft model in the workers, which gets the tokens its K/V
+    lags by (every item's: such a step catches the draft up on them all)."""
     # per sequence per step: ScheduledSeq's and Sequence's properties inlined
     seq, start = s.seq, s.start
     spec = s.spec
@@ -47,7 +48,7 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     table = seq.block_table[first_page:] if first_page else seq.block_table
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
     lag: list[int] = []
-    if drafting and 0 <= seq.draft_computed < start:
+    if drafting and seq.draft_computed < start:
         lag = seq.token_slice(seq.draft_computed, start)
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
                     len(spec), lag)
@@ -74,12 +75,14 @@ class ItemBuilder:
             for the sequences whose last token is pending (async scheduling)."""
         known = self._known
         rows = pending_rows or {}
+        # the draft model runs (and needs its lagging tokens) only in a step that drafts
+        drafting = self.drafting and any(s.spec for s in scheduled)
         out = []
         for s in scheduled:
             seq = s.seq
             preemptions, pages = known.get(seq.seq_id, (-1, 0))
             out.append(step_item(s, pages if preemptions == seq.num_preemptions else 0,
-                                 rows.get(seq.seq_id, -1), self.drafting))
+                                 rows.get(seq.seq_id, -1), drafting))
             known[seq.seq_id] = (seq.num_preemptions, len(seq.block_table))
         return out
 

@@ -152,6 +152,13 @@ class InputBatch:
                 self._num_pages[row] = 0
                 self._free_rows.append(row)
 
+    def apply(self, items: Iterable[StepItem], released: Iterable[int] = ()) -> None:
+        """Release ``released`` and apply the items' pages, without a step (a runner
+        that skips a forward keeps its tables in step with the others')."""
+        self.release(released)
+        for item in items:
+            self._update(item)
+
     def _update(self, item: StepItem) -> int:
         """Apply ``item``'s pages to its sequence's row; returns the row.
 
