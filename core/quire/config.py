@@ -171,8 +171,9 @@ class EngineConfig:
         metadata=_help("vLLM's --async-scheduling: schedule and submit the next step "
                        "before the current step's sampled tokens reach the host, so the "
                        "host's work overlaps the device's (same outputs); not with "
-                       "pipeline_parallel_size > 1; an embedding model runs synchronously; "
-                       "untested on a GPU, and no gain on the cpu platform"),
+                       "pipeline_parallel_size > 1; an embedding model runs synchronously, "
+                       "and so do steps while speculative drafts are due; untested on a "
+                       "GPU, and no gain on the cpu platform"),
     )
 
     #: Given as a dict or JSON text too; held as a :class:`SpeculativeConfig` (the type
@@ -240,10 +241,6 @@ class EngineConfig:
                      "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative_config cannot run with async_scheduling yet: a "
-                             "step's drafts come from the tokens the previous step sampled; "
-                             "turn one of them off")
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" \
                 and self.pipeline_parallel_size > 1:

@@ -83,7 +83,7 @@ def _page_bytes(path: str, spec: dict | None = None) -> int:
 
 
 @pytest.mark.parametrize("scenario", ["plain", "chunked-prefill", "preemption",
-                                      "prefix-hits"])
+                                      "prefix-hits", "async-scheduling"])
 def test_greedy_outputs_equal_those_without_speculation(scenario, setup, spec):
     path, eos, stop, stop_id = setup
     options: dict = {}
@@ -97,6 +97,11 @@ def test_greedy_outputs_equal_those_without_speculation(scenario, setup, spec):
         spec_options = {"kv_cache_memory": 20 * _page_bytes(path, spec)}
     elif scenario == "prefix-hits":
         passes = 2  # the second pass finds pages the first pass's accepted drafts filled
+    elif scenario == "async-scheduling":
+        # asynchronous steps while 3 or more of the 5 sequences run (no drafts), then
+        # synchronous ones with drafts
+        options = {"async_scheduling": True}
+        spec = {**spec, "disable_by_batch_size": 3}
     params = _greedy_params(stop, stop_id)
     plain, plain_stats = _generate(path, None, params, passes, **options)
     got, stats = _generate(path, spec, params, passes,

@@ -10,7 +10,8 @@ process with a busy loop (:mod:`quire.engine.core_proc`); either way its front s
 which then calls :meth:`stop_sequence`.
 
 With ``async_scheduling`` one :meth:`EngineCore.step` completes step k and submits step
-k+1 before step k's tokens reach the host (:meth:`EngineCore._step_async`), so the host's
+k+1 before step k's tokens reach the host (:meth:`EngineCore._step_async`; with
+speculative decoding, only while drafts are off), so the host's
 work overlaps the device's; outputs and stops are the same, found one step later.
 """
 
@@ -380,9 +381,11 @@ class EngineCore:
 
         With a pipeline, first fill it: schedule and submit micro-batches (each of
         sequences in no other) until ``depth`` are in flight, then complete the oldest.
-        With async scheduling, see :meth:`_step_async`.
+        With async scheduling, see :meth:`_step_async`; with speculative decoding too,
+        a step is synchronous while drafts are due (:meth:`_drafts_due`) and
+        asynchronous while they are not.
         """
-        if self._async:
+        if self._async and not self._drafts_due():
             return self._step_async()
         while len(self._in_flight) < self.scheduler.depth and self._schedule_next():
             pass
@@ -404,6 +407,22 @@ class EngineCore:
                                      {i for i, g in self._thinking.items()
                                       if g.phase != "answer"})
         return self._report(outputs)
+
+    def _drafts_due(self) -> bool:
+        """Speculative decoding will propose drafts: the running batch is under
+        ``disable_by_batch_size``. A step with drafts cannot be scheduled before the
+        tokens of the step before reach the host (its drafts follow them), so async
+        scheduling steps synchronously then, and asynchronously at a batch large enough
+        to turn drafts off: each where it pays. Leaving drafts, the running sequences'
+        last proposals are dropped (an asynchronous step verifies none)."""
+        if self._speculator is None:
+            return False
+        limit = self._speculator.config.disable_by_batch_size
+        due = limit is None or len(self.scheduler.running) < limit
+        if not due:
+            for seq in self.scheduler.running:
+                seq.spec_token_ids = []
+        return due
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
                 outputs: CoreOutputs) -> None:
