@@ -416,3 +416,39 @@ def test_metrics_carry_vllm_s_spec_decode_counters():
     assert 'quire:spec_decode_num_accepted_tokens_total{engine="0"} 5.0' in text
     assert ('quire:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 2.0'
             in text)
+
+
+def test_bench_serve_reads_the_counters_from_either_server_s_metrics():
+    """What ``quire bench serve`` scrapes around a pass: our /metrics summed over
+    engines, and vLLM's names; a server without them gives none."""
+    from quire.bench.serve import spec_counts
+    from quire.bench.stats import SpecCounts, spec_figures
+    from quire.entrypoints.server.metrics import ServerMetrics
+
+    def stats(drafts: int, proposed: int, accepted: int, per_pos: list[int]) -> EngineStats:
+        return EngineStats(num_running=0, num_waiting=0, kv_usage=0.0, num_used_blocks=0,
+                           num_blocks=1, num_preemptions=0, prefix_queries=0, prefix_hits=0,
+                           has_unfinished=False, spec_num_drafts=drafts,
+                           spec_num_draft_tokens=proposed, spec_num_accepted_tokens=accepted,
+                           spec_accepted_per_pos=per_pos)
+
+    text = ServerMetrics(max_model_len=64).render(
+        [stats(4, 12, 5, [3, 2, 0]), stats(2, 6, 4, [2, 1, 1])], {})
+    ours = spec_counts(text)
+    assert ours == SpecCounts(6, 18, 9, (5, 3, 1))
+    vllm = spec_counts('# TYPE vllm:spec_decode_num_drafts counter\n'
+                       'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0\n'
+                       'vllm:spec_decode_num_draft_tokens_total{engine="0"} 6.0\n'
+                       'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 3.0\n'
+                       'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+                       '{engine="0",position="0"} 2.0\n'
+                       'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+                       '{engine="0",position="1"} 1.0\n')
+    assert vllm == SpecCounts(2, 6, 3, (2, 1))
+    assert spec_counts(ServerMetrics(max_model_len=64).render(
+        [stats(0, 0, 0, [])], {})) is None
+    figures = spec_figures(vllm, ours)
+    assert figures["spec_acceptance_rate"] == pytest.approx(6 / 12)
+    assert figures["spec_mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert figures["spec_acceptance_rate_pos0"] == pytest.approx(3 / 4)
+    assert figures["spec_acceptance_rate_pos2"] == pytest.approx(1 / 4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 
+from quire.bench.stats import SpecCounts, spec_figures
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.engine.messages import EngineStats
@@ -60,20 +61,11 @@ def describe(engine: LLMEngine) -> str:
 
 
 def spec_decode_figures(before: EngineStats, after: EngineStats) -> dict[str, float]:
-    """Speculative decoding over a run, from the engine's counters before and after it:
-    the share of drafts accepted, tokens per verification (accepted drafts + 1, vLLM's
-    mean acceptance length), and the acceptance rate at each draft position. Empty
-    when no draft was verified."""
-    drafts = after.spec_num_drafts - before.spec_num_drafts
-    if drafts <= 0:
-        return {}
-    proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    figures = {"spec_draft_tokens": float(proposed), "spec_accepted_tokens": float(accepted),
-               "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
-               "spec_mean_acceptance_length": 1.0 + accepted / drafts}
-    old = list(before.spec_accepted_per_pos)
-    for pos, count in enumerate(after.spec_accepted_per_pos):
-        figures[f"spec_acceptance_rate_pos{pos}"] = \
-            (count - (old[pos] if pos < len(old) else 0)) / drafts
-    return figures
+    """:func:`~quire.bench.stats.spec_figures` from the engine's counters before and
+    after a run."""
+    return spec_figures(spec_counts(before), spec_counts(after))
+
+
+def spec_counts(stats: EngineStats) -> SpecCounts:
+    return SpecCounts(stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                      stats.spec_num_accepted_tokens, tuple(stats.spec_accepted_per_pos))

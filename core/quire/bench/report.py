@@ -37,8 +37,8 @@ def _seconds_as_ms(prefix: str, name: str, quantiles: Iterable[int]) -> list[Fig
     return [Figure(f"{prefix}_p{q}", f"{name} p{q} (ms)", 1000.0) for q in quantiles]
 
 
-#: Speculative decoding's, where a run verified drafts
-#: (:func:`quire.bench.quire_engine.spec_decode_figures`).
+#: Speculative decoding's, where a run verified drafts (:func:`quire.bench.stats.
+#: spec_figures`; ``bench serve`` reads the counters from the server's /metrics).
 SPEC_FIGURES = (
     Figure("spec_draft_tokens", "draft tokens"),
     Figure("spec_accepted_tokens", "drafts accepted"),
@@ -77,6 +77,7 @@ SERVE_FIGURES = (
     *_seconds_as_ms("e2e_s", "end-to-end", (50, 95, 99)),
     Figure("usage_prompt_match", "share with usage.prompt_tokens as sent"),
     Figure("duration_s", "duration (s)"),
+    *SPEC_FIGURES,
 )
 MEMORY_FIGURES = (
     Figure("peak_concurrency", "peak concurrent seqs"),

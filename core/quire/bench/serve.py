@@ -9,6 +9,11 @@ Poisson arrivals of ``request_rate`` per second (seeded, so the schedule repeats
 Each content chunk of the stream counts as one token arrival: TTFT is the wait for the
 first one, ITL the gaps between the next ones. A server that packs several tokens into
 one chunk therefore shows fewer, longer gaps.
+
+Around each pass the server's ``/metrics`` is read for speculative decoding's counters
+(``quire:spec_decode_*`` or vLLM's ``vllm:spec_decode_*``, summed over its engines), so
+a speculating server's acceptance figures come with its timings; a server without them
+gives none.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from quire.bench.peers.clock import TokenClock
-from quire.bench.stats import SLO, distribution, goodput
+from quire.bench.stats import SLO, SpecCounts, distribution, goodput, spec_figures
 from quire.bench.workloads import BenchRequest
 
 #: HTTP status a server sends when it sheds load; counted apart from other errors.
@@ -80,6 +86,9 @@ class ServeRun:
 
     results: list[RequestResult]
     duration_s: float
+    #: The server's speculative decoding counters before and after the pass (None when
+    #: its /metrics has none).
+    spec: tuple[SpecCounts, SpecCounts] | None = None
 
     def figures(self, slo: SLO) -> dict[str, float]:
         ok = [r for r in self.results if r.ok]
@@ -102,6 +111,8 @@ class ServeRun:
         if counted:  # another tokenizer may count the same text differently
             same = sum(1 for r in counted if r.prompt_tokens == r.expected_prompt_tokens)
             figures["usage_prompt_match"] = same / len(counted)
+        if self.spec is not None:
+            figures.update(spec_figures(*self.spec))
         return figures
 
 
@@ -211,6 +222,54 @@ async def first_model(http: Any, url: str, api_key: str | None) -> str:
     return str(models[0]["id"])
 
 
+#: Speculative decoding's counters in /metrics, by the name after the server's prefix
+#: (prometheus_client writes a counter's samples with ``_total``).
+_SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                  "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+_SAMPLE = re.compile(r'(?:quire|vllm):(spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})? (\S+)$')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def spec_counts(metrics_text: str) -> SpecCounts | None:
+    """Speculative decoding's counters in a Prometheus text exposition, summed over
+    engines; None when it has none."""
+    totals = dict.fromkeys(_SPEC_COUNTERS[:3], 0.0)
+    per_pos: dict[int, float] = {}
+    found = False
+    for line in metrics_text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) not in _SPEC_COUNTERS:
+            continue
+        found = True
+        name, value = match.group(1), float(match.group(3))
+        if name == _SPEC_COUNTERS[3]:
+            pos = _POSITION.search(match.group(2) or "")
+            if pos is not None:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        else:
+            totals[name] += value
+    if not found:
+        return None
+    return SpecCounts(*(int(totals[n]) for n in _SPEC_COUNTERS[:3]),
+                      tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1)
+                                                                   + 1)))
+
+
+async def read_spec_counts(http: Any, url: str, api_key: str | None) -> SpecCounts | None:
+    """The server's speculative decoding counters, or None (no /metrics, or none in
+    it)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = await http.get(url.rstrip("/") + "/metrics", headers=headers)
+    except (OSError, httpx.HTTPError):  # unreachable: the pass reports it per request
+        return None
+    if resp.status_code != 200:
+        return None
+    return spec_counts(resp.text)
+
+
 def run(url: str, runs: list[list[BenchRequest]], shape: LoadShape, model: str | None,
         api_key: str | None, timeout_s: float) -> tuple[str, list[ServeRun]]:
     """Each pass in ``runs`` one after the other, against ``url``.
@@ -224,6 +283,14 @@ def run(url: str, runs: list[list[BenchRequest]], shape: LoadShape, model: str |
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as http:
             name = model or await first_model(http, url, api_key)
             client = Client(http, url, name, api_key)
-            return name, [await run_load(client, requests, shape) for requests in runs]
+            passes = []
+            for requests in runs:
+                before = await read_spec_counts(http, url, api_key)
+                result = await run_load(client, requests, shape)
+                after = await read_spec_counts(http, url, api_key)
+                if before is not None and after is not None:
+                    result.spec = (before, after)
+                passes.append(result)
+            return name, passes
 
     return asyncio.run(main())

@@ -83,3 +83,34 @@ def goodput(samples: Iterable[tuple[float, float]], duration_s: float, slo: SLO)
     if duration_s <= 0:
         return math.nan
     return sum(1 for ttft, e2e in samples if slo.met(ttft, e2e)) / duration_s
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding's counters at one moment (vLLM's ``spec_decode`` ones)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    #: Drafts accepted at each position (0-based) of their proposal.
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+def spec_figures(before: SpecCounts, after: SpecCounts) -> dict[str, float]:
+    """Speculative decoding over a run, from the counters before and after it: the share
+    of drafts accepted, tokens per verification (accepted drafts + 1, vLLM's mean
+    acceptance length), and the acceptance rate at each draft position. Empty when no
+    draft was verified."""
+    drafts = after.num_drafts - before.num_drafts
+    if drafts <= 0:
+        return {}
+    proposed = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    figures = {"spec_draft_tokens": float(proposed), "spec_accepted_tokens": float(accepted),
+               "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+               "spec_mean_acceptance_length": 1.0 + accepted / drafts}
+    old = before.accepted_per_pos
+    for pos, count in enumerate(after.accepted_per_pos):
+        figures[f"spec_acceptance_rate_pos{pos}"] = \
+            (count - (old[pos] if pos < len(old) else 0)) / drafts
+    return figures
