@@ -16,7 +16,7 @@ from quire.engine.block_manager import BlockManager
 from quire.engine.messages import EngineStats
 from quire.engine.scheduler import ScheduledSeq, Scheduler
 from quire.engine.sequence import Sequence, SequenceStatus
-from quire.engine.speculation import Speculator
+from quire.engine.speculation import DraftKV, Speculator
 from quire.engine.step_items import ItemBuilder
 from quire.executor.input_batch import InputBatch
 from quire.executor.messages import StepItem
@@ -241,15 +241,16 @@ def test_a_draft_model_gets_the_tokens_its_k_v_lags_by():
     without drafts reaches it at the first drafting step. It writes its K/V for the
     known tokens and its own proposals but the last: after a step that accepted every
     draft, the next item names that last one."""
-    builder = ItemBuilder(drafting=True)
+    draft_kv = DraftKV(every_step=False)
+    builder = ItemBuilder(draft_kv)
     sched = _scheduler()
     seq = _decoding(sched, [1, 2, 3, 4, 5, 6, 7])  # 8 tokens, 7 computed, without drafts
-    assert seq.draft_computed == 0
     out = sched.schedule()
     (item,) = builder.items(out.scheduled)  # a step without drafts
     assert item.draft_lag == []  # the drafter skips it: nothing to send
     sched.complete_step(out)
-    assert seq.draft_computed == 0
+    draft_kv.settle(out.scheduled)
+    assert seq.draft_computed == -1
     seq.output_token_ids.append(10)
     seq.spec_token_ids = [0, 0, 0]  # stand-ins
     out = sched.schedule()
@@ -257,15 +258,27 @@ def test_a_draft_model_gets_the_tokens_its_k_v_lags_by():
     assert item.draft_lag == [1, 2, 3, 4, 5, 6, 7, 9] and item.start == 8
     assert item.token_ids == [10, 0, 0, 0] and item.num_spec == 3
     sched.complete_step(out)
+    draft_kv.settle(out.scheduled)
     assert seq.draft_computed == 11  # the known tokens, drafts 1 and 2
     seq.output_token_ids += [21, 22, 23, 24]  # all three accepted, and one more
     sched.settle_drafts(seq)
     assert seq.num_computed_tokens == 12
     seq.spec_token_ids = [0]
-    (item,) = builder.items(sched.schedule().scheduled)
+    out = sched.schedule()
+    (item,) = builder.items(out.scheduled)
     assert (item.start, item.token_ids, item.draft_lag) == (12, [24, 0], [23])
     # without a draft model nothing lags
     assert ItemBuilder().items([ScheduledSeq(seq, 12, 2, (0,))])[0].draft_lag == []
+    # an EAGLE head runs every step and trusts the cache: it starts where the sequence
+    # does, and after each step lacks the positions from that step's start on
+    eagle = DraftKV(every_step=True)
+    sched.complete_step(out)
+    seq.output_token_ids += [25]  # its draft rejected
+    sched.settle_drafts(seq)
+    fresh = make_seq(SamplingParams(), prompt=[1, 2, 3])
+    assert eagle.lag(fresh, 3) == [] and fresh.draft_computed == 3
+    eagle.settle([ScheduledSeq(seq, 12, 2, (0,))])
+    assert seq.draft_computed == 12 and eagle.lag(seq, 13) == [24]
 
 
 def test_the_input_batch_samples_every_draft_position_in_order():

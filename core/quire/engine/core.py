@@ -223,8 +223,7 @@ class EngineCore:
         spec = config.speculative_config
         self._speculator = Speculator(spec) if spec is not None else None
         # what the workers' input batches hold: each sequence's pages cross once
-        self._items = ItemBuilder(drafting=spec is not None
-                                  and spec.method == "draft_model")
+        self._items = ItemBuilder(self._speculator.draft_kv if self._speculator else None)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
                                seed=config.seed)
         # generate only: an embedding's step ends its request, with nothing to overlap
@@ -490,6 +489,8 @@ class EngineCore:
         out, handle = self._in_flight.popleft()
         result = self.executor.wait(handle)
         self.scheduler.complete_step(out)
+        if self._speculator is not None and self._speculator.draft_kv is not None:
+            self._speculator.draft_kv.settle(out.scheduled)
         return out, result
 
     def _schedule_next(self, sampled: torch.Tensor | None = None,

@@ -307,7 +307,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_computed = 0
+        seq.draft_computed = -1  # its pages are gone: the drafter starts over
         seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -333,8 +333,6 @@ class Scheduler:
         Sequences that finished meanwhile (aborted, stopped) are only released."""
         in_flight, cache_full_blocks = self._in_flight, self.block_manager.cache_full_blocks
         finished = SequenceStatus.FINISHED
-        # a draft model runs in a step that drafts, over every item (drafter.py)
-        drafted = any(item.spec for item in out.scheduled)
         for item in out.scheduled:
             seq = item.seq
             in_flight.discard(seq.seq_id)
@@ -342,11 +340,9 @@ class Scheduler:
                 continue
             end = item.start + item.num_tokens
             seq.num_computed_tokens = end
-            n_spec = len(item.spec)
             # pages of drafts are not the sequence's until accepted (settle_drafts)
-            cache_full_blocks(seq, end - n_spec)
-            if drafted:  # the known tokens' draft K/V, and its proposals' but the last
-                seq.draft_computed = end - 1 if n_spec else end
+            cache_full_blocks(seq, end - len(item.spec))
+
 
     def settle_drafts(self, seq: Sequence) -> bool:
         """After the verifier appended a step's tokens to ``seq`` (speculative decoding):

@@ -65,11 +65,11 @@ class Sequence:
     #: sequence's tokens: the step computes them after its own, and the tokens the
     #: verifier accepts are appended to ``output_token_ids`` like sampled ones.
     spec_token_ids: list[int] = field(default_factory=list)
-    #: With a draft model: tokens, from the first, whose draft K/V this sequence's own
-    #: steps wrote (pages from the prefix cache or a forked parent are not trusted to
-    #: hold the draft's: steps without drafts skip it). The next drafting step's items
-    #: carry the tokens from here on (``StepItem.draft_lag``).
-    draft_computed: int = 0
+    #: With a draft model or an EAGLE head: positions, from the first, whose draft K/V
+    #: is in the pages (-1: not known yet; :class:`~quire.engine.speculation.DraftKV`
+    #: keeps it). Steps that run the drafter carry the tokens from here on
+    #: (``StepItem.draft_lag``).
+    draft_computed: int = -1
 
     @property
     def order(self) -> tuple[int, int]:

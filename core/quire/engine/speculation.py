@@ -14,10 +14,12 @@ sampler's :meth:`~quire.sampler.Sampler.verify` keeps those the target accepts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
 from quire.spec.config import SpeculativeConfig
 from quire.spec.ngram import NgramProposer
@@ -83,6 +85,49 @@ class TokenArrays:
         return len(self._arrays)
 
 
+class DraftKV:
+    """Where the draft's K/V stands for each sequence (``Sequence.draft_computed``),
+    with a draft model or an EAGLE head; one per engine core.
+
+    - A draft model runs only in steps that draft, over every item's tokens its K/V
+      lacks: it writes its K/V for the known tokens and for its proposals but the last.
+      Pages from the prefix cache or a forked parent may have been computed in steps
+      without it, so they are not trusted: a sequence starts at 0.
+    - An EAGLE head runs in every step: it writes position ``i`` from the target's
+      hidden state at ``i``, which the workers keep only from the step before, so each
+      step writes the positions the last one computed, up to the item's start. It writes
+      its proposals' positions from its own hidden states, so they do not count. Pages
+      from the prefix cache were written with them when computed: trusted.
+    """
+
+    def __init__(self, every_step: bool) -> None:
+        self.every_step = every_step
+
+    def runs(self, scheduled: Iterable[ScheduledSeq]) -> bool:
+        """Whether the drafter runs in a step of these items."""
+        return self.every_step or any(s.spec for s in scheduled)
+
+    def lag(self, seq: Sequence, start: int) -> list[int]:
+        """The tokens before ``start`` whose draft K/V is missing."""
+        done = seq.draft_computed
+        if done < 0:  # new, or preempted
+            done = seq.draft_computed = start if self.every_step else 0
+        return seq.token_slice(done, start) if done < start else []
+
+    def settle(self, scheduled: list[ScheduledSeq]) -> None:
+        """After a step: how far each sequence's draft K/V now reaches."""
+        if not self.runs(scheduled):
+            return
+        for s in scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            if self.every_step:
+                seq.draft_computed = s.start
+            else:  # the known tokens', and the proposals' but the last
+                seq.draft_computed = s.end - 1 if s.spec else s.end
+
+
 class Speculator:
     """Proposes drafts for sequences; one per engine core. Call :meth:`forget` when a
     sequence finishes."""
@@ -95,6 +140,9 @@ class Speculator:
                                       ) if config.method == "ngram" else None
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.tokens = TokenArrays()
+        #: The draft's K/V per sequence, with a draft model or an EAGLE head.
+        self.draft_kv: DraftKV | None = (None if config.method == "ngram"
+                                         else DraftKV(every_step=config.method == "eagle"))
 
     def forget(self, seq_id: int) -> None:
         """Drop what is kept for a finished or aborted sequence."""

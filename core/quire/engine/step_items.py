@@ -11,16 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from quire.engine.scheduler import ScheduledSeq
+from quire.engine.speculation import DraftKV
 from quire.executor.messages import PENDING_TOKEN, StepItem
 
 
 def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
-              drafting: bool = False) -> StepItem:
+              draft_kv: DraftKV | None = None) -> StepItem:
     """What the forward needs of one scheduled sequence, with its pages from
     ``first_page`` on (the whole table by default); ``prev_row`` holds its pending
-    token, if the step reaches it; its drafts follow its known tokens. ``drafting``:
-    the step drafts with a draft model in the workers, which gets the tokens its K/V
-    lags by (every item's: such a step catches the draft up on them all)."""
+    token, if the step reaches it; its drafts follow its known tokens. ``draft_kv``:
+    the step runs a draft model or an EAGLE head in the workers, which gets the tokens
+    its K/V lacks."""
     # per sequence per step: ScheduledSeq's and Sequence's properties inlined
     seq, start = s.seq, s.start
     spec = s.spec
@@ -47,9 +48,7 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     # boundary copies anyway
     table = seq.block_table[first_page:] if first_page else seq.block_table
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
-    lag: list[int] = []
-    if drafting and seq.draft_computed < start:
-        lag = seq.token_slice(seq.draft_computed, start)
+    lag = draft_kv.lag(seq, start) if draft_kv is not None else []
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
                     len(spec), lag)
 
@@ -59,9 +58,9 @@ class ItemBuilder:
     and collects the sequences they may forget. Plans must reach every worker in the
     order they were built."""
 
-    def __init__(self, drafting: bool = False) -> None:
-        """:param drafting: a draft model runs in the workers (:func:`step_item`)."""
-        self.drafting = drafting
+    def __init__(self, draft_kv: DraftKV | None = None) -> None:
+        """:param draft_kv: a draft model's or an EAGLE head's K/V (:func:`step_item`)."""
+        self.draft_kv = draft_kv
         # seq_id -> (its preemptions, pages the workers hold for it): a preempted
         # sequence's table starts over, whether or not it was released
         self._known: dict[int, tuple[int, int]] = {}
@@ -75,14 +74,15 @@ class ItemBuilder:
             for the sequences whose last token is pending (async scheduling)."""
         known = self._known
         rows = pending_rows or {}
-        # the draft model runs (and needs its lagging tokens) only in a step that drafts
-        drafting = self.drafting and any(s.spec for s in scheduled)
+        draft_kv = self.draft_kv
+        if draft_kv is not None and not draft_kv.runs(scheduled):
+            draft_kv = None  # the drafter skips the step: nothing to send
         out = []
         for s in scheduled:
             seq = s.seq
             preemptions, pages = known.get(seq.seq_id, (-1, 0))
             out.append(step_item(s, pages if preemptions == seq.num_preemptions else 0,
-                                 rows.get(seq.seq_id, -1), drafting))
+                                 rows.get(seq.seq_id, -1), draft_kv))
             known[seq.seq_id] = (seq.num_preemptions, len(seq.block_table))
         return out
 
