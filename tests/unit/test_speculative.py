@@ -352,7 +352,8 @@ def test_acceptance_counts_per_position():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
      "prompt_lookup_max"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "not built yet"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"\.model must name"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"\.model must name the draft"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2},
@@ -392,9 +393,14 @@ def test_vllm_defaults_and_the_json_form():
                                      "quantization": "int8", "dtype": "bfloat16"})
     assert (draft.method, draft.model, draft.quantization, draft.dtype) == \
         ("draft_model", "d", "int8", "bfloat16")
-    with pytest.raises(ValueError, match=r"speculative_config\.model .* pipeline"):
-        EngineConfig(model="m", pipeline_parallel_size=2,
-                     speculative_config={"model": "d", "num_speculative_tokens": 3})
+    for method in ("draft_model", "eagle"):
+        with pytest.raises(ValueError, match=rf"speculative_config\.method '{method}' "
+                                             "cannot run with pipeline"):
+            EngineConfig(model="m", pipeline_parallel_size=2, speculative_config={
+                "method": method, "model": "d", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"'eagle' cannot run with async_scheduling"):
+        EngineConfig(model="m", async_scheduling=True, speculative_config={
+            "method": "eagle", "model": "d", "num_speculative_tokens": 3})
     EngineConfig(model="m", pipeline_parallel_size=2,  # n-gram drafts run with stages
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 

@@ -1,5 +1,6 @@
 """``Drafter``: a draft model's proposals, made in the worker just before the target's
-forward of the same step (speculative decoding with ``speculative_config.model``).
+forward of the same step (speculative decoding with ``speculative_config.model``);
+``EagleDrafter``: an EAGLE head's, the same way.
 
 The engine schedules ``num_spec`` stand-in tokens behind a decoding sequence's last
 token, with pages for them, as it does for n-gram drafts; only their values come from
@@ -90,6 +91,9 @@ class Drafter:
                   for i, item in enumerate(items)]
         return filled, tuple(tuple(p) for p in proposals)
 
+    def keep(self, items: list[StepItem], hidden: torch.Tensor) -> None:
+        """A draft model reads no hidden state of the target's."""
+
     def _catch_up(self, items: list[StepItem]) -> list[list[StepItem]]:
         """The catch-up forwards: each item's lag and known tokens, split so that no
         forward holds more than ``max_tokens``; a drafting item samples at its end."""
@@ -126,3 +130,103 @@ class Drafter:
             return []
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         return logits.argmax(dim=-1).tolist()
+
+
+class EagleDrafter:
+    """An EAGLE head's proposals (:mod:`quire.models.eagle`), made in the worker just
+    before the target's forward, from the target's hidden states of the step before.
+
+    Head position ``i`` reads token ``i + 1`` and the target's hidden state at ``i``.
+    The runner hands over each step's hidden states (:meth:`keep`); the next step writes
+    the head's K/V at the positions they cover up to the item's start (the engine sends
+    the tokens there, ``draft_lag``), which takes every accepted token, and the argmax
+    after the last is the first proposal. ``num_spec - 1`` one-token steps follow, each
+    reading the head's own output as the hidden state. Their K/V is rewritten from the
+    target's hidden states once accepted (the engine counts only up to the start).
+    Runs every step, so that no hidden state is lost; one per model runner.
+    """
+
+    def __init__(self, head: nn.Module, backend: AttentionBackend,
+                 kv_caches: list[torch.Tensor | None], block_size: int,
+                 device: torch.device, ops: OpSet, limits: StepLimits | None = None) -> None:
+        self.head = head
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.ops = ops
+        self.input_batch = InputBatch(block_size, device, limits)
+        #: seq_id -> (first position, the target's hidden states from it on)
+        self._hidden: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def keep(self, items: list[StepItem], hidden: torch.Tensor) -> None:
+        """The target's hidden states of a step, [T, H] in the items' token order."""
+        hidden = hidden.detach().clone()  # a replayed graph's output buffer is reused
+        row = 0
+        for item in items:
+            n = len(item.token_ids)
+            self._hidden[item.seq_id] = (item.start, hidden[row : row + n])
+            row += n
+
+    @torch.inference_mode()
+    def propose(self, items: list[StepItem], released: Iterable[int] = ()
+                ) -> tuple[list[StepItem], tuple[tuple[int, ...], ...]]:
+        """As :meth:`Drafter.propose`."""
+        for seq_id in released:
+            self._hidden.pop(seq_id, None)
+        forward: list[StepItem] = []
+        features: list[torch.Tensor] = []
+        idle: list[StepItem] = []
+        drafting: list[int] = []  # items whose last head position is start - 1
+        for i, item in enumerate(items):
+            first = item.start - len(item.draft_lag)
+            kept = self._hidden.get(item.seq_id)
+            low = first if kept is None else max(first, kept[0])
+            if kept is None or item.start == 0 or kept[0] + len(kept[1]) < item.start \
+                    or low >= item.start:
+                idle.append(item)
+                continue
+            # position j reads token j + 1: the lag's after the first, then the item's
+            tokens = (item.draft_lag + item.token_ids[:1])[low + 1 - first :]
+            forward.append(StepItem(item.seq_id, tokens, low, item.block_table,
+                                    item.num_spec > 0, first_page=item.first_page))
+            features.append(kept[1][low - kept[0] : item.start - kept[0]])
+            if item.num_spec > 0:
+                drafting.append(i)
+        self.input_batch.apply(idle, released)
+        proposals: list[list[int]] = [[] for _ in items]
+        if forward:
+            tokens, own = self._forward(forward, torch.cat(features))
+            for i, token in zip(drafting, tokens, strict=True):
+                proposals[i].append(token)
+            for j in range(1, max((items[i].num_spec for i in drafting), default=0)):
+                keep = [k for k, i in enumerate(drafting) if items[i].num_spec > j]
+                drafting = [drafting[k] for k in keep]
+                own = own[keep]
+                step = [StepItem(items[i].seq_id, [proposals[i][-1]],
+                                 items[i].start - 1 + j, [], True,
+                                 first_page=self.input_batch.num_pages_of(items[i].seq_id))
+                        for i in drafting]
+                tokens, own = self._forward(step, own)
+                for i, token in zip(drafting, tokens, strict=True):
+                    proposals[i].append(token)
+        filled = []
+        for i, item in enumerate(items):
+            n = item.num_spec
+            if n and len(proposals[i]) < n:  # no hidden state to draft from: any tokens do
+                proposals[i] = [item.token_ids[0]] * n
+            filled.append(item if not n else msgspec.structs.replace(
+                item, token_ids=item.token_ids[: len(item.token_ids) - n] + proposals[i]))
+        return filled, tuple(tuple(p) for p in proposals)
+
+    def _forward(self, items: list[StepItem], features: torch.Tensor
+                 ) -> tuple[list[int], torch.Tensor]:
+        """One forward of the head; the argmax and the head's hidden state at each
+        sampling item's last position."""
+        inputs = self.input_batch.prepare(items)
+        ctx = ForwardContext(backend=self.backend,
+                             metadata=self.backend.build_metadata(inputs.batch),
+                             kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
+        hidden = self.head(inputs.input_ids, inputs.positions, ctx, features)
+        if not inputs.sample_items:
+            return [], hidden[:0]
+        own = hidden[inputs.sample_rows]
+        return self.head.compute_logits(own).argmax(dim=-1).tolist(), own

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quire.executor.drafter import Drafter
+from quire.executor.drafter import Drafter, EagleDrafter
 from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
@@ -66,7 +66,7 @@ class ModelRunner:
         ops: OpSet | None = None,
         pooling: PoolingConfig | None = None,
         limits: StepLimits | None = None,
-        drafter: Drafter | None = None,
+        drafter: Drafter | EagleDrafter | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
@@ -76,8 +76,8 @@ class ModelRunner:
             vector (then no logits are computed); None to generate.
         :param limits: the largest step, for the input batch's buffers (they grow from
             small ones when None).
-        :param drafter: a draft model that fills each item's draft stand-ins before the
-            forward (speculative decoding), or None."""
+        :param drafter: a draft model or an EAGLE head that fills each item's draft
+            stand-ins before the forward (speculative decoding), or None."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -142,6 +142,8 @@ class ModelRunner:
             hidden = out
         if self.pooling is not None:
             return self._pool(hidden, inputs, self.pooling)
+        if self.drafter is not None:
+            self.drafter.keep(scheduled, hidden)
         if inputs.sample_items:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig, parse_dtype
-from quire.executor.drafter import Drafter
+from quire.executor.drafter import Drafter, EagleDrafter
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
@@ -30,6 +30,7 @@ from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
+from quire.models.eagle import EagleHead, load_eagle_head
 from quire.models.interface import CausalLM
 from quire.models.loader import (
     checkpoint_dtype,
@@ -149,14 +150,17 @@ class Worker:
         self.pooling: PoolingConfig | None = (
             pooling_config(model_path, model_config, config.pooling)
             if self.config.task == "embed" else None)
-        #: The draft model (speculative decoding with ``speculative_config.model``), on
-        #: the same ranks as the target, and its KV shape facts; None without one.
-        self.draft_model: CausalLM | None = None
+        #: The draft model or EAGLE head (speculative decoding with
+        #: ``speculative_config.model``), on the same ranks as the target, and its KV
+        #: shape facts; None without one.
+        self.draft_model: CausalLM | EagleHead | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
         self.draft_kv_dtype: torch.dtype | None = None
         spec_config = config.speculative_config
         if spec_config is not None and spec_config.method == "draft_model":
             self._load_draft(spec_config, tp_comm, registry)
+        elif spec_config is not None and spec_config.method == "eagle":
+            self._load_eagle(spec_config, tp_comm)
         self.runner: ModelRunner | None = None
 
     def _load_draft(self, spec: SpeculativeConfig, comm: Communicator,
@@ -187,6 +191,23 @@ class Worker:
         self.draft_kv_spec = KVCacheSpec.of(model)
         self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
                                                    dtype, model.head_dim)
+
+    def _load_eagle(self, spec: SpeculativeConfig, comm: Communicator) -> None:
+        """Load an EAGLE head over the target (it shares the target's embedding and LM
+        head), at the target's dtype unless ``speculative_config.dtype`` says."""
+        assert spec.model is not None
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if embed is None or type(self.model).__name__ == "Gemma3ForCausalLM":
+            raise ValueError("speculative_config.method 'eagle' reads a Llama-family "
+                             f"target's hidden states; {type(self.model).__name__} is not one")
+        dtype = parse_dtype(spec.dtype) if spec.dtype is not None else self.config.dtype
+        self.platform.check_dtype(dtype)
+        head = load_eagle_head(resolve_model(spec.model), comm, self.device, dtype,
+                               self.model)
+        self.draft_model = head
+        self.draft_kv_spec = KVCacheSpec.of(head)
+        self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
+                                                   dtype, head.head_dim)
 
     def _communicators(self, tp_rank: int, tp: int, stage: int,
                        pp: int) -> tuple[Communicator, Communicator | None]:
@@ -266,8 +287,10 @@ class Worker:
                                   self.pooling, limits, self._drafter(num_blocks, limits))
         self._capture_graphs(self.runner)
 
-    def _drafter(self, num_blocks: int, limits: StepLimits | None = None) -> Drafter | None:
-        """The draft model's runner over ``num_blocks`` pages of its own K/V, or None."""
+    def _drafter(self, num_blocks: int, limits: StepLimits | None = None
+                 ) -> Drafter | EagleDrafter | None:
+        """The draft model's (or EAGLE head's) runner over ``num_blocks`` pages of its own
+        K/V, or None."""
         if self.draft_model is None:
             return None
         spec = self.draft_kv_spec
@@ -277,8 +300,9 @@ class Worker:
                                            spec.num_kv_heads, spec.head_size,
                                            self.draft_kv_dtype, self.device)
             for _ in range(spec.num_layers)]
-        return Drafter(self.draft_model, self.backend, caches, self.config.block_size,
-                       self.device, self.ops, limits)
+        make = EagleDrafter if isinstance(self.draft_model, EagleHead) else Drafter
+        return make(self.draft_model, self.backend, caches, self.config.block_size,
+                    self.device, self.ops, limits)
 
     def _capture_graphs(self, runner: ModelRunner) -> None:
         """Capture the decode graphs when the platform records graphs and nothing turns

@@ -118,8 +118,10 @@ class EagleHead(nn.Module):
                 raise ValueError(f"EAGLE head tensor {name!r} has no parameter here")
             loader = getattr(param, "weight_loader", default_weight_loader)
             try:
-                loader(param, tensor) if shard_id is None else loader(param, tensor,
-                                                                       shard_id)
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"loading {name!r} into {target!r}: {e}") from None
             if shard_id is None:

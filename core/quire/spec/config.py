@@ -2,9 +2,10 @@
 
 ``LLM(..., speculative_config={...})`` and ``--speculative-config '{...}'`` take the same
 keys as vLLM's. What is built so far: ``method: "ngram"`` (prompt lookup, no second
-model) and a draft ``model`` (``method: "draft_model"``, implied by ``model`` alone) that
-proposes greedily in the workers (:mod:`quire.executor.drafter`). The ``eagle``/
-``eagle3`` heads and ``mtp`` are refused at start, naming the field, until they are.
+model), a draft ``model`` (``method: "draft_model"``, implied by ``model`` alone) and an
+EAGLE head (``method: "eagle"``, :mod:`quire.models.eagle`), both proposing greedily in
+the workers (:mod:`quire.executor.drafter`). ``eagle3`` and ``mtp`` are refused at
+start, naming the field, until they are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 #: Methods vLLM names, and whether Quire runs them yet.
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-BUILT = ("ngram", "draft_model")
+BUILT = ("ngram", "draft_model", "eagle")
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
@@ -36,7 +37,7 @@ class SpeculativeConfig:
     #: each the other when only one is given).
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    #: A draft model's path or name (``method`` draft_model, eagle, eagle3).
+    #: A draft model's or EAGLE head's path or name (``method`` draft_model, eagle).
     model: str | None = None
     #: No drafts in a step whose running sequences reach this many (vLLM's name); None:
     #: always speculate.
@@ -67,10 +68,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min})"
                              f" exceeds prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.method == "draft_model" and (not isinstance(self.model, str)
-                                             or not self.model):
-            raise ValueError("speculative_config.model must name the draft model (a path, "
-                             f"a Hub repo id or a built-in name), got {self.model!r}")
+        if self.method in ("draft_model", "eagle") and (not isinstance(self.model, str)
+                                                        or not self.model):
+            raise ValueError("speculative_config.model must name the draft model or EAGLE "
+                             "head (a path, a Hub repo id or a built-in name), got "
+                             f"{self.model!r}")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model does not apply to method 'ngram' "
                              "(prompt lookup runs no second model)")
