@@ -242,15 +242,15 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         spec = self.speculative_config
-        if spec is not None and spec.method in ("draft_model", "eagle") \
+        if spec is not None and spec.method in ("draft_model", "eagle", "eagle3") \
                 and self.pipeline_parallel_size > 1:
             raise ValueError(f"speculative_config.method {spec.method!r} cannot run with "
                              f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size})"
                              ": the draft proposes in the workers before the target's "
                              "forward, which a pipeline's stages split; use ngram or no "
                              "pipeline")
-        if spec is not None and spec.method == "eagle" and self.async_scheduling:
-            raise ValueError("speculative_config.method 'eagle' cannot run with "
+        if spec is not None and spec.method in ("eagle", "eagle3") and self.async_scheduling:
+            raise ValueError(f"speculative_config.method {spec.method!r} cannot run with "
                              "async_scheduling: the head reads every step's tokens before "
                              "its forward, which an asynchronous step has on the device "
                              "only; turn one of them off")

@@ -204,13 +204,180 @@ def test_bad_heads_are_refused_naming_the_field(heads, tmp_path):
             "method": "eagle", "model": str(partial), "num_speculative_tokens": 2})
 
 
-@pytest.mark.slow  # about 15 s: two worker processes
-def test_tensor_parallel_ranks_share_the_head_and_keep_greedy_output(heads):
+@pytest.mark.slow  # about 10 s each: two worker processes
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tensor_parallel_ranks_share_the_head_and_keep_greedy_output(method, heads,
+                                                                     tmp_path):
     target, head, _ = heads
+    if method == "eagle3":
+        head = write_head3(target, tmp_path / "eagle3")
     plain, _ = _greedy(target, None)
-    got, stats = _greedy(target, {"method": "eagle", "model": str(head),
+    got, stats = _greedy(target, {"method": method, "model": str(head),
                                   "num_speculative_tokens": K,
                                   "disable_by_batch_size": None},
                          tensor_parallel_size=2, distributed_executor_backend="mp")
     assert got == plain
     assert stats.spec_num_draft_tokens > 0
+
+
+# -- EAGLE-3 ---------------------------------------------------------------------------------
+AUX = [0, 1, 1]  # the tiny target has two layers: its inputs to layers 0, 1 and 1
+DRAFT_VOCAB = 200
+
+
+def write_head3(target: Path, directory: Path, seed: int = 2) -> Path:
+    """A tiny random EAGLE-3 head in the EAGLE project's layout: ``midlayer.*`` (q, k, v
+    over [2H]), ``hidden_norm``, ``fc`` over [3H], its own ``norm`` and ``lm_head`` over a
+    draft vocabulary of 200 of the target's 384 tokens, ``d2t`` and ``t2d``."""
+    config = json.loads((target / "config.json").read_text())
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
+                  draft_vocab_size=DRAFT_VOCAB,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": AUX})
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
+        return scale * torch.randn(*shape, generator=g)
+
+    kept = torch.randperm(config["vocab_size"], generator=g)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+    t2d[kept] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": rand(hidden, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, hidden),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "midlayer.input_layernorm.weight": 1.0 + rand(hidden, scale=0.2),
+        "midlayer.hidden_norm.weight": 1.0 + rand(hidden, scale=0.2),
+        "midlayer.post_attention_layernorm.weight": 1.0 + rand(hidden, scale=0.2),
+        "norm.weight": 1.0 + rand(hidden, scale=0.2),
+        "lm_head.weight": rand(DRAFT_VOCAB, hidden, scale=0.5),
+        "d2t": kept - torch.arange(DRAFT_VOCAB),
+        "t2d": t2d,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+class _HandHead3:
+    """An EAGLE-3 head run by hand in plain torch over transformers' hidden states."""
+
+    def __init__(self, head_dir: Path, target: torch.nn.Module) -> None:
+        from safetensors.torch import load_file
+
+        self.w = load_file(head_dir / "model.safetensors")
+        self.config = LlamaConfig.from_pretrained(head_dir)
+        self.rope = LlamaRotaryEmbedding(self.config)
+        self.target = target
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.w[name]
+
+    @torch.inference_mode()
+    def prenorm(self, tokens: list[int], residual: torch.Tensor) -> torch.Tensor:
+        """The head's hidden states before its norm; row i reads token i + 1 and the
+        residual stream ``residual[i]`` (``fc`` of the target's, or its own)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        w, cfg = self.w, self.config
+        n, heads, kvh = len(tokens), cfg.num_attention_heads, cfg.num_key_value_heads
+        d = cfg.hidden_size // heads
+        e = self.target.model.embed_tokens(torch.tensor(tokens))
+        x = torch.cat((self._norm(e, "midlayer.input_layernorm.weight"),
+                       self._norm(residual, "midlayer.hidden_norm.weight")), -1)
+        q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d).transpose(0, 1)
+        k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kvh, d).transpose(0, 1)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kvh, d).transpose(0, 1)
+        cos, sin = self.rope(v[None], torch.arange(n)[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        k, v = (t.repeat_interleave(heads // kvh, dim=-3) for t in (k[0], v[None][0]))
+        scores = (q[0] @ k.transpose(-1, -2)) / d**0.5
+        scores = scores + torch.full((n, n), float("-inf")).triu(1)
+        attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * d)
+        r = residual + attn @ w["midlayer.self_attn.o_proj.weight"].T
+        y = self._norm(r, "midlayer.post_attention_layernorm.weight")
+        gate = torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T)
+        mlp = (gate * (y @ w["midlayer.mlp.up_proj.weight"].T)) @ \
+            w["midlayer.mlp.down_proj.weight"].T
+        return r + mlp
+
+    @torch.inference_mode()
+    def proposals(self, context: list[int], k: int) -> list[int]:
+        states = self.target(torch.tensor([context]), output_hidden_states=True)
+        aux = torch.cat([states.hidden_states[i][0, :-1] for i in AUX], -1)
+        residual = aux @ self.w["fc.weight"].T
+        tokens = list(context[1:])
+        drafts: list[int] = []
+        for _ in range(k):
+            out = self.prenorm(tokens, residual)[-1]
+            best = int((self._norm(out, "norm.weight") @ self.w["lm_head.weight"].T).argmax())
+            token = best + int(self.w["d2t"][best])
+            drafts.append(token)
+            tokens.append(token)
+            residual = torch.cat((residual, out[None]))
+        return drafts
+
+
+def test_every_eagle3_proposal_is_the_head_s_own_over_the_target_s_layers(
+        heads, tmp_path, monkeypatch):
+    """EAGLE-3: the three target layers' inputs, its own norm and draft vocabulary
+    mapped through d2t; chunked prefill, preemption-free; greedy output unchanged."""
+    from quire.engine.core import EngineCore
+
+    target = heads[0]
+    head = write_head3(target, tmp_path / "eagle3")
+    seen: list[tuple[list[int], list[int]]] = []
+    verify = EngineCore._verify
+
+    def recording(self, seqs, logits, drafts, outputs):
+        for seq, draft in zip(seqs, drafts):
+            seen.append((list(seq.prompt_token_ids) + list(seq.output_token_ids), draft))
+        return verify(self, seqs, logits, drafts, outputs)
+
+    monkeypatch.setattr(EngineCore, "_verify", recording)
+    plain, _ = _greedy(target, None)
+    got, stats = _greedy(target, {"method": "eagle3", "model": str(head),
+                                  "num_speculative_tokens": K,
+                                  "disable_by_batch_size": None},
+                         max_num_batched_tokens=8)
+    assert got == plain
+    assert len(seen) > 20
+    hand = _HandHead3(head, hf_model(target))
+    kept = set((torch.arange(DRAFT_VOCAB) + hand.w["d2t"]).tolist())
+    for context, drafts in seen:
+        assert set(drafts) <= kept
+        assert drafts == hand.proposals(context, len(drafts)), context
+
+
+def test_bad_eagle3_heads_are_refused_naming_the_field(heads, tmp_path):
+    target = heads[0]
+    head = write_head3(target, tmp_path / "good")
+    spec = {"method": "eagle3", "num_speculative_tokens": 2}
+    far = tmp_path / "far"
+    far.mkdir()
+    (far / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
+    config = json.loads((head / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}
+    (far / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"speculative_config\.model .* three of the "
+                                         r"target's 2 layers, got layer ids \[0, 1, 5\]"):
+        LLM(str(target), device="cpu", speculative_config={**spec, "model": str(far)})
+    no_map = tmp_path / "no_map"
+    no_map.mkdir()
+    (no_map / "config.json").write_text((head / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    tensors = load_file(head / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, no_map / "model.safetensors")
+    with pytest.raises(ValueError, match=r"speculative_config\.model .* no d2t for a draft "
+                                         r"vocabulary of 200 tokens"):
+        LLM(str(target), device="cpu", speculative_config={**spec, "model": str(no_map)})

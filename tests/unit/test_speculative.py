@@ -352,7 +352,6 @@ def test_acceptance_counts_per_position():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
      "prompt_lookup_max"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not built yet"),
     ({"method": "eagle", "num_speculative_tokens": 2}, r"\.model must name"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"\.model must name the draft"),

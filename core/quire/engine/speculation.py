@@ -142,7 +142,8 @@ class Speculator:
         self.tokens = TokenArrays()
         #: The draft's K/V per sequence, with a draft model or an EAGLE head.
         self.draft_kv: DraftKV | None = (None if config.method == "ngram"
-                                         else DraftKV(every_step=config.method == "eagle"))
+                                         else DraftKV(every_step=config.method
+                                                      in ("eagle", "eagle3")))
 
     def forget(self, seq_id: int) -> None:
         """Drop what is kept for a finished or aborted sequence."""

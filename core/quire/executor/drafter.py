@@ -133,8 +133,9 @@ class Drafter:
 
 
 class EagleDrafter:
-    """An EAGLE head's proposals (:mod:`quire.models.eagle`), made in the worker just
-    before the target's forward, from the target's hidden states of the step before.
+    """An EAGLE or EAGLE-3 head's proposals (:mod:`quire.models.eagle`), made in the
+    worker just before the target's forward, from the target's hidden states of the step
+    before.
 
     Head position ``i`` reads token ``i + 1`` and the target's hidden state at ``i``.
     The runner hands over each step's hidden states (:meth:`keep`); the next step writes
@@ -158,8 +159,10 @@ class EagleDrafter:
         self._hidden: dict[int, tuple[int, torch.Tensor]] = {}
 
     def keep(self, items: list[StepItem], hidden: torch.Tensor) -> None:
-        """The target's hidden states of a step, [T, H] in the items' token order."""
-        hidden = hidden.detach().clone()  # a replayed graph's output buffer is reused
+        """The target's hidden states of a step, [T, H] in the items' token order (what
+        the head reads of them: an EAGLE-3 head its three layers')."""
+        # a copy: a replayed graph's output buffer is reused
+        hidden = self.head.target_features(hidden).detach().clone()
         row = 0
         for item in items:
             n = len(item.token_ids)
@@ -229,4 +232,4 @@ class EagleDrafter:
         if not inputs.sample_items:
             return [], hidden[:0]
         own = hidden[inputs.sample_rows]
-        return self.head.compute_logits(own).argmax(dim=-1).tolist(), own
+        return self.head.propose(own).tolist(), own

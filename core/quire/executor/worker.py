@@ -30,7 +30,7 @@ from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
-from quire.models.eagle import EagleHead, load_eagle_head
+from quire.models.eagle import Eagle3Head, EagleHead, load_eagle_head
 from quire.models.interface import CausalLM
 from quire.models.loader import (
     checkpoint_dtype,
@@ -153,13 +153,13 @@ class Worker:
         #: The draft model or EAGLE head (speculative decoding with
         #: ``speculative_config.model``), on the same ranks as the target, and its KV
         #: shape facts; None without one.
-        self.draft_model: CausalLM | EagleHead | None = None
+        self.draft_model: CausalLM | EagleHead | Eagle3Head | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
         self.draft_kv_dtype: torch.dtype | None = None
         spec_config = config.speculative_config
         if spec_config is not None and spec_config.method == "draft_model":
             self._load_draft(spec_config, tp_comm, registry)
-        elif spec_config is not None and spec_config.method == "eagle":
+        elif spec_config is not None and spec_config.method in ("eagle", "eagle3"):
             self._load_eagle(spec_config, tp_comm)
         self.runner: ModelRunner | None = None
 
@@ -193,17 +193,19 @@ class Worker:
                                                    dtype, model.head_dim)
 
     def _load_eagle(self, spec: SpeculativeConfig, comm: Communicator) -> None:
-        """Load an EAGLE head over the target (it shares the target's embedding and LM
-        head), at the target's dtype unless ``speculative_config.dtype`` says."""
+        """Load an EAGLE (EAGLE-3) head over the target (it shares the target's embedding,
+        and an EAGLE head its LM head), at the target's dtype unless
+        ``speculative_config.dtype`` says."""
         assert spec.model is not None
         embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
         if embed is None or type(self.model).__name__ == "Gemma3ForCausalLM":
-            raise ValueError("speculative_config.method 'eagle' reads a Llama-family "
-                             f"target's hidden states; {type(self.model).__name__} is not one")
+            raise ValueError(f"speculative_config.method {spec.method!r} reads a "
+                             "Llama-family target's hidden states; "
+                             f"{type(self.model).__name__} is not one")
         dtype = parse_dtype(spec.dtype) if spec.dtype is not None else self.config.dtype
         self.platform.check_dtype(dtype)
         head = load_eagle_head(resolve_model(spec.model), comm, self.device, dtype,
-                               self.model)
+                               self.model, eagle3=spec.method == "eagle3")
         self.draft_model = head
         self.draft_kv_spec = KVCacheSpec.of(head)
         self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
@@ -300,7 +302,8 @@ class Worker:
                                            spec.num_kv_heads, spec.head_size,
                                            self.draft_kv_dtype, self.device)
             for _ in range(spec.num_layers)]
-        make = EagleDrafter if isinstance(self.draft_model, EagleHead) else Drafter
+        make = (EagleDrafter if isinstance(self.draft_model, (EagleHead, Eagle3Head))
+                else Drafter)
         return make(self.draft_model, self.backend, caches, self.config.block_size,
                     self.device, self.ops, limits)
 
@@ -314,6 +317,8 @@ class Worker:
                 or cfg.engine.world_size > 1):
             return
         if self.kv_dtype in QUANTIZED_KV_TORCH_DTYPES:  # their KV write is not capturable
+            return
+        if isinstance(self.draft_model, Eagle3Head):  # it reads hidden states mid-model
             return
         capture = self.platform.graph_capture(self.rank)
         if capture is None:

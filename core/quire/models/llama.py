@@ -294,6 +294,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else None
         # One table for every layer; each step's cos/sin are looked up once, not per layer.
         self.rotary_emb = get_rope(config, head_dim_of(config))
+        #: Layers whose input hidden states (the residual stream) a forward keeps in
+        #: :attr:`aux_hidden_states`, joined in this order (an EAGLE-3 head reads them);
+        #: empty: none kept.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -310,13 +315,30 @@ class LlamaModel(nn.Module):
         rotary = self.rotary_emb(positions, hidden.dtype)
         start, end = ((0, len(self.layers)) if self.stage is None
                       else (self.stage.start, self.stage.end))
-        for layer in self.layers[start:end]:
-            hidden, residual = layer(hidden, residual, rotary, ctx)
+        if self.aux_layers:
+            hidden, residual = self._layers_keeping_aux(hidden, residual, rotary, ctx)
+        else:
+            for layer in self.layers[start:end]:
+                hidden, residual = layer(hidden, residual, rotary, ctx)
         if self.norm is None:
             assert residual is not None
             return hidden, residual
         hidden, _ = self.norm(hidden, residual, ctx.ops)
         return hidden
+
+
+    def _layers_keeping_aux(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                            rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer (no pipeline stages), keeping the :attr:`aux_layers` inputs."""
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                kept[i] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(hidden, residual, rotary, ctx)
+        self.aux_hidden_states = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
+        assert residual is not None
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):

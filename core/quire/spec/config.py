@@ -3,9 +3,9 @@
 ``LLM(..., speculative_config={...})`` and ``--speculative-config '{...}'`` take the same
 keys as vLLM's. What is built so far: ``method: "ngram"`` (prompt lookup, no second
 model), a draft ``model`` (``method: "draft_model"``, implied by ``model`` alone) and an
-EAGLE head (``method: "eagle"``, :mod:`quire.models.eagle`), both proposing greedily in
-the workers (:mod:`quire.executor.drafter`). ``eagle3`` and ``mtp`` are refused at
-start, naming the field, until they are.
+EAGLE or EAGLE-3 head (``method: "eagle"``, ``"eagle3"``, :mod:`quire.models.eagle`),
+all proposing greedily in the workers (:mod:`quire.executor.drafter`). ``mtp`` is
+refused at start, naming the field, until it is.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 #: Methods vLLM names, and whether Quire runs them yet.
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-BUILT = ("ngram", "draft_model", "eagle")
+BUILT = ("ngram", "draft_model", "eagle", "eagle3")
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
@@ -37,7 +37,8 @@ class SpeculativeConfig:
     #: each the other when only one is given).
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    #: A draft model's or EAGLE head's path or name (``method`` draft_model, eagle).
+    #: A draft model's or EAGLE head's path or name (``method`` draft_model, eagle,
+    #: eagle3).
     model: str | None = None
     #: No drafts in a step whose running sequences reach this many (vLLM's name); None:
     #: always speculate.
@@ -68,8 +69,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min})"
                              f" exceeds prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.method in ("draft_model", "eagle") and (not isinstance(self.model, str)
-                                                        or not self.model):
+        if self.method in ("draft_model", "eagle", "eagle3") and (
+                not isinstance(self.model, str) or not self.model):
             raise ValueError("speculative_config.model must name the draft model or EAGLE "
                              "head (a path, a Hub repo id or a built-in name), got "
                              f"{self.model!r}")
