@@ -33,9 +33,11 @@ def write_head(target: Path, directory: Path, *, bias: bool, safetensors: bool,
     with EAGLE's names."""
     config = json.loads((target / "config.json").read_text())
     config["num_hidden_layers"] = 1
+    if "layer_types" in config:  # Qwen configs name each layer's attention
+        config["layer_types"] = config["layer_types"][:1]
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = (config[k] * head_dim for k in ("num_attention_heads", "num_key_value_heads"))
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
@@ -43,10 +45,10 @@ def write_head(target: Path, directory: Path, *, bias: bool, safetensors: bool,
 
     tensors = {
         "fc.weight": rand(hidden, 2 * hidden),
-        "layers.0.self_attn.q_proj.weight": rand(hidden, hidden),
+        "layers.0.self_attn.q_proj.weight": rand(q, hidden),
         "layers.0.self_attn.k_proj.weight": rand(kv, hidden),
         "layers.0.self_attn.v_proj.weight": rand(kv, hidden),
-        "layers.0.self_attn.o_proj.weight": rand(hidden, hidden),
+        "layers.0.self_attn.o_proj.weight": rand(hidden, q),
         "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
         "layers.0.mlp.up_proj.weight": rand(inter, hidden),
         "layers.0.mlp.down_proj.weight": rand(hidden, inter),
@@ -181,7 +183,24 @@ def test_greedy_outputs_equal_the_target_s(scenario, heads):
         assert again == plain
 
 
-def test_bad_heads_are_refused_naming_the_field(heads, tmp_path):
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_every_llama_shaped_family_takes_both_heads(arch, tiny_checkpoint, tmp_path):
+    """(The llama is above.) Gemma 3 is refused: it scales its embedding inside."""
+    target = tiny_checkpoint(arch)
+    plain, _ = _greedy(target, None)
+    config = json.loads((target / "config.json").read_text())
+    aux = [0, 1, config["num_hidden_layers"] - 1]
+    for method, head in (("eagle", write_head(target, tmp_path / "e", bias=True,
+                                              safetensors=False)),
+                         ("eagle3", write_head3(target, tmp_path / "e3", aux=aux))):
+        got, stats = _greedy(target, {"method": method, "model": str(head),
+                                      "num_speculative_tokens": K,
+                                      "disable_by_batch_size": None})
+        assert got == plain, method
+        assert stats.spec_num_draft_tokens > 0
+
+
+def test_bad_heads_are_refused_naming_the_field(heads, tmp_path, tiny_checkpoint):
     target, head, _ = heads
     wide = tmp_path / "wide"
     wide.mkdir()
@@ -202,6 +221,10 @@ def test_bad_heads_are_refused_naming_the_field(heads, tmp_path):
                                          r"layers\.0\.mlp\.down_proj\.weight"):
         LLM(str(target), device="cpu", speculative_config={
             "method": "eagle", "model": str(partial), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"'eagle' reads a Llama-family target's hidden "
+                                         r"states; Gemma3ForCausalLM is not one"):
+        LLM(str(tiny_checkpoint("gemma3")), device="cpu", speculative_config={
+            "method": "eagle", "model": str(head), "num_speculative_tokens": 2})
 
 
 @pytest.mark.slow  # about 10 s each: two worker processes
@@ -225,16 +248,20 @@ AUX = [0, 1, 1]  # the tiny target has two layers: its inputs to layers 0, 1 and
 DRAFT_VOCAB = 200
 
 
-def write_head3(target: Path, directory: Path, seed: int = 2) -> Path:
+def write_head3(target: Path, directory: Path, seed: int = 2,
+                aux: list[int] | None = None) -> Path:
     """A tiny random EAGLE-3 head in the EAGLE project's layout: ``midlayer.*`` (q, k, v
     over [2H]), ``hidden_norm``, ``fc`` over [3H], its own ``norm`` and ``lm_head`` over a
     draft vocabulary of 200 of the target's 384 tokens, ``d2t`` and ``t2d``."""
     config = json.loads((target / "config.json").read_text())
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:1]
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
                   draft_vocab_size=DRAFT_VOCAB,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": AUX})
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": aux or AUX})
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = (config[k] * head_dim for k in ("num_attention_heads", "num_key_value_heads"))
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
@@ -245,10 +272,10 @@ def write_head3(target: Path, directory: Path, seed: int = 2) -> Path:
     t2d[kept] = True
     tensors = {
         "fc.weight": rand(hidden, 3 * hidden),
-        "midlayer.self_attn.q_proj.weight": rand(hidden, 2 * hidden),
+        "midlayer.self_attn.q_proj.weight": rand(q, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": rand(kv, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": rand(kv, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": rand(hidden, hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, q),
         "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
         "midlayer.mlp.up_proj.weight": rand(inter, hidden),
         "midlayer.mlp.down_proj.weight": rand(hidden, inter),
