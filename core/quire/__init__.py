@@ -6,12 +6,13 @@ from quire.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from quire.lora.request import LoRARequest
 from quire.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:

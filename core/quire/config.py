@@ -188,6 +188,19 @@ class EngineConfig:
                        "model's distribution at any temperature (default: none)"),
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata=_help("serve LoRA adapters in PEFT's format over the base model (vLLM's "
+                       "--enable-lora): requests name one (LoRARequest), one step mixes "
+                       "several; the platform's whole-layer kernels are off"))
+    max_loras: int = field(
+        default=1, metadata=_help("adapters one step may hold (the device slots)"))
+    max_lora_rank: int = field(
+        default=16, metadata=_help("the largest adapter rank served; slots are this wide"))
+    max_cpu_loras: int | None = field(
+        default=None, metadata=_help("adapters kept loaded in host memory (default: "
+                                     "max_loras); others are read again from their path"))
+
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
@@ -257,10 +270,29 @@ class EngineConfig:
         if self.speculative_config is not None and self.task == "embed":
             raise ValueError("speculative_config applies to generating models, not "
                              "task='embed'")
+        self._check_lora()
         if self.async_scheduling and self.pipeline_parallel_size > 1:
             raise ValueError("async_scheduling cannot run with pipeline_parallel_size > 1 "
                              f"(got {self.pipeline_parallel_size}): a pipeline already keeps "
                              "several steps in flight; turn one of them off")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora runs on one rank so far: tensor_parallel_size and "
+                             "pipeline_parallel_size must be 1")
+        for name in ("speculative_config", "compile"):
+            if getattr(self, name):
+                raise ValueError(f"enable_lora cannot run with {name} yet")
 
     def _check_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

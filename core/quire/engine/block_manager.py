@@ -109,7 +109,10 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # a LoRA adapter's pages hold other K/V than the base model's: its chain
+            # starts from its own root
+            parent = hashes[-1] if hashes else (hash(("lora", seq.lora_id))
+                                                if seq.lora_id else None)
             hashes.append(hash_block(parent, seq.token_slice(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

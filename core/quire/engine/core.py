@@ -212,6 +212,8 @@ class EngineCore:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
+            max_loras=self.config.engine.max_loras if self.config.engine.enable_lora
+            else None,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
@@ -287,10 +289,16 @@ class EngineCore:
         params = request.params.for_sequence(index)
         longest = len(tokens) + max(1, params.max_output_tokens(len(tokens),
                                                                 self.config.max_model_len))
+        lora = request.lora
+        if lora is not None and not self.config.engine.enable_lora:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is "
+                             "disabled: start the engine with enable_lora=True")
         return Sequence(seq_id=seq_id, request_id=request.request_id,
                         prompt_token_ids=tokens, params=params,
                         arrival=seq_id if arrival is None else arrival, index=index,
-                        priority=request.priority + index, max_num_tokens=longest)
+                        priority=request.priority + index, max_num_tokens=longest,
+                        lora_id=0 if lora is None else lora.lora_int_id,
+                        lora_path="" if lora is None else lora.lora_path)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests now and free their pages; unknown or finished ids are ignored."""

@@ -30,7 +30,10 @@ from quire.engine.messages import (
 )
 from quire.engine.output_processor import OutputProcessor, RequestState
 from quire.hub import fetch_model
+from quire.lora.adapter import expected_modules, load_adapter
+from quire.lora.request import LoRARequest
 from quire.model_store import model_path_of
+from quire.models.loader import load_model_config
 from quire.outputs import (
     EmbeddingRequestOutput,
     RequestMetrics,
@@ -101,6 +104,9 @@ class LLMEngine:
         self.vocab_size: int = info.vocab_size
         self.processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
+        #: LoRA adapters checked so far: id -> path (an id keeps its path).
+        self._loras: dict[int, str] = {}
+        self._lora_targets: dict[str, tuple[int, int]] | None = None
         self._embeddings: dict[str, _EmbedState] = {}
         self._ids = itertools.count()
         self._stats: EngineStats | None = None
@@ -139,8 +145,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         thinking: ThinkingTokens | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request. Checks everything before anything is scheduled.
+
+        :param lora_request: the LoRA adapter to run with (``enable_lora``), checked
+            against the base model here.
 
         :param thinking: a reasoning model's thinking markers: a grammar
             (``structured_outputs``) then holds only the answer after the thinking.
@@ -160,14 +170,39 @@ class LLMEngine:
                                self.info.num_blocks)
         if params.structured_outputs is not None:
             self.grammars().check(params.structured_outputs)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         self.client.add_request(CoreRequest(rid, tokens, params, arrival_time, priority,
-                                            thinking=thinking))
+                                            thinking=thinking, lora=lora_request))
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                            arrival_time=arrival_time)
         self.processor.track(req, 0)
         self._requests[rid] = req
         return rid
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Refuse an adapter this engine cannot run, before it is queued.
+
+        :raises ValueError: one line: LoRA is off, the path is not an adapter, its rank
+            exceeds ``max_lora_rank``, a target the base model lacks, or tensors of
+            another base model.
+        """
+        engine = self.config.engine
+        if not engine.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA "
+                             "is disabled: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known == lora_request.lora_path:
+            return
+        if known is not None:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
+                             f"{known!r}; give {lora_request.lora_path!r} another id")
+        if self._lora_targets is None:
+            self._lora_targets = expected_modules(load_model_config(model_path_of(engine)))
+        load_adapter(lora_request.lora_path, self._lora_targets, engine.max_lora_rank)
+        self._loras[lora_request.lora_int_id] = lora_request.lora_path
 
     def add_embed_request(self, prompt_token_ids: list[int], *, prompt: str | None = None,
                           request_id: str | None = None, priority: int = 0) -> str:

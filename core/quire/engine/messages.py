@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from quire.lora.request import LoRARequest
 from quire.sampling.logprobs import TokenLogprobs
 from quire.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ class CoreRequest(msgspec.Struct, frozen=True):
     client: int = 0
     #: With a grammar: the thinking it does not hold (None: it holds the whole output).
     thinking: ThinkingTokens | None = None
+    #: The LoRA adapter it runs with (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -124,10 +124,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         depth: int = 1,
+        max_loras: int | None = None,
     ) -> None:
-        """:param depth: steps that may be in flight at once (pipeline stages)."""
+        """:param depth: steps that may be in flight at once (pipeline stages).
+        :param max_loras: LoRA adapters the running sequences may use at once (the
+            workers' device slots; None: no adapters)."""
         self.block_manager = block_manager
         self.depth = depth
+        self.max_loras = max_loras
         #: Sequences in steps scheduled but not completed (by seq_id).
         self._in_flight: set[int] = set()
         self.max_num_seqs = max_num_seqs
@@ -270,11 +274,28 @@ class Scheduler:
         return None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
+        # a sequence whose adapter would exceed max_loras waits, and the ones after it
+        # may go first (vLLM's rule); it keeps its place in the queue
+        passed: list[Sequence] = []
+        loras = ({s.lora_id for s in self.running if s.lora_id}
+                 if self.max_loras is not None else set())
+        try:
+            self._admit(out, budget, seats, loras, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit(self, out: SchedulerOutput, budget: int, seats: int, loras: set[int],
+               passed: list[Sequence]) -> None:
         bm = self.block_manager
         admitted = 0
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and admitted < seats):
             seq = self.waiting[0]
+            if seq.lora_id and seq.lora_id not in loras:
+                assert self.max_loras is not None
+                if len(loras) >= self.max_loras:
+                    passed.append(self.waiting.popleft())
+                    continue
             # A forked sample already holds its shared pages; a request that wants prompt
             # logprobs must compute every prompt position, so it takes nothing cached.
             if seq.block_table or seq.params.prompt_logprobs is not None:
@@ -291,6 +312,8 @@ class Scheduler:
             if not bm.allocate(seq, num, cached):
                 break
             self.waiting.popleft()
+            if seq.lora_id:
+                loras.add(seq.lora_id)
             seq.num_computed_tokens = start
             seq.num_cached_tokens = num_cached
             if seq.first_scheduled_time is None:  # a preempted sequence keeps its first

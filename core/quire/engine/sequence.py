@@ -70,6 +70,9 @@ class Sequence:
     #: keeps it). Steps that run the drafter carry the tokens from here on
     #: (``StepItem.draft_lag``).
     draft_computed: int = -1
+    #: The LoRA adapter it runs with (0: the base model) and where it is.
+    lora_id: int = 0
+    lora_path: str = ""
 
     @property
     def order(self) -> tuple[int, int]:

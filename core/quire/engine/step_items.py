@@ -50,7 +50,8 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
     lag = draft_kv.lag(seq, start) if draft_kv is not None else []
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
-                    len(spec), lag)
+                    len(spec), lag, seq.lora_id,
+                    seq.lora_path if seq.lora_id and not first_page else "")
 
 
 class ItemBuilder:

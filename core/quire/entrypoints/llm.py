@@ -9,6 +9,7 @@ from typing import Any, Union
 
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
+from quire.lora.request import LoRARequest
 from quire.outputs import EmbeddingRequestOutput, RequestOutput
 from quire.plugins.registry import (
     DISABLE_PLUGINS_ENV,
@@ -66,14 +67,18 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in prompt order.
 
         :param use_tqdm: show a progress bar of finished requests.
-        :raises ValueError: for an invalid prompt or parameters, before anything runs.
+        :param lora_request: the LoRA adapter every prompt runs with, or one per prompt
+            (None: the base model); needs ``enable_lora=True``.
+        :raises ValueError: for an invalid prompt, parameters or adapter, before anything
+            runs.
         """
         results: dict[str, RequestOutput] = {}
-        order = self._add_requests(prompts, sampling_params)
+        order = self._add_requests(prompts, sampling_params, lora_request)
         bar = _progress(len(order)) if use_tqdm else None
         for out in self._run(order, final_only=True):
             if out.finished:
@@ -171,15 +176,23 @@ class LLM:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Check and queue every prompt, all or none; returns the request ids in order."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(batch)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(batch):
+                raise ValueError(f"{len(loras)} lora_request for {len(batch)} prompts")
         encoded = [self._encode(p) for p in batch]
         order: list[str] = []
         try:
-            for (text, ids), sp in zip(encoded, params):
-                order.append(self.engine.add_request(ids, sp, prompt=text))
+            for (text, ids), sp, lora in zip(encoded, params, loras):
+                order.append(self.engine.add_request(ids, sp, prompt=text,
+                                                     lora_request=lora))
         except ValueError:
             for rid in order:
                 self.engine.abort_request(rid)

@@ -52,6 +52,10 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
     #: accepted every draft). The last ``num_spec`` of ``token_ids`` are then stand-ins
     #: that the drafter replaces with its proposals before the target's forward.
     draft_lag: list[int] = msgspec.field(default_factory=list)
+    #: The LoRA adapter the sequence runs with (0: the base model), and its path when
+    #: the item sends the whole table (the workers keep it by id from then on).
+    lora_id: int = 0
+    lora_path: str = ""
 
     @property
     def end(self) -> int:

@@ -27,6 +27,7 @@ from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.platform import GraphCapture
+from quire.lora.layers import LoRAManager
 from quire.models.context import ForwardContext
 from quire.models.pipeline import PipelineLink
 from quire.models.pooling import PoolingConfig
@@ -67,6 +68,7 @@ class ModelRunner:
         pooling: PoolingConfig | None = None,
         limits: StepLimits | None = None,
         drafter: Drafter | EagleDrafter | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
             a layer another pipeline stage holds).
@@ -77,7 +79,9 @@ class ModelRunner:
         :param limits: the largest step, for the input batch's buffers (they grow from
             small ones when None).
         :param drafter: a draft model or an EAGLE head that fills each item's draft
-            stand-ins before the forward (speculative decoding), or None."""
+            stand-ins before the forward (speculative decoding), or None.
+        :param lora: the LoRA adapters' slots, told each step's adapters (``StepItem.
+            lora_id``), or None."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -90,6 +94,7 @@ class ModelRunner:
         #: Captured decode forwards (:meth:`capture_graphs`), or None: all steps eager.
         self.graphs: DecodeGraphs | None = None
         self.drafter = drafter
+        self.lora = lora
 
     @torch.inference_mode()
     def capture_graphs(self, capture: GraphCapture, sizes: Sequence[int],
@@ -126,6 +131,11 @@ class ModelRunner:
         if self.drafter is not None:
             scheduled, drafts = self.drafter.propose(scheduled, released)
         inputs = self.prepare(scheduled, released, sampled)
+        if self.lora is not None:
+            self.lora.prepare([item.lora_id for item in scheduled],
+                              [len(item.token_ids) for item in scheduled],
+                              {item.lora_id: item.lora_path for item in scheduled
+                               if item.lora_path}, self.device)
         # a decode step that fits a captured graph replays it
         hidden = None if self.graphs is None else self.graphs.replay(inputs)
         if hidden is None and self.link is None:

@@ -28,6 +28,7 @@ from quire.interfaces.attention import (
 )
 from quire.interfaces.communicator import Communicator
 from quire.interfaces.platform import Platform, configure_platform
+from quire.lora.layers import LoRAManager
 from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
 from quire.models.eagle import Eagle3Head, EagleHead, load_eagle_head
@@ -136,6 +137,13 @@ class Worker:
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
+        #: LoRA adapters' device slots and products (``enable_lora``), or None.
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, model_config, config.max_loras,
+                                    config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.device,
+                                    self.config.dtype)
         self.backend: AttentionBackend = self.platform.make_attention_backend()
         self.kv_layer_ids: tuple[int, ...] = tuple(
             getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))
@@ -286,7 +294,8 @@ class Worker:
                             max_pages=-(-cfg.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.model, self.backend, self._allocate(num_blocks),
                                   cfg.block_size, self.device, self.link, self.ops,
-                                  self.pooling, limits, self._drafter(num_blocks, limits))
+                                  self.pooling, limits, self._drafter(num_blocks, limits),
+                                  self.lora)
         self._capture_graphs(self.runner)
 
     def _drafter(self, num_blocks: int, limits: StepLimits | None = None
@@ -319,6 +328,8 @@ class Worker:
         if self.kv_dtype in QUANTIZED_KV_TORCH_DTYPES:  # their KV write is not capturable
             return
         if isinstance(self.draft_model, Eagle3Head):  # it reads hidden states mid-model
+            return
+        if self.lora is not None:  # its products follow each step's adapters
             return
         capture = self.platform.graph_capture(self.rank)
         if capture is None:

@@ -1,0 +1,1 @@
+"""LoRA adapters over one base model: requests name them, steps mix them."""

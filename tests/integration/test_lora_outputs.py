@@ -1,0 +1,149 @@
+"""LoRA adapters against PEFT: greedy output with three random adapters of different
+ranks and targets, mixed in one batch with base-model requests on the same prompts,
+equals PEFT + transformers float32 token for token, on the tiny llama and the tiny
+qwen3; again after adapters were evicted from the device slots and from host memory.
+Bad adapters are refused naming the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from quire import LLM, LoRARequest, SamplingParams
+from tiny_models import hf_greedy, hf_model
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64], [12, 7, 7, 12, 7, 7, 12, 7, 99, 98]]
+#: (rank, alpha, targets, rslora) of each adapter
+ADAPTERS = [(4, 8, ["q_proj", "v_proj"], False),
+            (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"], False),
+            (2, 4, ["o_proj", "up_proj", "down_proj"], True)]
+
+
+def make_adapter(base: Path, directory: Path, rank: int, alpha: int, targets: list[str],
+                 rslora: bool, seed: int) -> Path:
+    """A PEFT adapter of ``base`` with random, non-zero A and B."""
+    model = hf_model(base)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             use_rslora=rslora, init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=g))
+    wrapped.save_pretrained(directory)
+    return directory
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int],
+                max_tokens: int) -> list[int]:
+    model = hf_model(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    return hf_greedy(model, prompt, max_tokens)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request, tiny_checkpoint, tmp_path_factory):
+    base = tiny_checkpoint(request.param)
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    adapters = [make_adapter(base, root / f"a{i}", *spec, seed=i)
+                for i, spec in enumerate(ADAPTERS)]
+    return base, adapters
+
+
+def test_mixed_adapters_equal_peft_token_for_token(setup):
+    base, adapters = setup
+    max_tokens = 12
+    loras = [None, *[LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]]
+    prompts, requests = [], []
+    for prompt in PROMPTS:  # the same prompts under every adapter: no page is shared
+        for lora in loras:
+            prompts.append({"prompt_token_ids": prompt})
+            requests.append(lora)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # two device slots and two host copies for three adapters: evictions and reloads
+    with LLM(str(base), device="cpu", block_size=4, enable_lora=True, max_loras=2,
+             max_lora_rank=8, max_cpu_loras=2) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                               lora_request=requests)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params,
+                                                               lora_request=requests[::-1])]
+        stats = llm.engine.core.stats()
+    assert again[::-1] == first
+    want = [peft_greedy(base, None if lora is None else Path(lora.lora_path),
+                        p["prompt_token_ids"], max_tokens)
+            for p, lora in zip(prompts, requests)]
+    assert first == want
+    # every adapter changed the output of some prompt (the test is not vacuous)
+    for i in range(1, len(loras)):
+        assert any(first[j * len(loras) + i] != first[j * len(loras)]
+                   for j in range(len(PROMPTS)))
+    assert stats.prefix_hits > 0  # the second pass hit each adapter's own pages
+
+
+def test_bad_adapters_are_refused_naming_the_problem(setup, tmp_path, tiny_checkpoint):
+    base, adapters = setup
+    good = LoRARequest("a0", 1, str(adapters[0]))
+    params = SamplingParams(max_tokens=2)
+    with LLM(str(base), device="cpu") as llm:
+        with pytest.raises(ValueError, match="LoRA is disabled"):
+            llm.generate([PROMPTS[0]], params, lora_request=good)
+    with LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=4) as llm:
+        def refused(lora: LoRARequest, match: str) -> None:
+            with pytest.raises(ValueError, match=match):
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, lora_request=lora)
+
+        refused(LoRARequest("x", 2, str(tmp_path)), "not a LoRA adapter: it has no "
+                                                    "adapter_config.json")
+        refused(LoRARequest("big", 3, str(adapters[1])), "rank 8 .* exceeds "
+                                                         "max_lora_rank=4")
+        head = tmp_path / "head"
+        make_adapter(base, head, 2, 4, ["lm_head"], False, seed=9)
+        refused(LoRARequest("head", 4, str(head)), r"target module 'lm_head' is not "
+                                                   r"supported yet")
+        deeper = tmp_path / "deeper"
+        shutil.copytree(adapters[0], deeper)
+        _rename_layer(deeper, 0, 7)
+        refused(LoRARequest("deeper", 5, str(deeper)), r"model\.layers\.7\.self_attn\."
+                                                       r"q_proj' does not exist")
+        other = tmp_path / "other"
+        shutil.copytree(adapters[0], other)
+        _widen(other)
+        refused(LoRARequest("other", 6, str(other)), "the adapter's base model differs")
+        # a good adapter still runs after all that; its id keeps its path
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, lora_request=good)
+        assert len(out[0].outputs[0].token_ids) == 2
+        refused(LoRARequest("again", 1, str(adapters[2])), "lora_int_id 1 is already")
+        assert not llm.engine.core.has_unfinished_requests()
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "adapter_model.safetensors")
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, path / "adapter_model.safetensors")
+
+
+def _rename_layer(path: Path, old: int, new: int) -> None:
+    _save(path, {k.replace(f"layers.{old}.", f"layers.{new}."): v
+                 for k, v in _tensors(path).items()})
+
+
+def _widen(path: Path) -> None:
+    """The same adapter as if made for a base model of twice the hidden size."""
+    _save(path, {k: torch.cat((v, v), dim=1) if "lora_A" in k else v
+                 for k, v in _tensors(path).items()})
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(config))
