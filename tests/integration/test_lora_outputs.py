@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import make_adapter, peft_greedy
 from quire import LLM, LoRARequest, SamplingParams
-from tiny_models import hf_greedy, hf_model
 
 peft = pytest.importorskip("peft")
 
@@ -23,30 +23,6 @@ ADAPTERS = [(4, 8, ["q_proj", "v_proj"], False),
             (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj"], False),
             (2, 4, ["o_proj", "up_proj", "down_proj"], True)]
-
-
-def make_adapter(base: Path, directory: Path, rank: int, alpha: int, targets: list[str],
-                 rslora: bool, seed: int) -> Path:
-    """A PEFT adapter of ``base`` with random, non-zero A and B."""
-    model = hf_model(base)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             use_rslora=rslora, init_lora_weights=False)
-    wrapped = peft.get_peft_model(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=g))
-    wrapped.save_pretrained(directory)
-    return directory
-
-
-def peft_greedy(base: Path, adapter: Path | None, prompt: list[int],
-                max_tokens: int) -> list[int]:
-    model = hf_model(base)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    return hf_greedy(model, prompt, max_tokens)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

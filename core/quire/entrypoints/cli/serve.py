@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -87,6 +88,10 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                         help="the model, as --model gives it (vLLM's 'serve MODEL')")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: --model)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT's format) served from the start, each "
+                             "chosen by a request's model field: NAME=PATH or vLLM's JSON "
+                             "'{\"name\": NAME, \"path\": PATH}'; needs --enable-lora")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file, for a model that has none (or "
                              "instead of its own) (default: the tokenizer's)")
@@ -272,8 +277,18 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
     """
     import uvicorn
 
+    try:  # the flag's form and --enable-lora first: no engine start for a typo
+        parse_lora_modules(args.lora_modules)
+        if args.lora_modules and not config.enable_lora:
+            raise ValueError("LoRA modules given, but LoRA is disabled: add --enable-lora")
+    except ValueError as exc:
+        raise UsageError(f"--lora-modules: {exc}") from None
     async_engine = _start_engine(args, limits, config, registry, client)
-    app = _create_app(args, limits, async_engine, chat_template)
+    try:
+        app = _create_app(args, limits, async_engine, chat_template)
+    except BaseException:
+        async_engine.close_unstarted()  # its cores and workers, before the error goes up
+        raise
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
     # the app's lifespan shutdown (which joins the engine thread) and returns; its own
     # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
@@ -319,10 +334,36 @@ def _create_app(args: argparse.Namespace, limits: ServerLimits, async_engine: As
                 chat_template: str | None) -> Any:
     from quire.entrypoints.server.app import create_app
 
-    return create_app(async_engine, args.served_model_name or args.model,
-                      api_key=api_key_from(args), limits=limits, chat_template=chat_template,
-                      tool_call_parser=args.tool_call_parser,
-                      reasoning_parser=args.reasoning_parser)
+    try:
+        return create_app(async_engine, args.served_model_name or args.model,
+                          api_key=api_key_from(args), limits=limits,
+                          chat_template=chat_template,
+                          tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
+                          lora_modules=parse_lora_modules(args.lora_modules))
+    except ValueError as exc:
+        raise UsageError(f"--lora-modules: {exc}") from None
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """``NAME=PATH`` or ``{"name": ..., "path": ...}`` items as (name, path).
+
+    :raises ValueError: naming the item that is neither."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                modules.append((str(item["name"]), str(item["path"])))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{value!r} is not a JSON object with name and path") \
+                    from None
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{value!r} is not NAME=PATH")
+        modules.append((name, path))
+    return modules
 
 
 def _graceful_server_class() -> type:

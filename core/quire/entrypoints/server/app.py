@@ -20,16 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from quire import __version__
@@ -66,6 +67,7 @@ from quire.entrypoints.server.request_body import parse_json
 from quire.entrypoints.server.responses import Shaper, usage
 from quire.entrypoints.server.tokenizer_pool import TokenizerPool
 from quire.entrypoints.server.tool_parsers import PARSERS
+from quire.lora.request import LoRARequest
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -99,6 +101,10 @@ class _Api:
         self.chat_template = chat_template
         self.pool = TokenizerPool(engine.tokenizer)
         self.created = int(time.time())
+        #: LoRA adapters served, by name (``--lora-modules`` and the load route); ids are
+        #: never reused, so an unloaded adapter's id cannot mean another's.
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
 
     # -- request checks --------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -140,14 +146,36 @@ class _Api:
                              f"(--max-body-bytes)", code="request_too_large",
                         headers={"Connection": "close"})
 
-    def check_model(self, body: dict[str, Any], required: bool = False) -> None:
-        """The model name first: no work for a model this server does not serve."""
+    def check_model(self, body: dict[str, Any], required: bool = False) -> LoRARequest | None:
+        """The model name first: no work for a model this server does not serve. An
+        adapter's name gives its :class:`LoRARequest` (None: the base model)."""
         if required and body.get("model") is None:
             raise bad_request("model is required", param="model")
         name = get(body, "model", str, "")
-        if name != self.model:
+        if name == self.model:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.model, *self.loras])
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{self.model!r}", param="model", code="model_not_found")
+                                f"{served}", param="model", code="model_not_found")
+        return lora
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as ``name``; a 400 naming why it cannot be."""
+        if not self.engine.enable_lora:
+            raise bad_request("LoRA is disabled: start the server with --enable-lora",
+                              param="lora_name")
+        if not name or name == self.model or name in self.loras:
+            raise bad_request(f"the model name {name!r} is taken (or empty)",
+                              param="lora_name")
+        try:
+            await self.pool.run(lambda tokenizer: self.engine.check_lora_adapter(path))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_path") from exc
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        self.loras[name] = lora
+        return lora
 
     def check_task(self, task: str, api: str) -> None:
         """A 400 when this model does not serve ``api`` (vLLM's answer: an embedding
@@ -182,7 +210,8 @@ class _Api:
     async def submit(self, token_ids: list[int], params: SamplingParams,
                      prompt: str | None, abandoned: asyncio.Event,
                      num_prompts: int = 1, index: int = 0,
-                     thinking: ThinkingTokens | None = None) -> RequestStream:
+                     thinking: ThinkingTokens | None = None,
+                     lora: LoRARequest | None = None) -> RequestStream:
         """Prompt ``index`` of ``num_prompts`` of one HTTP request as one engine request;
         engine refusals become API errors.
 
@@ -198,7 +227,7 @@ class _Api:
                                                  on_overflow=abandoned.set,
                                                  max_backlog=backlog,
                                                  priority=index * params.n,
-                                                 thinking=thinking)
+                                                 thinking=thinking, lora_request=lora)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -227,14 +256,15 @@ class _Api:
             raise bad_request(f"{name}: {exc}", param="input") from exc
 
     async def submit_all(self, parsed: ParsedRequest, abandoned: asyncio.Event,
-                         thinking: ThinkingTokens | None = None) -> list[RequestStream]:
+                         thinking: ThinkingTokens | None = None,
+                         lora: LoRARequest | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (a refusal aborts the others)."""
         streams: list[RequestStream] = []
         try:
             prompts = parsed.prompts()
             for i, (text, ids) in enumerate(prompts):
                 streams.append(await self.submit(ids, parsed.params, text, abandoned,
-                                                 len(prompts), i, thinking))
+                                                 len(prompts), i, thinking, lora))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -247,37 +277,67 @@ class _Api:
         card = {"id": self.model, "object": "model", "created": self.created,
                 "owned_by": "quire", "root": self.engine.model_path,
                 "max_model_len": self.engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [{"id": name, "object": "model", "created": self.created,
+                     "owned_by": "quire", "root": lora.lora_path, "parent": self.model,
+                     "max_model_len": self.engine.max_model_len}
+                    for name, lora in self.loras.items()]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: ``{"lora_name", "lora_path"}``."""
+        self.check_auth(request)
+        body = await self.read_json(request)
+        name = get(body, "lora_name", str, "")
+        path = get(body, "lora_path", str, "")
+        if not path:
+            raise bad_request("lora_path is required", param="lora_path")
+        await self.add_lora(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: ``{"lora_name"}``. Requests already
+        running with it finish with it; later ones naming it get a 404."""
+        self.check_auth(request)
+        body = await self.read_json(request)
+        name = get(body, "lora_name", str, "")
+        if self.loras.pop(name, None) is None:
+            raise APIError(404, f"no LoRA adapter {name!r} is loaded", param="lora_name",
+                           code="model_not_found")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        self.check_model(body)
+        lora = self.check_model(body)
         self.check_task("generate", "Completions")
         parsed = await self.pool.run(parse_completion, body, self.bounds)
-        return await self._generate(request, parsed, chat=False)
+        return await self._generate(request, parsed, chat=False, lora=lora,
+                                    model=get(body, "model", str, "") or self.model)
 
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
         body = await self.read_json(request)
-        self.check_model(body)
+        lora = self.check_model(body)
         self.check_task("generate", "Chat Completions")
         parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds,
                                      self.tool_parser)
-        return await self._generate(request, parsed, chat=True)
+        return await self._generate(request, parsed, chat=True, lora=lora,
+                                    model=get(body, "model", str, "") or self.model)
 
-    async def _generate(self, request: Request, parsed: ParsedRequest,
-                        chat: bool) -> Response:
+    async def _generate(self, request: Request, parsed: ParsedRequest, chat: bool,
+                        lora: LoRARequest | None = None,
+                        model: str | None = None) -> Response:
+        """:param lora: the adapter the request named; ``model`` the name it used."""
         # the reasoning parser reads chat answers only
         thinking = await self._check_grammar(parsed, reasoning=chat)
         abandoned = asyncio.Event()
-        streams = await self.submit_all(parsed, abandoned, thinking)
+        streams = await self.submit_all(parsed, abandoned, thinking, lora)
         request_id = streams[0].request_id
         request.state.request_id = request_id
         decode = self.engine.tokenizer.decode
         created = int(time.time())
         shapers = [
-            Shaper(chat=chat, model=self.model, request_id=request_id,
+            Shaper(chat=chat, model=model or self.model, request_id=request_id,
                    top_logprobs=parsed.top_logprobs, decode=decode, created=created,
                    index_base=i * parsed.params.n, tools=parsed.tools,
                    tool_parser=self.tool_parser, reasoning=self.reasoning if chat else None,
@@ -300,17 +360,18 @@ class _Api:
         app's error handlers choose the shape by path)."""
         anthropic.check_api_key(request.headers, self.api_key)
         body = await self.read_json(request)
-        self.check_model(body, required=True)
+        lora = self.check_model(body, required=True)
         self.check_task("generate", "Messages")
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
                                      self.bounds, self.tool_parser)
         thinking = await self._check_grammar(parsed)  # a required or named tool's
         abandoned = asyncio.Event()
         stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
-                                   abandoned, thinking=thinking)
+                                   abandoned, thinking=thinking, lora=lora)
         request.state.request_id = stream.request_id
         shaper = anthropic.MessageShaper(
-            model=self.model, request_id=stream.request_id,
+            model=self.model if lora is None else lora.lora_name,
+            request_id=stream.request_id,
             input_tokens=len(parsed.token_ids), max_tokens=parsed.params.max_tokens,
             tools=parsed.tools, tool_parser=self.tool_parser, reasoning=self.reasoning)
         if parsed.stream:
@@ -485,7 +546,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
                limits: ServerLimits | None = None,
                chat_template: str | None = None,
                tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> Starlette:
+               reasoning_parser: str | None = None,
+               lora_modules: Sequence[tuple[str, str]] = ()) -> Starlette:
     """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
 
     :param api_key: when set, ``/v1/*`` and the tokenizer routes need
@@ -496,9 +558,21 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
         "auto"`` (a name of :data:`~quire.entrypoints.server.tool_parsers.PARSERS`).
     :param reasoning_parser: the model's thinking format, kept apart from the answer (a
         name of :data:`~quire.entrypoints.server.reasoning_parsers.PARSERS`).
+    :param lora_modules: (name, path) of LoRA adapters served from the start.
+    :raises ValueError: for an adapter that cannot be served (naming it and why).
     """
     api = _Api(async_engine, served_model_name, api_key, limits or ServerLimits(),
                chat_template, tool_call_parser, reasoning_parser)
+    for name, path in lora_modules:
+        if not async_engine.enable_lora:
+            raise ValueError("LoRA modules given, but LoRA is disabled: add --enable-lora")
+        if name == served_model_name or name in api.loras:
+            raise ValueError(f"LoRA module name {name!r} is taken")
+        try:
+            async_engine.check_lora_adapter(path)
+        except ValueError as exc:
+            raise ValueError(f"LoRA module {name!r}: {exc}") from None
+        api.loras[name] = LoRARequest(name, next(api._lora_ids), path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -522,6 +596,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
 
     routes = [
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/embeddings", api.embeddings, methods=["POST"]),

@@ -32,6 +32,10 @@ from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
+from quire.lora.adapter import expected_modules, load_adapter
+from quire.lora.request import LoRARequest
+from quire.model_store import model_path_of
+from quire.models.loader import load_model_config
 from quire.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend
@@ -72,6 +76,7 @@ class _Add:
     thinking: ThinkingTokens | None = None
     #: An embedding request: the prompt's pooled vector, ``params`` unused.
     embed: bool = False
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -195,6 +200,11 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len: int = engine.config.max_model_len
         self.model_path: str = engine.config.engine.model
+        #: LoRA: whether adapters are served, and what an adapter is checked against.
+        self.enable_lora: bool = engine.config.engine.enable_lora
+        self._lora_rank = engine.config.engine.max_lora_rank
+        self._lora_targets: dict[str, tuple[int, int]] | None = None
+        self._resolved_path = model_path_of(engine.config.engine)
         self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._num_waiting = 0  # asyncio side only
         self._accepting = False
@@ -249,13 +259,29 @@ class AsyncEngine:
             logger.error("the engine thread did not stop within %.1fs", join_timeout)
 
     # -- requests (asyncio side) -----------------------------------------------------------
+    def close_unstarted(self) -> None:
+        """Shut the engine down when the server never started (its app failed to build):
+        no thread runs yet, so its cores and workers stop here."""
+        if not self.is_running:
+            self._engine.shutdown()
+
+    def check_lora_adapter(self, path: str) -> None:
+        """Refuse a path that is not an adapter this engine can run (called off the event
+        loop: it reads the adapter's files).
+
+        :raises ValueError: one line naming the problem (as ``LLMEngine.check_lora``)."""
+        if self._lora_targets is None:
+            self._lora_targets = expected_modules(load_model_config(self._resolved_path))
+        load_adapter(path, self._lora_targets, self._lora_rank)
+
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
                           on_overflow: Callable[[], None] | None = None,
                           max_backlog: int | None = None,
                           priority: int = 0,
                           thinking: ThinkingTokens | None = None,
-                          embed: bool = False) -> RequestStream:
+                          embed: bool = False,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
         Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says; with
@@ -269,6 +295,7 @@ class AsyncEngine:
         :param priority: the engine's admission priority (lower first).
         :param thinking: a reasoning model's thinking markers: the request's grammar then
             holds only the answer after its thinking.
+        :param lora_request: the LoRA adapter it runs with (None: the base model).
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -300,7 +327,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, priority, loop, sink,
-                                accepted, thinking, embed))
+                                accepted, thinking, embed, lora_request))
         try:
             await accepted
         except BaseException:
@@ -459,7 +486,8 @@ class AsyncEngine:
             else:
                 self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
                                          request_id=cmd.request_id, priority=cmd.priority,
-                                         thinking=cmd.thinking)
+                                         thinking=cmd.thinking,
+                                         lora_request=cmd.lora_request)
         except ValueError as exc:
             _resolve(cmd.loop, cmd.accepted, None, exc)
             return
