@@ -143,7 +143,7 @@ class Worker:
             self.lora = LoRAManager(self.model, model_config, config.max_loras,
                                     config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.device,
-                                    self.config.dtype)
+                                    self.config.dtype, self.ops)
         self.backend: AttentionBackend = self.platform.make_attention_backend()
         self.kv_layer_ids: tuple[int, ...] = tuple(
             getattr(self.model, "kv_layer_ids", range(self.model.num_layers)))

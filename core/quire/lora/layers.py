@@ -9,7 +9,8 @@ into ``B``, filled least recently used first; loaded adapters wait in host memor
 ``max_cpu_loras`` (least recently used go first), and any adapter is read again from
 its path when needed. Products are reached through forward hooks on the linear
 modules, so model code knows nothing of LoRA; the platform's whole-layer kernels are
-turned off, since they would skip the hooks.
+turned off, since they would skip the hooks. The updates themselves are the platform's
+``lora_linear`` op (:mod:`quire.ops.lora`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from quire.lora.adapter import LoRAAdapter, expected_modules, load_adapter
+from quire.ops import OpSet, reference_ops
 
 #: Our fused modules and the Hugging Face modules they hold, in output order.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -29,26 +31,28 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 
 class _Site:
     """One of our linear modules: the Hugging Face modules whose outputs it holds, each
-    with its output columns and its stacked slot weights."""
+    with its output columns, and the stacked slot weights (:mod:`quire.ops.lora`'s
+    layout)."""
 
     def __init__(self, names: list[str], widths: list[int], in_features: int,
                  max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.names = names
-        self.offsets = [sum(widths[:i]) for i in range(len(widths))]
+        self.offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
         self.widths = widths
         self.a = torch.zeros(max_loras, len(names), max_rank, in_features, device=device,
                              dtype=dtype)
-        self.b = [torch.zeros(max_loras, w, max_rank, device=device, dtype=dtype)
-                  for w in widths]
-        self.out_features = sum(widths)
+        self.b = torch.zeros(max_loras, sum(widths), max_rank, device=device, dtype=dtype)
 
 
 class LoRAManager:
     """Adapters in device slots for one model runner's steps; not thread-safe."""
 
     def __init__(self, model: nn.Module, config: object, max_loras: int, max_rank: int,
-                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype,
+                 ops: OpSet | None = None) -> None:
+        """:param ops: whose ``lora_linear`` adds the updates (the reference when None)."""
+        self.ops = ops if ops is not None else reference_ops()
         self.expected = expected_modules(config)
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -57,8 +61,8 @@ class LoRAManager:
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id->slot
         self._sites: dict[str, _Site] = {}  # by the Hugging Face name of each module held
-        #: This step's (slot, token rows) per adapter present; empty: base model only.
-        self._groups: list[tuple[int, torch.Tensor]] = []
+        #: This step's slot per token (-1: the base model); None: no adapter in it.
+        self._token_slots: torch.Tensor | None = None
         for name, module in model.named_modules():
             if hasattr(module, "fusion_spec"):  # a whole-layer kernel would skip the hooks
                 module.kernel = None
@@ -82,17 +86,10 @@ class LoRAManager:
     def _hook(self, site: _Site):
         def add_lora(module: nn.Module, inputs: tuple[torch.Tensor, ...],
                      y: torch.Tensor) -> torch.Tensor:
-            if not self._groups:
+            slots = self._token_slots
+            if slots is None:
                 return y
-            x = inputs[0]
-            for slot, rows in self._groups:
-                xs = x.index_select(0, rows)
-                delta = y.new_zeros(len(rows), site.out_features)
-                for i, (offset, width) in enumerate(zip(site.offsets, site.widths)):
-                    shrunk = xs @ site.a[slot, i].T  # [n, r]
-                    delta[:, offset : offset + width] = shrunk @ site.b[i][slot].T
-                y = y.index_add(0, rows, delta)
-            return y
+            return self.ops.lora_linear(y, inputs[0], site.a, site.b, site.offsets, slots)
         return add_lora
 
     # -- per step --------------------------------------------------------------------------
@@ -106,17 +103,12 @@ class LoRAManager:
             raise ValueError(f"a step holds {len(present)} adapters, more than "
                              f"max_loras={self.max_loras}")
         slots = {lid: self._slot(lid, present) for lid in present}
-        self._groups = []
         if not present:
+            self._token_slots = None
             return
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        for lid in present:
-            rows = [r for i, item_lora in enumerate(lora_ids) if item_lora == lid
-                    for r in range(starts[i], starts[i + 1])]
-            self._groups.append((slots[lid], torch.tensor(rows, dtype=torch.int64,
-                                                          device=device)))
+        per_item = torch.tensor([slots.get(lid, -1) for lid in lora_ids], dtype=torch.int64)
+        self._token_slots = per_item.repeat_interleave(
+            torch.tensor(lengths, dtype=torch.int64)).to(device)
 
     def _slot(self, lora_id: int, keep: list[int]) -> int:
         """``lora_id``'s device slot, loading it into the least recently used slot not
@@ -151,14 +143,14 @@ class LoRAManager:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for site in set(self._sites.values()):
             site.a[slot].zero_()
-            for b in site.b:
-                b[slot].zero_()
+            site.b[slot].zero_()
         for name, weights in adapter.modules.items():
             site = self._sites[name]
             i = site.names.index(name)
             r = weights.a.shape[0]
             site.a[slot, i, :r].copy_(weights.a)
-            site.b[i][slot, :, :r].copy_(weights.b * weights.scaling)
+            cols = slice(site.offsets[i], site.offsets[i] + site.widths[i])
+            site.b[slot, cols, :r].copy_(weights.b * weights.scaling)
 
     def forget(self, lora_id: int) -> None:
         """Drop an adapter (unloaded): its slot and host copy go, its path too."""

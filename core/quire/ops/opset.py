@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from quire.ops import moe, pooling, quantized, reference
+from quire.ops import lora, moe, pooling, quantized, reference
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class OpSet:
     #: Products on quantised weights (:mod:`quire.ops.quantized`): a linear layer whose
     #: weight is a ``QuantizedTensor`` runs on it, one call per stored part.
     quantized_linear: Callable[..., Any] = quantized.quantized_linear
+    #: LoRA adapters' per-token updates of a product (:mod:`quire.ops.lora`).
+    lora_linear: Callable[..., Any] = lora.lora_linear
     #: Which implementation runs each op (``"reference"`` or the platform's name for
     #: its own), for logs and the native-ops test.
     sources: tuple[tuple[str, str], ...] = field(default=())
