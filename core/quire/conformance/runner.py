@@ -34,6 +34,7 @@ from quire.conformance.embedding_ops import check_embedding_ops
 from quire.conformance.end_to_end import check_end_to_end
 from quire.conformance.kv_quant_ops import check_quantized_kv
 from quire.conformance.layer_ops import check_layer_ops
+from quire.conformance.lora_ops import check_lora_linear
 from quire.conformance.moe_ops import check_moe_ops
 from quire.conformance.quant_ops import check_quantized_linear
 from quire.conformance.report import CheckResult, Outcome, Report
@@ -64,6 +65,7 @@ CHECKS: tuple[Check, ...] = (
     Check("embedding", "embedding ops", check_embedding_ops, NEEDS_BACKEND),
     Check("quant-linear", "quantized linear", check_quantized_linear, NEEDS_BACKEND),
     Check("kv-quant", "quantised kv", check_quantized_kv, NEEDS_BACKEND),
+    Check("lora", "lora linear", check_lora_linear, NEEDS_BACKEND),
     Check("memory", "memory profiler", check_memory_profiler, NEEDS_DEVICE),
     Check("communicator", "communicator", check_communicator, NEEDS_DEVICE),
     Check("end-to-end", "end-to-end", check_end_to_end, NEEDS_DEVICE),

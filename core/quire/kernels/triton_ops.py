@@ -8,7 +8,7 @@ first call, as the attention backend does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +23,8 @@ def triton_ops() -> dict[str, Callable[..., Any]]:
     ``reference_ops().with_ops("triton", **triton_ops())``."""
     return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul,
             "gelu_tanh_and_mul": gelu_tanh_and_mul, "rotary_write_kv": rotary_write_kv,
-            "fused_moe": fused_moe, "quantized_linear": quantized_linear}
+            "fused_moe": fused_moe, "quantized_linear": quantized_linear,
+            "lora_linear": lora_linear}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -63,6 +64,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     from quire.kernels import triton_quant
 
     return triton_quant.quantized_linear(x, weight, bias, int8_activations=int8_activations)
+
+
+def lora_linear(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                offsets: Sequence[int], token_slots: torch.Tensor) -> torch.Tensor:
+    """:func:`quire.ops.lora.lora_linear`'s contract in a shrink and an expand kernel, one
+    program per token (BGMV), nothing read back to the host; ``y`` is updated in place."""
+    from quire.kernels import triton_lora
+
+    return triton_lora.lora_linear(y, x, a, b, offsets, token_slots)
 
 
 def _kernels() -> ModuleType:

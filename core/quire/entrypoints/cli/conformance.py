@@ -27,7 +27,7 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 #: Kept in step with quire.conformance.runner.CHECK_IDS (a test checks it), so that
 #: building the parser, which every command does, does not import the suite.
 _CHECK_IDS = ("platform", "kv-write", "attention", "layer-ops", "moe", "embedding",
-              "quant-linear", "kv-quant", "memory", "communicator", "end-to-end")
+              "quant-linear", "kv-quant", "lora", "memory", "communicator", "end-to-end")
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
