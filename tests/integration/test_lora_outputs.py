@@ -123,3 +123,54 @@ def _widen(path: Path) -> None:
                  for k, v in _tensors(path).items()})
     config = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow  # about a minute: SmolLM2 through PEFT, token by token
+def test_smollm2_q4_blocks_with_adapters_equal_peft(smollm2_gguf, tmp_path):
+    """The quantised base (the GGUF file's Q4_1 blocks) with two rank-16 adapters on
+    every product, mixed with base requests: PEFT over transformers' dequantised float32
+    model gives the same greedy tokens."""
+    from quire.models.gguf_hf_cache import hf_dir_for_gguf
+    from tiny_models import hf_greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir_for_gguf(str(smollm2_gguf)))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, return_dict=False)
+               for text in ("Name three colours.", "What is two plus two?")]
+
+    def base_model():
+        return AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = []
+    for i in range(2):
+        wrapped = peft.get_peft_model(base_model(), peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules=targets, init_lora_weights=False))
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, param in wrapped.named_parameters():
+                if "lora_" in name:
+                    param.copy_(0.04 * torch.randn(param.shape, generator=g))
+        wrapped.save_pretrained(tmp_path / f"a{i}")
+        adapters.append(tmp_path / f"a{i}")
+    loras = [None, *[LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]]
+    cases = [(p, lora) for p in prompts for lora in loras]
+    max_tokens = 16
+    with LLM(str(smollm2_gguf), device="cpu", max_model_len=256, enable_lora=True,
+             max_loras=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p, _ in cases],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            lora_request=[lora for _, lora in cases])]
+    want = []
+    for prompt, lora in cases:
+        model = base_model()
+        if lora is not None:
+            model = peft.PeftModel.from_pretrained(model, lora.lora_path).eval()
+        want.append(hf_greedy(model, prompt, max_tokens))
+    assert got == want
+    n = len(loras)  # each adapter changes some prompt's output (the test is not vacuous)
+    for i in range(1, n):
+        assert any(got[j * n + i] != got[j * n] for j in range(len(prompts)))

@@ -9,12 +9,14 @@ each step, which ``LLM.generate`` does not expose.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from quire.bench.peers.procmem import peak_rss_bytes, reset_peak_rss
 from quire.bench.quire_engine import greedy_params, kv_page_bytes
 from quire.bench.workloads import BenchRequest
 from quire.engine import LLMEngine
+from quire.lora.request import LoRARequest
 from quire.structured.params import StructuredOutputsParams
 
 _MIB = float(1 << 20)
@@ -51,10 +53,13 @@ class ThroughputRun:
 
 
 def run_quire(engine: LLMEngine, requests: list[BenchRequest],
-              structured: StructuredOutputsParams | None = None) -> ThroughputRun:
+              structured: StructuredOutputsParams | None = None,
+              loras: Sequence[LoRARequest] = ()) -> ThroughputRun:
     """Time one pass of ``requests`` through ``engine`` (which must be idle).
 
     :param structured: a grammar every request follows (to measure the mask's cost).
+    :param loras: LoRA adapters the requests take in turn (request ``i`` the
+        ``i % len(loras)``-th); none: the base model.
 
     :raises RuntimeError: when the engine produced fewer tokens than asked (a request
         hit ``max_model_len``), since the figures would then be wrong.
@@ -63,11 +68,12 @@ def run_quire(engine: LLMEngine, requests: list[BenchRequest],
     reset_peak_rss(include_children=False)
     peak_pages = output_tokens = 0
     start = time.perf_counter()
-    for request in requests:
+    for i, request in enumerate(requests):
         params = greedy_params(request.output_len)
         if structured is not None:
             params.structured_outputs = structured
-        engine.add_request(list(request.prompt_token_ids), params)
+        engine.add_request(list(request.prompt_token_ids), params,
+                           lora_request=loras[i % len(loras)] if loras else None)
     while engine.has_unfinished_requests():
         for out in engine.step(final_only=True):
             output_tokens += sum(len(c.token_ids) for c in out.outputs)

@@ -35,7 +35,7 @@ def lora_linear(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
             continue
         rows = torch.nonzero(token_slots == slot).flatten()
         xs = x.index_select(0, rows).to(a.dtype)
-        delta = torch.empty(len(rows), out, dtype=a.dtype, device=y.device)
+        delta = torch.zeros(len(rows), out, dtype=a.dtype, device=y.device)
         for i, (start, end) in enumerate(zip(offsets, bounds)):
             delta[:, start:end] = (xs @ a[slot, i].T) @ b[slot, start:end].T
         y = y.index_add(0, rows, delta.to(y.dtype))

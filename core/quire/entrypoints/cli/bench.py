@@ -97,6 +97,11 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
                             help="put every request under this JSON schema (its text) "
                             "to measure the grammar mask's cost; it must not let the "
                             "output end before --output-len tokens")
+        parser.add_argument("--lora-adapter", action="append", default=[], metavar="PATH",
+                            help="a LoRA adapter (PEFT's format) the requests take in "
+                            "turn with the others given (repeat the flag); needs "
+                            "--enable-lora and --max-loras at least their number to mix "
+                            "them all in one step")
     add_engine_options(parser)
     parser.set_defaults(run=run)
 
@@ -550,6 +555,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from quire.bench import throughput
     from quire.bench.report import THROUGHPUT_FIGURES
+    from quire.lora.request import LoRARequest
     from quire.structured.params import StructuredOutputsParams
 
     structured = None
@@ -560,7 +566,11 @@ def run_throughput(args: argparse.Namespace) -> int:
             raise UsageError(f"--structured-json: {exc}") from exc
         if args.peers:
             raise UsageError("--structured-json: the peers run without it; drop --peer")
-    run = functools.partial(throughput.run_quire, structured=structured)
+    loras = [LoRARequest(f"adapter{i}", i + 1, path)
+             for i, path in enumerate(args.lora_adapter)]
+    if loras and args.peers:
+        raise UsageError("--lora-adapter: the peers run without adapters; drop --peer")
+    run = functools.partial(throughput.run_quire, structured=structured, loras=loras)
     return _run_offline(args, "throughput", run, THROUGHPUT_FIGURES)
 
 
