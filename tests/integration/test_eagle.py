@@ -134,13 +134,10 @@ def _greedy(path, spec, max_tokens=16, **options):
         return [o.outputs[0].token_ids for o in outs], core.stats()
 
 
-def test_every_proposal_is_the_head_s_own_over_the_target_s_hidden_states(heads,
-                                                                          monkeypatch):
-    """Through chunked prefill (a 8-token budget cuts the prompts) and decoding: the
-    drafts each verification received are those the head gives by hand."""
+def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Every verification's (context, drafts), as the engine's core runs them."""
     from quire.engine.core import EngineCore
 
-    target, head, _ = heads
     seen: list[tuple[list[int], list[int]]] = []
     verify = EngineCore._verify
 
@@ -150,6 +147,15 @@ def test_every_proposal_is_the_head_s_own_over_the_target_s_hidden_states(heads,
         return verify(self, seqs, logits, drafts, outputs)
 
     monkeypatch.setattr(EngineCore, "_verify", recording)
+    return seen
+
+
+def test_every_proposal_is_the_head_s_own_over_the_target_s_hidden_states(heads,
+                                                                          monkeypatch):
+    """Through chunked prefill (a 8-token budget cuts the prompts) and decoding: the
+    drafts each verification received are those the head gives by hand."""
+    target, head, _ = heads
+    seen = _record_drafts(monkeypatch)
     plain, _ = _greedy(target, None)
     got, stats = _greedy(target, {"method": "eagle", "model": str(head),
                                   "num_speculative_tokens": K,
@@ -357,19 +363,9 @@ def test_every_eagle3_proposal_is_the_head_s_own_over_the_target_s_layers(
         heads, tmp_path, monkeypatch):
     """EAGLE-3: the three target layers' inputs, its own norm and draft vocabulary
     mapped through d2t; chunked prefill, preemption-free; greedy output unchanged."""
-    from quire.engine.core import EngineCore
-
     target = heads[0]
     head = write_head3(target, tmp_path / "eagle3")
-    seen: list[tuple[list[int], list[int]]] = []
-    verify = EngineCore._verify
-
-    def recording(self, seqs, logits, drafts, outputs):
-        for seq, draft in zip(seqs, drafts):
-            seen.append((list(seq.prompt_token_ids) + list(seq.output_token_ids), draft))
-        return verify(self, seqs, logits, drafts, outputs)
-
-    monkeypatch.setattr(EngineCore, "_verify", recording)
+    seen = _record_drafts(monkeypatch)
     plain, _ = _greedy(target, None)
     got, stats = _greedy(target, {"method": "eagle3", "model": str(head),
                                   "num_speculative_tokens": K,
