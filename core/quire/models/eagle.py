@@ -25,13 +25,7 @@ from transformers import PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
-from quire.models.layers import (
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    default_weight_loader,
-    get_rope,
-)
+from quire.models.layers import ParallelLMHead, QKVParallelLinear, RMSNorm, get_rope
 from quire.models.llama import (
     _FUSED_SHARDS,
     LlamaDecoderLayer,
@@ -39,6 +33,7 @@ from quire.models.llama import (
     _fused_fragment,
     _fused_target,
     head_dim_of,
+    load_tensors,
     num_kv_heads_of,
 )
 from quire.models.loader import iter_weights, load_model_config
@@ -127,36 +122,12 @@ class EagleHead(nn.Module):
 def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
           shared: tuple[str, ...]) -> set[str]:
     """Copy a head checkpoint's tensors into ``module``'s parameters (this rank's
-    shards); returns the names of the parameters now loaded.
-
-    :raises ValueError: naming a tensor that fits no parameter."""
-    params = dict(module.named_parameters())
-    shards: dict[str, set[object]] = {}
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        name = checkpoint_name(name, shared)
-        if name is None:
-            continue
-        target, shard_id = _fused_target(name)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"EAGLE head tensor {name!r} has no parameter here")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        try:
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-        except ValueError as e:
-            raise ValueError(f"loading {name!r} into {target!r}: {e}") from None
-        if shard_id is None:
-            loaded.add(target)
-        else:
-            shards.setdefault(target, set()).add(shard_id)
-    for target, got in shards.items():
-        if got >= _FUSED_SHARDS[_fused_fragment(target)]:
-            loaded.add(target)
-    return loaded
+    shards), skipping the ``shared`` ones; returns the names of the parameters now
+    loaded. :raises ValueError: naming a tensor that fits no parameter."""
+    named = ((name, tensor) for name, tensor in
+             ((checkpoint_name(n, shared), t) for n, t in weights) if name is not None)
+    return load_tensors(module, named, _fused_target,
+                        lambda target: _FUSED_SHARDS[_fused_fragment(target)])
 
 
 class Eagle3Head(nn.Module):

@@ -452,39 +452,17 @@ class LlamaForCausalLM(nn.Module):
         :raises ValueError: naming a tensor that has no parameter here, or whose shape
             does not fit its parameter.
         """
-        params = dict(self.named_parameters())
-        shards: dict[str, set[Any]] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # the embedding's weight, already loaded under its own name
-            name = self._stage_name(self.checkpoint_name(name))
-            if name is None:
-                continue  # another pipeline stage's
-            target, shard_id = self.parameter_of(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
-                )
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"loading {name!r} into {target!r}: {e}") from None
-            if shard_id is None:
-                loaded.add(target)
-            else:
-                shards.setdefault(target, set()).add(shard_id)
-        for target, got in shards.items():
-            if got >= self.shards_needed(target):
-                loaded.add(target)
-        return loaded
+        def ours() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if self.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # the embedding's weight, already loaded under its own name
+                name = self._stage_name(self.checkpoint_name(name))
+                if name is not None:  # else another pipeline stage's
+                    yield name, tensor
+
+        return load_tensors(self, ours(), self.parameter_of, self.shards_needed)
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint's tensor name in this model's module layout (Mixtral's
@@ -498,6 +476,44 @@ class LlamaForCausalLM(nn.Module):
     def shards_needed(self, target: str) -> frozenset[Any]:
         """Every shard id a fused parameter needs before it counts as loaded."""
         return _FUSED_SHARDS[_fused_fragment(target)]
+
+
+def load_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 parameter_of: Callable[[str], tuple[str, Any]],
+                 shards_needed: Callable[[str], frozenset[Any]]) -> set[str]:
+    """Copy ``(name, full tensor)`` pairs, named as ``module`` names them, into its
+    parameters through their loaders (this rank's shards).
+
+    :param parameter_of: a name -> (the parameter's name, shard id or None).
+    :param shards_needed: a fused parameter's name -> every shard id it needs.
+    :returns: the parameters now completely loaded.
+    :raises ValueError: naming a tensor that has no parameter, or does not fit it.
+    """
+    params = dict(module.named_parameters())
+    shards: dict[str, set[Any]] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard_id = parameter_of(name)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                             f"{type(module).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"loading {name!r} into {target!r}: {e}") from None
+        if shard_id is None:
+            loaded.add(target)
+        else:
+            shards.setdefault(target, set()).add(shard_id)
+    for target, got in shards.items():
+        if got >= shards_needed(target):
+            loaded.add(target)
+    return loaded
 
 
 def _layer_of(name: str) -> int | None:
