@@ -404,3 +404,27 @@ def test_bad_eagle3_heads_are_refused_naming_the_field(heads, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\.model .* no d2t for a draft "
                                          r"vocabulary of 200 tokens"):
         LLM(str(target), device="cpu", speculative_config={**spec, "model": str(no_map)})
+
+
+def test_a_grammar_and_parallel_samples_keep_their_rules_with_a_head(heads):
+    """A regex grammar cuts and masks the head's proposals (greedy output unchanged and
+    in the language); n = 2 samples (top-k 1: deterministic) fork on the head's pages."""
+    import re
+
+    target, head, _ = heads
+    regex = r"[a-z]{2,5}( [a-z]{2,5}){0,3}\."
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": K,
+            "disable_by_batch_size": None}
+    grammar = SamplingParams(temperature=0, max_tokens=30,
+                             structured_outputs={"regex": regex})
+    forked = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True)
+    runs = []
+    for config in (None, spec):
+        with LLM(str(target), device="cpu", block_size=4, speculative_config=config) as llm:
+            prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+            runs.append(([o.outputs[0].text for o in llm.generate(prompts, grammar)],
+                         [[c.token_ids for c in o.outputs]
+                          for o in llm.generate(prompts, forked)]))
+    assert runs[1] == runs[0]
+    for text in runs[1][0]:
+        assert re.fullmatch(regex, text), text
