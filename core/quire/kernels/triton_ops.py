@@ -67,9 +67,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
 
 
 def lora_linear(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                offsets: Sequence[int], token_slots: torch.Tensor) -> torch.Tensor:
+                offsets: Sequence[int], token_slots: torch.Tensor,
+                segments: object = None) -> torch.Tensor:
     """:func:`quire.ops.lora.lora_linear`'s contract in a shrink and an expand kernel, one
-    program per token (BGMV), nothing read back to the host; ``y`` is updated in place."""
+    program per token (BGMV), nothing read back to the host; ``y`` is updated in place.
+    ``segments`` (the host's grouping) is not needed: the kernels read the slots."""
     from quire.kernels import triton_lora
 
     return triton_lora.lora_linear(y, x, a, b, offsets, token_slots)

@@ -23,6 +23,7 @@ from torch import nn
 
 from quire.lora.adapter import LoRAAdapter, expected_modules, load_adapter
 from quire.ops import OpSet, reference_ops
+from quire.ops.lora import Segments, segments_of
 
 #: Our fused modules and the Hugging Face modules they hold, in output order.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -61,8 +62,10 @@ class LoRAManager:
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self._slots: collections.OrderedDict[int, int] = collections.OrderedDict()  # id->slot
         self._sites: dict[str, _Site] = {}  # by the Hugging Face name of each module held
-        #: This step's slot per token (-1: the base model); None: no adapter in it.
+        #: This step's slot per token (-1: the base model) and their grouping; None: no
+        #: adapter in it.
         self._token_slots: torch.Tensor | None = None
+        self._segments: Segments | None = None
         for name, module in model.named_modules():
             if hasattr(module, "fusion_spec"):  # a whole-layer kernel would skip the hooks
                 module.kernel = None
@@ -89,7 +92,8 @@ class LoRAManager:
             slots = self._token_slots
             if slots is None:
                 return y
-            return self.ops.lora_linear(y, inputs[0], site.a, site.b, site.offsets, slots)
+            return self.ops.lora_linear(y, inputs[0], site.a, site.b, site.offsets, slots,
+                                        self._segments)
         return add_lora
 
     # -- per step --------------------------------------------------------------------------
@@ -104,11 +108,12 @@ class LoRAManager:
                              f"max_loras={self.max_loras}")
         slots = {lid: self._slot(lid, present) for lid in present}
         if not present:
-            self._token_slots = None
+            self._token_slots = self._segments = None
             return
         per_item = torch.tensor([slots.get(lid, -1) for lid in lora_ids], dtype=torch.int64)
         self._token_slots = per_item.repeat_interleave(
             torch.tensor(lengths, dtype=torch.int64)).to(device)
+        self._segments = segments_of(self._token_slots)  # once per step, for every product
 
     def _slot(self, lora_id: int, keep: list[int]) -> int:
         """``lora_id``'s device slot, loading it into the least recently used slot not
