@@ -15,7 +15,7 @@ equal to ``y``'s, bit for bit (the contract leaves them alone); the rest within
 ``|out - ref| <= atol + rtol * |ref|`` (outputs of order 1 to 5): float32 1e-4 (float32
 sums in another order cost about 1e-6; a TF32 product errs by about 1e-3, and fails);
 float16 5e-3 and bfloat16 3e-2 (the output rounded to the dtype; the reference itself,
-run in the dtype, also rounds ``A x`` and the update, and uses about 30% of it).
+run in the dtype, also rounds ``A x`` and the update, and stays well inside them).
 """
 
 from __future__ import annotations
