@@ -200,11 +200,8 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len: int = engine.config.max_model_len
         self.model_path: str = engine.config.engine.model
-        #: LoRA: whether adapters are served, and what an adapter is checked against.
-        self.enable_lora: bool = engine.config.engine.enable_lora
-        self._lora_rank = engine.config.engine.max_lora_rank
+        #: What a LoRA adapter is checked against (read on first use).
         self._lora_targets: dict[str, tuple[int, int]] | None = None
-        self._resolved_path = model_path_of(engine.config.engine)
         self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._num_waiting = 0  # asyncio side only
         self._accepting = False
@@ -265,14 +262,20 @@ class AsyncEngine:
         if not self.is_running:
             self._engine.shutdown()
 
+    @property
+    def enable_lora(self) -> bool:
+        """Whether the engine serves LoRA adapters."""
+        return self._engine.config.engine.enable_lora
+
     def check_lora_adapter(self, path: str) -> None:
         """Refuse a path that is not an adapter this engine can run (called off the event
         loop: it reads the adapter's files).
 
         :raises ValueError: one line naming the problem (as ``LLMEngine.check_lora``)."""
+        config = self._engine.config.engine
         if self._lora_targets is None:
-            self._lora_targets = expected_modules(load_model_config(self._resolved_path))
-        load_adapter(path, self._lora_targets, self._lora_rank)
+            self._lora_targets = expected_modules(load_model_config(model_path_of(config)))
+        load_adapter(path, self._lora_targets, config.max_lora_rank)
 
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
