@@ -156,9 +156,3 @@ class LoRAManager:
             site.a[slot, i, :r].copy_(weights.a)
             cols = slice(site.offsets[i], site.offsets[i] + site.widths[i])
             site.b[slot, cols, :r].copy_(weights.b * weights.scaling)
-
-    def forget(self, lora_id: int) -> None:
-        """Drop an adapter (unloaded): its slot and host copy go, its path too."""
-        self._paths.pop(lora_id, None)
-        self._host.pop(lora_id, None)
-        self._slots.pop(lora_id, None)
