@@ -23,14 +23,9 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 101, 64, 8, 5, 17, 42, 9], [12, 7, 7, 12, 7, 7,
 K = 3
 
 
-def write_head(target: Path, directory: Path, *, bias: bool, safetensors: bool,
-               seed: int = 0) -> Path:
-    """A one-layer EAGLE head for ``target`` as the EAGLE project publishes them: its
-    config (the target's with one layer), ``fc`` over [embedding, hidden state], the
-    layer's tensors in Hugging Face's names without an input norm, and a copy of the
-    embedding (which the engine ignores). ``safetensors`` writes the ``speculators``
-    name of ``fc`` (``fusion_fc``) with a ``model.`` prefix, else ``pytorch_model.bin``
-    with EAGLE's names."""
+def _head_shapes(target: Path, seed: int):
+    """A one-layer head's config from ``target``'s, its (hidden, intermediate, q and
+    kv widths), and a seeded ``rand(*shape, scale=0.15)`` (with its generator)."""
     config = json.loads((target / "config.json").read_text())
     config["num_hidden_layers"] = 1
     if "layer_types" in config:  # Qwen configs name each layer's attention
@@ -43,6 +38,18 @@ def write_head(target: Path, directory: Path, *, bias: bool, safetensors: bool,
     def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
         return scale * torch.randn(*shape, generator=g)
 
+    return config, (hidden, inter, q, kv), rand, g
+
+
+def write_head(target: Path, directory: Path, *, bias: bool, safetensors: bool,
+               seed: int = 0) -> Path:
+    """A one-layer EAGLE head for ``target`` as the EAGLE project publishes them: its
+    config (the target's with one layer), ``fc`` over [embedding, hidden state], the
+    layer's tensors in Hugging Face's names without an input norm, and a copy of the
+    embedding (which the engine ignores). ``safetensors`` writes the ``speculators``
+    name of ``fc`` (``fusion_fc``) with a ``model.`` prefix, else ``pytorch_model.bin``
+    with EAGLE's names."""
+    config, (hidden, inter, q, kv), rand, _ = _head_shapes(target, seed)
     tensors = {
         "fc.weight": rand(hidden, 2 * hidden),
         "layers.0.self_attn.q_proj.weight": rand(q, hidden),
@@ -259,20 +266,9 @@ def write_head3(target: Path, directory: Path, seed: int = 2,
     """A tiny random EAGLE-3 head in the EAGLE project's layout: ``midlayer.*`` (q, k, v
     over [2H]), ``hidden_norm``, ``fc`` over [3H], its own ``norm`` and ``lm_head`` over a
     draft vocabulary of 200 of the target's 384 tokens, ``d2t`` and ``t2d``."""
-    config = json.loads((target / "config.json").read_text())
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:1]
-    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
-                  draft_vocab_size=DRAFT_VOCAB,
+    config, (hidden, inter, q, kv), rand, g = _head_shapes(target, seed)
+    config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
                   eagle_config={"eagle_aux_hidden_state_layer_ids": aux or AUX})
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = (config[k] * head_dim for k in ("num_attention_heads", "num_key_value_heads"))
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
-        return scale * torch.randn(*shape, generator=g)
-
     kept = torch.randperm(config["vocab_size"], generator=g)[:DRAFT_VOCAB].sort().values
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[kept] = True
