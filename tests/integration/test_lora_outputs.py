@@ -174,3 +174,20 @@ def test_smollm2_q4_blocks_with_adapters_equal_peft(smollm2_gguf, tmp_path):
     n = len(loras)  # each adapter changes some prompt's output (the test is not vacuous)
     for i in range(1, n):
         assert any(got[j * n + i] != got[j * n] for j in range(len(prompts)))
+
+
+def test_adapters_reach_a_worker_process_by_path(setup):
+    """With the ``mp`` executor the adapters' paths cross to the worker in the step's
+    items (once per table sent): the same tokens as in this process."""
+    base, adapters = setup
+    loras = [None, *[LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for backend in ("uni", "mp"):
+        with LLM(str(base), device="cpu", block_size=4, enable_lora=True, max_loras=2,
+                 max_lora_rank=8, distributed_executor_backend=backend) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}] * len(loras), params,
+                lora_request=loras)])
+    assert runs[1] == runs[0]
+    assert len(set(map(tuple, runs[0]))) > 1  # the adapters changed the output

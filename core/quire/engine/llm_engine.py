@@ -199,10 +199,18 @@ class LLMEngine:
         if known is not None:
             raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
                              f"{known!r}; give {lora_request.lora_path!r} another id")
-        if self._lora_targets is None:
-            self._lora_targets = expected_modules(load_model_config(model_path_of(engine)))
-        load_adapter(lora_request.lora_path, self._lora_targets, engine.max_lora_rank)
+        self.check_adapter(lora_request.lora_path)
         self._loras[lora_request.lora_int_id] = lora_request.lora_path
+
+    def check_adapter(self, path: str) -> None:
+        """Refuse a path that is not an adapter this engine's base model can run (it
+        reads the adapter's files; any thread may call it).
+
+        :raises ValueError: one line naming the problem, as :meth:`check_lora`."""
+        engine = self.config.engine
+        if self._lora_targets is None:  # the same dict whichever thread fills it first
+            self._lora_targets = expected_modules(load_model_config(model_path_of(engine)))
+        load_adapter(path, self._lora_targets, engine.max_lora_rank)
 
     def add_embed_request(self, prompt_token_ids: list[int], *, prompt: str | None = None,
                           request_id: str | None = None, priority: int = 0) -> str:

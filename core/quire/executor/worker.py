@@ -32,7 +32,9 @@ from quire.lora.layers import LoRAManager
 from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
 from quire.models.eagle import Eagle3Head, EagleHead, load_eagle_head
+from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.interface import CausalLM
+from quire.models.llama import LlamaForCausalLM
 from quire.models.loader import (
     checkpoint_dtype,
     checkpoint_quantization,
@@ -205,8 +207,9 @@ class Worker:
         and an EAGLE head its LM head), at the target's dtype unless
         ``speculative_config.dtype`` says."""
         assert spec.model is not None
-        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
-        if embed is None or type(self.model).__name__ == "Gemma3ForCausalLM":
+        # Gemma 3 scales its embedding inside its model, where a head would not
+        if not isinstance(self.model, LlamaForCausalLM) \
+                or isinstance(self.model, Gemma3ForCausalLM):
             raise ValueError(f"speculative_config.method {spec.method!r} reads a "
                              "Llama-family target's hidden states; "
                              f"{type(self.model).__name__} is not one")

@@ -32,10 +32,7 @@ from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics
 from quire.executor.abstract import WorkerDied
-from quire.lora.adapter import expected_modules, load_adapter
 from quire.lora.request import LoRARequest
-from quire.model_store import model_path_of
-from quire.models.loader import load_model_config
 from quire.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend
@@ -200,8 +197,6 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len: int = engine.config.max_model_len
         self.model_path: str = engine.config.engine.model
-        #: What a LoRA adapter is checked against (read on first use).
-        self._lora_targets: dict[str, tuple[int, int]] | None = None
         self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._num_waiting = 0  # asyncio side only
         self._accepting = False
@@ -272,10 +267,7 @@ class AsyncEngine:
         loop: it reads the adapter's files).
 
         :raises ValueError: one line naming the problem (as ``LLMEngine.check_lora``)."""
-        config = self._engine.config.engine
-        if self._lora_targets is None:
-            self._lora_targets = expected_modules(load_model_config(model_path_of(config)))
-        load_adapter(path, self._lora_targets, config.max_lora_rank)
+        self._engine.check_adapter(path)
 
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
