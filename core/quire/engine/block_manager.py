@@ -8,6 +8,7 @@ state       ref_count   block_hash     where
 free        0           None           ``_free`` if used before, else past ``_fresh_from``
 cached      0           set            ``_evictable`` (LRU order) and ``_by_hash``
 used        > 0         set or None    some sequences' block tables (``_by_hash`` if set)
+parked      0           None           ``_parked``: used before, at or past ``limit``
 ==========  ==========  =============  ===================================================
 
 A *full* page is named by a hash chained over its parent page's hash and its own token
@@ -22,7 +23,14 @@ page of a host pool costs a page fault at its first write, dear under a hypervis
 (docs/bench.md, "first touch"), so the pool's touched part grows only when its free
 pages run out.
 
-Only the scheduler calls the mutating methods; it owns the sequences whose
+A pool that shares one memory budget with other models' pools
+(:mod:`quire.engine.kv_budget`) has a ``limit``: only pages below it are handed out. A
+page at or past it that its last user releases is *parked* (its prefix forgotten), and
+once every page from some id up to the extent (``_fresh_from``) is parked, those pages
+go back as never used (:meth:`release_top`), so the engine can give their memory back.
+
+Only the scheduler (and, for the limit, the engine's budget share) calls the mutating
+methods; it owns the sequences whose
 ``block_table`` and ``block_hashes`` this class writes.
 """
 
@@ -57,8 +65,13 @@ class BlockManager:
         # Free pages used before: a dict keeps insertion order (popitem takes the latest)
         # and removes in O(1).
         self._free: dict[int, None] = {}
-        # Pages [_fresh_from, num_blocks) were never used; they are free too.
+        # Pages [_fresh_from, num_blocks) were never used (or given back); they are free
+        # too, below the limit.
         self._fresh_from = 0
+        #: Pages handed out are below this (a shared memory budget moves it).
+        self.limit = num_blocks
+        # Pages used before, at or past the limit, that nobody holds.
+        self._parked: set[int] = set()
         # Cached pages with no user, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
@@ -76,8 +89,15 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Pages a sequence could take now (free and evictable)."""
-        return len(self._free) + self.num_never_used_blocks + len(self._evictable)
+        """Pages a sequence could take now (free and evictable, below the limit)."""
+        return (len(self._free) + max(0, self.limit - self._fresh_from)
+                + len(self._evictable))
+
+    @property
+    def extent(self) -> int:
+        """Pages ``[0, extent)`` have been used and not given back: the pool's memory in
+        use on a host that backs pages on first touch."""
+        return self._fresh_from
 
     @property
     def num_never_used_blocks(self) -> int:
@@ -91,7 +111,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self._fresh_from - len(self._free) - len(self._evictable) - len(self._parked)
 
     @property
     def usage(self) -> float:
@@ -217,7 +237,7 @@ class BlockManager:
     def _take_new(self) -> int:
         if self._free:
             block_id, _ = self._free.popitem()
-        elif self._fresh_from < self.num_blocks:
+        elif self._fresh_from < self.limit:
             block_id = self._fresh_from
             self._fresh_from += 1
         else:
@@ -257,10 +277,51 @@ class BlockManager:
     def _release(self, block_id: int) -> None:
         self._ref_count[block_id] -= 1
         if self._ref_count[block_id] == 0:
-            if self._hash[block_id] is None:
+            if block_id >= self.limit:
+                self._forget(block_id)
+                self._parked.add(block_id)
+            elif self._hash[block_id] is None:
                 self._free[block_id] = None
             else:
                 self._evictable[block_id] = None
+
+    def _forget(self, block_id: int) -> None:
+        """Drop page ``block_id``'s prefix name, if it has one."""
+        h = self._hash[block_id]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash[block_id] = None
+
+    # -- a shared memory budget ------------------------------------------------------------
+    def set_limit(self, limit: int) -> None:
+        """Hand out only pages below ``limit`` from now on. Lowering it parks the free
+        and cached pages at or past it (cached ones are evicted); used ones park when
+        released. Raising it makes parked pages below it free again."""
+        if not 0 <= limit <= self.num_blocks:
+            raise ValueError(f"limit must be in [0, {self.num_blocks}], got {limit}")
+        if limit < self.limit:
+            for block_id in [b for b in self._free if b >= limit]:
+                del self._free[block_id]
+                self._parked.add(block_id)
+            for block_id in [b for b in self._evictable if b >= limit]:
+                del self._evictable[block_id]
+                self._forget(block_id)
+                self._parked.add(block_id)
+                self.num_evictions += 1
+        elif limit > self.limit:
+            for block_id in [b for b in self._parked if b < limit]:
+                self._parked.discard(block_id)
+                self._free[block_id] = None
+        self.limit = limit
+
+    def release_top(self) -> tuple[int, int] | None:
+        """Give back the parked pages at the top of the extent: ``(start, stop)`` of the
+        pages that are now never used (their memory may go back to the OS), or None."""
+        stop = self._fresh_from
+        while self._fresh_from > self.limit and self._fresh_from - 1 in self._parked:
+            self._fresh_from -= 1
+            self._parked.discard(self._fresh_from)
+        return (self._fresh_from, stop) if self._fresh_from < stop else None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page that nobody uses (they become free)."""
@@ -280,22 +341,34 @@ class BlockManager:
         """
         n_used = sum(1 for r in self._ref_count if r > 0)
         n_free = len(self._free) + self.num_never_used_blocks
-        if n_free + len(self._evictable) + n_used != self.num_blocks:
+        n_parked = len(self._parked)
+        if n_free + len(self._evictable) + n_used + n_parked != self.num_blocks:
             raise AssertionError(
                 f"free {n_free} + cached {len(self._evictable)} + used {n_used} "
-                f"!= total {self.num_blocks}"
+                f"+ parked {n_parked} != total {self.num_blocks}"
             )
+        if n_used != self.num_used_blocks:
+            raise AssertionError(f"{n_used} pages are used, num_used_blocks says "
+                                 f"{self.num_used_blocks}")
         for b, (ref, h) in enumerate(zip(self._ref_count, self._hash)):
             page = f"page {b} (ref {ref}, hash {h})"
             if ref < 0:
                 raise AssertionError(f"{page} has a negative ref count")
             never_used = b >= self._fresh_from
             in_free, in_evictable = b in self._free, b in self._evictable
-            if never_used and (ref or h is not None or in_free or in_evictable):
+            parked = b in self._parked
+            if never_used and (ref or h is not None or in_free or in_evictable or parked):
                 raise AssertionError(f"{page} is past the used ones yet not plainly free")
+            if parked and (ref or h is not None or in_free or in_evictable
+                           or b < self.limit):
+                raise AssertionError(f"{page} is parked yet used, named, listed or below "
+                                     f"the limit {self.limit}")
+            if (in_free or in_evictable) and b >= self.limit:
+                raise AssertionError(f"{page} can be handed out yet is past the limit "
+                                     f"{self.limit}")
             if ref > 0 and (in_free or in_evictable):
                 raise AssertionError(f"{page} is used yet listed as free or cached")
-            if ref == 0 and h is None and not (in_free or never_used):
+            if ref == 0 and h is None and not (in_free or never_used or parked):
                 raise AssertionError(f"{page} is unused and unnamed but not in the free list")
             if ref == 0 and h is not None and not in_evictable:
                 raise AssertionError(f"{page} is unused and cached but not evictable")

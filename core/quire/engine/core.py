@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from quire.config import EngineConfig, ResolvedConfig
 from quire.engine.block_manager import BlockManager
+from quire.engine.kv_budget import KVShare, KVShareSpec
 from quire.engine.messages import (
     CoreInfo,
     CoreOutputs,
@@ -63,6 +64,10 @@ from quire.structured.backend import (
 from quire.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a step that could run nothing sleeps under a shared KV budget, while other
+#: models give pages back (instead of spinning on the CPU they need to finish).
+KV_WAIT_S = 0.002
 
 
 @dataclass
@@ -161,9 +166,12 @@ class EngineCore:
     prompt_logits_observer: Callable[[str, int, torch.Tensor], None] | None = None
 
     def __init__(self, config: EngineConfig, registry: PlatformRegistry | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None):
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 kv_share: KVShareSpec | None = None):
         """:param tokenizer: the front's, when it shares this process (the core only reads
-            its EOS ids); loaded here otherwise."""
+            its EOS ids); loaded here otherwise.
+        :param kv_share: this engine's slot in a KV memory budget shared with other
+            models' engines (:mod:`quire.engine.kv_budget`)."""
         registry = registry or PlatformRegistry()
         self.platform: Platform = registry.resolve(config.device)
         configure_platform(self.platform, config)  # bad options fail here, not in a worker
@@ -203,13 +211,20 @@ class EngineCore:
             # that only cost start-up time and bookkeeping memory.
             most = self.config.max_num_seqs * -(-self.config.max_model_len
                                                 // self.config.block_size)
-            num_blocks = min(self.executor.num_kv_blocks(), most)
+            num_blocks = self.executor.num_kv_blocks()
+            self._kv_share: KVShare | None = None
+            if kv_share is not None:
+                num_blocks, self._kv_share = self._join_kv_share(kv_share, num_blocks)
+            num_blocks = min(num_blocks, most)
             self.executor.init_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
         self.block_manager = BlockManager(num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
+        if self._kv_share is not None:  # pages come as the budget grants them
+            self.block_manager.set_limit(0)
+            self.executor.release_kv_pages(0, num_blocks)
         self.scheduler = Scheduler(
             self.block_manager,
             max_loras=self.config.engine.max_loras if self.config.engine.enable_lora
@@ -254,8 +269,50 @@ class EngineCore:
             self.executor.world_size, "on" if self._async else "off",
         )
 
+    def _join_kv_share(self, spec: KVShareSpec, measured: int
+                       ) -> tuple[int, KVShare | None]:
+        """This engine's pool under a shared budget, and its share of it (None when the
+        backend cannot give memory back: then the pool is a fixed, equal part).
+
+        The first engine to start sets the budget to the pool it measured."""
+        share = KVShare(spec, self.executor.bytes_per_block())
+        budget = share.budget_bytes(measured * share.bytes_per_block)
+        pages = budget // share.bytes_per_block
+        if self.executor.releases_kv_memory:
+            return pages, share
+        parts = share.ledger.num_slots
+        logger.warning("the %s backend cannot give KV memory back: this model's pool is a "
+                       "fixed 1/%d of the shared budget", self.platform.name, parts)
+        share.close()
+        return max(1, pages // parts), None
+
+    def tend_kv_share(self) -> None:
+        """Under a shared budget: tell the ledger what this engine wants, move the pool's
+        limit to what it grants, and give back the memory of pages released (between
+        steps, and while idle so that an idle engine's cached pages can go)."""
+        if self._kv_share is None:
+            return
+        bm = self.block_manager
+        released = self._kv_share.tend(bm, self._kv_want())
+        if released is not None:
+            self.executor.release_kv_pages(*released)
+
+    def _kv_want(self) -> int:
+        """Pages this engine wants: its used ones, one more per running sequence, and
+        each waiting prompt's."""
+        bm, sched = self.block_manager, self.scheduler
+        want = bm.num_used_blocks + len(sched.running)
+        for seq in sched.waiting:
+            if want >= bm.num_blocks:
+                break
+            want += bm.blocks_for(seq.num_tokens + 1)
+        return min(want, bm.num_blocks)
+
     def shutdown(self) -> None:
         """Stop the executor's workers; safe to call more than once."""
+        if self._kv_share is not None:
+            self._kv_share.close()
+            self._kv_share = None
         self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------
@@ -392,6 +449,7 @@ class EngineCore:
         a step is synchronous while drafts are due (:meth:`_drafts_due`) and
         asynchronous while they are not.
         """
+        self.tend_kv_share()
         if self._async and not self._drafts_due():
             return self._step_async()
         while len(self._in_flight) < self.scheduler.depth and self._schedule_next():
@@ -524,7 +582,9 @@ class EngineCore:
     def _idle(self) -> CoreOutputs:
         """A step with nothing to run: only what finished meanwhile."""
         if self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler found no work it could run; this is a bug")
+            if self._kv_share is None:
+                raise RuntimeError("the scheduler found no work it could run; this is a bug")
+            time.sleep(KV_WAIT_S)  # other models are to give pages back: don't spin
         return CoreOutputs(time=time.monotonic(), stats=self.stats(),
                            finished=self.take_finished())
 

@@ -78,6 +78,7 @@ class InprocCoreClient(CoreClient):
 
     def get_outputs(self, timeout: float) -> list[CoreOutputs]:
         if not self.core.has_unfinished_requests():
+            self.core.tend_kv_share()  # a shared budget may want its cached pages
             return []
         return [self.core.step()]
 

@@ -50,6 +50,7 @@ from quire.engine.messages import (
     Shutdown,
     StopSequence,
 )
+from quire.engine.kv_budget import KVShareSpec
 from quire.engine.placement import Placement
 from quire.executor.abstract import WorkerDied
 from quire.executor.multiproc import cores_of, die_with_parent, reap
@@ -118,8 +119,10 @@ class CoreProcesses:
     set before torch loads, as the ``mp`` executor does for its ranks.
     """
 
-    def __init__(self, config: EngineConfig, blocked: frozenset[str] = frozenset()) -> None:
+    def __init__(self, config: EngineConfig, blocked: frozenset[str] = frozenset(),
+                 kv_share: KVShareSpec | None = None) -> None:
         """:param blocked: plugin entry points to skip (``--disable-plugins``).
+        :param kv_share: the core's slot in a KV budget shared with other models' cores.
         :raises ValueError, RuntimeError: the device cannot run, or its options are bad
             (before any process starts)."""
         # what the platform's libraries read once, when a core imports torch (cpu: how
@@ -133,6 +136,9 @@ class CoreProcesses:
         self._release = weakref.finalize(self, _release, self.procs, self.workdir)
         with open(os.path.join(self.workdir, "config.json"), "wb") as f:
             f.write(msgspec.json.encode(config))
+        if kv_share is not None:
+            with open(os.path.join(self.workdir, "kv_share.json"), "wb") as f:
+                f.write(msgspec.json.encode(kv_share))
         cpu = platform.device_type == "cpu"  # also what device=auto resolved to
         for engine in range(self.count):
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
@@ -220,10 +226,16 @@ class ProcCoreClient(CoreClient):
         self._where: dict[str, int] = {}
 
     @classmethod
-    def start(cls, config: EngineConfig,
-              blocked: frozenset[str] = frozenset()) -> ProcCoreClient:
-        """Start ``config.data_parallel_size`` core processes and connect to them."""
-        procs = CoreProcesses(config, blocked)
+    def start(cls, config: EngineConfig, blocked: frozenset[str] = frozenset(),
+              kv_share: KVShareSpec | None = None) -> ProcCoreClient:
+        """Start ``config.data_parallel_size`` core processes and connect to them.
+
+        :param kv_share: a slot in a KV budget shared with other models' cores (one
+            core: data parallelism is refused with it)."""
+        if kv_share is not None and config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 cannot share one KV budget with other "
+                             "models")
+        procs = CoreProcesses(config, blocked, kv_share)
         try:
             return cls(workdir=procs.workdir, core_pids=procs.pids, owned=procs,
                        block_size=config.block_size)
@@ -392,6 +404,10 @@ def _core_main(workdir: str, engine: int, parent_pid: int, blocked: list[str],
                         "%(name)s: %(message)s")
     with open(os.path.join(workdir, "config.json"), "rb") as f:
         config = msgspec.json.decode(f.read(), type=EngineConfig)
+    kv_share = None
+    with contextlib.suppress(FileNotFoundError):
+        with open(os.path.join(workdir, "kv_share.json"), "rb") as f:
+            kv_share = msgspec.json.decode(f.read(), type=KVShareSpec)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(core_address(workdir, engine))
@@ -400,7 +416,7 @@ def _core_main(workdir: str, engine: int, parent_pid: int, blocked: list[str],
         from quire.engine.core import EngineCore
         from quire.plugins.registry import PlatformRegistry
 
-        core = EngineCore(config, PlatformRegistry(blocked=blocked))
+        core = EngineCore(config, PlatformRegistry(blocked=blocked), kv_share=kv_share)
     except (ValueError, RuntimeError) as exc:  # the options' fault: one line says it
         loop.fail_start(str(exc), usage_error=True)
         raise SystemExit(1) from None
@@ -463,6 +479,7 @@ class _CoreLoop:
             if not busy and not self.inbox.poll(POLL_S * 1000):
                 if os.getppid() != self.parent_pid:
                     return  # the server is gone
+                core.tend_kv_share()  # a shared budget may want our cached pages
                 idle += 1
                 if idle % HEALTH_EVERY == 0:
                     core.executor.check_health()  # a dead worker ends the core now

@@ -49,6 +49,18 @@ class Executor(ABC):
         """Allocate ``num_blocks`` pages per layer on every rank."""
 
     @abstractmethod
+    def release_kv_pages(self, start: int, stop: int) -> None:
+        """Pages ``[start, stop)`` hold nothing any sequence needs: every rank gives their
+        memory back where its backend can (``AttentionBackend.release_kv_pages``), before
+        its next step at the latest. Steps in flight may still write them: harmless, as
+        no sequence reads them before writing them again."""
+
+    @property
+    @abstractmethod
+    def releases_kv_memory(self) -> bool:
+        """Whether :meth:`release_kv_pages` gives memory back (rank 0's backend says)."""
+
+    @abstractmethod
     def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
         """One forward on every rank; the logits of the rank that has them. Each rank
         forgets the ``released`` sequences first (see :class:`~quire.engine.step_items.

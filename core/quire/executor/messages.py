@@ -76,6 +76,8 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True):
     items: list[StepItem]
     #: Sequences to forget before the step (finished, aborted or preempted).
     released: list[int] = msgspec.field(default_factory=list)
+    #: (start, stop) pairs, flat, of KV pages whose memory goes back before the step.
+    free_pages: list[int] = msgspec.field(default_factory=list)
 
 
 class Array(msgspec.Struct, array_like=True, frozen=True):
@@ -123,7 +125,7 @@ class Step(msgspec.Struct, array_like=True, frozen=True, tag=True):
 class Reply(msgspec.Struct, array_like=True, frozen=True):
     """A worker's answer: a value, a step's output, or the error it raised. The first
     reply, once the shard is loaded, carries ``values``: the rank's KV layers, KV heads,
-    head size and bytes per page."""
+    head size, bytes per page and whether its backend gives KV memory back (1 or 0)."""
 
     value: int | None = None
     values: list[int] | None = None

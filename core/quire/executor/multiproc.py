@@ -220,8 +220,9 @@ def _worker_main(workdir: str, rank: int, world_size: int, parent_pid: int) -> N
         sock.send(_encoder.encode(Reply(error=traceback.format_exc(limit=8))))
         return
     spec = worker.kv_spec
-    sock.send(_encoder.encode(Reply(values=[spec.num_layers, spec.num_kv_heads,
-                                            spec.head_size, worker.bytes_per_block()])))
+    sock.send(_encoder.encode(Reply(values=[
+        spec.num_layers, spec.num_kv_heads, spec.head_size, worker.bytes_per_block(),
+        int(worker.backend.releases_kv_memory)])))
     try:
         _serve(worker, sock, parent_pid)
     finally:
@@ -271,7 +272,8 @@ def handle_request(worker: Worker, payload: bytes) -> Reply:
 
 def _handle(worker: Worker, request: Call | Step) -> Reply:
     if isinstance(request, Step):
-        result = worker.execute(request.plan.items, request.plan.released)
+        result = worker.execute(request.plan.items, request.plan.released,
+                                free_pages=request.plan.free_pages)
         if not worker.returns_logits:
             return Reply()
         return Reply(output=StepOutput(

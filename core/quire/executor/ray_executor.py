@@ -181,8 +181,9 @@ class _RayWorker:
         except Exception as exc:  # noqa: BLE001 - reported to the engine
             return _encoder.encode(Reply(error=f"{type(exc).__name__}: {exc}"))
         spec = self._worker.kv_spec
-        return _encoder.encode(Reply(values=[spec.num_layers, spec.num_kv_heads,
-                                             spec.head_size, self._worker.bytes_per_block()]))
+        return _encoder.encode(Reply(values=[
+            spec.num_layers, spec.num_kv_heads, spec.head_size,
+            self._worker.bytes_per_block(), int(self._worker.backend.releases_kv_memory)]))
 
     def handle(self, payload: bytes) -> bytes:
         from quire.executor.multiproc import handle_request

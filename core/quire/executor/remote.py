@@ -25,12 +25,21 @@ class RemoteExecutor(Executor):
 
     runs_model_here = False
     _bytes_per_block = 0
+    _releases = False
 
     def _started(self, replies: list[Reply]) -> None:
-        """Take rank 0's start reply: its KV layers, KV heads, head size, page bytes."""
-        layers, kv_heads, head_size, page_bytes = replies[0].values or [0, 0, 0, 0]
+        """Take rank 0's start reply: its KV layers, KV heads, head size, page bytes,
+        whether its backend gives KV memory back."""
+        layers, kv_heads, head_size, page_bytes, releases = replies[0].values or [0] * 5
         self.kv_spec = KVCacheSpec(layers, kv_heads, head_size)
         self._bytes_per_block = page_bytes
+        self._releases = bool(releases)
+        #: (start, stop) pairs of pages to give back, sent with the next step.
+        self._free_pages: list[int] = []
+
+    @property
+    def releases_kv_memory(self) -> bool:
+        return self._releases
 
     def num_kv_blocks(self) -> int:
         return min(reply.value or 0 for reply in self._call(Call("num_kv_blocks", [])))
@@ -64,7 +73,12 @@ class RemoteExecutor(Executor):
         boundary, and the core sampled them in this process anyway."""
         if sampled is not None:
             items = resolve_pending(items, sampled.tolist())
-        return self._send_all(Step(StepPlan(items, released or [])))
+        free, self._free_pages = self._free_pages, []
+        return self._send_all(Step(StepPlan(items, released or [], free)))
+
+    def release_kv_pages(self, start: int, stop: int) -> None:
+        """Sent with the next step: a call now could overtake a step in flight."""
+        self._free_pages += [start, stop]
 
     def wait(self, handle: object) -> StepResult:
         """The logits come from the rank that has them (the last stage's first rank)."""

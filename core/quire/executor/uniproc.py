@@ -31,6 +31,13 @@ class UniProcExecutor(Executor):
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks)
 
+    def release_kv_pages(self, start: int, stop: int) -> None:
+        self.worker.release_kv_pages(start, stop)
+
+    @property
+    def releases_kv_memory(self) -> bool:
+        return self.worker.backend.releases_kv_memory
+
     def execute(self, items: list[StepItem], released: list[int] | None = None) -> StepResult:
         return self.worker.execute(items, released or ())
 

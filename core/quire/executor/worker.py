@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -356,14 +356,31 @@ class Worker:
                 if layer in held else None
                 for layer in range(self.model.num_layers)]
 
+    def release_kv_pages(self, start: int, stop: int) -> None:
+        """Give back the memory of pages ``[start, stop)`` in every KV tensor this rank
+        holds (the draft model's too)."""
+        if self.runner is None:
+            return
+        caches = list(self.runner.kv_caches)
+        if self.runner.drafter is not None:
+            caches += self.runner.drafter.kv_caches
+        for cache in caches:
+            if cache is not None:
+                self.backend.release_kv_pages(cache, start, stop)
+
     # -- steps -----------------------------------------------------------------------------
     def execute(self, items: list[StepItem], released: Iterable[int] = (),
-                sampled: torch.Tensor | None = None) -> StepResult:
+                sampled: torch.Tensor | None = None,
+                free_pages: Sequence[int] = ()) -> StepResult:
         """One forward over ``items``, after forgetting the ``released`` sequences; every
         rank gets the whole logits (the LM head gathers the vocabulary). ``sampled``
-        holds the pending tokens (:meth:`ModelRunner.execute`)."""
+        holds the pending tokens (:meth:`ModelRunner.execute`). ``free_pages``: (start,
+        stop) pairs, flat, of pages whose memory goes back first (:meth:`release_kv_pages`,
+        sent with the step by an executor whose workers live elsewhere)."""
         if self.runner is None:
             raise RuntimeError("init_cache must be called before the first step")
+        for i in range(0, len(free_pages), 2):
+            self.release_kv_pages(free_pages[i], free_pages[i + 1])
         self.platform.begin_step(sum(len(item.token_ids) for item in items))
         if sampled is None:
             return self.runner.execute(items, released)

@@ -163,6 +163,18 @@ class AttentionBackend(ABC):
                                     kv_row_size(head_size, dtype))
         return torch.empty(shape, dtype=dtype, device=device)
 
+    #: Whether :meth:`release_kv_pages` gives memory back. A pool that shares one
+    #: memory budget with other models' pools (``quire serve`` with several models)
+    #: is sized at the whole budget only where this is True; elsewhere each model's pool
+    #: gets an equal part of it. Default: False. Plugin API 1.4.
+    releases_kv_memory: bool = False
+
+    def release_kv_pages(self, cache: torch.Tensor, start: int, stop: int) -> None:
+        """Pages ``[start, stop)`` of one layer's ``cache`` hold nothing the engine will
+        read before writing them again: give their memory back where the platform can
+        (their contents are then undefined). Called between steps, never for a page a
+        sequence holds. Default: nothing (the memory stays). Plugin API 1.4."""
+
     def kv_cache_bytes(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_size: int, dtype: torch.dtype) -> int:
         """Bytes one layer's cache of ``num_blocks`` pages of ``dtype`` takes (quantised

@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 #:      values a backend takes besides ``auto``) and AttentionBackend.kv_cache_bytes
 #:      (what the KV pool is sized by); a 1.2 backend declares none, so it is refused
 #:      anything but ``auto`` at start.
-PLUGIN_API_VERSION = "1.3"
+#: 1.4: AttentionBackend.releases_kv_memory and release_kv_pages (a KV pool's unused
+#:      pages given back, for one memory budget shared by several models); a 1.3
+#:      backend gives nothing back, so its models split that budget evenly.
+PLUGIN_API_VERSION = "1.4"
 
 
 @dataclass(frozen=True)

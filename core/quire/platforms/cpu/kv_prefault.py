@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 #: The ``kv_prefault`` option's values (:class:`~quire.platforms.cpu.options.CpuOptions`).
 MODES = ("background", "start", "off")
 MADV_POPULATE_WRITE = 23
+MADV_DONTNEED = 4
 #: Bytes of one tensor half populated per call: small, so that the thread, preempted
 #: while the kernel holds the process's mmap lock for the call, holds up a step's
 #: ``munmap`` by a fraction of a millisecond at most (16 pages).
@@ -84,6 +85,28 @@ def populate_write(address: int, length: int) -> bool:
     logger.info("madvise(MADV_POPULATE_WRITE) of %d bytes failed: %s", end - start,
                 os.strerror(ctypes.get_errno()))
     return False
+
+
+def give_back(address: int, length: int) -> bool:
+    """Give the whole OS pages inside ``[address, address + length)`` back (they read as
+    zeros when touched again); the pages the range only partly covers are kept, so memory
+    around it is never lost. False where the OS cannot."""
+    if _MADVISE is None:
+        return False
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + length) // _PAGE * _PAGE
+    if end <= start:
+        return True
+    if _MADVISE(start, end - start, MADV_DONTNEED) == 0:
+        return True
+    logger.info("madvise(MADV_DONTNEED) of %d bytes failed: %s", end - start,
+                os.strerror(ctypes.get_errno()))
+    return False
+
+
+def can_give_back() -> bool:
+    """Whether :func:`give_back` can work here (Linux's ``madvise``)."""
+    return _MADVISE is not None
 
 
 def supported() -> bool:
@@ -127,6 +150,9 @@ class BackgroundPrefault:
         self._pending: list[_Pool] = []
         #: The highest block id a step has reached (-1: none yet).
         self._frontier = -1
+        #: Blocks from here up were given back (:meth:`released`): nothing past the
+        #: highest block used is populated there, so what was given back stays so.
+        self._ceiling = sys.maxsize
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         #: Set while the thread has caught up with the frontier plus the margin.
@@ -152,13 +178,23 @@ class BackgroundPrefault:
 
     def reached(self, block: int) -> None:
         """A step wrote block ``block``: keep the margin ahead of it."""
-        if block <= self._frontier:  # the common case, without the lock
+        if block <= self._frontier and block < self._ceiling:  # the common case
             return
         with self._cond:
+            if block >= self._ceiling:
+                self._ceiling = block + 1
             if block > self._frontier:
                 self._frontier = block
-                self.idle.clear()
-                self._cond.notify()
+            self.idle.clear()
+            self._cond.notify()
+
+    def released(self, block: int) -> None:
+        """Blocks from ``block`` up were given back: count them as not resident, and
+        populate none of them ahead of use from now on."""
+        with self._cond:
+            self._ceiling = min(self._ceiling, block)
+            for pool in self._pending:
+                pool.done = min(pool.done, block)
 
     def stop(self) -> None:
         """Ask the thread to end after its current call."""
@@ -191,7 +227,8 @@ class BackgroundPrefault:
                     return
                 work = list(self._pending)
                 per_block = sum(2 * p.block_bytes for p in work)
-                limit = self._frontier + 1 + max(1, self.ahead_bytes // per_block)
+                limit = min(self._frontier + 1 + max(1, self.ahead_bytes // per_block),
+                            self._ceiling)
                 behind = [p for p in work if p.done < min(limit, p.num_blocks)]
                 if not behind:
                     self.idle.set()

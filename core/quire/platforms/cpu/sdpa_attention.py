@@ -51,7 +51,7 @@ from quire.interfaces.attention import AttentionBatch, check_attention_options, 
 from quire.ops import kv_quant
 from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.kv_prefault import MODES as PREFAULT_MODES
-from quire.platforms.cpu.kv_prefault import BackgroundPrefault
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault, can_give_back, give_back
 from quire.platforms.cpu.native import NativeKernels
 
 
@@ -146,6 +146,22 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
                 self._background = BackgroundPrefault()
             self._background.add(cache)
         return cache
+
+    #: Pages go back to the OS with ``madvise(MADV_DONTNEED)`` (Linux).
+    releases_kv_memory = can_give_back()
+
+    def release_kv_pages(self, cache: torch.Tensor, start: int, stop: int) -> None:
+        """As the interface's: both halves' pages ``[start, stop)`` given back (the OS
+        pages they wholly cover), and kept from the background prefault."""
+        if cache.device.type != "cpu" or stop <= start:
+            return
+        num_blocks = cache.shape[1]
+        block_bytes = cache[0, 0].numel() * cache.element_size()
+        for half in range(2):
+            give_back(cache.data_ptr() + (half * num_blocks + start) * block_bytes,
+                      (stop - start) * block_bytes)
+        if self._background is not None:
+            self._background.released(start)
 
     def wait_for_prefault(self, timeout: float | None = None) -> bool:
         """Block until the background thread has caught up with the blocks steps have
