@@ -55,11 +55,9 @@ class ServeProcess:
 
     def metric(self, name: str) -> float:
         """``name``'s value, summed over its label sets (engine figures have one per
-        data-parallel rank)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-        assert found, f"{name} not in /metrics"
-        return sum(float(v) for v in found)
+        data-parallel rank, every sample one per model); ``name{a="x"}`` sums those
+        whose labels include ``a="x"``."""
+        return metric_sum(httpx.get(self.url + "/metrics", timeout=10).text, name)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -125,3 +123,15 @@ def greedy_reference(url: str, jobs: set[tuple[str, int]],
         assert r.status_code == 200, r.text
         out[prompt, max_tokens] = r.json()["choices"][0]["text"]
     return out
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The samples of ``name`` in exposition ``text`` summed over label sets, only those
+    with the labels ``name`` gives in braces (``quire:processes{role="worker"}``)."""
+    base, _, wanted = name.partition("{")
+    want = set(re.findall(r'(\w+)="([^"]*)"', wanted))
+    found = [float(value) for labels, value in
+             re.findall(rf"^{re.escape(base)}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE)
+             if want <= set(re.findall(r'(\w+)="([^"]*)"', labels))]
+    assert found, f"{name} not in /metrics"
+    return sum(found)

@@ -90,7 +90,7 @@ def test_an_idle_models_cached_pages_go_to_the_busy_one_and_come_back(models, tm
     budget = BUDGET_PAGES * page
     engines = _engines(str(tmp_path / "ledger"), [a, b], budget)
     ledger = KVLedger(str(tmp_path / "ledger"))
-    first, second = engines
+    first = engines[0]
     try:
         _run([first], [PROMPTS[:4]], ledger, ledger.budget)
         pool = first.core.block_manager

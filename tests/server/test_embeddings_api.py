@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.entrypoints.server.app import create_app
+from serve_process import metric_sum
 from server_thread import serve_stepped, wait_idle
 from tiny_encoders import build_bert, hf_embeddings
 
@@ -129,10 +130,7 @@ def test_generating_model_refuses_embeddings(tiny_checkpoint):
 
 
 def _metric(server, name):
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    line = next(x for x in text.splitlines() if x.startswith(name + " ") or
-                x.startswith(name + "{"))
-    return float(line.rsplit(" ", 1)[1])
+    return metric_sum(httpx.get(server.url + "/metrics", timeout=10).text, name)
 
 
 def test_metrics_count_embedding_requests(server, tokenizer):

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_text import parse, value
+import prometheus_text
+from prometheus_text import parse
 from quire.config import EngineConfig
 from quire.engine import EngineStats, LLMEngine
 from quire.entrypoints.server.app import create_app
@@ -74,6 +75,11 @@ def scrape(server) -> dict:
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == CONTENT_TYPE
     return parse(r.text)[0]
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """A sample of the served model: every sample is labelled with its name."""
+    return prometheus_text.value(samples, name, model=MODEL, **labels)
 
 
 def delta(after: dict, before: dict, name: str, **labels: str) -> float:

@@ -70,12 +70,13 @@ def test_completions_equal_the_engine_s_without_speculation_and_count_drafts(ser
     assert _completion(server, stream=True) == want
     samples, types, _ = parse(httpx.get(server.url + "/metrics", timeout=30).text)
     assert types["quire:spec_decode_num_drafts_total"] == "counter"
-    drafts = value(samples, "quire:spec_decode_num_draft_tokens_total", engine="0") \
-        - value(before, "quire:spec_decode_num_draft_tokens_total", engine="0")
-    accepted = value(samples, "quire:spec_decode_num_accepted_tokens_total", engine="0") \
-        - value(before, "quire:spec_decode_num_accepted_tokens_total", engine="0")
+    ours = {"engine": "0", "model": MODEL}
+    drafts = value(samples, "quire:spec_decode_num_draft_tokens_total", **ours) \
+        - value(before, "quire:spec_decode_num_draft_tokens_total", **ours)
+    accepted = value(samples, "quire:spec_decode_num_accepted_tokens_total", **ours) \
+        - value(before, "quire:spec_decode_num_accepted_tokens_total", **ours)
     assert drafts >= accepted > 0
     per_pos = sum(value(samples, "quire:spec_decode_num_accepted_tokens_per_pos_total",
-                        engine="0", position=str(i)) for i in range(3))
+                        engine="0", model=MODEL, position=str(i)) for i in range(3))
     assert per_pos == value(samples, "quire:spec_decode_num_accepted_tokens_total",
-                            engine="0")
+                            engine="0", model=MODEL)

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from quire.engine.block_manager import BlockManager
 from quire.engine.kv_budget import (
     KVLedger,

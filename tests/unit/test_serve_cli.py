@@ -34,7 +34,7 @@ def serve(monkeypatch, tmp_path):
 
     monkeypatch.setattr("quire.engine.LLMEngine", lambda config, registry, client: object())
     monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start",
-                        lambda config, blocked: "cores")
+                        lambda config, blocked, kv_share=None: "cores")
     monkeypatch.setattr("quire.entrypoints.server.async_engine.AsyncEngine", lambda engine, **kw: object())
     monkeypatch.setattr("quire.entrypoints.server.app.create_app", create_app)
     monkeypatch.setattr("uvicorn.Config", config)

@@ -426,8 +426,15 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
             has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
-            **self._spec_stats(),
+            **self._spec_stats(), **self._kv_share_stats(),
         )
+
+    def _kv_share_stats(self) -> dict[str, int]:
+        if self._kv_share is None:
+            return {}
+        bm = self.block_manager
+        return {"kv_budget_bytes": self._kv_share.ledger.budget,
+                "kv_held_bytes": max(bm.limit, bm.extent) * self._kv_share.bytes_per_block}
 
     def _spec_stats(self) -> dict[str, object]:
         if self._speculator is None:

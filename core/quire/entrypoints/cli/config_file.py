@@ -47,6 +47,9 @@ def apply_config_file(command: argparse.ArgumentParser, args: argparse.Namespace
 
 def _converted(action: argparse.Action, value: Any, where: str) -> Any:
     """``value`` as the flag's type makes it. :raises UsageError: naming ``where``."""
+    # a repeatable flag (serve's --model) takes a list: its items as given
+    if isinstance(action, argparse._AppendAction):
+        return list(value) if isinstance(value, list) else [value]
     # argparse converts string defaults with the flag's type, and only those
     if isinstance(value, (str, bool)) or action.type is None:
         return value

@@ -81,10 +81,19 @@ _TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilizat
                           "platform_options": _parse_options, "speculative_config": str}
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Add ``--model`` and one flag per ``EngineConfig`` field."""
+def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
+    """Add ``--model`` and one flag per ``EngineConfig`` field.
+
+    :param many_models: ``--model`` may be repeated (``quire serve``): its value is then
+        a list, None when not given (``quire.entrypoints.cli.model_list`` reads it)."""
     for f in dataclasses.fields(EngineConfig):
         help_text = f.metadata.get("help", "")
+        if f.name == "model" and many_models:
+            parser.add_argument("--model", action="append", default=None,
+                                help=f"{help_text}, or a built-in name (default: "
+                                     f"{DEFAULT_MODEL}); repeat it to serve several models "
+                                     "under one KV memory budget")
+            continue
         if f.name == "model":
             parser.add_argument("--model", default=DEFAULT_MODEL,
                                 help=f"{help_text}, or a built-in name (default: {DEFAULT_MODEL})")
@@ -116,6 +125,11 @@ def _with_default(help_text: str, default: Any) -> str:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """:raises UsageError: naming the flag whose value ``EngineConfig`` rejected."""
+    model = args.model
+    if model is None or isinstance(model, list):  # serve's repeatable --model
+        if len(model or ()) > 1 or not all(isinstance(m, str) for m in model or ()):
+            raise UsageError("--model: several models are served by 'quire serve' only")
+        args.model = model[0] if model else DEFAULT_MODEL
     tag = getattr(args, "model_tag", None)  # ``quire serve MODEL``
     if tag is not None:
         if args.model not in (DEFAULT_MODEL, tag):

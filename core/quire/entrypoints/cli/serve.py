@@ -1,4 +1,6 @@
-"""``quire serve``: the OpenAI-compatible HTTP server (uvicorn) over one engine."""
+"""``quire serve``: the OpenAI-compatible HTTP server (uvicorn) over one engine, or over
+one engine per model when several are served (each its own core process, all under one
+KV memory budget)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ from quire.entrypoints.cli.engine_options import (
     engine_error,
 )
 from quire.entrypoints.cli.listener import bind_listener, check_port, url
+from quire.entrypoints.cli.model_list import (
+    ModelEntry,
+    model_entries,
+    model_items,
+    served_names,
+    single_model,
+)
 from quire.entrypoints.server.limits import (
     MIN_DEFAULT_PROMPT_BYTES,
     PROMPT_BYTES_PER_TOKEN,
@@ -37,6 +46,7 @@ from quire.entrypoints.server.limits import (
 if TYPE_CHECKING:
     from quire.config import EngineConfig
     from quire.engine.core_client import CoreClient
+    from quire.engine.kv_budget import KVShareSpec
     from quire.entrypoints.server.async_engine import AsyncEngine
     from quire.plugins.registry import PlatformRegistry
 
@@ -86,8 +96,9 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                              "%(default)s)")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model gives it (vLLM's 'serve MODEL')")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: --model)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name clients use, one per --model when several "
+                             "are served (default: --model)")
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT's format) served from the start, each "
                              "chosen by a request's model field: NAME=PATH or vLLM's JSON "
@@ -131,7 +142,7 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                              "process fewer, but HTTP, detokenization and the model then "
                              "share one interpreter); one API server, no data parallelism")
     _add_limit_options(parser)
-    add_engine_options(parser)
+    add_engine_options(parser, many_models=True)
     parser.set_defaults(run=run)
 
 
@@ -210,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
     """
     check_server_flags(args)
     limits = limits_from_args(args)
+    if len(model_items(args)) > 1:
+        return _run_models(args, limits)
+    single_model(args)
     config = engine_config_from_args(args)
     template = read_chat_template(args.chat_template)
     _configure_logging(args.log_level)
@@ -243,10 +257,10 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise UsageError("--limit-concurrency: must be >= 0 (0: no cap)")
     if not args.timeout_keep_alive > 0:
         raise UsageError("--timeout-keep-alive: must be > 0")
-    for name in ("served_model_name", "api_key"):
-        value = getattr(args, name)
-        if value is not None and not str(value).strip():
-            raise UsageError(f"--{name.replace('_', '-')}: must not be empty")
+    if any(not name.strip() for name in served_names(args)):
+        raise UsageError("--served-model-name: must not be empty")
+    if args.api_key is not None and not str(args.api_key).strip():
+        raise UsageError("--api-key: must not be empty")
     if args.api_server_count < 1:
         raise UsageError("--api-server-count: must be >= 1")
     if args.engine_in_process and (args.data_parallel_size > 1
@@ -275,8 +289,6 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
         they are started here (or built in this process with ``--engine-in-process``).
     :param on_started: called once uvicorn serves.
     """
-    import uvicorn
-
     try:  # the flag's form and --enable-lora first: no engine start for a typo
         parse_lora_modules(args.lora_modules)
         if args.lora_modules and not config.enable_lora:
@@ -289,27 +301,136 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
     except BaseException:
         async_engine.close_unstarted()  # its cores and workers, before the error goes up
         raise
+    return _run_uvicorn(args, limits, app, _Engines([async_engine]), listener, on_started)
+
+
+def _run_uvicorn(args: argparse.Namespace, limits: ServerLimits, app: Any,
+                 engines: _Engines, listener: socket.socket,
+                 on_started: Callable[[], None] | None) -> int:
+    """Serve ``app`` on ``listener`` until a signal or an engine's failure; the exit
+    status (1: an engine failed)."""
+    import uvicorn
+
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
-    # the app's lifespan shutdown (which joins the engine thread) and returns; its own
+    # the app's lifespan shutdown (which joins the engine threads) and returns; its own
     # timeout is only a backstop, as the drain ends every stream first. Our AccessLog
     # middleware writes the access lines (with request id and tokens), so uvicorn's own
     # access log is off.
     uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=args.shutdown_timeout + 5,
                                **connection_options(args, limits))
-    server = _graceful_server_class()(uv_config, async_engine, args.shutdown_timeout,
+    server = _graceful_server_class()(uv_config, engines, args.shutdown_timeout,
                                       on_started)
     server.run(sockets=[listener])
-    if async_engine.failure is not None:  # a supervisor should restart us
-        logging.getLogger("quire").error("exiting: %s", async_engine.failure)
+    if engines.failure is not None:  # a supervisor should restart us
+        logging.getLogger("quire").error("exiting: %s", engines.failure)
         return 1
     return 0
 
 
+class _Engines:
+    """The engines of one server, as its graceful stop sees them."""
+
+    def __init__(self, engines: list[AsyncEngine]) -> None:
+        self.engines = engines
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the first engine that stopped on its own did, or None."""
+        return next((e.failure for e in self.engines if e.failure is not None), None)
+
+    async def drain(self, timeout: float) -> None:
+        await asyncio.gather(*(e.drain(timeout) for e in self.engines))
+
+
+def _run_models(args: argparse.Namespace, limits: ServerLimits) -> int:
+    """Serve several models from one API server, each model's engine core its own
+    process, all under one KV memory budget (:mod:`quire.engine.kv_budget`)."""
+    if args.api_server_count > 1:
+        raise UsageError("--api-server-count: several models are served by one API server")
+    if args.engine_in_process:
+        raise UsageError("--engine-in-process: several models run each in its own engine "
+                         "core process")
+    if args.data_parallel_size > 1:
+        raise UsageError("--data-parallel-size: several models share one KV budget on one "
+                         "replica each")
+    entries = model_entries(args)
+    templates = []
+    for entry in entries:
+        try:
+            parse_lora_modules(entry.options["lora_modules"])
+            if entry.options["lora_modules"] and not entry.config.enable_lora:
+                raise ValueError("LoRA modules given, but LoRA is disabled: add "
+                                 "--enable-lora")
+        except ValueError as exc:
+            raise UsageError(f"--lora-modules: {entry.name}: {exc}") from None
+        templates.append(read_chat_template(entry.options["chat_template"]))
+    _configure_logging(args.log_level)
+    registry = open_registry(args)
+    for entry in entries:
+        resolve_device(registry, entry.config.device)
+    listener = bind_listener(args.host, args.port)
+    from quire.hub import fetch_model
+
+    try:
+        fetched = []
+        for entry in entries:
+            try:
+                fetched.append(dataclasses.replace(entry, config=fetch_model(entry.config)))
+            except ValueError as exc:
+                raise engine_error(exc) from exc
+        return serve_models(args, limits, fetched, templates, registry, listener,
+                            on_started=lambda: _announce(url(args.host, listener)))
+    finally:
+        listener.close()
+
+
+def serve_models(args: argparse.Namespace, limits: ServerLimits, entries: list[ModelEntry],
+                 templates: list[str | None], registry: PlatformRegistry,
+                 listener: socket.socket,
+                 on_started: Callable[[], None] | None = None) -> int:
+    """One API server over one engine core process per model; the cores start in
+    order, and the first sets the shared KV budget from what it measured."""
+    import shutil
+    import tempfile
+
+    from quire.engine.kv_budget import KVLedger, KVShareSpec
+    from quire.entrypoints.server.app import ServedModel, create_models_app
+
+    workdir = tempfile.mkdtemp(prefix="quire-kv-")
+    ledger = os.path.join(workdir, "ledger")
+    KVLedger.create(ledger, len(entries)).close()
+    engines: list[AsyncEngine] = []
+    try:
+        for slot, entry in enumerate(entries):
+            engines.append(_start_engine(args, limits, entry.config, registry, None,
+                                         KVShareSpec(ledger, slot)))
+        try:
+            app = create_models_app(
+                [ServedModel(e.name, engine, template, e.options["tool_call_parser"],
+                             e.options["reasoning_parser"],
+                             parse_lora_modules(e.options["lora_modules"]))
+                 for e, engine, template in zip(entries, engines, templates)],
+                api_key=api_key_from(args), limits=limits)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    except BaseException:
+        for engine in engines:
+            engine.close_unstarted()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    try:
+        return _run_uvicorn(args, limits, app, _Engines(engines), listener, on_started)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _start_engine(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
-                  registry: PlatformRegistry, client: CoreClient | None) -> AsyncEngine:
+                  registry: PlatformRegistry, client: CoreClient | None,
+                  kv_share: KVShareSpec | None = None) -> AsyncEngine:
     """The engine front over ``client`` (or cores started here, or one in this process).
 
+    :param kv_share: the cores' slot in a KV budget shared with other models.
     :raises UsageError: the device or the checkpoint refused, in one line.
     """
     from quire.engine import LLMEngine
@@ -319,7 +440,7 @@ def _start_engine(args: argparse.Namespace, limits: ServerLimits, config: Engine
         if client is None and not args.engine_in_process:
             from quire.engine.core_proc import ProcCoreClient
 
-            client = ProcCoreClient.start(config, registry.blocked)
+            client = ProcCoreClient.start(config, registry.blocked, kv_share)
         engine = LLMEngine(config, registry, client=client)
     except (ValueError, RuntimeError) as exc:
         if client is not None:
@@ -335,7 +456,8 @@ def _create_app(args: argparse.Namespace, limits: ServerLimits, async_engine: As
     from quire.entrypoints.server.app import create_app
 
     try:
-        return create_app(async_engine, args.served_model_name or args.model,
+        return create_app(async_engine, served_names(args)[0] if served_names(args)
+                          else args.model,
                           api_key=api_key_from(args), limits=limits,
                           chat_template=chat_template,
                           tool_call_parser=args.tool_call_parser,
@@ -380,7 +502,7 @@ def _graceful_server_class() -> type:
         "of" it, while an orderly stop is a success.
         """
 
-        def __init__(self, config: Any, engine: AsyncEngine, drain_s: float,
+        def __init__(self, config: Any, engine: _Engines, drain_s: float,
                      on_started: Callable[[], None] | None = None) -> None:
             super().__init__(config)
             self.on_started = on_started

@@ -141,10 +141,12 @@ def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir
     from quire.entrypoints.cli import build_parser, parse_args
     from quire.entrypoints.cli.common import open_registry, read_chat_template
     from quire.entrypoints.cli.engine_options import engine_config_from_args
+    from quire.entrypoints.cli.model_list import single_model
     from quire.entrypoints.cli.serve import _configure_logging, limits_from_args, serve
 
     args = parse_args(build_parser(), argv)
     _configure_logging(args.log_level)
+    single_model(args)
     config = engine_config_from_args(args)
     client = ProcCoreClient(workdir=workdir, core_pids=core_pids, client=index,
                             block_size=config.block_size)

@@ -23,7 +23,8 @@ import hmac
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -53,6 +54,7 @@ from quire.entrypoints.server.errors import (
 from quire.entrypoints.server.event_stream import EventStream
 from quire.entrypoints.server.limits import ServerLimits
 from quire.entrypoints.server.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from quire.entrypoints.server.metrics import render_families
 from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,
@@ -272,8 +274,8 @@ class _Api:
         return streams
 
     # -- routes ----------------------------------------------------------------------------
-    async def models(self, request: Request) -> Response:
-        self.check_auth(request)
+    def cards(self) -> list[dict[str, Any]]:
+        """``/v1/models``' entries: the model, then its adapters."""
         card = {"id": self.model, "object": "model", "created": self.created,
                 "owned_by": "quire", "root": self.engine.model_path,
                 "max_model_len": self.engine.max_model_len}
@@ -281,42 +283,20 @@ class _Api:
                      "owned_by": "quire", "root": lora.lora_path, "parent": self.model,
                      "max_model_len": self.engine.max_model_len}
                     for name, lora in self.loras.items()]
-        return JSONResponse({"object": "list", "data": [card, *adapters]})
+        return [card, *adapters]
 
-    async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's ``POST /v1/load_lora_adapter``: ``{"lora_name", "lora_path"}``."""
-        self.check_auth(request)
-        body = await self.read_json(request)
-        name = get(body, "lora_name", str, "")
-        path = get(body, "lora_path", str, "")
-        if not path:
-            raise bad_request("lora_path is required", param="lora_path")
-        await self.add_lora(name, path)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    def names(self) -> list[str]:
+        """The names requests may give for this model: its own and its adapters'."""
+        return [self.model, *self.loras]
 
-    async def unload_lora_adapter(self, request: Request) -> Response:
-        """vLLM's ``POST /v1/unload_lora_adapter``: ``{"lora_name"}``. Requests already
-        running with it finish with it; later ones naming it get a 404."""
-        self.check_auth(request)
-        body = await self.read_json(request)
-        name = get(body, "lora_name", str, "")
-        if self.loras.pop(name, None) is None:
-            raise APIError(404, f"no LoRA adapter {name!r} is loaded", param="lora_name",
-                           code="model_not_found")
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-    async def completions(self, request: Request) -> Response:
-        self.check_auth(request)
-        body = await self.read_json(request)
+    async def completions(self, request: Request, body: dict[str, Any]) -> Response:
         lora = self.check_model(body)
         self.check_task("generate", "Completions")
         parsed = await self.pool.run(parse_completion, body, self.bounds)
         return await self._generate(request, parsed, chat=False, lora=lora,
                                     model=get(body, "model", str, "") or self.model)
 
-    async def chat(self, request: Request) -> Response:
-        self.check_auth(request)
-        body = await self.read_json(request)
+    async def chat(self, request: Request, body: dict[str, Any]) -> Response:
         lora = self.check_model(body)
         self.check_task("generate", "Chat Completions")
         parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds,
@@ -355,11 +335,9 @@ class _Api:
         body["usage"] = request.state.usage
         return JSONResponse(body)
 
-    async def messages(self, request: Request) -> Response:
+    async def messages(self, request: Request, body: dict[str, Any]) -> Response:
         """Anthropic's Messages API; its errors are answered in Anthropic's shape (the
         app's error handlers choose the shape by path)."""
-        anthropic.check_api_key(request.headers, self.api_key)
-        body = await self.read_json(request)
         lora = self.check_model(body, required=True)
         self.check_task("generate", "Messages")
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
@@ -382,9 +360,7 @@ class _Api:
         request.state.usage = usage(final)
         return JSONResponse(shaper.whole(final))
 
-    async def embeddings(self, request: Request) -> Response:
-        self.check_auth(request)
-        body = await self.read_json(request)
+    async def embeddings(self, request: Request, body: dict[str, Any]) -> Response:
         self.check_model(body)
         self.check_task("embed", "Embeddings")
         parsed = await self.pool.run(parse_embedding, body, self.bounds)
@@ -407,31 +383,124 @@ class _Api:
         request.state.usage = response["usage"]
         return JSONResponse(response)
 
-    async def tokenize(self, request: Request) -> Response:
-        self.check_auth(request)
-        body = await self.read_json(request)
+    async def tokenize(self, request: Request, body: dict[str, Any]) -> Response:
         ids = await self.pool.run(parse_tokenize, body, self.chat_template, self.bounds)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
                              "tokens": ids})
 
-    async def detokenize(self, request: Request) -> Response:
-        self.check_auth(request)
-        body = await self.read_json(request)
+    async def detokenize(self, request: Request, body: dict[str, Any]) -> Response:
         return JSONResponse({"prompt": await self.pool.run(parse_detokenize, body)})
 
+
+class _Router:
+    """The routes over every model served: the API key and body are checked once, then
+    the request goes to the model (or adapter) its ``model`` field names. With one model
+    that one answers every request, as before several could be served."""
+
+    def __init__(self, apis: list[_Api]) -> None:
+        self.apis = apis
+        self.first = apis[0]
+
+    def pick(self, body: dict[str, Any]) -> _Api:
+        """The model ``body`` names: a 400 when several are served and it names none, a
+        404 in OpenAI's shape listing the served names when none is it."""
+        if len(self.apis) == 1:
+            return self.first  # its own check_model answers
+        name = get(body, "model", str, "")
+        if not name:
+            raise bad_request(f"model is required: this server serves {self._served()}",
+                              param="model")
+        for api in self.apis:
+            if name == api.model or name in api.loras:
+                return api
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{self._served()}", param="model", code="model_not_found")
+
+    def _served(self) -> str:
+        return ", ".join(repr(n) for api in self.apis for n in api.names())
+
+    def taken(self, name: str) -> bool:
+        return any(name in api.names() for api in self.apis)
+
+    def route(self, method: str, anthropic_auth: bool = False
+              ) -> Callable[[Request], Awaitable[Response]]:
+        """A handler that checks the key, reads the body and calls ``method`` of the
+        model it names."""
+        async def handler(request: Request) -> Response:
+            if anthropic_auth:
+                anthropic.check_api_key(request.headers, self.first.api_key)
+            else:
+                self.first.check_auth(request)
+            body = await self.first.read_json(request)
+            return await getattr(self.pick(body), method)(request, body)
+        return handler
+
+    async def models(self, request: Request) -> Response:
+        self.first.check_auth(request)
+        return JSONResponse({"object": "list",
+                             "data": [card for api in self.apis for card in api.cards()]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: ``{"lora_name", "lora_path"}``, and,
+        when several models are served, ``base_model_name`` (vLLM's key in
+        ``--lora-modules``) naming the one it adapts."""
+        self.first.check_auth(request)
+        body = await self.first.read_json(request)
+        name = get(body, "lora_name", str, "")
+        path = get(body, "lora_path", str, "")
+        if not path:
+            raise bad_request("lora_path is required", param="lora_path")
+        base = get(body, "base_model_name", str, "")
+        api = self._base(base)
+        if name and self.taken(name):
+            raise bad_request(f"the model name {name!r} is taken (or empty)",
+                              param="lora_name")
+        await api.add_lora(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _base(self, base: str) -> _Api:
+        if not base:
+            if len(self.apis) > 1:
+                raise bad_request("base_model_name is required: this server serves "
+                                  + ", ".join(repr(a.model) for a in self.apis),
+                                  param="base_model_name")
+            return self.first
+        for api in self.apis:
+            if api.model == base:
+                return api
+        raise APIError(404, f"the model {base!r} does not exist; this server serves "
+                            + ", ".join(repr(a.model) for a in self.apis),
+                       param="base_model_name", code="model_not_found")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: ``{"lora_name"}``. Requests already
+        running with it finish with it; later ones naming it get a 404."""
+        self.first.check_auth(request)
+        body = await self.first.read_json(request)
+        name = get(body, "lora_name", str, "")
+        for api in self.apis:
+            if api.loras.pop(name, None) is not None:
+                return PlainTextResponse(
+                    f"Success: LoRA adapter '{name}' removed successfully.")
+        raise APIError(404, f"no LoRA adapter {name!r} is loaded", param="lora_name",
+                       code="model_not_found")
+
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.engine.is_running else 503)
+        running = all(api.engine.is_running for api in self.apis)
+        return Response(status_code=200 if running else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
     async def metrics(self, request: Request) -> Response:
-        """Prometheus text; no API key, as in vLLM (scrapers seldom carry one)."""
+        """Prometheus text, every sample labelled with its ``model``; no API key, as in
+        vLLM (scrapers seldom carry one)."""
         try:
-            text = await self.engine.render_metrics()
+            families = [family for api in self.apis
+                        for family in await api.engine.metric_families(model=api.model)]
         except (EngineStopped, TimeoutError) as exc:
             return Response(f"{exc}\n", status_code=503, media_type="text/plain")
-        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(render_families(families), media_type=PROMETHEUS_CONTENT_TYPE)
 
 
 def _echo_text(text: str | None, ids: list[int], decode: Any) -> str:
@@ -542,45 +611,82 @@ def _sum_usage(parts: list[dict[str, int]]) -> dict[str, int]:
     return {key: sum(part[key] for part in parts) for key in parts[0]}
 
 
-def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None,
-               chat_template: str | None = None,
-               tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None,
-               lora_modules: Sequence[tuple[str, str]] = ()) -> Starlette:
-    """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``.
+@dataclass(frozen=True)
+class ServedModel:
+    """One model a server serves, with its name and its own request-side options.
 
-    :param api_key: when set, ``/v1/*`` and the tokenizer routes need
-        ``Authorization: Bearer <api_key>``.
-    :param limits: what one client may ask (default: ``ServerLimits()``).
     :param chat_template: a Jinja template used instead of the tokenizer's own.
     :param tool_call_parser: the model family's tool-call format, for ``tool_choice:
         "auto"`` (a name of :data:`~quire.entrypoints.server.tool_parsers.PARSERS`).
     :param reasoning_parser: the model's thinking format, kept apart from the answer (a
         name of :data:`~quire.entrypoints.server.reasoning_parsers.PARSERS`).
     :param lora_modules: (name, path) of LoRA adapters served from the start.
+    """
+
+    name: str
+    engine: AsyncEngine
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    lora_modules: Sequence[tuple[str, str]] = ()
+
+
+def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+               limits: ServerLimits | None = None,
+               chat_template: str | None = None,
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None,
+               lora_modules: Sequence[tuple[str, str]] = ()) -> Starlette:
+    """The HTTP app for ``async_engine``, answering to the model name ``served_model_name``
+    (the other parameters as :class:`ServedModel`'s and :func:`create_models_app`'s).
+
     :raises ValueError: for an adapter that cannot be served (naming it and why).
     """
-    api = _Api(async_engine, served_model_name, api_key, limits or ServerLimits(),
-               chat_template, tool_call_parser, reasoning_parser)
-    for name, path in lora_modules:
-        if not async_engine.enable_lora:
-            raise ValueError("LoRA modules given, but LoRA is disabled: add --enable-lora")
-        if name == served_model_name or name in api.loras:
-            raise ValueError(f"LoRA module name {name!r} is taken")
-        try:
-            async_engine.check_lora_adapter(path)
-        except ValueError as exc:
-            raise ValueError(f"LoRA module {name!r}: {exc}") from None
-        api.loras[name] = LoRARequest(name, next(api._lora_ids), path)
+    return create_models_app([ServedModel(served_model_name, async_engine, chat_template,
+                                          tool_call_parser, reasoning_parser, lora_modules)],
+                             api_key, limits)
+
+
+def create_models_app(models: Sequence[ServedModel], api_key: str | None = None,
+                      limits: ServerLimits | None = None) -> Starlette:
+    """The HTTP app for one or more models, each request going to the one its ``model``
+    field names.
+
+    :param api_key: when set, ``/v1/*`` and the tokenizer routes need
+        ``Authorization: Bearer <api_key>``.
+    :param limits: what one client may ask (default: ``ServerLimits()``).
+    :raises ValueError: for two models or adapters of one name, or an adapter that
+        cannot be served (naming it and why).
+    """
+    limits = limits or ServerLimits()
+    apis = [_Api(m.engine, m.name, api_key, limits, m.chat_template, m.tool_call_parser,
+                 m.reasoning_parser) for m in models]
+    router = _Router(apis)
+    names = [m.name for m in models]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two models are served by one name: {names}")
+    for model, api in zip(models, apis):
+        for name, path in model.lora_modules:
+            if not model.engine.enable_lora:
+                raise ValueError("LoRA modules given, but LoRA is disabled: add "
+                                 "--enable-lora")
+            if router.taken(name):
+                raise ValueError(f"LoRA module name {name!r} is taken")
+            try:
+                model.engine.check_lora_adapter(path)
+            except ValueError as exc:
+                raise ValueError(f"LoRA module {name!r}: {exc}") from None
+            api.loras[name] = LoRARequest(name, next(api._lora_ids), path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if not async_engine.is_running:
-            async_engine.start()
+        for model in models:
+            if not model.engine.is_running:
+                model.engine.start()
         yield
-        await async_engine.shutdown()
-        api.pool.close()
+        await asyncio.gather(*(model.engine.shutdown() for model in models))
+        for api in apis:
+            api.pool.close()
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -595,18 +701,19 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
                                                   code="client_closed"))
 
     routes = [
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
-        Route("/v1/messages", api.messages, methods=["POST"]),
-        Route("/tokenize", api.tokenize, methods=["POST"]),
-        Route("/detokenize", api.detokenize, methods=["POST"]),
-        Route("/health", api.health, methods=["GET"]),
-        Route("/version", api.version, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", router.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", router.unload_lora_adapter, methods=["POST"]),
+        Route("/v1/completions", router.route("completions"), methods=["POST"]),
+        Route("/v1/chat/completions", router.route("chat"), methods=["POST"]),
+        Route("/v1/embeddings", router.route("embeddings"), methods=["POST"]),
+        Route("/v1/messages", router.route("messages", anthropic_auth=True),
+              methods=["POST"]),
+        Route("/tokenize", router.route("tokenize"), methods=["POST"]),
+        Route("/detokenize", router.route("detokenize"), methods=["POST"]),
+        Route("/health", router.health, methods=["GET"]),
+        Route("/version", router.version, methods=["GET"]),
+        Route("/metrics", router.metrics, methods=["GET"]),
     ]
     handlers = {APIError: on_api_error, HTTPException: on_http_error,
                 ClientDisconnect: on_disconnect}

@@ -27,10 +27,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
+
 from quire.engine import EngineStats, LLMEngine
 from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
-from quire.entrypoints.server.metrics import ServerMetrics
+from quire.entrypoints.server.metrics import ServerMetrics, labelled, render_families
 from quire.executor.abstract import WorkerDied
 from quire.lora.request import LoRARequest
 from quire.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
@@ -363,20 +365,25 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.stats())
 
     async def render_metrics(self, timeout: float = 10.0) -> str:
-        """The Prometheus exposition text, rendered on the engine thread between steps.
+        """The Prometheus exposition text of :meth:`metric_families`."""
+        return render_families(await self.metric_families(timeout))
+
+    async def metric_families(self, timeout: float = 10.0, **labels: str) -> list[Metric]:
+        """The metric families, collected on the engine thread between steps, with
+        ``labels`` on every sample.
 
         :raises EngineStopped: when the engine thread is not running.
         :raises TimeoutError: when no step boundary came within ``timeout`` seconds.
         """
-        def render(engine: LLMEngine) -> str:
+        def collect(engine: LLMEngine) -> list[Metric]:
             processes = {"api_server": self.api_servers, **engine.process_counts()}
-            return self._metrics.render(engine.replica_stats(), processes)
+            return self._metrics.collect(engine.replica_stats(), processes)
 
-        render = self.call(render)
         try:
-            return await asyncio.wait_for(render, timeout)
+            families = await asyncio.wait_for(self.call(collect), timeout)
         except asyncio.TimeoutError as exc:  # not the builtin one before Python 3.11
             raise TimeoutError(f"the engine thread did not answer within {timeout}s") from exc
+        return labelled(families, **labels) if labels else families
 
     def num_waiting(self) -> int:
         """Requests accepted here that have not produced output yet (asyncio side)."""

@@ -9,7 +9,9 @@ tokens); ``RequestOutput.metrics`` gives the timings. With several API servers
 (the serve command sets ``PROMETHEUS_MULTIPROC_DIR`` for them) and any of them renders
 the sum. Engine figures (queues, KV pages, prefix cache, preemptions) come from the
 ``EngineStats`` each engine core sends with its outputs, labelled ``engine`` (the
-data-parallel rank), and the live processes by role, at render time.
+data-parallel rank), and the live processes by role, at render time. The app labels
+every sample with ``model``, the name the model is served by, and renders the families
+of every model it serves as one text (:func:`labelled`, :func:`render_families`).
 
 One :class:`ServerMetrics` belongs to the engine thread, which feeds and renders it;
 nothing else touches it. The list of metrics is in ``docs/http-api.md``.
@@ -18,7 +20,7 @@ nothing else touches it. The list of metrics is in ``docs/http-api.md``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -137,6 +139,15 @@ class _EngineCollector:
             hits.add_metric(engine, s.prefix_hits)
             preemptions.add_metric(engine, s.num_preemptions)
             added.add_metric(engine, s.num_requests)
+        if any(s.kv_budget_bytes for s in self.stats):  # one budget, several models
+            budget = gauge("quire:kv_budget_bytes", "The KV memory budget this server's "
+                           "models share.")
+            held = gauge("quire:kv_held_bytes", "The bytes of the shared KV budget this "
+                         "model's pool holds (used pages, cached prefixes, room to grow).")
+            for i, s in enumerate(self.stats):
+                budget.add_metric([str(i)], s.kv_budget_bytes)
+                held.add_metric([str(i)], s.kv_held_bytes)
+            yield from (budget, held)
         processes = GaugeMetricFamily("quire:processes", "Live processes of this server by "
                                       "role (any one dying stops the server).", labels=["role"])
         for role in ROLES:
@@ -250,8 +261,9 @@ class ServerMetrics:
         self.request_prompt.observe(len(out.prompt_token_ids))
         self.request_generation.observe(num_generated)
 
-    def render(self, stats: Sequence[EngineStats], processes: Mapping[str, int]) -> str:
-        """The exposition text: request metrics (of every API server), and the engine
+    def collect(self, stats: Sequence[EngineStats], processes: Mapping[str, int]
+                ) -> list[Metric]:
+        """The metric families: request metrics (of every API server), and the engine
         figures of ``stats`` (one per data-parallel rank) and ``processes`` (by role)."""
         self._engine.stats, self._engine.processes = stats, processes
         registry = self.registry
@@ -259,7 +271,46 @@ class ServerMetrics:
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
             registry.register(self._engine)  # type: ignore[arg-type]
-        return generate_latest(registry).decode()
+        return list(registry.collect())
+
+    def render(self, stats: Sequence[EngineStats], processes: Mapping[str, int]) -> str:
+        """:meth:`collect`'s families as exposition text."""
+        return render_families(self.collect(stats, processes))
+
+
+def labelled(families: Iterable[Metric], **labels: str) -> list[Metric]:
+    """Copies of ``families`` with ``labels`` added to every sample."""
+    out = []
+    for family in families:
+        copy = Metric(family.name, family.documentation, family.type, family.unit)
+        copy.samples = [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+        out.append(copy)
+    return out
+
+
+class _Fixed:
+    """A collector of families collected already."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def render_families(families: Iterable[Metric]) -> str:
+    """Exposition text of ``families``, those of one name (several models') merged into
+    one family, as the format wants."""
+    merged: dict[str, Metric] = {}
+    for family in families:
+        have = merged.get(family.name)
+        if have is None:
+            merged[family.name] = have = Metric(family.name, family.documentation,
+                                                family.type, family.unit)
+        have.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(merged.values())))  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
 
 
 def finish_reason(out: RequestOutput) -> str:
