@@ -113,3 +113,23 @@ def test_comparison_table_puts_ratios_on_every_figure():
     assert len(lines) == 4
     assert format_value(math.nan) == "-" and format_value(0.123456) == "0.1235"
     assert grid(["a", "b"], [["x", "1"]]).splitlines()[2] == "x  1"
+
+
+def test_requests_alternate_over_targets_or_shift_from_one_to_the_other():
+    from quire.bench.serve import target_of
+
+    assert [target_of(i, 6, 2) for i in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert [target_of(i, 6, 2, "halves") for i in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [target_of(i, 5, 1, "halves") for i in range(5)] == [0] * 5
+
+
+def test_serve_targets_pair_names_with_one_url_or_a_url_each():
+    from quire.entrypoints.cli.bench import serve_targets
+    from quire.entrypoints.cli.common import UsageError
+
+    assert serve_targets(["u"], None) == [("u", None)]
+    assert serve_targets(["u"], ["a", "b"]) == [("u", "a"), ("u", "b")]
+    assert serve_targets(["u", "v"], ["a", "b"]) == [("u", "a"), ("v", "b")]
+    assert serve_targets(["u", "v"], None) == [("u", None), ("v", None)]
+    with pytest.raises(UsageError, match="one per --url"):
+        serve_targets(["u", "v"], ["a"])

@@ -10,6 +10,10 @@ Each content chunk of the stream counts as one token arrival: TTFT is the wait f
 first one, ITL the gaps between the next ones. A server that packs several tokens into
 one chunk therefore shows fewer, longer gaps.
 
+Requests may go to several targets (servers, or models of one server): the ``i``-th to
+target ``i mod n`` (``alternate``), or the first half to the first target and the rest
+to the second (``halves``: traffic that shifts from one model to the other).
+
 Around each pass the server's ``/metrics`` is read for speculative decoding's counters
 (``quire:spec_decode_*`` or vLLM's ``vllm:spec_decode_*``, summed over its engines), so
 a speculating server's acceptance figures come with its timings; a server without them
@@ -187,9 +191,24 @@ class Client:
                 clock.observe(result.chunks)
 
 
-async def run_load(client: Client, requests: list[BenchRequest],
-                   shape: LoadShape) -> ServeRun:
-    """Send every request as ``shape`` says; results in request order."""
+#: How requests are spread over several targets (module docstring).
+SPLITS = ("alternate", "halves")
+
+
+def target_of(i: int, num_requests: int, num_targets: int, split: str = "alternate") -> int:
+    """The target of request ``i`` of ``num_requests``."""
+    if split == "halves":
+        return min(num_targets - 1, i * num_targets // num_requests)
+    return i % num_targets
+
+
+async def run_load(client: Client | list[Client], requests: list[BenchRequest],
+                   shape: LoadShape, split: str = "alternate") -> ServeRun:
+    """Send every request as ``shape`` says, to the client ``split`` picks from a list;
+    results in request order."""
+    clients = client if isinstance(client, list) else [client]
+    routed = [clients[target_of(i, len(requests), len(clients), split)]
+              for i in range(len(requests))]
     results: list[RequestResult | None] = [None] * len(requests)
     start = time.perf_counter()
     if shape.concurrency is not None:
@@ -197,13 +216,13 @@ async def run_load(client: Client, requests: list[BenchRequest],
 
         async def worker() -> None:
             for i, request in queue:  # the shared iterator hands each request out once
-                results[i] = await client.send(request)
+                results[i] = await routed[i].send(request)
 
         await asyncio.gather(*(worker() for _ in range(min(shape.concurrency, len(requests)))))
     else:
         async def at(offset: float, i: int) -> None:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            results[i] = await client.send(requests[i])
+            results[i] = await routed[i].send(requests[i])
 
         offsets = shape.arrival_offsets(len(requests))
         await asyncio.gather(*(at(off, i) for i, off in enumerate(offsets)))
@@ -270,24 +289,35 @@ async def read_spec_counts(http: Any, url: str, api_key: str | None) -> SpecCoun
     return spec_counts(resp.text)
 
 
-def run(url: str, runs: list[list[BenchRequest]], shape: LoadShape, model: str | None,
-        api_key: str | None, timeout_s: float) -> tuple[str, list[ServeRun]]:
-    """Each pass in ``runs`` one after the other, against ``url``.
+def run(url: str | list[tuple[str, str | None]], runs: list[list[BenchRequest]],
+        shape: LoadShape, model: str | None, api_key: str | None, timeout_s: float,
+        split: str = "alternate") -> tuple[str, list[ServeRun]]:
+    """Each pass in ``runs`` one after the other, against ``url``, or against several
+    (url, model) targets spread as ``split`` says (``model`` then unused; a None model
+    is the first its server lists).
 
-    :returns: the model name used, and one :class:`ServeRun` per pass.
+    :returns: the model name used (names, joined), and one :class:`ServeRun` per pass.
     """
     import httpx
+
+    targets = [(url, model)] if isinstance(url, str) else url
+    one_server = len({u for u, _ in targets}) == 1
+    first_url = targets[0][0]
 
     async def main() -> tuple[str, list[ServeRun]]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as http:
-            name = model or await first_model(http, url, api_key)
-            client = Client(http, url, name, api_key)
+            clients = [Client(http, u, m or await first_model(http, u, api_key), api_key)
+                       for u, m in targets]
+            name = ", ".join(c.model for c in clients)
             passes = []
             for requests in runs:
-                before = await read_spec_counts(http, url, api_key)
-                result = await run_load(client, requests, shape)
-                after = await read_spec_counts(http, url, api_key)
+                # speculative decoding's counters, where one server answers them all
+                before = await read_spec_counts(http, first_url, api_key) \
+                    if one_server else None
+                result = await run_load(clients, requests, shape, split)
+                after = await read_spec_counts(http, first_url, api_key) \
+                    if before is not None else None
                 if before is not None and after is not None:
                     result.spec = (before, after)
                 passes.append(result)

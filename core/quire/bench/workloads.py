@@ -1,4 +1,4 @@
-"""Benchmark workloads: the named presets W1..W6 and the requests they expand to.
+"""Benchmark workloads: the named presets W1..W7 and the requests they expand to.
 
 A :class:`WorkloadSpec` says how many requests, which prompt and output lengths (fixed or
 a range drawn from a seed), and whether they share a system prompt. :func:`build_requests`
@@ -120,6 +120,11 @@ PRESETS: dict[str, WorkloadSpec] = {
                      "tokens again, 128 out (n-gram speculation's case)",
                      num_requests=1, input_len=(128, 128), output_len=(128, 128),
                      quote_len=64, seed=6),
+        WorkloadSpec("W7", "A/B: 120 requests from 60 concurrent clients over two models "
+                     "(two --served-model-name, or two --url), prompts 16-256, outputs "
+                     "100-300 (mean 200)",
+                     num_requests=120, input_len=(16, 256), output_len=(100, 300),
+                     concurrency=60, seed=7),
     )
 }
 

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from quire.bench.peers.spec import PEERS
+from quire.bench.serve import SPLITS
 from quire.bench.workloads import PRESETS, WorkloadSpec, preset
 from quire.entrypoints.cli.common import UsageError, open_registry
 from quire.entrypoints.cli.engine_options import (
@@ -112,7 +113,9 @@ def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
         description="Stream /v1/completions from a running server (ours or any other) at "
         "--url, from --concurrency clients or at a Poisson --request-rate.")
     _add_workload_options(parser, "W5")
-    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", required=True, action="append",
+                        help="the server, e.g. http://127.0.0.1:8000; repeat it to spread "
+                        "the requests over several (with one --served-model-name each)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None,
                       help="clients sending one request after another (default: the "
@@ -127,13 +130,30 @@ def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
                         help="the model whose tokenizer sizes the prompts (a path or a "
                         f"built-in name; default: {DEFAULT_MODEL})")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer directory instead")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the 'model' field sent (default: the first of /v1/models)")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="the 'model' field sent (default: the first of /v1/models); "
+                        "repeat it to spread the requests over several models")
+    parser.add_argument("--split", choices=SPLITS, default="alternate",
+                        help="with several targets: request i to target i mod n "
+                        "(alternate), or the first half to the first and the rest to the "
+                        "second, traffic that shifts (halves) (default: %(default)s)")
     parser.add_argument("--api-key", default=None, help="sent as a bearer token")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="per-request HTTP timeout (default: 600)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.set_defaults(run=run_serve)
+
+
+def serve_targets(urls: list[str], names: list[str] | None) -> list[tuple[str, str | None]]:
+    """(url, model) of each target: every name at one url, or a url per name.
+
+    :raises UsageError: several urls with another number of names."""
+    if len(urls) == 1:
+        return [(urls[0], name) for name in names] if names else [(urls[0], None)]
+    if names and len(names) != len(urls):
+        raise UsageError(f"--served-model-name: {len(names)} names for {len(urls)} --url "
+                         "(one per --url)")
+    return list(zip(urls, names or [None] * len(urls)))
 
 
 def _register_abuse(benches: argparse._SubParsersAction[Any]) -> None:
@@ -690,18 +710,21 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     runs = _requests(spec, tokenizer, tokenizer_path, args)
+    targets = serve_targets(args.url, args.served_model_name)
+    urls = ", ".join(dict.fromkeys(args.url))
     try:
-        model, results = serve.run(args.url, runs, shape, args.served_model_name,
-                                   args.api_key, args.timeout)
+        model, results = serve.run(targets, runs, shape, None, args.api_key, args.timeout,
+                                   args.split)
     except (RuntimeError, OSError) as exc:
-        raise UsageError(f"--url {args.url}: {exc}") from exc
-    column = Column("server", f"{args.url}, model {model!r}",
+        raise UsageError(f"--url {urls}: {exc}") from exc
+    column = Column("server", f"{urls}, model {model!r}",
                     [run.figures(slo) for run in results[args.warmup:]])
     load = f"{shape.concurrency} clients" if shape.concurrency else \
         f"Poisson {shape.request_rate}/s"
-    title = (f"quire bench serve: {spec.name} ({spec.description}), {load}, median of "
-             f"{args.repeats}, {args.url}")
-    settings = _settings(spec, args, url=args.url, model=model,
+    spread = f", {args.split} over {len(targets)} targets" if len(targets) > 1 else ""
+    title = (f"quire bench serve: {spec.name} ({spec.description}), {load}{spread}, "
+             f"median of {args.repeats}, {urls}")
+    settings = _settings(spec, args, url=urls, model=model, split=args.split,
                          load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo))
     payload = record("serve", settings, [column])
     _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
