@@ -287,8 +287,8 @@ class EngineConfig:
                              f"max_loras ({self.max_loras})")
         if not self.enable_lora:
             return
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora runs on one rank so far: tensor_parallel_size and "
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora runs without pipeline stages so far: "
                              "pipeline_parallel_size must be 1")
         for name in ("speculative_config", "compile"):
             if getattr(self, name):

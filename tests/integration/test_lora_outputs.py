@@ -80,10 +80,13 @@ def test_bad_adapters_are_refused_naming_the_problem(setup, tmp_path, tiny_check
                                                     "adapter_config.json")
         refused(LoRARequest("big", 3, str(adapters[1])), "rank 8 .* exceeds "
                                                          "max_lora_rank=4")
-        head = tmp_path / "head"
-        make_adapter(base, head, 2, 4, ["lm_head"], False, seed=9)
-        refused(LoRARequest("head", 4, str(head)), r"target module 'lm_head' is not "
-                                                   r"supported yet")
+        experts = tmp_path / "experts"
+        shutil.copytree(adapters[0], experts)
+        config = json.loads((experts / "adapter_config.json").read_text())
+        config["target_modules"] = ["q_proj", "experts"]
+        (experts / "adapter_config.json").write_text(json.dumps(config))
+        refused(LoRARequest("experts", 4, str(experts)), r"target module 'experts' is "
+                                                         r"not supported yet")
         deeper = tmp_path / "deeper"
         shutil.copytree(adapters[0], deeper)
         _rename_layer(deeper, 0, 7)
@@ -191,3 +194,48 @@ def test_adapters_reach_a_worker_process_by_path(setup):
                 lora_request=loras)])
     assert runs[1] == runs[0]
     assert len(set(map(tuple, runs[0]))) > 1  # the adapters changed the output
+
+
+def test_tensor_parallel_adapters_equal_peft(setup):
+    """With two ranks each holds its layers' part of every adapter (B's rows of q/k/v
+    and gate/up, A's columns of o and down, whose updates are summed over the ranks):
+    the greedy tokens of mixed adapters equal PEFT's."""
+    base, adapters = setup
+    loras = [None, *[LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(loras))]
+    with LLM(str(base), device="cpu", block_size=4, enable_lora=True, max_loras=2,
+             max_lora_rank=8, tensor_parallel_size=2,
+             distributed_executor_backend="mp") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                             lora_request=loras)]
+    want = [peft_greedy(base, None if lora is None else Path(lora.lora_path),
+                        p["prompt_token_ids"], 8) for p, lora in zip(prompts, loras)]
+    assert got == want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_embedding_and_lm_head_adapters_equal_peft(setup, tmp_path, tp):
+    """Adapters on the token embedding and the LM head (PEFT's ``lora_embedding_A/B``
+    and a product on the head), mixed with a decoder-layer adapter and the base model:
+    greedy tokens equal PEFT's, on one rank and on two."""
+    base, adapters = setup
+    edges = make_adapter(base, tmp_path / "edges", 4, 8, ["embed_tokens", "lm_head"],
+                         False, seed=11)
+    mixed = make_adapter(base, tmp_path / "mixed", 8, 8, ["embed_tokens", "q_proj",
+                                                          "down_proj", "lm_head"],
+                         True, seed=12)
+    loras = [None, LoRARequest("edges", 1, str(edges)), LoRARequest("mixed", 2, str(mixed)),
+             LoRARequest("a0", 3, str(adapters[0]))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPTS[1]}] * len(loras)
+    extra = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp > 1 \
+        else {}
+    with LLM(str(base), device="cpu", block_size=4, enable_lora=True, max_loras=3,
+             max_lora_rank=8, **extra) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                             lora_request=loras)]
+    want = [peft_greedy(base, None if lora is None else Path(lora.lora_path),
+                        p["prompt_token_ids"], 8) for p, lora in zip(prompts, loras)]
+    assert got == want
+    assert got[1] != got[0] and got[2] != got[0]  # the adapters changed the output

@@ -36,7 +36,7 @@ def test_a_bad_request_is_refused_naming_the_field(fields, message):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"enable_lora": True, "tensor_parallel_size": 2}, "one rank so far"),
+    ({"enable_lora": True, "pipeline_parallel_size": 2}, "without pipeline stages"),
     ({"max_loras": 0}, "max_loras"), ({"max_lora_rank": -1}, "max_lora_rank"),
     ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"),
     ({"enable_lora": True, "compile": True}, "compile")])
@@ -126,3 +126,32 @@ def test_segmented_products_equal_a_per_token_loop(monkeypatch):
         torch.testing.assert_close(got_gu[row], want_gu, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="more than max_loras=2"):
         manager.prepare([1, 2, 3], [1, 1, 1], {}, torch.device("cpu"))
+
+
+def _head_adapter(path, vocab_rows: int):
+    """A rank-2 LM head adapter of a 16-token, 8-wide model, with the base head copy
+    PEFT saves beside it (``vocab_rows`` rows)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["lm_head"]}))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.ones(2, 8),
+               "base_model.model.lm_head.lora_B.weight": torch.ones(16, 2),
+               "base_model.model.lm_head.base_layer.weight": torch.zeros(vocab_rows, 8)},
+              str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_the_base_head_saved_beside_an_adapter_is_skipped_unless_it_grew(tmp_path):
+    from quire.lora.adapter import expected_modules, load_adapter
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=16)
+    expected = expected_modules(config)
+    adapter = load_adapter(_head_adapter(tmp_path / "same", 16), expected, max_rank=4)
+    assert list(adapter.modules) == ["lm_head"] and adapter.modules["lm_head"].scaling == 2
+    with pytest.raises(ValueError, match="adapters that add tokens are not supported"):
+        load_adapter(_head_adapter(tmp_path / "grown", 20), expected, max_rank=4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -155,14 +156,19 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.keep(scheduled, hidden)
         if inputs.sample_items:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = self._logits(hidden, inputs.sample_rows)
         else:
             logits = hidden.new_empty((0, 0), dtype=torch.float32)
         prompt_logits = tuple(
-            (i, first, self.model.compute_logits(hidden[rows]))
-            for i, first, rows in inputs.prompt_rows
+            (i, first, self._logits(hidden, rows)) for i, first, rows in inputs.prompt_rows
         )
         return StepResult(logits, inputs.sample_items, prompt_logits, drafts=drafts)
+
+    def _logits(self, hidden: torch.Tensor, rows: Any) -> torch.Tensor:
+        """The LM head on ``hidden[rows]`` (its LoRA updates told which rows those are)."""
+        if self.lora is not None:
+            self.lora.select_rows(rows)
+        return self.model.compute_logits(hidden[rows])
 
     def _context(self, inputs: StepInputs) -> ForwardContext:
         return ForwardContext(backend=self.backend,

@@ -4,9 +4,13 @@ base model.
 
 PEFT names a tensor ``base_model.model.<module>.lora_A.weight`` ([r, in]) and
 ``...lora_B.weight`` ([out, r]), ``<module>`` in Hugging Face's module names
-(``model.layers.3.self_attn.q_proj``); the update to ``y = W x`` is
+(``model.layers.3.self_attn.q_proj``, ``lm_head``); the update to ``y = W x`` is
 ``scaling * B (A x)``, ``scaling`` being ``lora_alpha / r`` (``/ sqrt(r)`` with
-``use_rslora``), per module where ``rank_pattern``/``alpha_pattern`` say so.
+``use_rslora``), per module where ``rank_pattern``/``alpha_pattern`` say so. The token
+embedding's are ``...embed_tokens.lora_embedding_A`` ([r, vocab]) and
+``...lora_embedding_B`` ([hidden, r]): token ``t``'s row gains
+``scaling * B A[:, t]``; read here as ``a`` and ``b`` of the same shapes, ``in`` being
+the vocabulary.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-#: The module names a decoder layer's products carry (Hugging Face's), which adapters
-#: may target; other targets (embeddings, LM head, experts) are refused for now.
+#: The module names adapters may target (Hugging Face's): a decoder layer's products,
+#: the token embedding and the LM head; other targets (experts) are refused for now.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+                     "down_proj", "embed_tokens", "lm_head")
+_SUPPORTED = (f"{', '.join(SUPPORTED_MODULES[:7])} of each decoder layer, "
+              "embed_tokens and lm_head")
+#: Each part's name in PEFT's files: a product's, and the embedding's.
+_PARTS = {"A.weight": "A", "B.weight": "B", "embedding_A": "A", "embedding_B": "B"}
 _PREFIX = "base_model.model."
 
 
@@ -83,8 +91,7 @@ def load_adapter(path: str, expected: dict[str, tuple[int, int]], max_rank: int
         for target in targets:
             if target.rpartition(".")[2] not in SUPPORTED_MODULES:
                 raise ValueError(f"{path!r}: target module {target!r} is not supported yet "
-                                 f"(supported: {', '.join(SUPPORTED_MODULES)} of each "
-                                 "decoder layer)")
+                                 f"(supported: {_SUPPORTED})")
     tensors = _tensors(path)
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -94,11 +101,13 @@ def load_adapter(path: str, expected: dict[str, tuple[int, int]], max_rank: int
                          "supported")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if _base_copy(name.removeprefix(_PREFIX), tensor, expected, path):
+            continue
         module, _, part = name.removeprefix(_PREFIX).rpartition(".lora_")
-        if part not in ("A.weight", "B.weight"):
+        if part not in _PARTS:
             raise ValueError(f"{path!r}: tensor {name!r} is not a LoRA A or B weight "
-                             "(embedding and DoRA adapters are not supported)")
-        pairs.setdefault(module, {})[part[0]] = tensor
+                             "(DoRA adapters are not supported)")
+        pairs.setdefault(module, {})[_PARTS[part]] = tensor
     modules: dict[str, LoRAWeights] = {}
     top = 0
     for module, ab in sorted(pairs.items()):
@@ -107,7 +116,7 @@ def load_adapter(path: str, expected: dict[str, tuple[int, int]], max_rank: int
             what = ("is not supported yet" if short not in SUPPORTED_MODULES
                     else "does not exist in the base model")
             raise ValueError(f"{path!r}: target module {module!r} {what} (supported: "
-                             f"{', '.join(SUPPORTED_MODULES)} of each decoder layer)")
+                             f"{_SUPPORTED})")
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{path!r}: {module} has lora_{'B' if 'A' in ab else 'A'} "
                              "missing")
@@ -131,6 +140,25 @@ def load_adapter(path: str, expected: dict[str, tuple[int, int]], max_rank: int
     return LoRAAdapter(path, top, modules)
 
 
+def _base_copy(name: str, tensor: torch.Tensor, expected: dict[str, tuple[int, int]],
+               path: str) -> bool:
+    """Whether ``name`` is the copy of the base embedding or LM head that PEFT saves
+    beside their adapters (``save_embedding_layers``, in case the vocabulary grew): taken
+    to be the base model's, so skipped. A grown vocabulary is refused.
+
+    :raises ValueError: for a copy of another shape than the base model's."""
+    module, _, rest = name.rpartition(".base_layer.")
+    if rest != "weight" or module.rpartition(".")[2] not in ("embed_tokens", "lm_head"):
+        return False
+    vocab, hidden = expected.get(module, (None, None))
+    if module.endswith("lm_head"):
+        hidden, vocab = vocab, hidden
+    if tuple(tensor.shape) != (vocab, hidden):
+        raise ValueError(f"{path!r}: its {module} has {tensor.shape[0]} rows, the base "
+                         f"model's {vocab}: adapters that add tokens are not supported")
+    return True
+
+
 def _pattern(pattern: dict, module: str, default: float) -> float:
     """PEFT's per-module override: the key that ends ``module``'s name, if any."""
     for key, value in pattern.items():
@@ -142,7 +170,8 @@ def _pattern(pattern: dict, module: str, default: float) -> float:
 def expected_modules(config: object) -> dict[str, tuple[int, int]]:
     """Every module an adapter may target in a base model of ``config`` (a Hugging Face
     config of the Llama, Mistral, Qwen2/3 or Gemma 3 families; an MoE model's experts
-    are not offered): Hugging Face module name -> (in, out) features."""
+    are not offered): Hugging Face module name -> (in, out) features (the token
+    embedding's: (vocabulary, hidden))."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -155,5 +184,7 @@ def expected_modules(config: object) -> dict[str, tuple[int, int]]:
     if inter and not moe:
         shapes.update({"mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
                        "mlp.down_proj": (inter, hidden)})
-    return {f"model.layers.{i}.{name}": shape
-            for i in range(config.num_hidden_layers) for name, shape in shapes.items()}
+    vocab = config.vocab_size
+    return {"model.embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab),
+            **{f"model.layers.{i}.{name}": shape
+               for i in range(config.num_hidden_layers) for name, shape in shapes.items()}}

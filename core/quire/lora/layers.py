@@ -11,6 +11,20 @@ its path when needed. Products are reached through forward hooks on the linear
 modules, so model code knows nothing of LoRA; the platform's whole-layer kernels are
 turned off, since they would skip the hooks. The updates themselves are the platform's
 ``lora_linear`` op (:mod:`quire.ops.lora`).
+
+With tensor parallelism each rank holds its layers' part of every adapter, cut as the
+layer's weight is: a column-parallel product (q/k/v, gate/up) keeps its rows of ``B``
+(each key/value head's rows where the heads are replicated), a row-parallel one (o,
+down) its columns of ``A``; its update is then a partial sum like its product, summed
+over the ranks with one ``all_reduce`` of the update (the layer's own reduce happened
+inside its forward, before the hook).
+
+The token embedding and the LM head take adapters too, where PEFT puts them: an
+embedding row gains ``scaling * B A[:, token]`` (a gather and a small product, per
+adapter present); the LM head, which runs on the rows the step samples only
+(:meth:`LoRAManager.select_rows`), is a product like the others. Both see whole rows on
+every rank (their layers gather or reduce inside), so every rank holds their whole
+update.
 """
 
 from __future__ import annotations
@@ -22,6 +36,12 @@ import torch
 from torch import nn
 
 from quire.lora.adapter import LoRAAdapter, expected_modules, load_adapter
+from quire.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from quire.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from quire.ops import OpSet, reference_ops
 from quire.ops.lora import Segments, segments_of
 
@@ -32,18 +52,55 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 
 class _Site:
     """One of our linear modules: the Hugging Face modules whose outputs it holds, each
-    with its output columns, and the stacked slot weights (:mod:`quire.ops.lora`'s
-    layout)."""
+    with this rank's output columns, and the stacked slot weights
+    (:mod:`quire.ops.lora`'s layout)."""
 
-    def __init__(self, names: list[str], widths: list[int], in_features: int,
-                 max_loras: int, max_rank: int, device: torch.device,
+    def __init__(self, module: nn.Module, names: list[str], widths: list[int],
+                 in_features: int, max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype) -> None:
+        self.module = module
         self.names = names
         self.offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
         self.widths = widths
+        comm = getattr(module, "comm", None)
+        self.world_size = comm.world_size if comm is not None else 1
+        #: Row-parallel over several ranks: its input, so its update, is a partial sum.
+        self.partial = isinstance(module, RowParallelLinear) and self.world_size > 1
         self.a = torch.zeros(max_loras, len(names), max_rank, in_features, device=device,
                              dtype=dtype)
         self.b = torch.zeros(max_loras, sum(widths), max_rank, device=device, dtype=dtype)
+        #: Slots whose adapter targets this module (the others' updates are zero).
+        self.filled = [False] * max_loras
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.filled[slot] = False
+
+    def write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slice ``i``'s update in ``slot``: this rank's part of the full ``a`` [r, in]
+        and ``b`` [out, r] (scaling folded in), cut as the module's weight is."""
+        r = a.shape[0]
+        module = self.module
+        self.filled[slot] = True
+        if isinstance(module, (ParallelLMHead, VocabParallelEmbedding)):  # whole rows
+            self.a[slot, i, :r].copy_(a)
+            self.b[slot, :, :r].copy_(b)
+            return
+        if isinstance(module, RowParallelLinear):
+            n = module.input_size_per_rank
+            self.a[slot, i, :r].copy_(a[:, module.comm.rank * n:(module.comm.rank + 1) * n])
+            self.b[slot, :, :r].copy_(b)
+            return
+        self.a[slot, i, :r].copy_(a)
+        if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
+            shard = "qkv"[i] if isinstance(module, QKVParallelLinear) else i
+            module.weight_loader(self.b[slot, :, :r], b, shard)  # its rows, its way
+            return
+        rows = self.widths[i]  # a plain column-parallel product: its rows of each slice
+        rank = getattr(getattr(module, "comm", None), "rank", 0)
+        cols = slice(self.offsets[i], self.offsets[i] + rows)
+        self.b[slot, cols, :r].copy_(b[rank * rows:(rank + 1) * rows])
 
 
 class LoRAManager:
@@ -66,6 +123,10 @@ class LoRAManager:
         #: adapter in it.
         self._token_slots: torch.Tensor | None = None
         self._segments: Segments | None = None
+        #: The slots this step's adapters are in.
+        self._step_slots: list[int] = []
+        #: The slots of the rows the LM head runs on next, and their grouping.
+        self._row_slots: tuple[torch.Tensor, Segments] | None = None
         for name, module in model.named_modules():
             if hasattr(module, "fusion_spec"):  # a whole-layer kernel would skip the hooks
                 module.kernel = None
@@ -76,25 +137,71 @@ class LoRAManager:
     def _site_of(self, name: str, module: nn.Module, device: torch.device,
                  dtype: torch.dtype) -> _Site | None:
         prefix, _, own = name.rpartition(".")
-        names = [f"{prefix}.{n}" for n in _FUSED.get(own, (own,))]
+        names = [f"{prefix}.{n}" if prefix else n for n in _FUSED.get(own, (own,))]
         if not all(n in self.expected for n in names):
             return None
-        widths = [self.expected[n][1] for n in names]
-        site = _Site(names, widths, self.expected[names[0]][0], self.max_loras,
-                     self.max_rank, device, dtype)
+        ws = getattr(getattr(module, "comm", None), "world_size", 1)
+        in_features = self.expected[names[0]][0]
+        if isinstance(module, (ParallelLMHead, VocabParallelEmbedding)):  # whole rows
+            widths = [self.expected[names[0]][1]]
+        elif isinstance(module, RowParallelLinear):  # its input columns are split
+            widths, in_features = [self.expected[names[0]][1]], in_features // ws
+        elif isinstance(module, QKVParallelLinear):  # kv heads may be replicated
+            widths = [module.q_size, module.kv_size, module.kv_size]
+        else:
+            widths = [self.expected[n][1] // ws for n in names]
+        site = _Site(module, names, widths, in_features, self.max_loras, self.max_rank,
+                     device, dtype)
         for n in names:
             self._sites[n] = site
         return site
 
     def _hook(self, site: _Site):
+        if isinstance(site.module, VocabParallelEmbedding):
+            return self._embedding_hook(site)
+        head = isinstance(site.module, ParallelLMHead)
+
         def add_lora(module: nn.Module, inputs: tuple[torch.Tensor, ...],
                      y: torch.Tensor) -> torch.Tensor:
             slots = self._token_slots
-            if slots is None:
+            if slots is None or not any(site.filled[s] for s in self._step_slots):
                 return y
+            if head:  # the rows the step samples, not its tokens
+                assert self._row_slots is not None, "select_rows before the LM head"
+                slots, segments = self._row_slots
+                return self.ops.lora_linear(y, inputs[0], site.a, site.b, site.offsets,
+                                            slots, segments)
+            if site.partial:  # this rank's share of the update, summed like the product
+                delta = self.ops.lora_linear(torch.zeros_like(y), inputs[0], site.a,
+                                             site.b, site.offsets, slots, self._segments)
+                return y + site.module.comm.all_reduce(delta)
             return self.ops.lora_linear(y, inputs[0], site.a, site.b, site.offsets, slots,
                                         self._segments)
         return add_lora
+
+    def _embedding_hook(self, site: _Site):
+        def add_lora(module: nn.Module, inputs: tuple[torch.Tensor, ...],
+                     y: torch.Tensor) -> torch.Tensor:
+            if self._token_slots is None or not any(site.filled[s]
+                                                    for s in self._step_slots):
+                return y
+            order, bounds = self._segments  # type: ignore[misc]
+            ids = inputs[0].index_select(0, order)
+            delta = torch.zeros(len(order), y.shape[-1], dtype=site.a.dtype,
+                                device=y.device)
+            for slot, start, end in bounds:  # A's columns of the tokens, then B
+                delta[start:end] = site.a[slot, 0, :, ids[start:end]].T @ site.b[slot].T
+            return y.index_add(0, order, delta.to(y.dtype))
+        return add_lora
+
+    def select_rows(self, rows: torch.Tensor | slice | list[int]) -> None:
+        """The rows of this step's tokens the LM head runs on next (the sampled ones,
+        or a prompt's for its logprobs): their adapters' updates of the head."""
+        if self._token_slots is None:
+            self._row_slots = None
+            return
+        slots = self._token_slots[rows]
+        self._row_slots = (slots, segments_of(slots))
 
     # -- per step --------------------------------------------------------------------------
     def prepare(self, lora_ids: Sequence[int], lengths: Sequence[int],
@@ -107,6 +214,7 @@ class LoRAManager:
             raise ValueError(f"a step holds {len(present)} adapters, more than "
                              f"max_loras={self.max_loras}")
         slots = {lid: self._slot(lid, present) for lid in present}
+        self._step_slots = sorted(slots.values())
         if not present:
             self._token_slots = self._segments = None
             return
@@ -147,12 +255,9 @@ class LoRAManager:
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for site in set(self._sites.values()):
-            site.a[slot].zero_()
-            site.b[slot].zero_()
+            site.clear(slot)
         for name, weights in adapter.modules.items():
-            site = self._sites[name]
-            i = site.names.index(name)
-            r = weights.a.shape[0]
-            site.a[slot, i, :r].copy_(weights.a)
-            cols = slice(site.offsets[i], site.offsets[i] + site.widths[i])
-            site.b[slot, cols, :r].copy_(weights.b * weights.scaling)
+            site = self._sites.get(name)
+            if site is not None:  # (a pipeline stage holds some layers only)
+                site.write(slot, site.names.index(name), weights.a,
+                           weights.b * weights.scaling)
