@@ -38,6 +38,7 @@ import zmq
 
 from quire.config import EngineConfig
 from quire.engine.core_client import CoreClient
+from quire.engine.kv_budget import KVShareSpec
 from quire.engine.messages import (
     Abort,
     AddRequest,
@@ -50,7 +51,6 @@ from quire.engine.messages import (
     Shutdown,
     StopSequence,
 )
-from quire.engine.kv_budget import KVShareSpec
 from quire.engine.placement import Placement
 from quire.executor.abstract import WorkerDied
 from quire.executor.multiproc import cores_of, die_with_parent, reap
@@ -140,6 +140,11 @@ class CoreProcesses:
             with open(os.path.join(self.workdir, "kv_share.json"), "wb") as f:
                 f.write(msgspec.json.encode(kv_share))
         cpu = platform.device_type == "cpu"  # also what device=auto resolved to
+        if kv_share is not None:
+            # one of several models' cores on this host: its OpenMP threads sleep when
+            # idle, so a busy model gets every CPU the others leave (spinning threads of
+            # two cores slowed both 2.5x; figures in docs/bench.md); the user's wins
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for engine in range(self.count):
             cores = cores_of(engine, self.count) if cpu and self.count > 1 else None
             self.procs.append(subprocess.Popen(
@@ -405,9 +410,9 @@ def _core_main(workdir: str, engine: int, parent_pid: int, blocked: list[str],
     with open(os.path.join(workdir, "config.json"), "rb") as f:
         config = msgspec.json.decode(f.read(), type=EngineConfig)
     kv_share = None
-    with contextlib.suppress(FileNotFoundError):
-        with open(os.path.join(workdir, "kv_share.json"), "rb") as f:
-            kv_share = msgspec.json.decode(f.read(), type=KVShareSpec)
+    with contextlib.suppress(FileNotFoundError), \
+            open(os.path.join(workdir, "kv_share.json"), "rb") as f:
+        kv_share = msgspec.json.decode(f.read(), type=KVShareSpec)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(core_address(workdir, engine))
