@@ -51,25 +51,45 @@ def test_every_family_drafted_by_itself_and_by_another_keeps_greedy_output(
 
 def test_a_draft_catches_up_on_what_it_sat_out(tiny_checkpoint):
     """A model drafting for itself has every proposal accepted only if its K/V is right
-    at every position. Here it sits out the steps where 3 or more sequences run
-    (``disable_by_batch_size``), the prompts of its second pass come from the prefix
-    cache and forked samples (n = 2) share their parent's pages, all computed without
-    it, and catch-up forwards are cut to an 8-token budget: still every proposal is
-    accepted, and the outputs are the target's."""
+    at every position. Here a long request (n = 2: its forked sample shares the parent's
+    pages, computed without the draft) drafts alone, then sits out the steps where 3 or
+    more sequences run (``disable_by_batch_size``) while shorter requests come and go,
+    then drafts again after catching up, in forwards cut to an 8-token budget; a second
+    pass takes its prompt from the prefix cache, also computed without the draft. Still
+    every proposal is accepted, and the outputs are the target's."""
     path = tiny_checkpoint("llama")
     spec = {"model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": 3}
     # top-k 1: deterministic, as greedy (which n = 2 may not be)
-    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)
-    runs = {}
+    long = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=48, ignore_eos=True)
+    short = SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True)
+    runs, stats = {}, None
     for name, config in (("plain", None), ("spec", spec)):
         with LLM(str(path), device="cpu", block_size=4, max_num_batched_tokens=8,
                  enable_prefix_caching=True, speculative_config=config) as llm:
-            runs[name] = [[[c.token_ids for c in o.outputs] for o in llm.generate(
-                [{"prompt_token_ids": p} for p in PROMPTS], params)] for _ in range(2)]
+            runs[name] = [_in_waves(llm.engine, long, short) for _ in range(2)]
             stats = llm.engine.core.stats()
     assert runs["spec"] == runs["plain"]
     assert stats.prefix_hits > 0
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+def _in_waves(engine, long: SamplingParams, short: SamplingParams) -> list:
+    """A long request alone for 6 steps, then three short ones beside it; every
+    request's samples, in the order added."""
+    done: dict[str, list] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+
+    ids = [engine.add_request(PROMPTS[1], long)]
+    for _ in range(6):
+        step()
+    ids += [engine.add_request(p, short) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3])]
+    while engine.has_unfinished_requests():
+        step()
+    return [done[i] for i in ids]
 
 
 def test_acceptance_counts_match_a_case_counted_by_hand(tiny_checkpoint):

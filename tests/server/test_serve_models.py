@@ -99,9 +99,11 @@ def test_sixty_concurrent_requests_alternating_two_models_match_each_alone(serve
         budget = metric_sum(text, f'quire:kv_budget_bytes{{model="{NAMES[0]}"}}')
         assert metric_sum(text, f'quire:kv_budget_bytes{{model="{NAMES[1]}"}}') == budget
         assert metric_sum(text, "quire:kv_held_bytes") <= budget
-    for name in NAMES:  # each pool grew and shrank with its traffic
-        held = {metric_sum(t, f'quire:kv_held_bytes{{model="{name}"}}') for t in scrapes}
-        assert len(held - {0.0}) > 1, held
+    # the budget bound them: together they held most of it, each a part
+    busy = max(scrapes, key=lambda t: metric_sum(t, "quire:kv_held_bytes"))
+    assert metric_sum(busy, "quire:kv_held_bytes") >= 0.9 * budget
+    for name in NAMES:
+        assert metric_sum(busy, f'quire:kv_held_bytes{{model="{name}"}}') > 0
     final = scrapes[-1]
     for name in NAMES:
         assert metric_sum(final, f'quire:request_success_total{{model="{name}"}}') >= 30

@@ -470,3 +470,55 @@ def test_bench_serve_reads_the_counters_from_either_server_s_metrics():
     assert figures["spec_mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
     assert figures["spec_acceptance_rate_pos0"] == pytest.approx(3 / 4)
     assert figures["spec_acceptance_rate_pos2"] == pytest.approx(1 / 4)
+
+
+def test_a_draft_model_skips_sequences_first_stepped_under_load_and_hopeless_catch_ups():
+    """A draft model's rules: a sequence first proposed for while some wait and running
+    + waiting reach disable_by_batch_size never drafts, even once the batch is small;
+    one whose draft lags by more tokens than it has left (and than a drafting step
+    leaves) stops drafting; n-gram keeps only the per-step switch."""
+    from quire.engine.speculation import DRAFT_STAND_IN, Speculator
+    from quire.spec.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 2,
+                                      "disable_by_batch_size": 4})
+    spec = Speculator(config)
+
+    def seq(i: int, prompt: int, max_tokens: int) -> Sequence:
+        return Sequence(seq_id=i, request_id=str(i), prompt_token_ids=list(range(prompt)),
+                        params=SamplingParams(max_tokens=max_tokens), arrival=i,
+                        max_num_tokens=prompt + max_tokens)
+
+    loaded, alone, full = seq(0, 8, 32), seq(1, 8, 32), seq(3, 8, 32)
+    spec.propose([full], num_running=5, matchers={}, thinking=set())
+    assert full.spec_token_ids == []  # the per-step switch: a full batch, none waiting
+    spec.propose([full], num_running=1, matchers={}, thinking=set())
+    assert full.spec_token_ids == [DRAFT_STAND_IN] * 2  # it was never under a queue
+    late = seq(4, 8, 32)  # first stepped in a full batch, then sat out 20 tokens
+    spec.propose([late], num_running=5, matchers={}, thinking=set())
+    late.output_token_ids.extend([5] * 21)
+    spec.propose([late], num_running=1, matchers={}, thinking=set())
+    assert late.spec_token_ids == []  # 29 tokens to catch up, 10 left to produce
+    spec.propose([loaded], num_running=2, matchers={}, thinking=set(), num_waiting=2)
+    assert loaded.spec_token_ids == []
+    spec.propose([loaded], num_running=1, matchers={}, thinking=set())
+    assert loaded.spec_token_ids == []  # decided at its first proposal
+    spec.propose([alone], num_running=1, matchers={}, thinking=set(), num_waiting=2)
+    assert alone.spec_token_ids == [DRAFT_STAND_IN] * 2
+    alone.draft_computed = 9  # it drafted once: the lag a drafting step leaves is fine
+    alone.output_token_ids.extend([5] * 3)
+    spec.propose([alone], num_running=1, matchers={}, thinking=set())
+    assert alone.spec_token_ids == [DRAFT_STAND_IN] * 2
+    alone.output_token_ids.extend([5] * 21)  # then it sat out while its output grew
+    spec.propose([alone], num_running=1, matchers={}, thinking=set())
+    assert alone.spec_token_ids == []  # 23 tokens to catch up, 7 left to produce
+    ngram = Speculator(SpeculativeConfig.parse({"method": "ngram",
+                                                "num_speculative_tokens": 2,
+                                                "prompt_lookup_min": 2,
+                                                "prompt_lookup_max": 3,
+                                                "disable_by_batch_size": 4}))
+    repeat = seq(2, 8, 32)
+    repeat.output_token_ids.extend([0, 1, 2])
+    ngram.propose([repeat], num_running=2, matchers={}, thinking=set(), num_waiting=9)
+    ngram.propose([repeat], num_running=1, matchers={}, thinking=set())
+    assert repeat.spec_token_ids  # the per-step switch only

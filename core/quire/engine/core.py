@@ -426,15 +426,8 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
             has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
-            **self._spec_stats(), **self._kv_share_stats(),
+            **self._spec_stats(),
         )
-
-    def _kv_share_stats(self) -> dict[str, int]:
-        if self._kv_share is None:
-            return {}
-        bm = self.block_manager
-        return {"kv_budget_bytes": self._kv_share.ledger.budget,
-                "kv_held_bytes": max(bm.limit, bm.extent) * self._kv_share.bytes_per_block}
 
     def _spec_stats(self) -> dict[str, object]:
         if self._speculator is None:
@@ -477,7 +470,8 @@ class EngineCore:
         if seqs and self._speculator is not None:
             self._speculator.propose(seqs, len(self.scheduler.running), self._matchers,
                                      {i for i, g in self._thinking.items()
-                                      if g.phase != "answer"})
+                                      if g.phase != "answer"},
+                                     num_waiting=len(self.scheduler.waiting))
         return self._report(outputs)
 
     def _drafts_due(self) -> bool:

@@ -39,10 +39,6 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
-    #: Under a KV budget shared by several models: the budget, and the bytes this
-    #: engine's pool holds of it (0 and 0 without one).
-    kv_budget_bytes: int = 0
-    kv_held_bytes: int = 0
 
 
 class ThinkingTokens(msgspec.Struct, frozen=True):

@@ -10,6 +10,14 @@ when the running batch reaches ``disable_by_batch_size`` (a large batch is bound
 compute, not by streaming weights, so verifying drafts costs more than it saves). The
 scheduler runs the drafts after the sequence's last token in the same forward, and the
 sampler's :meth:`~quire.sampler.Sampler.verify` keeps those the target accepts.
+
+A draft model's K/V is written only in steps that draft, so a sequence that sat some
+out must first catch up (a second prefill, for a draft as dear as its target). Two
+rules keep that from costing more than drafting saves: a sequence first stepped while
+sequences wait for room and the running and waiting ones reach
+``disable_by_batch_size`` never drafts (vLLM's rule for new requests under load), and
+one whose draft has more tokens to catch up than the sequence has left to produce (and
+more than the lag of a step that drafted) stops drafting.
 """
 
 from __future__ import annotations
@@ -145,12 +153,38 @@ class Speculator:
                                          else DraftKV(every_step=config.method
                                                       in ("eagle", "eagle3")))
 
+        #: With a draft model: sequences that draft (True) or never will (False), decided
+        #: at their first proposal and when they would catch up (module docstring).
+        self._drafting: dict[int, bool] = {}
+
     def forget(self, seq_id: int) -> None:
         """Drop what is kept for a finished or aborted sequence."""
         self.tokens.forget(seq_id)
+        self._drafting.pop(seq_id, None)
+
+    def _may_draft(self, seq: Sequence, room: int, num_running: int,
+                   num_waiting: int) -> bool:
+        """A draft model's rules for one sequence (module docstring); True for the
+        other methods, whose drafts need no catching up."""
+        kv = self.draft_kv
+        if kv is None or kv.every_step:
+            return True
+        limit = self.config.disable_by_batch_size
+        may = self._drafting.get(seq.seq_id)
+        if may is None:
+            loaded = limit is not None and num_waiting > 0 \
+                and num_running + num_waiting >= limit
+            may = self._drafting[seq.seq_id] = not loaded
+        elif may and (seq.draft_computed > 0 or len(seq.output_token_ids) > 1):
+            # it drafted before, or sat out a step since its first token
+            lag = seq.num_tokens - max(seq.draft_computed, 0)
+            if lag > max(room, self.config.num_speculative_tokens + 1):
+                may = self._drafting[seq.seq_id] = False
+        return may
 
     def propose(self, seqs: list[Sequence], num_running: int,
-                matchers: dict[int, Matcher], thinking: set[int]) -> None:
+                matchers: dict[int, Matcher], thinking: set[int],
+                num_waiting: int = 0) -> None:
         """Set ``spec_token_ids`` of each unfinished sequence of ``seqs``.
 
         :param matchers: seq_id -> its grammar's matcher; drafts are cut to the tokens it
@@ -159,6 +193,8 @@ class Speculator:
             get no drafts (which of their drafts the grammar holds is not known ahead).
         A draft model's stand-ins are not cut to the grammar (their values are not known
         here): the core cuts its proposals before verifying them.
+        :param num_waiting: sequences waiting to be scheduled (with ``num_running``, the
+            load a draft model's rules read).
         """
         limit = self.config.disable_by_batch_size
         off = limit is not None and num_running >= limit
@@ -167,7 +203,8 @@ class Speculator:
                 continue
             # the step computes the drafts and samples one more token: k + 1 may be added
             room = seq.max_num_tokens - seq.num_tokens - 1
-            if off or room <= 0 or seq.seq_id in thinking:
+            if (not self._may_draft(seq, room, num_running, num_waiting) or off
+                    or room <= 0 or seq.seq_id in thinking):
                 seq.spec_token_ids = []
                 continue
             if self.proposer is None:

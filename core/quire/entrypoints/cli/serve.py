@@ -411,7 +411,7 @@ def serve_models(args: argparse.Namespace, limits: ServerLimits, entries: list[M
                              e.options["reasoning_parser"],
                              parse_lora_modules(e.options["lora_modules"]))
                  for e, engine, template in zip(entries, engines, templates)],
-                api_key=api_key_from(args), limits=limits)
+                api_key=api_key_from(args), limits=limits, kv_ledger=ledger)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     except BaseException:

@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI-compatible routes over an :class:`AsyncEngine`.
+"""The Starlette app: OpenAI-compatible routes over one :class:`AsyncEngine` per model
+served, each request going to the model (or LoRA adapter) its ``model`` field names.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``POST /v1/embeddings`` (an embedding model answers only this one of the four),
@@ -54,7 +55,7 @@ from quire.entrypoints.server.errors import (
 from quire.entrypoints.server.event_stream import EventStream
 from quire.entrypoints.server.limits import ServerLimits
 from quire.entrypoints.server.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
-from quire.entrypoints.server.metrics import render_families
+from quire.entrypoints.server.metrics import budget_families, render_families
 from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,
@@ -397,9 +398,11 @@ class _Router:
     the request goes to the model (or adapter) its ``model`` field names. With one model
     that one answers every request, as before several could be served."""
 
-    def __init__(self, apis: list[_Api]) -> None:
+    def __init__(self, apis: list[_Api], kv_ledger: str | None = None) -> None:
         self.apis = apis
         self.first = apis[0]
+        #: The KV budget ledger the models share (their slots in order), or None.
+        self.kv_ledger = kv_ledger
 
     def pick(self, body: dict[str, Any]) -> _Api:
         """The model ``body`` names: a 400 when several are served and it names none, a
@@ -500,7 +503,23 @@ class _Router:
                         for family in await api.engine.metric_families(model=api.model)]
         except (EngineStopped, TimeoutError) as exc:
             return Response(f"{exc}\n", status_code=503, media_type="text/plain")
+        if self.kv_ledger is not None:
+            families += self._budget()
         return Response(render_families(families), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    def _budget(self) -> list[Any]:
+        """The shared KV budget's gauges, from the ledger itself: the cores' stats of an
+        idle model would be stale."""
+        from quire.engine.kv_budget import KVLedger
+
+        ledger = KVLedger(self.kv_ledger)  # type: ignore[arg-type]
+        try:
+            with ledger.locked():
+                budget, slots = ledger.budget, ledger.slots()
+        finally:
+            ledger.close()
+        return budget_families(budget, {api.model: slot.held
+                                        for api, slot in zip(self.apis, slots)})
 
 
 def _echo_text(text: str | None, ids: list[int], decode: Any) -> str:
@@ -648,20 +667,23 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: str |
 
 
 def create_models_app(models: Sequence[ServedModel], api_key: str | None = None,
-                      limits: ServerLimits | None = None) -> Starlette:
+                      limits: ServerLimits | None = None,
+                      kv_ledger: str | None = None) -> Starlette:
     """The HTTP app for one or more models, each request going to the one its ``model``
     field names.
 
     :param api_key: when set, ``/v1/*`` and the tokenizer routes need
         ``Authorization: Bearer <api_key>``.
     :param limits: what one client may ask (default: ``ServerLimits()``).
+    :param kv_ledger: the KV budget ledger the models share, a slot each in their order
+        (:mod:`quire.engine.kv_budget`), for its gauges in ``/metrics``.
     :raises ValueError: for two models or adapters of one name, or an adapter that
         cannot be served (naming it and why).
     """
     limits = limits or ServerLimits()
     apis = [_Api(m.engine, m.name, api_key, limits, m.chat_template, m.tool_call_parser,
                  m.reasoning_parser) for m in models]
-    router = _Router(apis)
+    router = _Router(apis, kv_ledger)
     names = [m.name for m in models]
     if len(set(names)) < len(names):
         raise ValueError(f"two models are served by one name: {names}")

@@ -139,15 +139,6 @@ class _EngineCollector:
             hits.add_metric(engine, s.prefix_hits)
             preemptions.add_metric(engine, s.num_preemptions)
             added.add_metric(engine, s.num_requests)
-        if any(s.kv_budget_bytes for s in self.stats):  # one budget, several models
-            budget = gauge("quire:kv_budget_bytes", "The KV memory budget this server's "
-                           "models share.")
-            held = gauge("quire:kv_held_bytes", "The bytes of the shared KV budget this "
-                         "model's pool holds (used pages, cached prefixes, room to grow).")
-            for i, s in enumerate(self.stats):
-                budget.add_metric([str(i)], s.kv_budget_bytes)
-                held.add_metric([str(i)], s.kv_held_bytes)
-            yield from (budget, held)
         processes = GaugeMetricFamily("quire:processes", "Live processes of this server by "
                                       "role (any one dying stops the server).", labels=["role"])
         for role in ROLES:
@@ -276,6 +267,20 @@ class ServerMetrics:
     def render(self, stats: Sequence[EngineStats], processes: Mapping[str, int]) -> str:
         """:meth:`collect`'s families as exposition text."""
         return render_families(self.collect(stats, processes))
+
+
+def budget_families(budget: int, held: Mapping[str, int]) -> list[Metric]:
+    """The KV budget several models share and what each model's pool holds of it, as
+    the ledger says (one consistent reading), labelled ``model``."""
+    total = GaugeMetricFamily("quire:kv_budget_bytes", "The KV memory budget this "
+                              "server's models share.", labels=["model"])
+    part = GaugeMetricFamily("quire:kv_held_bytes", "The bytes of the shared KV budget "
+                             "this model's pool holds (used pages, cached prefixes, room "
+                             "granted to grow).", labels=["model"])
+    for model, value in held.items():
+        total.add_metric([model], budget)
+        part.add_metric([model], value)
+    return [total, part]
 
 
 def labelled(families: Iterable[Metric], **labels: str) -> list[Metric]:
