@@ -48,6 +48,8 @@ class KVShareSpec(msgspec.Struct, frozen=True):
 
 @dataclass
 class SlotState:
+    """One slot of the ledger: bytes held and wanted, and whether its engine runs."""
+
     held: int
     want: int
     alive: bool

@@ -114,6 +114,21 @@ def model_entries(args: argparse.Namespace) -> list[ModelEntry]:
     return entries
 
 
+def _check_parser(name: str, value: Any, where: str) -> None:
+    """A model's ``tool_call_parser`` or ``reasoning_parser`` is one the flag offers.
+
+    :raises UsageError: naming the model, the key and the choices."""
+    if name not in ("tool_call_parser", "reasoning_parser") or value is None:
+        return
+    from quire.entrypoints.server.reasoning_parsers import PARSERS as REASONING
+    from quire.entrypoints.server.tool_parsers import PARSERS as TOOLS
+
+    choices = TOOLS if name == "tool_call_parser" else REASONING
+    if value not in choices:
+        raise UsageError(f"--config: {where}: {name} {value!r} is not one of "
+                         f"{', '.join(sorted(choices))}")
+
+
 def _keys(item: Any, where: str) -> dict[str, Any]:
     """A mapping item's keys, checked and spelled as fields (``max-num-seqs`` ->
     ``max_num_seqs``)."""
@@ -131,6 +146,7 @@ def _keys(item: Any, where: str) -> dict[str, Any]:
             known = ", ".join(sorted(k.replace("_", "-") for k in
                                      (fields | set(REQUEST_SIDE)) - set(SERVER_WIDE)))
             raise UsageError(f"--config: {where}: unknown key {key!r}; known keys: {known}")
+        _check_parser(name, value, where)
         out[name] = value
     if "model" not in out:
         raise UsageError(f"--config: {where}: a model mapping needs a 'model' key")

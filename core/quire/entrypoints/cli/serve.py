@@ -369,9 +369,9 @@ def _run_models(args: argparse.Namespace, limits: ServerLimits) -> int:
     registry = open_registry(args)
     for entry in entries:
         resolve_device(registry, entry.config.device)
-    listener = bind_listener(args.host, args.port)
     from quire.hub import fetch_model
 
+    listener = bind_listener(args.host, args.port)
     try:
         fetched = []
         for entry in entries:
