@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from quire.lora.random import save_random_adapter
 from tiny_models import hf_greedy, hf_model
 
 
 def make_adapter(base: Path, directory: Path, rank: int, alpha: int, targets: list[str],
                  rslora: bool, seed: int) -> Path:
     """A PEFT adapter of ``base`` with random, non-zero A and B."""
-    import peft
-
-    model = hf_model(base)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             use_rslora=rslora, init_lora_weights=False)
-    wrapped = peft.get_peft_model(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=g))
-    wrapped.save_pretrained(directory)
-    return directory
+    return save_random_adapter(hf_model(base), directory, rank=rank, alpha=alpha,
+                               targets=targets, scale=0.3, seed=seed, rslora=rslora)
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompt: list[int],

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from quire.platforms.cpu.kv_prefault import BackgroundPrefault, supported
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault, give_back, supported
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 
@@ -148,6 +148,34 @@ def test_only_a_margin_ahead_of_the_steps_is_made_resident() -> None:
     for half in (0, 1):
         blocks = _resident_blocks(cache, half)
         assert all(blocks[:1256]) and not any(blocks[1600:]), half
+    prefault.stop()
+    assert prefault.idle.wait(60)
+    del cache
+
+
+@pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
+def test_blocks_given_back_are_not_populated_ahead_again() -> None:
+    """After blocks 128 and up are given back (a shared KV budget shrank the pool), the
+    thread repopulates none of them ahead of use: a step reaching block 200 makes
+    blocks up to 200 resident, not its 256-block margin beyond."""
+    region = mmap.mmap(-1, 2 * 4096 * 16 * 4 * 64 * 4,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cache = torch.frombuffer(region, dtype=torch.float32).view(2, 4096, 16, 4, 64)
+    block = 16 * 4 * 64 * 4
+    prefault = BackgroundPrefault(ahead_bytes=256 * 2 * block)
+    prefault.add(cache)
+    assert prefault.idle.wait(60)
+    for half in (0, 1):
+        assert give_back(cache[half, 128].data_ptr(), (4096 - 128) * block)
+    prefault.released(128)
+    for half in (0, 1):
+        blocks = _resident_blocks(cache, half)
+        assert all(blocks[:128]) and not any(blocks[128:]), half
+    prefault.reached(200)
+    assert prefault.idle.wait(60)
+    for half in (0, 1):
+        blocks = _resident_blocks(cache, half)
+        assert all(blocks[:201]) and not any(blocks[201:]), half
     prefault.stop()
     assert prefault.idle.wait(60)
     del cache

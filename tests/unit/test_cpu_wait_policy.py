@@ -285,3 +285,26 @@ def test_data_parallel_cores_on_the_cpu_each_get_their_share_of_its_cores(
     procs.stop()
     scripts = [call["args"][2] for call in _Recorded.calls]
     assert ["cores = [0]" in scripts[0], "cores = [1]" in scripts[1]] == [True, True]
+
+
+def test_the_cores_of_several_models_wait_passively_unless_the_user_says(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A core with a slot in a shared KV budget (one of several models on this host)
+    starts with OpenMP threads that sleep when idle, so a busy model gets the CPUs an
+    idle one leaves; a wait policy the user set is left as it is."""
+    from quire.engine.kv_budget import KVLedger, KVShareSpec
+
+    KVLedger.create(str(tmp_path / "ledger"), 2).close()
+    share = KVShareSpec(str(tmp_path / "ledger"), 1)
+    config = EngineConfig(model="unused", device="cpu")
+    for user, wanted in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        _Recorded.calls.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(core_proc.subprocess, "Popen", _Recorded)
+            if user is not None:
+                patched.setenv(WAIT_ENV, user)
+            else:
+                patched.delenv(WAIT_ENV, raising=False)
+            core_proc.CoreProcesses(config, kv_share=share).stop()
+        (call,) = _Recorded.calls
+        assert call["env"][WAIT_ENV] == wanted
