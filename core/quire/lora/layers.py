@@ -62,10 +62,9 @@ class _Site:
         self.names = names
         self.offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
         self.widths = widths
-        comm = getattr(module, "comm", None)
-        self.world_size = comm.world_size if comm is not None else 1
+        ranks = getattr(getattr(module, "comm", None), "world_size", 1)
         #: Row-parallel over several ranks: its input, so its update, is a partial sum.
-        self.partial = isinstance(module, RowParallelLinear) and self.world_size > 1
+        self.partial = isinstance(module, RowParallelLinear) and ranks > 1
         self.a = torch.zeros(max_loras, len(names), max_rank, in_features, device=device,
                              dtype=dtype)
         self.b = torch.zeros(max_loras, sum(widths), max_rank, device=device, dtype=dtype)
