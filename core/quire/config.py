@@ -188,6 +188,18 @@ class EngineConfig:
                        "model's distribution at any temperature (default: none)"),
     )
 
+    limit_mm_per_prompt: int = field(
+        default=4,
+        metadata=_help("images one prompt may carry (an image-text model; vLLM's "
+                       "--limit-mm-per-prompt, which also takes '{\"image\": N}')"))
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_help("a directory whose files requests may name as file:// image URLs "
+                       "(default: none; vLLM's name)"))
+    allowed_media_domains: str | None = field(
+        default=None,
+        metadata=_help("comma-separated hosts image URLs may name; these may also be "
+                       "private or loopback addresses (default: any public host)"))
     enable_lora: bool = field(
         default=False,
         metadata=_help("serve LoRA adapters in PEFT's format over the base model (vLLM's "
@@ -280,6 +292,9 @@ class EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras)
+        if not isinstance(self.limit_mm_per_prompt, int) or self.limit_mm_per_prompt < 0:
+            raise ValueError(f"limit_mm_per_prompt must be an integer >= 0, got "
+                             f"{self.limit_mm_per_prompt!r}")
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("max_cpu_loras", self.max_cpu_loras, optional=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

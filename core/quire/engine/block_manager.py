@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from quire.engine.sequence import Sequence
+from quire.multimodal.inputs import page_keys
 
 
 def hash_block(parent_hash: int | None, token_ids: SequenceABC[int]) -> int:
@@ -133,7 +134,12 @@ class BlockManager:
             # starts from its own root
             parent = hashes[-1] if hashes else (hash(("lora", seq.lora_id))
                                                 if seq.lora_id else None)
-            hashes.append(hash_block(parent, seq.token_slice(i * bs, (i + 1) * bs)))
+            tokens = seq.token_slice(i * bs, (i + 1) * bs)
+            if seq.mm_items:  # image tokens: the page's K/V depend on the image too
+                images = page_keys(seq.mm_items, i * bs, (i + 1) * bs)
+                if images:
+                    parent = hash((parent, images))
+            hashes.append(hash_block(parent, tokens))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Pages holding the longest cached prefix of ``seq``'s tokens. Changes no page.

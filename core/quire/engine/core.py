@@ -41,6 +41,7 @@ from quire.engine.messages import (
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
 from quire.engine.speculation import Speculator
+from quire.engine.encoder_cache import EncoderCache
 from quire.engine.step_items import ItemBuilder
 from quire.executor import check_parallel, make_executor, worker_config
 from quire.executor.abstract import Executor
@@ -50,6 +51,8 @@ from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.loader import checkpoint_dtype, load_model_config
 from quire.models.pooling import check_task, context_length, model_task
+from quire.multimodal.inputs import check_images
+from quire.multimodal.processor import takes_images
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
@@ -195,6 +198,11 @@ class EngineCore:
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             check_draft(spec, self.vocab_size, tokenizer)  # before a worker loads it
+        self.takes_images = takes_images(self.model_config)
+        if self.takes_images and spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative decoding with method {spec.method!r} does not "
+                             "run image-text models (the proposer never sees the images); "
+                             "use method 'ngram'")
 
         # the workers run at this core's dtype, not at what auto means on their hosts
         self.executor: Executor = make_executor(worker_config(config, self.config.dtype),
@@ -233,6 +241,11 @@ class EngineCore:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             enable_chunked_prefill=self.config.enable_chunked_prefill,
             depth=self.executor.max_in_flight,
+            # one step's share of image encoding, and what the workers keep, in
+            # embeddings: the token budget for both (vLLM's default)
+            encoder=EncoderCache(self.config.max_num_batched_tokens,
+                                 self.config.max_num_batched_tokens)
+            if self.takes_images else None,
         )
         # steps submitted and not yet completed, oldest first (pipeline micro-batches)
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = \
@@ -327,6 +340,8 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         tokens = check_request(rid, request.prompt_token_ids, request.params, self.config,
                                self.vocab_size, self.block_manager.num_blocks)
+        if request.mm:
+            check_images(rid, request.mm, len(tokens), self.takes_images)
         seq = self._new_sequence(request, tokens, index=0)
         self._start_matcher(seq, request.thinking)
         try:
@@ -355,7 +370,8 @@ class EngineCore:
                         arrival=seq_id if arrival is None else arrival, index=index,
                         priority=request.priority + index, max_num_tokens=longest,
                         lora_id=0 if lora is None else lora.lora_int_id,
-                        lora_path="" if lora is None else lora.lora_path)
+                        lora_path="" if lora is None else lora.lora_path,
+                        mm_items=list(request.mm))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests now and free their pages; unknown or finished ids are ignored."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +35,9 @@ from quire.hub import fetch_model
 from quire.lora.adapter import expected_modules, load_adapter
 from quire.lora.request import LoRARequest
 from quire.model_store import model_path_of
-from quire.models.loader import load_model_config
+from quire.models.loader import is_gguf, load_model_config
+from quire.multimodal.inputs import MMItem, check_images
+from quire.multimodal.processor import ImageInputs, takes_images
 from quire.outputs import (
     EmbeddingRequestOutput,
     RequestMetrics,
@@ -111,6 +115,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._stats: EngineStats | None = None
         self._grammars: GrammarBackend | None = None
+        self._images: ImageInputs | None = None
+        self._images_lock = threading.Lock()
+        self._mm_config: Any = False  # not read yet
 
     @property
     def core(self) -> EngineCore:
@@ -146,8 +153,12 @@ class LLMEngine:
         priority: int = 0,
         thinking: ThinkingTokens | None = None,
         lora_request: LoRARequest | None = None,
+        mm: list[MMItem] | None = None,
     ) -> str:
         """Queue a request. Checks everything before anything is scheduled.
+
+        :param mm: its images, from :meth:`image_inputs` (placeholders expanded in
+            ``prompt_token_ids``).
 
         :param lora_request: the LoRA adapter to run with (``enable_lora``), checked
             against the base model here.
@@ -172,14 +183,40 @@ class LLMEngine:
             self.grammars().check(params.structured_outputs)
         if lora_request is not None:
             self.check_lora(lora_request)
+        if mm:
+            check_images(rid, mm, len(tokens), self._image_config() is not None)
         self.client.add_request(CoreRequest(rid, tokens, params, arrival_time, priority,
-                                            thinking=thinking, lora=lora_request))
+                                            thinking=thinking, lora=lora_request,
+                                            mm=mm or []))
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                            arrival_time=arrival_time)
         self.processor.track(req, 0)
         self._requests[rid] = req
         return rid
+
+    def image_inputs(self) -> ImageInputs:
+        """The model's image preprocessing (built on first use; thread-safe).
+
+        :raises ValueError: for a model that takes no images."""
+        if self._images is None:
+            config = self._image_config()
+            if config is None:
+                raise ValueError("this model takes text only: it has no image input")
+            with self._images_lock:
+                if self._images is None:
+                    self._images = ImageInputs(model_path_of(self.config.engine), config,
+                                               self.config.engine.limit_mm_per_prompt)
+        return self._images
+
+    def _image_config(self) -> Any | None:
+        """The model's config when it takes images, else None (read once)."""
+        if self._mm_config is False:
+            config = load_model_config(model_path_of(self.config.engine)) \
+                if not is_gguf(model_path_of(self.config.engine)) else None
+            self._mm_config = config if config is not None and takes_images(config) \
+                else None
+        return self._mm_config
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """Refuse an adapter this engine cannot run, before it is queued.

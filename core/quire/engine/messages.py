@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from quire.lora.request import LoRARequest
+from quire.multimodal.inputs import MMItem
 from quire.sampling.logprobs import TokenLogprobs
 from quire.sampling_params import SamplingParams
 
@@ -68,6 +69,8 @@ class CoreRequest(msgspec.Struct, frozen=True):
     thinking: ThinkingTokens | None = None
     #: The LoRA adapter it runs with (None: the base model).
     lora: LoRARequest | None = None
+    #: Its images (an image-text model), their placeholders already in the prompt.
+    mm: list[MMItem] = msgspec.field(default_factory=list)
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -43,7 +43,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from quire.engine.block_manager import BlockManager
+from quire.engine.encoder_cache import EncoderCache
 from quire.engine.sequence import Sequence, SequenceStatus
+from quire.multimodal.inputs import MMItem
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class ScheduledSeq:
     start: int
     num_tokens: int
     spec: tuple[int, ...] = ()
+    #: Images the workers encode for this step (none holds them yet).
+    encode: tuple[MMItem, ...] = ()
 
     @property
     def end(self) -> int:
@@ -125,11 +129,16 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         depth: int = 1,
         max_loras: int | None = None,
+        encoder: EncoderCache | None = None,
     ) -> None:
         """:param depth: steps that may be in flight at once (pipeline stages).
         :param max_loras: LoRA adapters the running sequences may use at once (the
-            workers' device slots; None: no adapters)."""
+            workers' device slots; None: no adapters).
+        :param encoder: an image-text model's image embeddings held by the workers and
+            the step's encoder budget (None: a text model)."""
         self.block_manager = block_manager
+        self.encoder = encoder
+        self._step_encoded = 0  # embeddings the step being scheduled encodes
         self.depth = depth
         self.max_loras = max_loras
         #: Sequences in steps scheduled but not completed (by seq_id).
@@ -191,6 +200,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+        if self.encoder is not None and seq.mm_items:
+            self.encoder.release(seq.seq_id, seq.mm_items)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -205,6 +216,7 @@ class Scheduler:
         scheduled sequences are in flight until :meth:`complete_step`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._step_encoded = 0
         # this micro-batch's share of the live sequences (all of them without a pipeline)
         seats = -(-(len(self.running) + len(self.waiting)) // self.depth)
         budget = self._schedule_running(out, budget, seats)
@@ -230,6 +242,11 @@ class Scheduler:
                 i += 1  # in flight, or seq.pending_finishes_it
                 continue
             num = known - seq.num_computed_tokens  # seq.num_uncomputed_tokens
+            if seq.mm_items:
+                num = self._fit_images(seq, seq.num_computed_tokens, min(num, budget))
+                if num <= 0:
+                    i += 1  # its next image waits for encoder room
+                    continue
             # drafts ride behind the known tokens, within the budget, and only on pages
             # that leave one free for each running sequence after this one: they never
             # cause a preemption
@@ -254,10 +271,43 @@ class Scheduler:
                 continue  # retry seq, unless it was the victim (then the loop ends)
             scheduled.append(ScheduledSeq(
                 seq, seq.num_computed_tokens, num + n_spec,
-                tuple(seq.spec_token_ids[:n_spec]) if n_spec else ()))
+                tuple(seq.spec_token_ids[:n_spec]) if n_spec else (),
+                self._encode(seq, seq.num_computed_tokens, num) if seq.mm_items else ()))
             budget -= num + n_spec
             i += 1
         return budget
+
+    def _fit_images(self, seq: Sequence, start: int, num: int) -> int:
+        """``num`` cut so that the step stops before the first image it reaches that
+        is not held and does not fit the step's encoder budget or the encoder cache
+        (without chunked prefill a prompt is never cut: its images all run)."""
+        if self.encoder is None or not self.enable_chunked_prefill:
+            return num
+        end, used, seen = start + num, self._step_encoded, set()
+        for item in seq.mm_items:
+            if not item.touches(start, end):
+                continue
+            if self.encoder.holds(item.hash) or item.hash in seen:
+                continue
+            if not self.encoder.fits(item.num_embeds, used):
+                return item.offset - start
+            used += item.num_embeds
+            seen.add(item.hash)
+        return num
+
+    def _encode(self, seq: Sequence, start: int, num: int) -> tuple[MMItem, ...]:
+        """The images a scheduled share ``start .. start + num`` of ``seq`` has the
+        workers encode; ``seq`` becomes their user (:class:`EncoderCache`)."""
+        encoder = self.encoder
+        if encoder is None:
+            return ()
+        end, fresh = start + num, {}
+        for item in seq.mm_items:
+            if item.touches(start, end) and not encoder.holds(item.hash):
+                fresh.setdefault(item.hash, item)
+        encoder.use(seq.seq_id, seq.mm_items, start, end)
+        self._step_encoded += sum(item.num_embeds for item in fresh.values())
+        return tuple(fresh.values())
 
     def _draft_pages(self, seq: Sequence, num: int, n_spec: int) -> int:
         """New pages ``seq``'s drafts need beyond those of its ``num`` known tokens."""
@@ -309,6 +359,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num = budget
+            if seq.mm_items:
+                num = self._fit_images(seq, start, num)
+                if num <= 0:
+                    break  # its next image waits for encoder room
             if not bm.allocate(seq, num, cached):
                 break
             self.waiting.popleft()
@@ -322,13 +376,17 @@ class Scheduler:
             self.stats.prefix_hits += num_cached
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
-            out.scheduled.append(ScheduledSeq(seq, start, num))
+            out.scheduled.append(ScheduledSeq(
+                seq, start, num,
+                encode=self._encode(seq, start, num) if seq.mm_items else ()))
             budget -= num
             admitted += 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.encoder is not None and seq.mm_items:
+            self.encoder.release(seq.seq_id, seq.mm_items)
         seq.num_computed_tokens = 0
         seq.draft_computed = -1  # its pages are gone: the drafter starts over
         seq.spec_token_ids = []
@@ -377,7 +435,6 @@ class Scheduler:
         if seq.is_finished:
             return False
         valid = seq.num_tokens - 1
-        if seq.num_computed_tokens > valid:
-            seq.num_computed_tokens = valid
+        seq.num_computed_tokens = min(seq.num_computed_tokens, valid)
         self.block_manager.cache_full_blocks(seq, valid)
         return self.block_manager.trim(seq, seq.num_tokens) > 0

@@ -10,6 +10,7 @@ import enum
 import sys
 from dataclasses import dataclass, field
 
+from quire.multimodal.inputs import MMItem
 from quire.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class Sequence:
     #: The LoRA adapter it runs with (0: the base model) and where it is.
     lora_id: int = 0
     lora_path: str = ""
+    #: The prompt's images (an image-text model), in prompt order.
+    mm_items: list[MMItem] = field(default_factory=list)
 
     @property
     def order(self) -> tuple[int, int]:

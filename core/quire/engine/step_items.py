@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from quire.engine.scheduler import ScheduledSeq
 from quire.engine.speculation import DraftKV
 from quire.executor.messages import PENDING_TOKEN, StepItem
+from quire.multimodal.inputs import spans_in
 
 
 def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
@@ -49,9 +50,11 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     table = seq.block_table[first_page:] if first_page else seq.block_table
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
     lag = draft_kv.lag(seq, start) if draft_kv is not None else []
+    mm_spans = spans_in(seq.mm_items, start, end) if seq.mm_items else []
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
                     len(spec), lag, seq.lora_id,
-                    seq.lora_path if seq.lora_id and not first_page else "")
+                    seq.lora_path if seq.lora_id and not first_page else "",
+                    list(s.encode), mm_spans)
 
 
 class ItemBuilder:

@@ -10,6 +10,8 @@ from typing import Any, Union
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.lora.request import LoRARequest
+from quire.multimodal.chat import image_parts, walks_parts
+from quire.multimodal.inputs import MMItem
 from quire.outputs import EmbeddingRequestOutput, RequestOutput
 from quire.plugins.registry import (
     DISABLE_PLUGINS_ENV,
@@ -18,7 +20,8 @@ from quire.plugins.registry import (
 )
 from quire.sampling_params import SamplingParams
 
-#: A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
+#: A prompt: text, token ids, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``;
+#: an image-text model's ``{"prompt": "...", "multi_modal_data": {"image": images}}``.
 PromptType = Union[str, SequenceABC[int], Mapping[str, Any]]
 
 
@@ -42,7 +45,7 @@ class LLM:
         self.engine = LLMEngine(config, PlatformRegistry(blocked=blocked))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an engine built elsewhere (the CLI builds it with its own registry)."""
         llm = cls.__new__(cls)
         llm.engine = engine
@@ -52,7 +55,7 @@ class LLM:
         """Stop the engine's worker processes (none at world size 1)."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -77,8 +80,12 @@ class LLM:
         :raises ValueError: for an invalid prompt, parameters or adapter, before anything
             runs.
         """
+        return self._collect(self._add_requests(prompts, sampling_params, lora_request),
+                             use_tqdm)
+
+    def _collect(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Run the queued requests to completion; their outputs in ``order``."""
         results: dict[str, RequestOutput] = {}
-        order = self._add_requests(prompts, sampling_params, lora_request)
         bar = _progress(len(order)) if use_tqdm else None
         for out in self._run(order, final_only=True):
             if out.finished:
@@ -106,9 +113,11 @@ class LLM:
         """
         batch = _as_prompt_list(prompts)
         encoded = [self._encode(p) for p in batch]
+        if any(mm for _, _, mm in encoded):
+            raise ValueError("embedding requests take text only")
         order: list[str] = []
         try:
-            for text, ids in encoded:
+            for text, ids, _ in encoded:
                 order.append(self.engine.add_embed_request(ids, prompt=text))
         except ValueError:
             for rid in order:
@@ -163,14 +172,45 @@ class LLM:
                 "this model's tokenizer has no chat template; pass one with "
                 "chat_template=\"...\" (a Jinja template)"
             )
-        prompts = []
+        encoded: list[tuple[str | None, list[int], list[MMItem]]] = []
         for conversation in conversations:
+            conversation, images = self._chat_images(
+                list(conversation), chat_template or tokenizer.chat_template)
             text = tokenizer.apply_chat_template(
-                list(conversation), chat_template=chat_template, tokenize=False,
+                conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            if images:
+                ids, mm = self.engine.image_inputs().process(text, images,
+                                                             add_special_tokens=False)
+            else:
+                ids, mm = tokenizer.encode(text, add_special_tokens=False), []
+            encoded.append((text, ids, mm))
+        params = _as_params_list(sampling_params, len(encoded))
+        return self._collect(self._queue(encoded, params, [None] * len(encoded)), use_tqdm)
+
+    def _chat_images(self, conversation: list[Mapping[str, Any]], template: str | None
+                     ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """A conversation's image parts (``image_url``: data, http(s) and allowed
+        file URLs; ``image_pil``) loaded, and the parts made ready for the template."""
+        if not any(isinstance(m.get("content"), list) and any(
+                isinstance(p, Mapping) and p.get("type") in ("image_url", "image_pil")
+                for p in m["content"]) for m in conversation):
+            return [dict(m) for m in conversation], []
+        from quire.multimodal.media import load_image, media_policy  # PIL, on use
+
+        inputs = self.engine.image_inputs()
+        policy = media_policy(self.engine.config.engine)
+
+        def load(part: Mapping[str, Any], where: str) -> Any:
+            if part.get("type") == "image_pil":
+                return part["image_pil"].convert("RGB")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, Mapping) else url
+            if not isinstance(url, str):
+                raise ValueError(f"{where}.image_url must be {{'url': ...}}")
+            return load_image(url, f"{where}.image_url", policy)
+
+        return image_parts(conversation, inputs.placeholder, walks_parts(template), load)
 
     def _add_requests(
         self,
@@ -187,12 +227,16 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(batch):
                 raise ValueError(f"{len(loras)} lora_request for {len(batch)} prompts")
-        encoded = [self._encode(p) for p in batch]
+        return self._queue([self._encode(p) for p in batch], params, loras)
+
+    def _queue(self, encoded: list[tuple[str | None, list[int], list[MMItem]]],
+               params: list[SamplingParams], loras: list[LoRARequest | None]) -> list[str]:
+        """Queue encoded prompts, all or none; returns the request ids in order."""
         order: list[str] = []
         try:
-            for (text, ids), sp, lora in zip(encoded, params, loras):
+            for (text, ids, mm), sp, lora in zip(encoded, params, loras):
                 order.append(self.engine.add_request(ids, sp, prompt=text,
-                                                     lora_request=lora))
+                                                     lora_request=lora, mm=mm))
         except ValueError:
             for rid in order:
                 self.engine.abort_request(rid)
@@ -214,18 +258,42 @@ class LLM:
             for rid in pending:  # the caller stopped early, or a step raised
                 self.engine.abort_request(rid)
 
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int], list[MMItem]]:
+        """(text, token ids, images) of one prompt."""
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt)
+            return prompt, self.engine.tokenizer.encode(prompt), []
         if isinstance(prompt, Mapping):
+            if prompt.get("multi_modal_data") is not None:
+                return self._encode_images(prompt)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), []
             if "prompt" in prompt:
                 return self._encode(str(prompt["prompt"]))
             raise ValueError(
                 f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}"
             )
-        return None, list(prompt)
+        return None, list(prompt), []
+
+    def _encode_images(self, prompt: Mapping[str, Any]
+                       ) -> tuple[str, list[int], list[MMItem]]:
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            got = sorted(data) if isinstance(data, Mapping) else repr(data)
+            raise ValueError("multi_modal_data takes {'image': an image or a list of "
+                             f"images}}; got {got}")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' "
+                             "(the model's processor expands each image's placeholder)")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        for image in images:
+            if not hasattr(image, "convert"):
+                raise ValueError(f"multi_modal_data images must be PIL images, got "
+                                 f"{type(image).__name__}")
+        text = prompt["prompt"]
+        ids, mm = self.engine.image_inputs().process(
+            text, [image.convert("RGB") for image in images])
+        return text, ids, mm
 
 
 def _is_token_list(value: object) -> bool:

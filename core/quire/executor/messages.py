@@ -18,8 +18,23 @@ executor fills it in: on the device for the in-process runner, on the host
 from __future__ import annotations
 
 import msgspec
-import numpy as np
-import torch
+
+from quire.executor.array import Array
+from quire.multimodal.inputs import MMItem, MMSpan
+
+__all__ = [
+    "PENDING_TOKEN",
+    "Array",
+    "Call",
+    "MMItem",
+    "MMSpan",
+    "Reply",
+    "Step",
+    "StepItem",
+    "StepOutput",
+    "StepPlan",
+    "resolve_pending",
+]
 
 #: The stand-in id of a token sampled on the device and not yet on the host.
 PENDING_TOKEN = -1
@@ -56,6 +71,12 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
     #: the item sends the whole table (the workers keep it by id from then on).
     lora_id: int = 0
     lora_path: str = ""
+    #: Images whose embeddings the workers compute in this step (an image-text model),
+    #: before the forward: each the first time a step reaches its placeholder tokens
+    #: while no worker holds it (:mod:`quire.engine.encoder_cache`).
+    mm_encode: list[MMItem] = msgspec.field(default_factory=list)
+    #: Rows of ``token_ids`` that take image embeddings instead of token embeddings.
+    mm_spans: list[MMSpan] = msgspec.field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -78,23 +99,6 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True):
     released: list[int] = msgspec.field(default_factory=list)
     #: (start, stop) pairs, flat, of KV pages whose memory goes back before the step.
     free_pages: list[int] = msgspec.field(default_factory=list)
-
-
-class Array(msgspec.Struct, array_like=True, frozen=True):
-    """A host tensor as bytes: ``dtype`` is a numpy dtype name."""
-
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Array":
-        host = tensor.detach().to("cpu").contiguous().numpy()
-        return cls(str(host.dtype), list(host.shape), host.tobytes())
-
-    def tensor(self) -> torch.Tensor:
-        array = np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
-        return torch.from_numpy(array.copy())
 
 
 class StepOutput(msgspec.Struct, array_like=True, frozen=True):

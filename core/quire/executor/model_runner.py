@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from quire.executor.drafter import Drafter, EagleDrafter
+from quire.executor.encoder_cache import ImageEmbeddings
 from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
@@ -96,6 +97,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.drafter = drafter
         self.lora = lora
+        #: An image-text model's image embeddings (on the first pipeline stage, which
+        #: embeds tokens), or None.
+        self.images = (ImageEmbeddings() if hasattr(model, "embed_images")
+                       and (link is None or link.stage.is_first) else None)
 
     @torch.inference_mode()
     def capture_graphs(self, capture: GraphCapture, sizes: Sequence[int],
@@ -129,6 +134,7 @@ class ModelRunner:
         :param sampled: the previous step's sampled token ids on this device, for items
             with a pending token (``StepItem.prev_row``; async scheduling)."""
         drafts = None
+        released = tuple(released)  # read twice: the input batch, the image entries
         if self.drafter is not None:
             scheduled, drafts = self.drafter.propose(scheduled, released)
         inputs = self.prepare(scheduled, released, sampled)
@@ -137,12 +143,16 @@ class ModelRunner:
                               [len(item.token_ids) for item in scheduled],
                               {item.lora_id: item.lora_path for item in scheduled
                                if item.lora_path}, self.device)
-        # a decode step that fits a captured graph replays it
-        hidden = None if self.graphs is None else self.graphs.replay(inputs)
+        mm = None
+        if self.images is not None:
+            mm = self.images.step(scheduled, self.model, self.ops, self.device)
+            self.images.release(released)
+        # a decode step that fits a captured graph replays it (never one with images)
+        hidden = None if self.graphs is None or mm is not None else self.graphs.replay(inputs)
         if hidden is None and self.link is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs))
+            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs, mm))
         elif hidden is None:  # a pipeline stage: continue the previous stage's, hand on
-            ctx = self._context(inputs)
+            ctx = self._context(inputs, mm)
             intermediate = (None if self.link.stage.is_first
                             else self.link.recv(inputs.input_ids.shape[0]))
             out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
@@ -170,10 +180,12 @@ class ModelRunner:
             self.lora.select_rows(rows)
         return self.model.compute_logits(hidden[rows])
 
-    def _context(self, inputs: StepInputs) -> ForwardContext:
+    def _context(self, inputs: StepInputs,
+                 mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardContext:
         return ForwardContext(backend=self.backend,
                               metadata=self.backend.build_metadata(inputs.batch),
-                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
+                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch,
+                              mm_embeds=mm)
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs,
               pooling: PoolingConfig) -> StepResult:

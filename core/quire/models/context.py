@@ -34,9 +34,20 @@ class ForwardContext:
     #: (``AttentionBackend.kv_slots``): layers then call :meth:`rotary_attention`;
     #: None: they rotate, then call :meth:`attention`.
     kv_slots: torch.Tensor | None = field(init=False, default=None)
+    #: Image embeddings that take the place of some rows' token embeddings: (int64 rows
+    #: [M] of the flattened batch, [M, hidden]); None when the step has none.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.kv_slots = self.backend.kv_slots(self.metadata)
+
+    def merge_mm(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] with :attr:`mm_embeds` in their rows (a text
+        decoder calls it right after its embedding: image tokens are embedded there)."""
+        if self.mm_embeds is None:
+            return embeds
+        rows, values = self.mm_embeds
+        return embeds.index_copy(0, rows, values.to(embeds.dtype))
 
     def attention(
         self,

@@ -309,7 +309,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None
         if intermediate is None:
             assert self.embed_tokens is not None
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = ctx.merge_mm(self.embed_tokens(input_ids)), None
         else:
             hidden, residual = intermediate
         rotary = self.rotary_emb(positions, hidden.dtype)

@@ -51,8 +51,22 @@ def load_model_config(path: str) -> PretrainedConfig:
     if is_gguf(path) and os.path.isfile(path):
         return AutoConfig.from_pretrained(hf_dir_for_gguf(path))
     if os.path.isdir(path):
-        return AutoConfig.from_pretrained(path)
+        return lift_text_config(AutoConfig.from_pretrained(path))
     raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
+
+
+def lift_text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """An image-text model's config, answering for its language model too: the text
+    config's keys that the top level lacks (``vocab_size``, ``num_hidden_layers``,
+    ``max_position_embeddings``, ...) are copied up, so the engine reads any model's
+    config one way. The model class reads ``text_config`` and ``vision_config``."""
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "vision_config", None) is None:
+        return config
+    for key, value in text.to_dict().items():
+        if key not in ("architectures", "model_type") and not hasattr(config, key):
+            setattr(config, key, value)
+    return config
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:

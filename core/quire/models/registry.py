@@ -44,6 +44,7 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
     | {"BertModel": _core("BertModel", "bert")}
     | {name: _core(name, "moe") for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}
     | {"Gemma3ForCausalLM": _core("Gemma3ForCausalLM", "gemma3")}
+    | {"LlavaForConditionalGeneration": _core("LlavaForConditionalGeneration", "llava")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.

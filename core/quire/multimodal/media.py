@@ -31,6 +31,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 from urllib.request import url2pathname
 
@@ -96,6 +97,15 @@ class MediaPolicy:
         if not all(isinstance(d, str) and d.strip(".") for d in self.allowed_media_domains):
             raise ValueError(f"MediaPolicy.allowed_media_domains has an empty or non-string "
                              f"entry: {self.allowed_media_domains!r}")
+
+
+def media_policy(engine: Any) -> MediaPolicy:
+    """The policy an engine's options set (``EngineConfig``'s
+    ``allowed_local_media_path`` and comma-separated ``allowed_media_domains``)."""
+    domains = tuple(d.strip().lower() for d in (engine.allowed_media_domains or "").split(",")
+                    if d.strip())
+    return MediaPolicy(allowed_local_media_path=engine.allowed_local_media_path,
+                       allowed_media_domains=domains)
 
 
 def load_image(url: str, where: str, policy: MediaPolicy) -> Image.Image:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -77,8 +78,25 @@ def _parse_options(text: str) -> dict[str, str]:
     return options
 
 
+def _parse_mm_limit(text: str) -> int:
+    """``4``, ``image=4`` or vLLM's ``{"image": 4}`` -> the images one prompt may carry."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        limits = json.loads(text) if text.startswith("{") else _parse_options(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise argparse.ArgumentTypeError(f"expected N, image=N or {{\"image\": N}}: {exc}")
+    unknown = sorted(set(limits) - {"image"})
+    if unknown or not str(limits.get("image", "")).isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected N, image=N or {{\"image\": N}} (only images are taken), got {text!r}")
+    return int(limits["image"])
+
+
 _TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float,
-                          "platform_options": _parse_options, "speculative_config": str}
+                          "platform_options": _parse_options, "speculative_config": str,
+                          "limit_mm_per_prompt": _parse_mm_limit}
 
 
 def add_engine_options(parser: argparse.ArgumentParser, many_models: bool = False) -> None:

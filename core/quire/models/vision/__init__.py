@@ -1,0 +1,1 @@
+"""Vision encoders of image-text models, on the op set: CLIP's tower (LLaVA)."""
