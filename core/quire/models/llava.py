@@ -22,6 +22,7 @@ from quire.models.context import ForwardContext
 from quire.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from quire.models.pipeline import PipelineStage
 from quire.models.vision.clip import CLIPVisionTower, activation
+from quire.multimodal.processor import ImageFamily, split_first_dim
 from quire.ops import OpSet
 
 
@@ -37,6 +38,18 @@ def text_model_class(text_config: Any, where: str) -> type[nn.Module]:
         raise ValueError(f"{where}: the text model type {model_type!r} is not supported; "
                          f"supported: {', '.join(sorted(set(MODEL_TYPES) - {'bert'}))}")
     return CORE_MODELS[name].load()
+
+
+def _num_embeds(config: Any, image: dict[str, torch.Tensor]) -> int:
+    vision = config.vision_config
+    n = (vision.image_size // vision.patch_size) ** 2
+    return n + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+#: The front's side: ``<image>`` in prompts, the processor's ``pixel_values`` batched by
+#: image, a fixed number of embeddings per image.
+IMAGE_FAMILY = ImageFamily("<image>", lambda c: int(c.image_token_index), split_first_dim,
+                           _num_embeds)
 
 
 class LlavaProjector(nn.Module):

@@ -9,6 +9,7 @@ in order, as vLLM's do. Runs in the engine's front (the server's tokenizer threa
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,21 +38,23 @@ class ImageFamily:
     num_embeds: Callable[[Any, dict[str, torch.Tensor]], int]
 
 
-def _llava_embeds(config: Any, image: dict[str, torch.Tensor]) -> int:
-    vision = config.vision_config
-    n = (vision.image_size // vision.patch_size) ** 2
-    return n + (1 if config.vision_feature_select_strategy == "full" else 0)
-
-
-def _split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+def split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """Per image: each processor output's row ``i`` (outputs batched by image)."""
     return [{key: value[i:i + 1] for key, value in out.items()} for i in range(n)]
 
 
-#: ``config.model_type`` -> its family.
-FAMILIES: dict[str, ImageFamily] = {
-    "llava": ImageFamily("<image>", lambda c: int(c.image_token_index), _split_first_dim,
-                         _llava_embeds),
+#: ``config.model_type`` -> the module whose ``IMAGE_FAMILY`` describes it (imported on
+#: use: the model code's module, which knows its own processor's outputs).
+FAMILIES: dict[str, str] = {
+    "llava": "quire.models.llava",
 }
+
+
+def image_family(config: Any) -> ImageFamily | None:
+    """The family of an image-text model's config, None for a text model."""
+    module = FAMILIES.get(getattr(config, "model_type", None) or "")
+    return None if module is None else importlib.import_module(module).IMAGE_FAMILY
+
 
 #: Processor outputs that are the text's, not an image's.
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -74,7 +77,7 @@ class ImageInputs:
                  ) -> None:
         from transformers import AutoProcessor
 
-        family = FAMILIES.get(getattr(config, "model_type", None))
+        family = image_family(config)
         if family is None:
             raise ValueError(f"this model ({getattr(config, 'model_type', None)}) takes no "
                              f"images")
