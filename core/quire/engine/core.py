@@ -52,7 +52,7 @@ from quire.model_store import model_path_of
 from quire.models.loader import checkpoint_dtype, load_model_config
 from quire.models.pooling import check_task, context_length, model_task
 from quire.multimodal.inputs import check_images
-from quire.multimodal.processor import takes_images
+from quire.multimodal.processor import image_family, takes_images
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from quire.sampling_params import SamplingParams
@@ -246,6 +246,7 @@ class EngineCore:
             encoder=EncoderCache(self.config.max_num_batched_tokens,
                                  self.config.max_num_batched_tokens)
             if self.takes_images else None,
+            whole_images=self.takes_images and image_family(self.model_config).bidirectional,
         )
         # steps submitted and not yet completed, oldest first (pipeline micro-batches)
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = \

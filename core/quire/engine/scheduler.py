@@ -130,14 +130,18 @@ class Scheduler:
         depth: int = 1,
         max_loras: int | None = None,
         encoder: EncoderCache | None = None,
+        whole_images: bool = False,
     ) -> None:
         """:param depth: steps that may be in flight at once (pipeline stages).
         :param max_loras: LoRA adapters the running sequences may use at once (the
             workers' device slots; None: no adapters).
         :param encoder: an image-text model's image embeddings held by the workers and
-            the step's encoder budget (None: a text model)."""
+            the step's encoder budget (None: a text model).
+        :param whole_images: an image's tokens are never split across steps (a model
+            whose images attend within themselves both ways)."""
         self.block_manager = block_manager
         self.encoder = encoder
+        self.whole_images = whole_images
         self._step_encoded = 0  # embeddings the step being scheduled encodes
         self.depth = depth
         self.max_loras = max_loras
@@ -253,7 +257,8 @@ class Scheduler:
             n_spec = len(seq.spec_token_ids)
             if num + n_spec > budget:
                 n_spec = max(0, budget - num)
-                num = min(num, budget)
+                if not seq.mm_items:  # (an image's chunk may run past it: _fit_images)
+                    num = min(num, budget)
             if n_spec and self._draft_pages(seq, num, n_spec) > \
                     self.block_manager.num_free_blocks - (len(running) - i - 1):
                 n_spec = 0
@@ -280,20 +285,26 @@ class Scheduler:
     def _fit_images(self, seq: Sequence, start: int, num: int) -> int:
         """``num`` cut so that the step stops before the first image it reaches that
         is not held and does not fit the step's encoder budget or the encoder cache
-        (without chunked prefill a prompt is never cut: its images all run)."""
+        (without chunked prefill a prompt is never cut: its images all run). With
+        :attr:`whole_images` a chunk ends before an image it would cut, or, when the
+        image is the chunk's first token, runs to the image's end even past the budget."""
         if self.encoder is None or not self.enable_chunked_prefill:
             return num
         end, used, seen = start + num, self._step_encoded, set()
         for item in seq.mm_items:
             if not item.touches(start, end):
                 continue
+            if self.whole_images and item.end > end:
+                if item.offset > start:
+                    return item.offset - start
+                end = item.end
             if self.encoder.holds(item.hash) or item.hash in seen:
                 continue
             if not self.encoder.fits(item.num_embeds, used):
                 return item.offset - start
             used += item.num_embeds
             seen.add(item.hash)
-        return num
+        return end - start
 
     def _encode(self, seq: Sequence, start: int, num: int) -> tuple[MMItem, ...]:
         """The images a scheduled share ``start .. start + num`` of ``seq`` has the

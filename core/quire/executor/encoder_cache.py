@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from quire.executor.messages import StepItem
+from quire.models.image_blocks import ImageBlocks
 from quire.ops import OpSet
 
 
@@ -83,3 +84,20 @@ class ImageEmbeddings:
             held.discard(image_hash)
             if not held:
                 del self._held_by[seq_id]
+
+
+def image_blocks(items: list[StepItem], backend: Any, batch: Any) -> ImageBlocks | None:
+    """The step's image rows as bidirectional blocks (each span runs to its image run's
+    end: the engine never cuts such an image), or None when the step has none."""
+    rows, seqs, positions, ends = [], [], [], []
+    offset = 0
+    for i, item in enumerate(items):
+        for span in item.mm_spans:
+            end = item.start + span.row + span.count - 1
+            for k in range(span.count):
+                rows.append(offset + span.row + k)
+                seqs.append(i)
+                positions.append(item.start + span.row + k)
+                ends.append(end)
+        offset += len(item.token_ids)
+    return ImageBlocks(backend, batch, rows, seqs, positions, ends) if rows else None

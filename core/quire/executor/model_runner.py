@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quire.executor.drafter import Drafter, EagleDrafter
-from quire.executor.encoder_cache import ImageEmbeddings
+from quire.executor.encoder_cache import ImageEmbeddings, image_blocks
 from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
 from quire.executor.messages import StepItem
@@ -31,6 +31,7 @@ from quire.interfaces.attention import AttentionBackend
 from quire.interfaces.platform import GraphCapture
 from quire.lora.layers import LoRAManager
 from quire.models.context import ForwardContext
+from quire.models.image_blocks import ImageBlocks
 from quire.models.pipeline import PipelineLink
 from quire.models.pooling import PoolingConfig
 from quire.ops import OpSet, reference_ops
@@ -143,16 +144,20 @@ class ModelRunner:
                               [len(item.token_ids) for item in scheduled],
                               {item.lora_id: item.lora_path for item in scheduled
                                if item.lora_path}, self.device)
-        mm = None
+        mm = blocks = None
         if self.images is not None:
             mm = self.images.step(scheduled, self.model, self.ops, self.device)
             self.images.release(released)
+        if getattr(self.model, "bidirectional_images", False):  # on every stage
+            blocks = image_blocks(scheduled, self.backend, inputs.batch)
         # a decode step that fits a captured graph replays it (never one with images)
-        hidden = None if self.graphs is None or mm is not None else self.graphs.replay(inputs)
+        hidden = (None if self.graphs is None or mm is not None or blocks is not None
+                  else self.graphs.replay(inputs))
         if hidden is None and self.link is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs, mm))
+            hidden = self.model(inputs.input_ids, inputs.positions,
+                                self._context(inputs, mm, blocks))
         elif hidden is None:  # a pipeline stage: continue the previous stage's, hand on
-            ctx = self._context(inputs, mm)
+            ctx = self._context(inputs, mm, blocks)
             intermediate = (None if self.link.stage.is_first
                             else self.link.recv(inputs.input_ids.shape[0]))
             out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
@@ -181,11 +186,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def _context(self, inputs: StepInputs,
-                 mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardContext:
+                 mm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 blocks: ImageBlocks | None = None) -> ForwardContext:
         return ForwardContext(backend=self.backend,
                               metadata=self.backend.build_metadata(inputs.batch),
                               kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch,
-                              mm_embeds=mm)
+                              mm_embeds=mm, mm_blocks=blocks)
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs,
               pooling: PoolingConfig) -> StepResult:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from quire.interfaces.attention import AttentionBackend, AttentionBatch
+from quire.models.image_blocks import ImageBlocks
 from quire.ops import OpSet, reference_ops
 
 
@@ -37,6 +38,9 @@ class ForwardContext:
     #: Image embeddings that take the place of some rows' token embeddings: (int64 rows
     #: [M] of the flattened batch, [M, hidden]); None when the step has none.
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Image rows that attend over their whole image (a model whose images are
+    #: bidirectional blocks: :mod:`quire.models.image_blocks`); None: causal only.
+    mm_blocks: ImageBlocks | None = None
 
     def __post_init__(self) -> None:
         self.kv_slots = self.backend.kv_slots(self.metadata)
@@ -65,7 +69,7 @@ class ForwardContext:
         :param query: [T, Hq, D]; ``key``/``value``: [T, Hkv, D].
         :returns: [T, Hq, D].
         """
-        return self.backend.forward(
+        out = self.backend.forward(
             query,
             key,
             value,
@@ -75,6 +79,11 @@ class ForwardContext:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+        if self.mm_blocks is not None:
+            out = self.mm_blocks.correct(out, query, self.kv_caches[layer_idx], scale=scale,
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
+        return out
 
     def rotary_attention(
         self,
@@ -102,6 +111,11 @@ class ForwardContext:
                              "(AttentionBackend.kv_slots); rotate, then call attention()")
         kv_cache = self.kv_caches[layer_idx]
         query = self.ops.rotary_write_kv(qk, value, cos, sin, kv_cache, self.kv_slots)
-        return self.backend.attend(query, kv_cache, self.metadata, scale=scale,
-                                   sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap)
+        out = self.backend.attend(query, kv_cache, self.metadata, scale=scale,
+                                  sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap)
+        if self.mm_blocks is not None:
+            out = self.mm_blocks.correct(out, query, kv_cache, scale=scale,
+                                         sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
+        return out

@@ -36,6 +36,9 @@ class ImageFamily:
     split: Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
     #: One image's inputs -> the number of embeddings (placeholder tokens) it has.
     num_embeds: Callable[[Any, dict[str, torch.Tensor]], int]
+    #: Its image tokens attend to each other both ways (Gemma 3): the engine never cuts
+    #: an image across steps.
+    bidirectional: bool = False
 
 
 def split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
