@@ -23,12 +23,14 @@ from starlette.responses import JSONResponse
 
 from quire.entrypoints.server.async_engine import EngineStopped, RequestStream
 from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
+from quire.entrypoints.server.images import ImageSupport, anthropic_block
 from quire.entrypoints.server.protocol import (
     ParsedRequest,
     RequestBounds,
+    chat_prompt,
     check_text,
+    content_bytes,
     get,
-    render_chat,
 )
 from quire.entrypoints.server.reasoning_parsers import ReasoningParser
 from quire.entrypoints.server.tool_parsers import ToolParser
@@ -61,10 +63,11 @@ def check_api_key(headers: Mapping[str, str], api_key: str | None) -> None:
 
 
 def parse_messages(body: Mapping[str, Any], chat_template: str | None,
-                   bounds: RequestBounds, tool_parser: ToolParser | None = None, *,
-                   tokenizer: Any) -> ParsedRequest:
-    """A ``/v1/messages`` body; blocking (it renders and tokenizes the prompt), checked
-    cheapest first. :raises APIError: 400 naming the bad field."""
+                   bounds: RequestBounds, tool_parser: ToolParser | None = None,
+                   images: ImageSupport | None = None, *, tokenizer: Any) -> ParsedRequest:
+    """A ``/v1/messages`` body; blocking (it renders and tokenizes the prompt and loads
+    its images, as ``images`` says the model takes them), checked cheapest first.
+    :raises APIError: 400 naming the bad field or block."""
     model = _required(body, "model", str)
     max_tokens = _required(body, "max_tokens", int)
     tools = _tools(body, tool_parser)
@@ -72,7 +75,7 @@ def parse_messages(body: Mapping[str, Any], chat_template: str | None,
     system = _system(body.get("system"))
     if system is not None:
         chat.insert(0, {"role": "system", "content": system})
-    bounds.check_prompt_bytes(sum(len(t["content"].encode("utf-8")) for t in chat))
+    bounds.check_prompt_bytes(sum(content_bytes(t["content"]) for t in chat))
     params = _sampling_params(body, max_tokens, bounds)
     if tools is not None:
         params.structured_outputs = tools.grammar()
@@ -80,10 +83,10 @@ def parse_messages(body: Mapping[str, Any], chat_template: str | None,
     prefill = ""
     if chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls"):
         prefill = chat.pop()["content"]
-    text = render_chat(chat, tokenizer, chat_template,
-                       tools.tools if tools is not None else None) + prefill
-    return ParsedRequest(model=model, prompt=text,
-                         token_ids=tokenizer.encode(text, add_special_tokens=False),
+    text, ids, mm = chat_prompt(chat, tokenizer, chat_template,
+                                tools.tools if tools is not None else None, images,
+                                suffix=prefill)
+    return ParsedRequest(model=model, prompt=text, token_ids=ids, mm=mm,
                          params=params, stream=get(body, "stream", bool, False),
                          include_usage=False, top_logprobs=None, tools=tools,
                          grammar_param="tools" if params.structured_outputs else None)
@@ -139,7 +142,8 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
     """``messages`` as chat-template turns; consecutive turns of one role become one, as
     Anthropic combines them (templates often insist that roles alternate). An
     assistant's ``tool_use`` blocks become its ``tool_calls``, a user's ``tool_result``
-    blocks become ``tool`` messages (as the OpenAI route takes them)."""
+    blocks become ``tool`` messages (as the OpenAI route takes them). A user's ``image``
+    blocks make its content a list of parts."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     turns: list[dict[str, Any]] = []
@@ -150,38 +154,53 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
                               f"'assistant', got role {role!r}",
                               param=f"messages[{i}].role")
         field = f"messages[{i}].content"
-        text, calls, results = _blocks(msg.get("content"), field, role)
+        content, calls, results = _blocks(msg.get("content"), field, role)
         for tool_use_id, result in results:
             turns.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
-        if results and not text:
+        if results and not content:
             continue
         if turns and turns[-1]["role"] == role and not calls \
                 and not turns[-1].get("tool_calls"):
-            turns[-1]["content"] += "\n\n" + text
+            turns[-1]["content"] = _joined(turns[-1]["content"], content)
             continue
-        turn: dict[str, Any] = {"role": role, "content": text}
+        turn: dict[str, Any] = {"role": role, "content": content}
         if calls:
             turn["tool_calls"] = calls
         turns.append(turn)
     return turns
 
 
+def _joined(first: str | list[dict[str, Any]], second: str | list[dict[str, Any]]
+            ) -> str | list[dict[str, Any]]:
+    """Two turns' content as one, a blank line apart."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n\n" + second
+    return [*_as_parts(first), {"type": "text", "text": "\n\n"}, *_as_parts(second)]
+
+
+def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
 def _blocks(content: Any, field: str, role: str
-            ) -> tuple[str, list[dict[str, Any]], list[tuple[str, str]]]:
-    """(text, tool calls, tool results) of a message's content."""
+            ) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]], list[tuple[str, str]]]:
+    """(content: its text, or its text and image parts; tool calls; tool results) of a
+    message's content."""
     if isinstance(content, str):
         return check_text(content, field, field), [], []
     if not isinstance(content, list):
         raise bad_request(f"{field} must be a string or a list of content blocks",
                           param=field)
-    parts: list[str] = []
+    parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     results: list[tuple[str, str]] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         where = f"{field}[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
+            parts.append({"type": "text", "text": check_text(block["text"], where, where)})
+        elif kind == "image" and role == "user":
+            parts.append(anthropic_block(block, where))
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"],
@@ -191,9 +210,11 @@ def _blocks(content: Any, field: str, role: str
                             _text(block.get("content", ""), where + ".content")))
         else:
             raise bad_request(f"{where} must be a text block, an assistant's tool_use or a "
-                              f"user's tool_result; block type {kind!r} is not supported",
-                              param=where)
-    return check_text("".join(parts), field, field), calls, results
+                              f"user's image or tool_result; block type {kind!r} is not "
+                              f"supported", param=where)
+    if any(p["type"] == "image" for p in parts):
+        return parts, calls, results
+    return "".join(p["text"] for p in parts), calls, results
 
 
 def _system(system: Any) -> str | None:

@@ -12,8 +12,10 @@ answers Prometheus text (see :mod:`quire.entrypoints.server.metrics`).
 
 A request is checked cheapest first: the API key, the body's size and arrival time, the
 model name, then (on a worker thread, :mod:`quire.entrypoints.server.tokenizer_pool`) JSON, types,
-limits and sampling parameters, and only then the chat template and tokenization. The
-app's lifespan starts the engine thread (if not started) and shuts it down.
+limits and sampling parameters, and only then the chat template, tokenization and a
+chat's images (fetched, decoded and preprocessed on that thread too, see
+:mod:`quire.entrypoints.server.images`). The app's lifespan starts the engine thread (if
+not started) and shuts it down.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from quire.entrypoints.server.errors import (
     from_value_error,
 )
 from quire.entrypoints.server.event_stream import EventStream
+from quire.entrypoints.server.images import ImageSupport
 from quire.entrypoints.server.limits import ServerLimits
 from quire.entrypoints.server.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from quire.entrypoints.server.metrics import budget_families, render_families
@@ -71,6 +74,7 @@ from quire.entrypoints.server.responses import Shaper, usage
 from quire.entrypoints.server.tokenizer_pool import TokenizerPool
 from quire.entrypoints.server.tool_parsers import PARSERS
 from quire.lora.request import LoRARequest
+from quire.multimodal.inputs import MMItem
 from quire.outputs import RequestOutput
 from quire.sampling_params import SamplingParams
 
@@ -102,6 +106,8 @@ class _Api:
             max_sequences=limits.max_sequences_per_request,
             max_prompts=min(limits.max_sequences_per_request, engine.max_waiting_requests))
         self.chat_template = chat_template
+        #: How chat requests' images are loaded and preprocessed (on the pool).
+        self.images = ImageSupport(engine.image_inputs, engine.media_policy)
         self.pool = TokenizerPool(engine.tokenizer)
         self.created = int(time.time())
         #: LoRA adapters served, by name (``--lora-modules`` and the load route); ids are
@@ -214,9 +220,10 @@ class _Api:
                      prompt: str | None, abandoned: asyncio.Event,
                      num_prompts: int = 1, index: int = 0,
                      thinking: ThinkingTokens | None = None,
-                     lora: LoRARequest | None = None) -> RequestStream:
-        """Prompt ``index`` of ``num_prompts`` of one HTTP request as one engine request;
-        engine refusals become API errors.
+                     lora: LoRARequest | None = None,
+                     mm: list[MMItem] | None = None) -> RequestStream:
+        """Prompt ``index`` of ``num_prompts`` of one HTTP request as one engine request
+        (with ``mm``, its images); engine refusals become API errors.
 
         Its share of the stream backlog is the limit split over the prompts (at least
         ``MIN_STREAM_BACKLOG``), so one HTTP request holds at most about the limit. Its
@@ -230,7 +237,8 @@ class _Api:
                                                  on_overflow=abandoned.set,
                                                  max_backlog=backlog,
                                                  priority=index * params.n,
-                                                 thinking=thinking, lora_request=lora)
+                                                 thinking=thinking, lora_request=lora,
+                                                 mm=mm)
         except Overloaded as exc:
             raise APIError(503, f"the server is overloaded: {exc}", type="server_error",
                            code="overloaded",
@@ -265,9 +273,10 @@ class _Api:
         streams: list[RequestStream] = []
         try:
             prompts = parsed.prompts()
-            for i, (text, ids) in enumerate(prompts):
+            for i, (text, ids) in enumerate(prompts):  # images: chat's one prompt only
                 streams.append(await self.submit(ids, parsed.params, text, abandoned,
-                                                 len(prompts), i, thinking, lora))
+                                                 len(prompts), i, thinking, lora,
+                                                 parsed.mm if i == 0 else None))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -301,7 +310,7 @@ class _Api:
         lora = self.check_model(body)
         self.check_task("generate", "Chat Completions")
         parsed = await self.pool.run(parse_chat, body, self.chat_template, self.bounds,
-                                     self.tool_parser)
+                                     self.tool_parser, self.images)
         return await self._generate(request, parsed, chat=True, lora=lora,
                                     model=get(body, "model", str, "") or self.model)
 
@@ -342,11 +351,11 @@ class _Api:
         lora = self.check_model(body, required=True)
         self.check_task("generate", "Messages")
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
-                                     self.bounds, self.tool_parser)
+                                     self.bounds, self.tool_parser, self.images)
         thinking = await self._check_grammar(parsed)  # a required or named tool's
         abandoned = asyncio.Event()
         stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
-                                   abandoned, thinking=thinking, lora=lora)
+                                   abandoned, thinking=thinking, lora=lora, mm=parsed.mm)
         request.state.request_id = stream.request_id
         shaper = anthropic.MessageShaper(
             model=self.model if lora is None else lora.lora_name,
@@ -385,7 +394,8 @@ class _Api:
         return JSONResponse(response)
 
     async def tokenize(self, request: Request, body: dict[str, Any]) -> Response:
-        ids = await self.pool.run(parse_tokenize, body, self.chat_template, self.bounds)
+        ids = await self.pool.run(parse_tokenize, body, self.chat_template, self.bounds,
+                                  self.images)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
                              "tokens": ids})
 

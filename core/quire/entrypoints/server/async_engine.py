@@ -35,6 +35,9 @@ from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics, labelled, render_families
 from quire.executor.abstract import WorkerDied
 from quire.lora.request import LoRARequest
+from quire.multimodal.inputs import MMItem
+from quire.multimodal.media import MediaPolicy, media_policy
+from quire.multimodal.processor import ImageInputs
 from quire.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend
@@ -76,6 +79,8 @@ class _Add:
     #: An embedding request: the prompt's pooled vector, ``params`` unused.
     embed: bool = False
     lora_request: LoRARequest | None = None
+    #: Its images, placeholders expanded in ``token_ids``.
+    mm: list[MMItem] | None = None
 
 
 @dataclass
@@ -271,6 +276,19 @@ class AsyncEngine:
         :raises ValueError: one line naming the problem (as ``LLMEngine.check_lora``)."""
         self._engine.check_adapter(path)
 
+    def image_inputs(self) -> ImageInputs:
+        """The model's image preprocessing, for the server's tokenizer threads (the
+        engine builds it once, under a lock, and it is thread-safe).
+
+        :raises ValueError: for a model that takes text only."""
+        return self._engine.image_inputs()
+
+    def media_policy(self) -> MediaPolicy:
+        """Where request images may come from, as the engine's options say.
+
+        :raises ValueError: for an ``allowed_local_media_path`` that is no directory."""
+        return media_policy(self._engine.config.engine)
+
     async def add_request(self, token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, request_id: str | None = None,
                           on_overflow: Callable[[], None] | None = None,
@@ -278,7 +296,8 @@ class AsyncEngine:
                           priority: int = 0,
                           thinking: ThinkingTokens | None = None,
                           embed: bool = False,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+                          lora_request: LoRARequest | None = None,
+                          mm: list[MMItem] | None = None) -> RequestStream:
         """Queue a request; returns once the engine has checked and accepted it.
 
         Its outputs are ``DELTA`` outputs, whatever ``params.output_kind`` says; with
@@ -293,6 +312,8 @@ class AsyncEngine:
         :param thinking: a reasoning model's thinking markers: the request's grammar then
             holds only the answer after its thinking.
         :param lora_request: the LoRA adapter it runs with (None: the base model).
+        :param mm: its images, from :meth:`image_inputs` (placeholders expanded in
+            ``token_ids``).
 
         :raises Overloaded: ``max_waiting_requests`` requests are already waiting.
         :raises EngineStopped: after :meth:`shutdown` began, or if the thread died.
@@ -324,7 +345,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_waiting += 1
         self._commands.put(_Add(request_id, token_ids, params, prompt, priority, loop, sink,
-                                accepted, thinking, embed, lora_request))
+                                accepted, thinking, embed, lora_request, mm))
         try:
             await accepted
         except BaseException:
@@ -489,7 +510,7 @@ class AsyncEngine:
                 self._engine.add_request(cmd.token_ids, cmd.params, prompt=cmd.prompt,
                                          request_id=cmd.request_id, priority=cmd.priority,
                                          thinking=cmd.thinking,
-                                         lora_request=cmd.lora_request)
+                                         lora_request=cmd.lora_request, mm=cmd.mm)
         except ValueError as exc:
             _resolve(cmd.loop, cmd.accepted, None, exc)
             return

@@ -4,8 +4,8 @@ Every type is checked here, naming the field; range checks are ``SamplingParams`
 ``ValueError`` starts with the field's name). Unknown fields are ignored, as vLLM does.
 Cheap checks come first: types, the server's :class:`RequestBounds` (prompt bytes, stop
 strings, sequences), sampling parameters; the prompt is tokenized (or the chat template
-rendered) only when all of them pass. The parse functions are blocking: the server runs
-them off its event loop.
+rendered, and its images loaded) only when all of them pass. The parse functions are
+blocking: the server runs them off its event loop.
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
+from quire.entrypoints.server.images import (
+    ImageSupport,
+    has_images,
+    image_prompt,
+    openai_part,
+)
 from quire.entrypoints.server.tool_parsers import ToolParser
 from quire.entrypoints.server.tools import ToolRequest, parse_tools, template_messages
+from quire.multimodal.inputs import MMItem
 from quire.sampling_params import SamplingParams
 from quire.structured.params import KINDS as STRUCTURED_KINDS
 from quire.structured.params import StructuredOutputsParams
@@ -89,6 +96,8 @@ class ParsedRequest:
     grammar_param: str | None = None
     #: Chat only: the tools offered and how the answer may call them.
     tools: ToolRequest | None = None
+    #: Chat only: the prompt's images (placeholders expanded in ``token_ids``).
+    mm: list[MMItem] = field(default_factory=list)
 
     def prompts(self) -> list[tuple[str | None, list[int]]]:
         """Every prompt of the request, in order."""
@@ -133,12 +142,13 @@ def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
 
 
 def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: RequestBounds,
-               tool_parser: ToolParser | None = None, *, tokenizer: Any) -> ParsedRequest:
-    """A ``/v1/chat/completions`` body. :raises APIError: 400 naming the bad field."""
+               tool_parser: ToolParser | None = None, images: ImageSupport | None = None,
+               *, tokenizer: Any) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body; its images (``images``: how the model takes
+    them) are loaded last. :raises APIError: 400 naming the bad field or part."""
     tools = parse_tools(dict(body), tool_parser)
     messages = _messages(body.get("messages"))
-    bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
-                                  for m in messages))
+    bounds.check_prompt_bytes(messages_bytes(messages))
     want_logprobs = get(body, "logprobs", bool, False)
     top = get(body, "top_logprobs", int)
     if top is not None and not want_logprobs:
@@ -154,24 +164,23 @@ def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: Reque
     params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs,
                               structured=structured)
     bounds.check_sequences(1, params.n)
-    text = render_chat(messages, tokenizer, chat_template,
-                       tools.tools if tools is not None else None)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    text, ids, mm = chat_prompt(messages, tokenizer, chat_template,
+                                tools.tools if tools is not None else None, images)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
                          include_usage=_include_usage(body), top_logprobs=top_logprobs,
-                         grammar_param=grammar_param, tools=tools)
+                         grammar_param=grammar_param, tools=tools, mm=mm)
 
 
 def parse_tokenize(body: Mapping[str, Any], chat_template: str | None,
-                   bounds: RequestBounds, *, tokenizer: Any) -> list[int]:
-    """A ``/tokenize`` body (``prompt`` or chat ``messages``) -> its token ids."""
+                   bounds: RequestBounds, images: ImageSupport | None = None, *,
+                   tokenizer: Any) -> list[int]:
+    """A ``/tokenize`` body (``prompt`` or chat ``messages``) -> its token ids (each
+    image's placeholder expanded)."""
     if "messages" in body:
         messages = _messages(body.get("messages"))
-        bounds.check_prompt_bytes(sum(_utf8_size(m["role"]) + _utf8_size(m["content"])
-                                      for m in messages))
-        text = render_chat(messages, tokenizer, chat_template)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        bounds.check_prompt_bytes(messages_bytes(messages))
+        return chat_prompt(messages, tokenizer, chat_template, None, images)[1]
     prompt = check_text(get(body, "prompt", str, nullable=False), "prompt", "prompt")
     bounds.check_prompt_bytes(_utf8_size(prompt))
     return list(tokenizer.encode(prompt,
@@ -349,6 +358,19 @@ def _utf8_size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def messages_bytes(messages: list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of the messages' roles and text (images count against the body's
+    size and the media policy's, not the prompt's)."""
+    return sum(_utf8_size(m["role"]) + content_bytes(m["content"]) for m in messages)
+
+
+def content_bytes(content: str | list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of a message's text, whether a string or parts."""
+    if isinstance(content, str):
+        return _utf8_size(content)
+    return sum(_utf8_size(p["text"]) for p in content if p["type"] == "text")
+
+
 def check_text(text: str, name: str, param: str) -> str:
     """``text`` if it is valid Unicode; JSON may carry lone surrogates (``"\\ud800"``),
     which no tokenizer can encode."""
@@ -361,8 +383,9 @@ def check_text(text: str, name: str, param: str) -> str:
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as the template takes them: role and text content, and for tool
-    calling an assistant's ``tool_calls`` and a tool message's ``tool_call_id``."""
+    """Chat messages as the template takes them: role and content (text, or text and
+    image parts), and for tool calling an assistant's ``tool_calls`` and a tool
+    message's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     out = []
@@ -371,8 +394,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise bad_request(f"messages[{i}] must be an object with a string role",
                               param="messages")
         role = check_text(msg["role"], f"messages[{i}].role", "messages")
-        content = check_text(_content(msg.get("content"), i), f"messages[{i}].content",
-                             "messages")
+        content = _content(msg.get("content"), i)
         entry: dict[str, Any] = {"role": role, "content": content}
         if msg.get("tool_calls") is not None:
             entry["tool_calls"] = _tool_calls(msg["tool_calls"], i)
@@ -400,20 +422,45 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, i: int) -> str:
+def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
+    """A message's text, or, when it holds images, its text and image parts in order."""
+    field = f"messages[{i}].content"
     if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):  # text parts only
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad_request(f"messages[{i}].content parts must be text parts",
-                                  param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      param="messages")
+        return check_text(content or "", field, "messages")
+    if not isinstance(content, list):
+        raise bad_request(f"{field} must be a string or a list of text and image_url parts",
+                          param="messages")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": check_text(part["text"], field,
+                                                             "messages")})
+        elif kind == "image_url":
+            parts.append(openai_part(part, f"{field}[{j}]"))
+        else:
+            raise bad_request(f"{field} parts must be text or image_url parts; "
+                              f"{field}[{j}] is not", param="messages")
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def chat_prompt(messages: list[dict[str, Any]], tokenizer: Any, chat_template: str | None,
+                tools: list[dict[str, Any]] | None = None,
+                images: ImageSupport | None = None, suffix: str = ""
+                ) -> tuple[str, list[int], list[MMItem]]:
+    """The prompt of ``messages`` (``suffix`` after the rendered template: a prefill):
+    its text, token ids and images. Blocking: images are fetched and preprocessed here.
+    :raises APIError: 400 naming what cannot be used."""
+    def render(ready: list[dict[str, Any]]) -> str:
+        return render_chat(ready, tokenizer, chat_template, tools) + suffix
+
+    if has_images(messages):
+        return image_prompt(messages, chat_template or getattr(tokenizer, "chat_template",
+                                                               None), render, images)
+    text = render(messages)
+    return text, list(tokenizer.encode(text, add_special_tokens=False)), []
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Any,

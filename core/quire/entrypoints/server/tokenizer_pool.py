@@ -1,5 +1,6 @@
 """``TokenizerPool``: blocking request work (JSON parsing, chat templates, tokenization,
-detokenization) on worker threads, so the event loop stays free for every other client.
+detokenization, fetching, decoding and preprocessing a chat's images) on worker threads,
+so the event loop stays free for every other client.
 
 Fast tokenizers release the GIL while they encode, so a large prompt on a worker costs
 the loop nothing; Python-level work (JSON, Jinja) shares the GIL in 5 ms slices, which
