@@ -50,6 +50,7 @@ def split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torc
 #: use: the model code's module, which knows its own processor's outputs).
 FAMILIES: dict[str, str] = {
     "llava": "quire.models.llava",
+    "idefics3": "quire.models.idefics3",
 }
 
 
