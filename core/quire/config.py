@@ -10,6 +10,7 @@ mutates a config after creation.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,6 +293,9 @@ class EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _positive("max_loras", self.max_loras)
+        path = self.allowed_local_media_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
         if not isinstance(self.limit_mm_per_prompt, int) or self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt must be an integer >= 0, got "
                              f"{self.limit_mm_per_prompt!r}")

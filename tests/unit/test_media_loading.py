@@ -428,3 +428,15 @@ def test_file_url_missing_remote_or_oversized(media_dir: Path) -> None:
     _refused(f"file://fileserver{media_dir}/cat.png", policy, "only local files")
     small = MediaPolicy(allowed_local_media_path=str(media_dir), max_bytes=10)
     _refused((media_dir / "cat.png").as_uri(), small, "over 10 bytes")
+
+
+def test_a_thin_strip_is_refused_before_decoding():
+    """A 1-pixel-high strip passes the pixel cap, but a processor scaling its short side
+    up would make it huge: refused by its aspect ratio."""
+    buf = io.BytesIO()
+    Image.new("RGB", (1000, 2)).save(buf, format="PNG")
+    with pytest.raises(MediaError, match="longer than 200 times"):
+        decode_image(buf.getvalue(), "part", MediaPolicy())
+    buf = io.BytesIO()
+    Image.new("RGB", (400, 2)).save(buf, format="PNG")
+    assert decode_image(buf.getvalue(), "part", MediaPolicy()).size == (400, 2)

@@ -81,12 +81,16 @@ class MediaPolicy:
     #: Largest width * height decoded: the decompression-bomb guard, checked from the
     #: header before any pixel is decoded.
     max_pixels: int = 40_000_000
+    #: Largest ratio of the longer side to the shorter: a processor that resizes the
+    #: shorter side up would otherwise turn a 1-pixel-high strip into a huge image
+    #: (Qwen2-VL's processor refuses past the same ratio).
+    max_aspect_ratio: float = 200.0
     #: PIL formats that may be opened; no other decoder is tried (EPS would run
     #: Ghostscript, for one).
     formats: tuple[str, ...] = ("JPEG", "PNG", "GIF", "WEBP", "BMP")
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "timeout_s"):
+        for name in ("max_bytes", "max_pixels", "timeout_s", "max_aspect_ratio"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be positive, got {getattr(self, name)}")
         if self.max_redirects < 0:
@@ -158,6 +162,9 @@ def decode_image(data: bytes, where: str, policy: MediaPolicy) -> Image.Image:
     if width * height > policy.max_pixels:
         raise MediaError(where, f"image of {width}x{height} pixels is over the limit of "
                                 f"{policy.max_pixels} (decompression-bomb guard)")
+    if max(width, height) > policy.max_aspect_ratio * max(1, min(width, height)):
+        raise MediaError(where, f"image of {width}x{height} pixels is longer than "
+                                f"{policy.max_aspect_ratio:g} times its width or height")
     try:
         image.load()
     except _DECODE_ERRORS as exc:
