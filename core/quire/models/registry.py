@@ -47,6 +47,8 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
     | {"LlavaForConditionalGeneration": _core("LlavaForConditionalGeneration", "llava")}
     | {"Idefics3ForConditionalGeneration": _core("Idefics3ForConditionalGeneration",
                                                  "idefics3")}
+    | {"LlavaNextForConditionalGeneration": _core("LlavaNextForConditionalGeneration",
+                                                  "llava_next")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.

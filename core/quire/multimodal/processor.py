@@ -51,6 +51,7 @@ def split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torc
 FAMILIES: dict[str, str] = {
     "llava": "quire.models.llava",
     "idefics3": "quire.models.idefics3",
+    "llava_next": "quire.models.llava_next",
 }
 
 
