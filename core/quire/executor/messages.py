@@ -77,6 +77,10 @@ class StepItem(msgspec.Struct, array_like=True, frozen=True):
     mm_encode: list[MMItem] = msgspec.field(default_factory=list)
     #: Rows of ``token_ids`` that take image embeddings instead of token embeddings.
     mm_spans: list[MMSpan] = msgspec.field(default_factory=list)
+    #: An M-RoPE model's sequence with images: the (time, height, width) positions of
+    #: ``token_ids``, three rows one after the other (``3 * len(token_ids)`` ints); empty:
+    #: each token's three positions are its index in the sequence.
+    mrope_positions: list[int] = msgspec.field(default_factory=list)
 
     @property
     def end(self) -> int:

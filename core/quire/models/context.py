@@ -41,6 +41,9 @@ class ForwardContext:
     #: Image rows that attend over their whole image (a model whose images are
     #: bidirectional blocks: :mod:`quire.models.image_blocks`); None: causal only.
     mm_blocks: ImageBlocks | None = None
+    #: An M-RoPE model's (time, height, width) positions, int64 [3, T]; None for other
+    #: models (``positions`` alone).
+    mrope_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.kv_slots = self.backend.kv_slots(self.metadata)

@@ -30,6 +30,9 @@ class MMItem(msgspec.Struct, array_like=True, frozen=True):
     runs: list[tuple[int, int]]
     #: The processor's outputs for this image alone (``pixel_values`` and the like).
     data: dict[str, Array]
+    #: The (t, h, w) grid its embeddings fill, in order, for a model whose positions
+    #: follow it (M-RoPE: :mod:`quire.multimodal.mrope`); empty for other models.
+    grid: tuple[int, ...] = ()
 
     @property
     def num_embeds(self) -> int:

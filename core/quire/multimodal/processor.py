@@ -39,6 +39,12 @@ class ImageFamily:
     #: Its image tokens attend to each other both ways (Gemma 3): the engine never cuts
     #: an image across steps.
     bidirectional: bool = False
+    #: For a model with M-RoPE positions (Qwen2.5-VL): one image's inputs -> the (t, h, w)
+    #: grid of its embeddings (``MMItem.grid``); None: the model's positions are plain.
+    mrope_grid: Callable[[Any, dict[str, torch.Tensor]], tuple[int, int, int]] | None = None
+    #: The model's path -> its processor, where ``AutoProcessor`` cannot build it here;
+    #: None: ``AutoProcessor``.
+    make_processor: Callable[[str], Any] | None = None
 
 
 def split_first_dim(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
@@ -91,7 +97,8 @@ class ImageInputs:
         self.limit = limit
         self.placeholder = family.placeholder
         self.image_token_id = family.image_token_id(config)
-        self.hf = AutoProcessor.from_pretrained(model_path)
+        self.hf = (family.make_processor(model_path) if family.make_processor is not None
+                   else AutoProcessor.from_pretrained(model_path))
         self._lock = threading.Lock()
 
     def process(self, prompt: str, images: Sequence[Any], add_special_tokens: bool = True
@@ -129,9 +136,11 @@ class ImageInputs:
             raise ValueError(f"the processor put {len(positions)} image tokens in the "
                              f"prompt, but its {len(images)} image(s) have {sum(counts)} "
                              f"embeddings")
+        grid = self.family.mrope_grid
         items, at = [], 0
         for image, count in zip(per_image, counts):
             items.append(MMItem(content_hash(image), runs_of(positions[at:at + count]),
-                                {k: Array.of(v) for k, v in image.items()}))
+                                {k: Array.of(v) for k, v in image.items()},
+                                grid(self.config, image) if grid is not None else ()))
             at += count
         return ids, items

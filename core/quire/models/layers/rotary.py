@@ -281,3 +281,40 @@ def _longrope(
         return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * base**shape)
 
     return inv(params["short_factor"]), inv(params["long_factor"]), float(scaling)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE (Qwen2-VL's M-RoPE) over a :class:`RotaryEmbedding`'s table: each
+    token has three positions (time, height, width), and ``sections`` splits the
+    ``D/2`` frequencies among them in that order; both halves of the head take the same
+    split (transformers' ``mrope_section``).
+
+    :param rope: the table of one-position RoPE (any rope type :func:`get_rope` builds).
+    :param sections: frequencies per axis, summing to ``D/2``.
+    :raises ValueError: for sections that are not three or do not sum to ``D/2``.
+    """
+
+    def __init__(self, rope: RotaryEmbedding, sections: list[int]) -> None:
+        super().__init__()
+        half = rope.head_size // 2
+        if len(sections) != 3 or sum(sections) != half or min(sections) < 0:
+            raise ValueError(f"mrope_section {list(sections)} must be three sizes summing "
+                             f"to head_dim / 2 = {half}")
+        self.rope = rope
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        # the axis each column of the table's cos | cos | -sin | sin rows reads
+        self.register_buffer("axis_of_column", axis.repeat(4)[None, None, :],
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`RotaryEmbedding.forward`'s factors for int64 positions [3, T] (time,
+        height, width rows), or [T] (three equal positions: plain RoPE)."""
+        if positions.dim() == 1:
+            return self.rope(positions, dtype)
+        table = self.rope.cos_sin_cache
+        rows = table.index_select(0, positions.reshape(-1)).view(3, positions.shape[1], -1)
+        axis = self.axis_of_column.expand(1, positions.shape[1], -1)
+        cos_sin = rows.gather(0, axis)[0].to(dtype).unsqueeze(1)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return cos, sin
