@@ -1,15 +1,21 @@
 """Idefics3 (SmolVLM) end to end against transformers float32, given the same images:
 greedy tokens equal token for token, first-token logprobs close, for images split into
-tiles of several grids, two images in one prompt, chunked prefill inside an image, and
-the prefix cache keyed on the image's tiles."""
+tiles of several grids, two images in one prompt, repeated tiles, chunked prefill inside
+a tile, the prefix cache keyed on the image's tiles, and tensor and pipeline parallel;
+the tower and connector alone equal ``get_image_features`` on tiles of any size."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
 from quire import LLM, SamplingParams
+from quire.distributed import TorchDistributedCommunicator
+from quire.models.idefics3 import Idefics3ForConditionalGeneration
 from quire.models.loader import load_model_config
 from quire.multimodal.processor import ImageInputs
+from quire.ops import reference_ops
+from safetensors.torch import load_file
 from transformers import AutoProcessor
 
 from tests.tiny_idefics3 import TILE_EMBEDS, build_idefics3
@@ -18,11 +24,14 @@ from tests.tiny_vlm import hf_vlm, hf_vlm_greedy, image
 N = 8
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=1)
 
-#: (prompt, images, tiles per image): 2x2, 1x2 and 2x1 grids, each plus a global tile.
+#: (prompt, images, tiles per image): 2x2, 1x2 and 2x1 grids, each plus a global tile;
+#: one image given twice, and a flat one whose tiles are all equal.
 CASES = [
     ("Describe <image> now please tell", [image(40, 30, 1)], [5]),
     ("A <image> and <image> two", [image(97, 21, 2), image(21, 97, 3)], [3, 3]),
     ("The capital of France is <image>", [image(64, 64, 4)], [5]),
+    ("Twice <image> the same <image>", [image(33, 50, 6)] * 2, [5, 5]),
+    ("Flat <image>", [Image.new("RGB", (40, 30), (200, 10, 10))], [5]),
 ]
 
 
@@ -59,6 +68,26 @@ def test_each_tile_is_one_item_in_prompt_order(idefics3):
     assert [p for item in items for o, n in item.runs for p in range(o, o + n)] == image_rows
     _, again = inputs.process("<image>", images[1:])
     assert [i.hash for i in again] == [i.hash for i in items[3:]]
+    # equal tiles of one prompt never share a hash (nor the engine's cache entry)
+    for text, images, tiles in CASES[3:]:
+        _, items = inputs.process(text, images)
+        assert len({item.hash for item in items}) == len(items) == sum(tiles)
+
+
+@torch.inference_mode()
+def test_tiles_of_any_size_equal_get_image_features(idefics3, oracle):
+    """Tiles smaller than the tower's native size take bucketed positions."""
+    hf = oracle[0]
+    config = load_model_config(str(idefics3))
+    ours = Idefics3ForConditionalGeneration(config, TorchDistributedCommunicator("gloo", 0, 1))
+    ours.load_weights(load_file(str(idefics3 / "model.safetensors")).items())
+    for side in (24, 16, 8):
+        pixels = torch.randn(1, 3, 3, side, side, generator=torch.Generator().manual_seed(side))
+        mask = torch.ones(1, 3, side, side, dtype=torch.long)
+        want = hf.model.get_image_features(pixels, mask).pooler_output[0]
+        got = torch.cat(ours.embed_images([{"pixel_values": t[None]} for t in pixels[0]],
+                                          reference_ops()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
@@ -102,3 +131,12 @@ def test_prefix_cache_keys_on_the_image(idefics3, oracle):
     offset = ids.index(image_token)  # the first tile's first token
     assert other.num_cached_tokens == offset // 4 * 4
     assert _tokens([other]) != [oracle[2][2]]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_parallel_equals_transformers(idefics3, oracle, layout):
+    """The tower's heads and MLPs and the connector split over two ranks; or the vision
+    part on the first of two pipeline stages."""
+    with LLM(str(idefics3), dtype="float32", max_num_batched_tokens=16, **layout) as llm:
+        assert _tokens(llm.generate(_prompts(CASES[:2]), GREEDY)) == oracle[2][:2]
