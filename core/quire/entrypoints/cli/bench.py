@@ -1,4 +1,4 @@
-"""``quire bench``: throughput, latency, serving load, option sweeps and KV memory.
+"""``quire bench``: throughput, latency, images, serving load, option sweeps, KV memory.
 
 Each benchmark is a subcommand (``quire bench throughput`` ...); see docs/bench.md. This
 module only reads flags and puts the parts of :mod:`quire.bench` together; building the
@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                       "offline throughput: every request at once, run to completion")
     _register_offline(benches, "latency", "W2", run_latency,
                       "one request at a time: time to first token, inter-token latency")
+    _register_images(benches)
     _register_serve(benches)
     _register_abuse(benches)
     _register_sweep(benches)
@@ -105,6 +106,43 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
                             "them all in one step")
     add_engine_options(parser)
     parser.set_defaults(run=run)
+
+
+#: The peers the image workload runs on (they load the checkpoint directory as it is).
+IMAGE_PEERS = ("hf", "vllm")
+
+
+def _register_images(benches: argparse._SubParsersAction[Any]) -> None:
+    help_text = ("image-text models: TTFT with a fresh and a repeated image, requests/s, "
+                 "the encoder's share")
+    parser = benches.add_parser(
+        "images", help=help_text,
+        description="One seeded random image and a question of --input-len tokens per "
+        "request: TTFT of one request, TTFT of the same image and question again (the "
+        "prefix cache), requests/s with --concurrency at once, and the encoder's share "
+        "of the TTFT (see quire.bench.images).")
+    group = parser.add_argument_group("workload")
+    group.add_argument("--image-size", type=int, default=448, metavar="PIXELS",
+                       help="side of each square random image (default: 448)")
+    group.add_argument("--input-len", type=int, default=64,
+                       help="text tokens of each question, around the image's placeholder "
+                       "(default: 64)")
+    group.add_argument("--output-len", type=int, default=64,
+                       help="output tokens of each concurrent request (default: 64)")
+    group.add_argument("--concurrency", type=int, default=16,
+                       help="requests at once for requests/s (default: 16)")
+    group.add_argument("--repeats", type=int, default=3,
+                       help="passes to take the median of, each with new images and text "
+                       "(default: 3; one untimed pass runs first)")
+    group.add_argument("--output", metavar="PATH", default=None,
+                       help="also write the results as JSON here")
+    parser.add_argument("--peer", action="append", dest="peers", default=[],
+                        choices=IMAGE_PEERS, help="also run the workload on this peer "
+                        "(repeatable); see quire bench install-peer")
+    parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="give up on a peer after this long (default: 3600)")
+    add_engine_options(parser)
+    parser.set_defaults(run=run_images)
 
 
 def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
@@ -685,6 +723,110 @@ def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
         except PeerError as exc:
             print(f"quire bench: peer {name} failed: {exc}", file=sys.stderr)
             failures[name] = str(exc)
+    return columns, failures
+
+
+# -- images --------------------------------------------------------------------------------
+def run_images(args: argparse.Namespace) -> int:
+    import dataclasses
+    import gc
+
+    from quire.bench import images as bench
+    from quire.bench.peers.runner import PeerError, check_installed
+    from quire.bench.quire_engine import build_engine, describe
+    from quire.bench.report import Column, comparison_table, record
+    from quire.entrypoints.llm import LLM
+    from quire.model_store import model_path_of
+
+    try:
+        spec = bench.ImageWorkload(args.image_size, args.input_len, args.output_len,
+                                   args.concurrency, args.repeats)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    config = engine_config_from_args(args)
+    for name in dict.fromkeys(args.peers):
+        try:
+            check_installed(PEERS[name])
+        except PeerError as exc:
+            raise UsageError(f"--peer {name}: {exc}") from exc
+    try:
+        engine = build_engine(config, open_registry(args))
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        inputs = engine.image_inputs()
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from exc
+    try:
+        questions = bench.Questions(engine.tokenizer, inputs.placeholder, spec.input_len,
+                                    spec.seed)
+        warmup, passes = bench.build_passes(spec, questions)
+        images = {r.image_seed: bench.random_image(spec.image_size, r.image_seed)
+                  for p in [warmup, *passes] for r in [p.single, *p.batch]}
+        prompt_len = bench.check_length(inputs, warmup.single.prompt,
+                                        images[warmup.single.image_seed], spec.input_len)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if prompt_len + spec.output_len > engine.config.max_model_len:
+        raise UsageError(f"--output-len: {prompt_len} prompt tokens and {spec.output_len} "
+                         f"more exceed max_model_len={engine.config.max_model_len}")
+    llm = LLM.from_engine(engine)
+    timer = bench.encoder_timer(engine)
+    bench.run_quire(llm, warmup, images, timer)
+    runs = [bench.run_quire(llm, p, images, timer) for p in passes]
+    columns = [Column("quire", describe(engine), [r.figures() for r in runs])]
+    notes = [] if timer else ["quire: the model runs in worker processes; encoder not timed"]
+    del llm, engine, timer  # free its memory before any peer runs
+    gc.collect()
+    peer_columns, failures = _run_image_peers(args, spec, model_path_of(config), warmup,
+                                              passes, images)
+    columns += peer_columns
+    title = (f"quire bench images: one {spec.image_size}x{spec.image_size} image + "
+             f"{spec.input_len}-token question ({prompt_len} prompt tokens); "
+             f"{spec.concurrency} concurrent x {spec.output_len} tokens; median of "
+             f"{spec.repeats}, model {config.model}")
+    notes = [f"{c.name}: {c.description}" for c in columns] + notes + \
+        [f"{name}: FAILED: {error}" for name, error in failures.items()]
+    settings = bench.settings(spec, engine=dataclasses.asdict(config), peers=args.peers)
+    payload = record("images", settings, columns, peer_errors=failures)
+    _finish(args, title, comparison_table(bench.IMAGE_FIGURES, columns), notes, payload)
+    return 1 if failures else 0
+
+
+def _run_image_peers(args: argparse.Namespace, spec: Any, model_path: str, warmup: Any,
+                     passes: list[Any], images: dict[Any, Any]
+                     ) -> tuple[list[Any], dict[str, str]]:
+    """Each image peer's column; a peer that fails is reported, not fatal. The images
+    go to the worker as PNG files in a temporary directory."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from quire.bench import images as bench
+    from quire.bench.peers.runner import PeerError, run_worker
+    from quire.bench.report import Column
+
+    columns, failures = [], {}
+    if not args.peers:
+        return columns, failures
+    with tempfile.TemporaryDirectory(prefix="quire-bench-images-") as tmp:
+        png = bench.write_pngs(images, Path(tmp))
+        for name in dict.fromkeys(args.peers):
+            peer = dataclasses.replace(PEERS[name], worker=bench.WORKER)
+            options = {"engine": name, "max_model_len": args.max_model_len,
+                       "max_num_seqs": args.max_num_seqs}
+            job = bench.peer_job(model_path, warmup, passes, png, options)
+            print(f"quire bench: running {name} on the images ...", file=sys.stderr)
+            try:
+                result = run_worker(peer, job, args.peer_timeout)
+                runs = bench.peer_runs(result, spec)
+            except (PeerError, ValueError) as exc:
+                print(f"quire bench: peer {name} failed: {exc}", file=sys.stderr)
+                failures[name] = str(exc)
+                continue
+            columns.append(Column(name, f"{result['engine']} (loaded in "
+                                  f"{float(result.get('load_s', 0.0)):.1f}s)",
+                                  [r.figures() for r in runs]))
     return columns, failures
 
 
