@@ -61,6 +61,20 @@ def test_greedy_and_logprobs_equal_transformers(llava, oracle):
         assert first[token].logprob == pytest.approx(float(want[token]), abs=1e-4)
 
 
+@pytest.mark.parametrize("budget", [None, 10])
+def test_the_same_image_twice_in_one_prompt(llava, oracle, budget):
+    """Both occurrences take the one encoding: the sequence uses it until the second
+    ends, whether one step holds both or chunks split them."""
+    model, processor, _ = oracle
+    pic = image(40, 30, 1)
+    cases = [("<image><image> twice", [pic, pic]), ("<image> then <image>", [pic, pic])]
+    refs = [hf_vlm_greedy(model, processor, text, images, N) for text, images in cases]
+    options = {} if budget is None else {"max_num_batched_tokens": budget}
+    with LLM(str(llava), dtype="float32", **options) as llm:
+        assert _tokens(llm.generate(_prompts(cases), GREEDY)) == refs
+        assert llm.engine.core.scheduler.encoder.held == 0
+
+
 def test_the_image_matters(llava, oracle):
     """Other images under the same text give other tokens: the images reach the model."""
     swapped = [(text, [image(45, 45, 100 + i) for i in range(len(images))])

@@ -44,8 +44,13 @@ def test_runs_spans_and_page_keys():
     assert runs_of([3, 4, 5, 9, 10]) == [(3, 3), (9, 2)]
     item = _item(1, [(3, 3), (9, 2)])
     assert item.num_embeds == 5 and item.offset == 3 and item.end == 11
-    assert [(s.row, s.count, s.first) for s in spans_in([item], 4, 10)] == [(0, 2, 1),
-                                                                          (5, 1, 3)]
+    assert [(s.row, s.count, s.first, s.last) for s in spans_in([item], 4, 10)] == [
+        (0, 2, 1, False), (5, 1, 3, False)]
+    assert spans_in([item], 9, 12)[-1].last
+    # the same image again later: each occurrence is its own, by its index
+    again = _item(1, [(20, 5)])
+    assert [(s.item, s.last) for s in spans_in([item, again], 0, 22)] == [
+        (0, False), (0, True), (1, False)]
     assert not item.touches(6, 9) and item.touches(8, 10)
     assert page_keys([item], 0, 4) == (1,) and page_keys([item], 11, 16) == ()
 
@@ -55,10 +60,11 @@ def test_engine_and_workers_agree_under_random_schedules():
     for trial in range(200):
         engine = EncoderCache(budget=rng.choice([4, 8, 100]), capacity=rng.choice([6, 100]))
         workers, model = ImageEmbeddings(), _Model()
-        # each sequence: a prompt of 30 tokens with two or three images, some shared
+        # each sequence: a prompt with one to four images, some shared between them
         seqs = {}
         for seq_id in range(rng.randint(1, 4)):
-            hashes = rng.sample([1, 2, 3], rng.randint(1, 3))
+            # an image may occur twice in one prompt
+            hashes = rng.choices([1, 2, 3], k=rng.randint(1, 4))
             at, items = 1, []
             for h in hashes:
                 at += rng.randint(0, 3)

@@ -3,8 +3,9 @@ need them, and placed into each step's rows (an image-text model's runner).
 
 The rule is the engine's mirror (``quire.engine.encoder_cache``): an item that carries
 an image in ``mm_encode`` makes an entry; an item whose spans reach it makes its
-sequence a user; a span that reaches the image's last embedding, or the sequence's
-release (after the step that announces it), ends that use; an entry without users is
+sequence a user; the span the engine marks ``last`` (the end of the image's last
+occurrence in the prompt), or the sequence's release (after the step that announces
+it), ends that use; an entry without users is
 dropped.
 """
 
@@ -21,12 +22,13 @@ from quire.ops import OpSet
 
 
 class ImageEmbeddings:
-    """One runner's image-embedding entries, by image hash."""
+    """One runner's image-embedding entries, by image hash; their users are occurrences
+    (sequence id, item index), as the engine counts them."""
 
     def __init__(self) -> None:
         self._entries: dict[int, torch.Tensor] = {}
-        self._users: dict[int, set[int]] = {}
-        self._held_by: dict[int, set[int]] = {}  # seq_id -> hashes it uses
+        self._users: dict[int, set[tuple[int, int]]] = {}
+        self._held_by: dict[int, set[tuple[int, int]]] = {}  # seq_id -> (hash, index)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -35,33 +37,35 @@ class ImageEmbeddings:
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Encode the step's new images (one ``model.embed_images`` call for them all)
         and gather each span's embeddings: (rows of the flattened batch, [M, hidden]),
-        or None when no row of the step is an image's."""
+        or None when no row of the step is an image's. Occurrences the step finishes
+        are let go at its end."""
         fresh = {image.hash: image for item in items for image in item.mm_encode}
         if fresh:
             inputs = [{k: v.to(device) for k, v in image.tensors().items()}
                       for image in fresh.values()]
-            made = dict(zip(fresh, model.embed_images(inputs, ops)))
+            self._entries.update(zip(fresh, model.embed_images(inputs, ops)))
         rows: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
+        done: list[tuple[int, int, int]] = []
         offset = 0
         for item in items:
-            for image in item.mm_encode:
-                self._entries[image.hash] = made[image.hash]
             for span in item.mm_spans:
                 entry = self._entries.get(span.hash)
                 if entry is None:
                     raise RuntimeError(f"sequence {item.seq_id}: image {span.hash:x} is "
                                        "neither held nor sent with the step")
-                self._users.setdefault(span.hash, set()).add(item.seq_id)
-                self._held_by.setdefault(item.seq_id, set()).add(span.hash)
+                self._users.setdefault(span.hash, set()).add((item.seq_id, span.item))
+                self._held_by.setdefault(item.seq_id, set()).add((span.hash, span.item))
                 rows.append(torch.arange(offset + span.row, offset + span.row + span.count))
                 values.append(entry[span.first:span.first + span.count])
-                if span.first + span.count == entry.shape[0]:
-                    self._drop(span.hash, item.seq_id)
+                if span.last:
+                    done.append((span.hash, item.seq_id, span.item))
             offset += len(item.token_ids)
-        for image in fresh.values():  # encoded for no span (none of this step's rows)
-            if not self._users.get(image.hash):
-                self._entries.pop(image.hash, None)
+        for h, seq_id, index in done:
+            self._drop(h, seq_id, index)
+        for h in fresh:  # encoded for no occurrence still under way
+            if not self._users.get(h):
+                self._entries.pop(h, None)
         if not rows:
             return None
         return torch.cat(rows).to(device), torch.cat(values)
@@ -69,19 +73,19 @@ class ImageEmbeddings:
     def release(self, seq_ids: Iterable[int]) -> None:
         """The sequences released with the step use none of their images any more."""
         for seq_id in seq_ids:
-            for h in self._held_by.pop(seq_id, ()):
-                self._drop(h, seq_id)
+            for h, index in list(self._held_by.get(seq_id, ())):
+                self._drop(h, seq_id, index)
 
-    def _drop(self, image_hash: int, seq_id: int) -> None:
+    def _drop(self, image_hash: int, seq_id: int, index: int) -> None:
         users = self._users.get(image_hash)
         if users is not None:
-            users.discard(seq_id)
+            users.discard((seq_id, index))
             if not users:
                 del self._users[image_hash]
                 self._entries.pop(image_hash, None)
         held = self._held_by.get(seq_id)
         if held is not None:
-            held.discard(image_hash)
+            held.discard((image_hash, index))
             if not held:
                 del self._held_by[seq_id]
 

@@ -26,19 +26,14 @@ from quire.models.layers.linear import ColumnParallelLinear
 from quire.models.llava import text_model_class
 from quire.models.pipeline import PipelineStage
 from quire.models.vision.siglip import SiglipVisionTower
-from quire.multimodal.inputs import content_hash
 from quire.multimodal.processor import ImageFamily
 from quire.ops import OpSet
 
 
 def split_tiles(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
     """The processor's ``pixel_values`` [B, tiles, 3, H, W] -> one dict per real tile, in
-    order; padding tiles (all zero, transformers' own test) are dropped.
-
-    A tile equal to an earlier one of the prompt (blank margins, an image given twice)
-    also carries its repeat number, so that no two items of one prompt share a hash: the
-    engine's encoder cache drops an entry once a sequence's span reaches its end, which
-    would leave a later equal item of the same sequence without embeddings.
+    order; padding tiles (all zero, transformers' own test) are dropped. Equal tiles
+    (blank margins, an image given twice) share one hash, so one encoding.
 
     :param n: the number of images; unused, as the items are tiles.
     :raises ValueError: for a tile with padded pixels (``pixel_attention_mask``)."""
@@ -47,20 +42,13 @@ def split_tiles(out: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Te
     masks = out.get("pixel_attention_mask")
     masks = None if masks is None else masks.reshape(-1, *masks.shape[-2:])
     tiles: list[dict[str, torch.Tensor]] = []
-    seen: dict[int, int] = {}
     for i, tile in enumerate(pixels):
         if not bool((tile != 0).any()):
             continue
         if masks is not None and not bool(masks[i].all()):
             raise ValueError("an image tile with padded pixels: Idefics3 images must be "
                              "tiled without padding")
-        data = {"pixel_values": tile[None]}
-        key = content_hash(data)
-        repeat = seen.get(key, 0)
-        seen[key] = repeat + 1
-        if repeat:
-            data["repeat"] = torch.tensor([repeat])
-        tiles.append(data)
+        tiles.append({"pixel_values": tile[None]})
     return tiles
 
 

@@ -65,6 +65,11 @@ class MMSpan(msgspec.Struct, array_like=True, frozen=True):
     row: int
     count: int
     first: int
+    #: Which of its sequence's images this is (the index in the prompt's items: the
+    #: same image may occur twice, and each occurrence is used on its own).
+    item: int = 0
+    #: It reaches the occurrence's last placeholder token: the sequence is done with it.
+    last: bool = False
 
 
 def content_hash(data: Mapping[str, torch.Tensor]) -> int:
@@ -92,16 +97,18 @@ def runs_of(positions: Iterable[int]) -> list[tuple[int, int]]:
 
 def spans_in(items: Iterable[MMItem], start: int, end: int) -> list[MMSpan]:
     """The placeholder rows of positions ``start .. end`` (a step's share of one
-    sequence), rows counted from ``start``."""
+    sequence), rows counted from ``start``; a span reaching its image's last
+    placeholder token is marked ``last``."""
     spans = []
-    for item in items:
+    for index, item in enumerate(items):
         if item.end <= start or item.offset >= end:
             continue
         first = 0
         for offset, length in item.runs:
             lo, hi = max(offset, start), min(offset + length, end)
             if lo < hi:
-                spans.append(MMSpan(item.hash, lo - start, hi - lo, first + lo - offset))
+                spans.append(MMSpan(item.hash, lo - start, hi - lo, first + lo - offset,
+                                    index, hi == item.end))
             first += length
     return spans
 
