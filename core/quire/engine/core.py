@@ -52,6 +52,7 @@ from quire.model_store import model_path_of
 from quire.models.loader import checkpoint_dtype, load_model_config
 from quire.models.pooling import check_task, context_length, model_task
 from quire.multimodal.inputs import check_images
+from quire.multimodal.mrope import check_mrope
 from quire.multimodal.processor import image_family, takes_images
 from quire.plugins.registry import PlatformRegistry
 from quire.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
@@ -199,6 +200,9 @@ class EngineCore:
         if spec is not None and spec.method == "draft_model":
             check_draft(spec, self.vocab_size, tokenizer)  # before a worker loads it
         self.takes_images = takes_images(self.model_config)
+        #: Its positions are M-RoPE's (each image item carries its grid).
+        self.uses_mrope = (self.takes_images
+                           and image_family(self.model_config).mrope_grid is not None)
         if self.takes_images and spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative decoding with method {spec.method!r} does not "
                              "run image-text models (the proposer never sees the images); "
@@ -343,6 +347,8 @@ class EngineCore:
                                self.vocab_size, self.block_manager.num_blocks)
         if request.mm:
             check_images(rid, request.mm, len(tokens), self.takes_images)
+            if self.uses_mrope:
+                check_mrope(rid, request.mm)
         seq = self._new_sequence(request, tokens, index=0)
         self._start_matcher(seq, request.thinking)
         try:

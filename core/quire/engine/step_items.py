@@ -14,6 +14,7 @@ from quire.engine.scheduler import ScheduledSeq
 from quire.engine.speculation import DraftKV
 from quire.executor.messages import PENDING_TOKEN, StepItem
 from quire.multimodal.inputs import spans_in
+from quire.multimodal.mrope import mrope_positions
 
 
 def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
@@ -51,10 +52,13 @@ def step_item(s: ScheduledSeq, first_page: int = 0, prev_row: int = -1,
     samples = end == num_tokens + seq.num_pending_tokens  # s.samples
     lag = draft_kv.lag(seq, start) if draft_kv is not None else []
     mm_spans = spans_in(seq.mm_items, start, end) if seq.mm_items else []
+    # an M-RoPE model's images carry their grids; text-only sequences need no positions
+    mrope = (mrope_positions(seq.mm_items, start, start + len(tokens))
+             if seq.mm_items and seq.mm_items[0].grid else [])
     return StepItem(seq.seq_id, tokens, start, table, samples, rows, first_page, prev_row,
                     len(spec), lag, seq.lora_id,
                     seq.lora_path if seq.lora_id and not first_page else "",
-                    list(s.encode), mm_spans)
+                    list(s.encode), mm_spans, mrope)
 
 
 class ItemBuilder:

@@ -16,9 +16,10 @@ sequences. Per step the input batch fills, on the device:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -102,6 +103,8 @@ class ModelRunner:
         #: embeds tokens), or None.
         self.images = (ImageEmbeddings() if hasattr(model, "embed_images")
                        and (link is None or link.stage.is_first) else None)
+        #: The model reads M-RoPE positions (``ForwardContext.mrope_positions``).
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
 
     @torch.inference_mode()
     def capture_graphs(self, capture: GraphCapture, sizes: Sequence[int],
@@ -150,14 +153,18 @@ class ModelRunner:
             self.images.release(released)
         if getattr(self.model, "bidirectional_images", False):  # on every stage
             blocks = image_blocks(scheduled, self.backend, inputs.batch)
-        # a decode step that fits a captured graph replays it (never one with images)
+        mrope = self._mrope_positions(scheduled) if self.uses_mrope else None
+        # a decode step that fits a captured graph replays it (never one with images);
+        # without image rows every token is text, whose three M-RoPE positions are
+        # equal: the captured one-position forward takes the first row
         hidden = (None if self.graphs is None or mm is not None or blocks is not None
-                  else self.graphs.replay(inputs))
+                  else self.graphs.replay(inputs if mrope is None
+                                          else replace(inputs, positions=mrope[0])))
         if hidden is None and self.link is None:
             hidden = self.model(inputs.input_ids, inputs.positions,
-                                self._context(inputs, mm, blocks))
+                                self._context(inputs, mm, blocks, mrope))
         elif hidden is None:  # a pipeline stage: continue the previous stage's, hand on
-            ctx = self._context(inputs, mm, blocks)
+            ctx = self._context(inputs, mm, blocks, mrope)
             intermediate = (None if self.link.stage.is_first
                             else self.link.recv(inputs.input_ids.shape[0]))
             out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
@@ -187,11 +194,24 @@ class ModelRunner:
 
     def _context(self, inputs: StepInputs,
                  mm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 blocks: ImageBlocks | None = None) -> ForwardContext:
+                 blocks: ImageBlocks | None = None,
+                 mrope: torch.Tensor | None = None) -> ForwardContext:
         return ForwardContext(backend=self.backend,
                               metadata=self.backend.build_metadata(inputs.batch),
                               kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch,
-                              mm_embeds=mm, mm_blocks=blocks)
+                              mm_embeds=mm, mm_blocks=blocks, mrope_positions=mrope)
+
+    def _mrope_positions(self, items: list[StepItem]) -> torch.Tensor:
+        """The step's M-RoPE positions, int64 [3, T]: each item's own, or three copies of
+        its positions in the sequence (no images)."""
+        rows = []
+        for item in items:
+            n = len(item.token_ids)
+            if item.mrope_positions:
+                rows.append(np.asarray(item.mrope_positions, dtype=np.int64).reshape(3, n))
+            else:
+                rows.append(np.broadcast_to(np.arange(item.start, item.start + n), (3, n)))
+        return torch.from_numpy(np.concatenate(rows, axis=1)).to(self.device)
 
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs,
               pooling: PoolingConfig) -> StepResult:

@@ -45,6 +45,8 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
     | {name: _core(name, "moe") for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}
     | {"Gemma3ForCausalLM": _core("Gemma3ForCausalLM", "gemma3")}
     | {"LlavaForConditionalGeneration": _core("LlavaForConditionalGeneration", "llava")}
+    | {"Qwen2_5_VLForConditionalGeneration": _core("Qwen2_5_VLForConditionalGeneration",
+                                                   "qwen2_5_vl")}
     | {"Idefics3ForConditionalGeneration": _core("Idefics3ForConditionalGeneration",
                                                  "idefics3")}
     | {"LlavaNextForConditionalGeneration": _core("LlavaNextForConditionalGeneration",

@@ -58,6 +58,7 @@ FAMILIES: dict[str, str] = {
     "llava": "quire.models.llava",
     "idefics3": "quire.models.idefics3",
     "llava_next": "quire.models.llava_next",
+    "qwen2_5_vl": "quire.models.qwen2_5_vl",
 }
 
 
