@@ -2,10 +2,9 @@
 need them, and placed into each step's rows (an image-text model's runner).
 
 The rule is the engine's mirror (``quire.engine.encoder_cache``): an item that carries
-an image in ``mm_encode`` makes an entry; an item whose spans reach it makes its
-sequence a user; the span the engine marks ``last`` (the end of the image's last
-occurrence in the prompt), or the sequence's release (after the step that announces
-it), ends that use; an entry without users is
+an image in ``mm_encode`` makes an entry; a span makes its occurrence (sequence, item
+index) a user; a span marked ``last`` ends that use at the step's end, and a sequence's
+release (after the step that announces it) ends all of its; an entry without users is
 dropped.
 """
 
