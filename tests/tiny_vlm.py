@@ -100,4 +100,7 @@ def hf_vlm_greedy(model: torch.nn.Module, processor, prompt: str, images: list,
         token = int(logits.argmax())
         out.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        if "token_type_ids" in inputs:  # Gemma 3: which tokens are images'
+            inputs["token_type_ids"] = torch.cat(
+                [inputs["token_type_ids"], torch.zeros((1, 1), dtype=torch.long)], dim=1)
     return out

@@ -263,7 +263,9 @@ class Gemma3Model(nn.Module):
             if self.embed_tokens is None:
                 raise ValueError("a pipeline stage after the first needs `intermediate`")
             hidden = self.embed_tokens(input_ids)
-            hidden, residual = hidden * self.embed_scale.to(hidden.dtype), None
+            # image embeddings go in after the scale, as transformers places them
+            hidden = ctx.merge_mm(hidden * self.embed_scale.to(hidden.dtype))
+            residual = None
         else:
             hidden, residual = intermediate
         rotary = {kind: table(positions, hidden.dtype)

@@ -51,6 +51,8 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
                                                  "idefics3")}
     | {"LlavaNextForConditionalGeneration": _core("LlavaNextForConditionalGeneration",
                                                   "llava_next")}
+    | {"Gemma3ForConditionalGeneration": _core("Gemma3ForConditionalGeneration",
+                                               "gemma3_mm")}
 )
 
 #: ``config.model_type`` -> core architecture, for configs that name no architecture.

@@ -59,13 +59,15 @@ FAMILIES: dict[str, str] = {
     "idefics3": "quire.models.idefics3",
     "llava_next": "quire.models.llava_next",
     "qwen2_5_vl": "quire.models.qwen2_5_vl",
+    "gemma3": "quire.models.gemma3_mm",
 }
 
 
 def image_family(config: Any) -> ImageFamily | None:
     """The family of an image-text model's config, None for a text model."""
-    module = FAMILIES.get(getattr(config, "model_type", None) or "")
-    return None if module is None else importlib.import_module(module).IMAGE_FAMILY
+    if not takes_images(config):
+        return None
+    return importlib.import_module(FAMILIES[config.model_type]).IMAGE_FAMILY
 
 
 #: Processor outputs that are the text's, not an image's.
@@ -73,8 +75,10 @@ _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_id
 
 
 def takes_images(config: Any) -> bool:
-    """Whether a model config is an image-text model Quire serves."""
-    return getattr(config, "model_type", None) in FAMILIES
+    """Whether a model config is an image-text model Quire serves (a text-only Gemma 3
+    built from a GGUF file may share the model type, never a vision config)."""
+    return getattr(config, "model_type", None) in FAMILIES \
+        and getattr(config, "vision_config", None) is not None
 
 
 class ImageInputs:

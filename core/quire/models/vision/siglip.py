@@ -72,8 +72,12 @@ class SiglipVisionTower(nn.Module):
     the op set's attention does not take, and Idefics3's processors tile without padding.
     """
 
-    def __init__(self, config: Any, comm: Communicator) -> None:
+    def __init__(self, config: Any, comm: Communicator, bucketed: bool = True) -> None:
+        """:param bucketed: positions by Idefics3's bucketing (tiles of any size);
+            False: the plain SigLIP's, position ``i`` for patch ``i`` of an image at the
+            tower's native size (Gemma 3's)."""
         super().__init__()
+        self.bucketed = bucketed
         hidden = config.hidden_size
         self.patch_size = config.patch_size
         self.per_side = config.image_size // config.patch_size
@@ -86,10 +90,16 @@ class SiglipVisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, ops: OpSet) -> torch.Tensor:
         n, _, h, w = pixel_values.shape
         x = self.patch_embedding(pixel_values)
-        grid = torch.ones(1, h // self.patch_size, w // self.patch_size, dtype=torch.bool,
-                          device=x.device)
-        x = x + F.embedding(bucketed_position_ids(grid, self.per_side),
-                            self.position_embedding)
+        if self.bucketed:
+            grid = torch.ones(1, h // self.patch_size, w // self.patch_size,
+                              dtype=torch.bool, device=x.device)
+            x = x + F.embedding(bucketed_position_ids(grid, self.per_side),
+                                self.position_embedding)
+        elif (h, w) != (self.per_side * self.patch_size,) * 2:
+            raise ValueError(f"the vision tower takes {self.per_side * self.patch_size} "
+                             f"pixels square, got {h}x{w}")
+        else:
+            x = x + self.position_embedding
         seq = x.shape[1]
         x = x.reshape(n * seq, -1)
         lens = [seq] * n
@@ -104,6 +114,7 @@ class SiglipVisionTower(nn.Module):
         (without the tower's prefix).
 
         :raises ValueError: for a name the tower has no parameter for."""
+        name = name.removeprefix("vision_model.")
         if name.startswith("embeddings."):
             leaf = name.removeprefix("embeddings.")
             if leaf == "position_embedding.weight":
