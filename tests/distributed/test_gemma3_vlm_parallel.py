@@ -12,8 +12,8 @@ from quire import LLM, SamplingParams
 from tests.tiny_gemma3_vlm import build_gemma3_vlm
 from tests.tiny_vlm import hf_vlm, image
 
-CASES = [("A long prefix of text before the image arrives <start_of_image> and "
-          "<start_of_image> two", [image(30, 50, 2), image(64, 64, 3)])]
+CASES = [(("A long prefix of text before the image arrives <start_of_image> and "
+           "<start_of_image> two"), [image(30, 50, 2), image(64, 64, 3)])]
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},

@@ -16,8 +16,8 @@ from tests.tiny_vlm import hf_vlm, hf_vlm_greedy, image
 
 CASES = [
     ("Look <start_of_image> here", [image(40, 30, 1)]),
-    ("A long prefix of text before the image arrives <start_of_image> and "
-     "<start_of_image> two", [image(30, 50, 2), image(64, 64, 3)]),
+    (("A long prefix of text before the image arrives <start_of_image> and "
+      "<start_of_image> two"), [image(30, 50, 2), image(64, 64, 3)]),
     ("<start_of_image><start_of_image>", [image(32, 32, 4), image(20, 90, 5)]),
 ]
 
