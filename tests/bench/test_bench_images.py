@@ -36,7 +36,10 @@ def test_images_figures(capsys, tmp_path, llava):
     assert len(quire["runs"]) == 2
     median = quire["median"]
     assert set(median) == {f.key for f in IMAGE_FIGURES}
-    assert all(value > 0 for value in median.values()), median
+    # the saving is 1 - cached/fresh TTFT: on the tiny model both take milliseconds, so
+    # its sign is noise; every other figure is a positive time, count or rate
+    assert all(v > 0 for k, v in median.items() if k != "prefix_saving"), median
+    assert median["prefix_saving"] < 1
     # the tiny tower makes 25 embeddings; 40 text tokens around them
     assert median["prompt_tokens"] == 25 + 40
     assert median["encoder_share"] < 1
