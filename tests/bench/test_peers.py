@@ -21,7 +21,9 @@ from quire.bench.workloads import PRESETS, build_requests
 PEERS_DIR = Path(procmem.__file__).parent
 SHARED = {"worker_io", "clock", "procmem"}
 PEER_LIBRARIES = {"hf_worker.py": {"torch", "transformers"}, "vllm_worker.py": {"vllm"},
-                  "llamacpp_worker.py": {"llama_cpp"}}
+                  "llamacpp_worker.py": {"llama_cpp"},
+                  # one worker for the hf and vllm peers: each imports only its own
+                  "image_worker.py": {"PIL", "torch", "transformers", "vllm"}}
 
 
 def imported_roots(path: Path) -> set[str]:

@@ -139,6 +139,9 @@ def test_attention_soft_cap_reaches_the_backend(tiny_checkpoint):
         ops = reference_ops()
         kv_slots = None  # the backend writes K/V itself: the attention() route
 
+        def merge_mm(self, embeds):  # a text step: no image rows
+            return embeds
+
         def attention(self, layer_idx, q, k, v, *, scale, sliding_window, logits_soft_cap):
             seen.append((layer_idx, sliding_window, logits_soft_cap))
             return q

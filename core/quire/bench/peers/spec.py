@@ -49,7 +49,7 @@ PEERS: dict[str, PeerSpec] = {
             description="Hugging Face transformers generate(), left-padded batches, on "
                         "Quire's device at its dtype",
             install_steps=(("install", "torch==2.13.0", "transformers", "gguf", "accelerate",
-                            "sentencepiece", "protobuf"),),
+                            "sentencepiece", "protobuf", "pillow"),),
             worker=_HERE / "hf_worker.py", model_format="hf"),
         PeerSpec(
             name="vllm",
