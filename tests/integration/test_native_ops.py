@@ -37,7 +37,19 @@ DECODERS = {
 #: Architectures checked by the encoder test below, or by another name's checkpoint.
 ENCODERS = {"BertModel"}
 #: Same model class as a checked architecture (a text-only alias of it).
-ALIASES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+ALIASES: dict[str, str] = {}
+#: Image-text architectures -> (the tiny checkpoint's builder module and function, the
+#: placeholder in prompts): their decoders must fuse as the text families' do, with
+#: image rows in the step.
+IMAGE_MODELS = {
+    "LlavaForConditionalGeneration": ("tiny_vlm", "build_llava", "<image>"),
+    "LlavaNextForConditionalGeneration": ("tiny_llava_next", "build_llava_next", "<image>"),
+    "Idefics3ForConditionalGeneration": ("tiny_idefics3", "build_idefics3", "<image>"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "tiny_qwen2_5_vl", "build_qwen2_5_vl", "<|vision_start|><|image_pad|><|vision_end|>"),
+    "Gemma3ForConditionalGeneration": ("tiny_gemma3_vlm", "build_gemma3_vlm",
+                                       "<start_of_image>"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +64,8 @@ def native():
 
 
 def test_every_registered_architecture_is_checked() -> None:
-    unchecked = set(CORE_MODELS) - set(DECODERS) - ENCODERS - set(ALIASES)
+    unchecked = (set(CORE_MODELS) - set(DECODERS) - ENCODERS - set(ALIASES)
+                 - set(IMAGE_MODELS))
     assert not unchecked, f"architectures without a native-ops check: {sorted(unchecked)}"
 
 
@@ -107,6 +120,38 @@ def test_decoder_layers_run_natively(arch: str, native, tmp_path) -> None:
     moe = [layer for layer in layers if layer.fusion_spec().mlp is not None]
     if "Moe" in arch or "Mixtral" in arch:
         assert moe, f"{arch}: no layer leaves its experts to the fused_moe op"
+
+
+@pytest.mark.parametrize("arch", sorted(IMAGE_MODELS))
+def test_image_models_decoders_run_natively(arch: str, native, tmp_path) -> None:
+    """The language model of an image-text model fuses whole layers with image rows in
+    the step (their embeddings placed before the first layer), and its vision tower's
+    linears run on the packed kernels."""
+    import importlib
+
+    from tiny_vlm import image
+
+    module, builder, placeholder = IMAGE_MODELS[arch]
+    path = getattr(importlib.import_module(module), builder)(tmp_path / "vlm")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256,
+              platform_options={"native": "true", "linear": "packed"})
+    model = _model(llm)
+    layers = [m for m in model.modules() if hasattr(m, "fusion_spec")]
+    assert layers and all(type(layer.kernel).__name__ == "FusedDecodeLayer"
+                          for layer in layers), f"{arch}: layers without the whole-layer kernel"
+    tower = [m for name, m in model.named_modules() if name.startswith(("vision_tower",
+             "visual", "vision_model")) and getattr(m, "op_site", None) == "linear"]
+    assert tower and all(isinstance(m.kernel, PackedLinear) for m in tower), arch
+    calls, handles = _count_site_calls(model)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outs = llm.generate({"prompt": f"Look {placeholder} here",
+                             "multi_modal_data": {"image": image(40, 30, 1)}}, params)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(outs[0].outputs[0].token_ids) == 4
+    assert not calls, f"{arch}: sites that ran op by op: {dict(calls)}"
 
 
 def test_encoder_linears_run_on_packed_kernels(native, tmp_path) -> None:
