@@ -16,6 +16,7 @@ CASES = [(("A long prefix of text before the image arrives <start_of_image> and 
            "<start_of_image> two"), [image(30, 50, 2), image(64, 64, 3)])]
 
 
+@pytest.mark.slow  # LLaVA's TP=2 and PP=2 run in the default suite
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
                                     {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_parallel_gemma3_images_equal_transformers(tmp_path, layout):

@@ -21,6 +21,7 @@ def qwen(tmp_path_factory):
     return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl-tp") / "tiny")
 
 
+@pytest.mark.slow  # LLaVA's TP=2 and PP=2 run in the default suite
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
                                     {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_parallel_qwen2_5_vl_equals_transformers(qwen, layout):

@@ -138,6 +138,7 @@ def test_prefix_cache_keys_on_the_image(idefics3, oracle):
     assert _tokens([other]) != [oracle[2][2]]
 
 
+@pytest.mark.slow  # LLaVA's TP=2 and PP=2 run in the default suite
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
                                     {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_parallel_equals_transformers(idefics3, oracle, layout):
