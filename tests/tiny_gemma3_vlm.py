@@ -16,7 +16,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from tests.tiny_models import _tokenizer
+from tests.tiny_models import _tokenizer, randomize
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 #: Image tokens per image: a 4 x 4 pooled grid.
@@ -47,12 +47,7 @@ def build_gemma3_vlm(directory: Path, seed: int = 0, sliding_window: int = 8) ->
                           eoi_token_index=eoi)
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.2 * torch.randn_like(p))  # Gemma's norms scale by (1 + w)
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model, norm_center=0.0)  # Gemma's norms scale by (1 + w)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     processor = Gemma3Processor(

@@ -16,7 +16,7 @@ from transformers import (
     LlamaConfig,
 )
 
-from tests.tiny_models import VOCAB, _tokenizer
+from tests.tiny_models import VOCAB, _tokenizer, randomize
 from tests.tiny_vlm import CHAT_TEMPLATE
 
 #: Tile side in pixels, and the longest edge an image is resized to before tiling.
@@ -48,12 +48,7 @@ def build_idefics3(directory: Path, seed: int = 0) -> Path:
     config = idefics3_config(tokenizer.convert_tokens_to_ids("<image>"))
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     image_processor = Idefics3ImageProcessor(size={"longest_edge": LONGEST},

@@ -15,7 +15,7 @@ from transformers import (
     LlavaNextProcessor,
 )
 
-from tests.tiny_models import VOCAB, _tokenizer
+from tests.tiny_models import VOCAB, _tokenizer, randomize
 from tests.tiny_vlm import CHAT_TEMPLATE, IMAGE_TOKEN
 
 #: (height, width) of the tile grids an image may be resized onto.
@@ -42,12 +42,7 @@ def build_llava_next(directory: Path, seed: int = 0, strategy: str = "default") 
     config = llava_next_config(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), strategy)
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     vision = config.vision_config

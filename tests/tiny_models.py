@@ -97,19 +97,28 @@ def _tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<pad>")
 
 
+def randomize(model: torch.nn.Module, norm_center: float = 1.0,
+              norms: tuple[str, ...] = ("norm",)) -> None:
+    """Random weights in place, from torch's current seed. Larger-than-default weights
+    give peaked logits (no near-ties for greedy to trip on) and non-zero biases and
+    norms, so every loaded tensor matters.
+
+    :param norm_center: the mean of the norms' weights (0 for Gemma's ``(1 + w)``).
+    :param norms: name fragments of the parameters that are norm weights."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(fragment in name for fragment in norms):
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+
+
 def build_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
     """Save a random-weight float32 checkpoint (safetensors + tokenizer) and return it."""
     config = tiny_config(arch)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # Larger-than-default weights give peaked logits (no near-ties for greedy to trip
-        # on) and non-zero biases and norms, so every loaded tensor matters.
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     _tokenizer().save_pretrained(directory)

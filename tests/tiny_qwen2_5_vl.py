@@ -16,7 +16,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil,
 )
 
-from tests.tiny_models import VOCAB, _tokenizer
+from tests.tiny_models import VOCAB, _tokenizer, randomize
 
 #: What a prompt says where an image goes.
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -59,12 +59,7 @@ def build_qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
     config = qwen2_5_vl_config(*tokenizer.convert_tokens_to_ids(SPECIAL))
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model, norms=("norm", "ln_q"))
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,

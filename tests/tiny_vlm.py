@@ -17,7 +17,7 @@ from transformers import (
     LlavaProcessor,
 )
 
-from tests.tiny_models import VOCAB, _tokenizer
+from tests.tiny_models import VOCAB, _tokenizer, randomize
 
 #: The placeholder token, added to the tiny tokenizer (its id: the next free one).
 IMAGE_TOKEN = "<image>"
@@ -51,12 +51,7 @@ def build_llava(directory: Path, seed: int = 0) -> Path:
     config = llava_config(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize(model)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     vision = config.vision_config

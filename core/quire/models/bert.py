@@ -25,14 +25,8 @@ from quire.models.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
+    whole_param,
 )
-
-
-def _param(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = default_weight_loader
-    return p
 
 
 class _LayerNorm(nn.Module):
@@ -41,8 +35,8 @@ class _LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(size)
-        self.bias = _param(size)
+        self.weight = whole_param(size)
+        self.bias = whole_param(size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -57,11 +51,11 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                       comm=comm)
-        self.position_embeddings = _param(config.max_position_embeddings,
+        self.position_embeddings = whole_param(config.max_position_embeddings,
                                           config.hidden_size)
-        self.token_type_embeddings = _param(config.type_vocab_size, config.hidden_size)
-        self.norm_weight = _param(config.hidden_size)
-        self.norm_bias = _param(config.hidden_size)
+        self.token_type_embeddings = whole_param(config.type_vocab_size, config.hidden_size)
+        self.norm_weight = whole_param(config.hidden_size)
+        self.norm_bias = whole_param(config.hidden_size)
         self.eps = config.layer_norm_eps
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

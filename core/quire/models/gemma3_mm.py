@@ -21,18 +21,12 @@ from torch import nn
 from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
 from quire.models.gemma3 import Gemma3ForCausalLM
-from quire.models.layers.linear import default_weight_loader
+from quire.models.layers.linear import whole_param
 from quire.models.pipeline import PipelineStage
+from quire.models.vision.loading import VisionWeights
 from quire.models.vision.siglip import SiglipVisionTower
 from quire.multimodal.processor import ImageFamily, split_first_dim
 from quire.ops import OpSet
-
-
-def _param(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = default_weight_loader
-    return p
-
 
 #: The front's side: ``<start_of_image>`` in prompts (the processor wraps it in blank
 #: lines and the image's soft tokens), ``pixel_values`` batched by image, a fixed count.
@@ -54,8 +48,8 @@ class Gemma3Projector(nn.Module):
                              f"square whose side divides the {self.patches} patches a side")
         self.kernel = self.patches // side
         self.eps = vision.layer_norm_eps
-        self.mm_soft_emb_norm = _param(vision.hidden_size)
-        self.mm_input_projection_weight = _param(vision.hidden_size,
+        self.mm_soft_emb_norm = whole_param(vision.hidden_size)
+        self.mm_input_projection_weight = whole_param(vision.hidden_size,
                                                  config.text_config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +119,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
         (``language_model.model.*``, ``vision_tower.*``, ``multi_modal_projector.*``),
         with or without ``vision_model.`` and the in-memory ``model.`` prefix."""
         text: list[tuple[str, torch.Tensor]] = []
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        qkv: dict[str, set[str]] = {}
+        vision = VisionWeights(self)
         for name, tensor in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
                 name = name.removeprefix("model.")
@@ -135,32 +127,18 @@ class Gemma3ForConditionalGeneration(nn.Module):
                 inner = name.removeprefix("language_model.")
                 text.append((inner if inner.startswith(("model.", "lm_head."))
                              else "model." + inner, tensor))
-                continue
-            if name.startswith("lm_head."):
+            elif name.startswith("lm_head."):
                 text.append((name, tensor))
-                continue
-            if self.vision_tower is None:
+            elif self.vision_tower is None:
                 continue  # a later pipeline stage's rank
-            if name.startswith("multi_modal_projector."):
-                target, shard = name.removesuffix(".weight") if name.endswith(
-                    "mm_soft_emb_norm.weight") else name, None
+            elif name.startswith("multi_modal_projector."):
+                vision.load(name, name.removesuffix(".weight") if name.endswith(
+                    "mm_soft_emb_norm.weight") else name, None, tensor)
             elif name.startswith("vision_tower."):
                 leaf, shard = SiglipVisionTower.checkpoint_name(
                     name.removeprefix("vision_tower."))
-                target = "vision_tower." + leaf
+                vision.load(name, "vision_tower." + leaf, shard, tensor)
             else:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-            if shard is None:
-                param.weight_loader(param, tensor)
-                loaded.add(target)
-            else:
-                param.weight_loader(param, tensor, shard)
-                qkv.setdefault(target, set()).add(shard)
-        loaded |= {t for t, got in qkv.items() if got == set("qkv")}
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+                raise vision.refusal(name)
+        return vision.loaded | {"language_model." + n
+                                for n in self.language_model.load_weights(text)}

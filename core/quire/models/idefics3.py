@@ -25,6 +25,7 @@ from quire.models.context import ForwardContext
 from quire.models.layers.linear import ColumnParallelLinear
 from quire.models.llava import text_model_class
 from quire.models.pipeline import PipelineStage
+from quire.models.vision.loading import VisionWeights
 from quire.models.vision.siglip import SiglipVisionTower
 from quire.multimodal.processor import ImageFamily
 from quire.ops import OpSet
@@ -166,9 +167,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
         checkpoints have them (``model.text_model.*``, ``model.vision_model.*``,
         ``model.connector.*``, ``lm_head.*``), with or without the ``model.`` prefix."""
         text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        params = dict(self.named_parameters())
-        qkv: dict[str, set[str]] = {}
+        vision = VisionWeights(self)
         for name, tensor in weights:
             inner = name.removeprefix("model.")
             if inner.startswith("text_model."):
@@ -178,23 +177,11 @@ class Idefics3ForConditionalGeneration(nn.Module):
             elif inner.startswith(("vision_model.", "connector.")):
                 if self.vision_model is None:
                     continue  # a later pipeline stage's rank
-                target, shard = self._vision_target(inner)
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                     f"{type(self).__name__}")
-                if shard is None:
-                    param.weight_loader(param, tensor)
-                    loaded.add(target)
-                else:
-                    param.weight_loader(param, tensor, shard)
-                    qkv.setdefault(target, set()).add(shard)
+                vision.load(name, *self._vision_target(inner), tensor)
             else:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-        loaded |= {t for t, got in qkv.items() if got == set("qkv")}
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+                raise vision.refusal(name)
+        return vision.loaded | {"language_model." + n
+                                for n in self.language_model.load_weights(text)}
 
     @staticmethod
     def _vision_target(name: str) -> tuple[str, str | None]:

@@ -22,6 +22,7 @@ from quire.models.context import ForwardContext
 from quire.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from quire.models.pipeline import PipelineStage
 from quire.models.vision.clip import CLIPVisionTower, activation
+from quire.models.vision.loading import VisionWeights
 from quire.multimodal.processor import ImageFamily, split_first_dim
 from quire.ops import OpSet
 
@@ -143,9 +144,7 @@ class LlavaForConditionalGeneration(nn.Module):
         checkpoints have them (``language_model.model.*``, ``vision_tower.vision_model.*``)
         or as transformers names them in memory (``model.language_model.*``)."""
         text: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        params = dict(self.named_parameters())
-        qkv: dict[str, set[str]] = {}
+        vision = VisionWeights(self)
         for name, tensor in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
                 name = name.removeprefix("model.")
@@ -160,24 +159,12 @@ class LlavaForConditionalGeneration(nn.Module):
                 if self.vision_tower is None:
                     continue  # a later pipeline stage's rank
                 target, shard = self._vision_target(name)
-                if target is None:
-                    continue
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                     f"{type(self).__name__}")
-                if shard is None:
-                    param.weight_loader(param, tensor)
-                    loaded.add(target)
-                else:
-                    param.weight_loader(param, tensor, shard)
-                    qkv.setdefault(target, set()).add(shard)
+                if target is not None:
+                    vision.load(name, target, shard, tensor)
             else:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
-                                 f"{type(self).__name__}")
-        loaded |= {t for t, got in qkv.items() if got == set("qkv")}
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+                raise vision.refusal(name)
+        return vision.loaded | {"language_model." + n
+                                for n in self.language_model.load_weights(text)}
 
     def _vision_target(self, name: str) -> tuple[str | None, str | None]:
         if name.startswith("multi_modal_projector."):

@@ -100,6 +100,14 @@ def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def whole_param(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter every rank loads whole (:func:`default_weight_loader`):
+    a norm's weight, an embedding table, a patch convolution."""
+    param = _empty_param(*shape)
+    param.weight_loader = default_weight_loader
+    return param
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with ``W``'s output rows split evenly over the ranks.
 

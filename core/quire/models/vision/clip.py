@@ -22,7 +22,7 @@ from quire.models.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
+    whole_param,
 )
 from quire.ops import OpSet
 
@@ -43,20 +43,14 @@ def activation(name: str, where: str) -> Any:
     return ACTIVATIONS[name]
 
 
-def _param(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = default_weight_loader
-    return p
-
-
 class LayerNormParams(nn.Module):
     """A LayerNorm's weight and bias; the op is the platform's (``ops.layer_norm``)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(size)
-        self.bias = _param(size)
+        self.weight = whole_param(size)
+        self.bias = whole_param(size)
 
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
@@ -111,10 +105,10 @@ class CLIPVisionTower(nn.Module):
         self.patch_size = config.patch_size
         self.image_size = config.image_size
         self.num_patches = (config.image_size // config.patch_size) ** 2
-        self.class_embedding = _param(hidden)
-        self.patch_embedding = _param(hidden, config.num_channels, config.patch_size,
+        self.class_embedding = whole_param(hidden)
+        self.patch_embedding = whole_param(hidden, config.num_channels, config.patch_size,
                                       config.patch_size)
-        self.position_embedding = _param(self.num_patches + 1, hidden)
+        self.position_embedding = whole_param(self.num_patches + 1, hidden)
         self.pre_layrnorm = LayerNormParams(hidden, config.layer_norm_eps)
         self.layers = nn.ModuleList(CLIPEncoderLayer(config, comm)
                                     for _ in range(max(self.feature_layers)))

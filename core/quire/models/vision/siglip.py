@@ -18,15 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
-from quire.models.layers.linear import default_weight_loader
+from quire.models.layers.linear import whole_param
 from quire.models.vision.clip import CLIPEncoderLayer, CLIPVisionTower, LayerNormParams
 from quire.ops import OpSet
-
-
-def _param(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
-    p.weight_loader = default_weight_loader
-    return p
 
 
 def bucketed_position_ids(mask: torch.Tensor, per_side: int) -> torch.Tensor:
@@ -55,8 +49,8 @@ class PatchEmbedding(nn.Module):
     def __init__(self, hidden: int, channels: int, patch_size: int) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.weight = _param(hidden, channels, patch_size, patch_size)
-        self.bias = _param(hidden)
+        self.weight = whole_param(hidden, channels, patch_size, patch_size)
+        self.bias = whole_param(hidden)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         patches = F.conv2d(pixel_values.to(self.weight.dtype), self.weight, self.bias,
@@ -82,7 +76,7 @@ class SiglipVisionTower(nn.Module):
         self.patch_size = config.patch_size
         self.per_side = config.image_size // config.patch_size
         self.patch_embedding = PatchEmbedding(hidden, config.num_channels, config.patch_size)
-        self.position_embedding = _param(self.per_side ** 2, hidden)
+        self.position_embedding = whole_param(self.per_side ** 2, hidden)
         self.layers = nn.ModuleList(CLIPEncoderLayer(config, comm)
                                     for _ in range(config.num_hidden_layers))
         self.post_layernorm = LayerNormParams(hidden, config.layer_norm_eps)
