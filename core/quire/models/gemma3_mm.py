@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
-from quire.models.context import ForwardContext
 from quire.models.gemma3 import Gemma3ForCausalLM
+from quire.models.image_text import ImageTextModel
 from quire.models.layers.linear import whole_param
 from quire.models.pipeline import PipelineStage
 from quire.models.vision.loading import VisionWeights
@@ -62,14 +62,13 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).to(x.dtype)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(ImageTextModel):
     """Gemma 3 over a flattened batch: the text decoder's forward with image embeddings
     in place of the image soft tokens; :meth:`embed_images` makes them.
 
     :raises ValueError: for a vision tower other than SigLIP's, naming the key.
     """
 
-    supports_pipeline = True
     #: Each image's tokens attend within the image both ways.
     bidirectional_images = True
 
@@ -88,10 +87,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
         first = stage is None or stage.is_first
         self.vision_tower = SiglipVisionTower(vision, comm, bucketed=False) if first else None
         self.multi_modal_projector = Gemma3Projector(config) if first else None
-        lm = self.language_model
-        self.kv_layer_ids = lm.kv_layer_ids
-        self.num_layers, self.num_kv_heads, self.head_dim = (lm.num_layers, lm.num_kv_heads,
-                                                             lm.head_dim)
+        self._adopt(self.language_model)
 
     def embed_images(self, images: list[dict[str, torch.Tensor]],
                      ops: OpSet) -> list[torch.Tensor]:
@@ -101,10 +97,6 @@ class Gemma3ForConditionalGeneration(nn.Module):
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
         pixels = torch.cat([image["pixel_values"] for image in images]).to(dtype)
         return list(self.multi_modal_projector(self.vision_tower(pixels, ops)))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        return self.language_model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head with no final soft cap: transformers' image-text class applies

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
-from quire.models.context import ForwardContext
+from quire.models.image_text import ImageTextModel
 from quire.models.layers.linear import ColumnParallelLinear
 from quire.models.llava import text_model_class
 from quire.models.pipeline import PipelineStage
@@ -96,14 +96,13 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection(pixel_shuffle(x, self.scale))
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class Idefics3ForConditionalGeneration(ImageTextModel):
     """Idefics3 over a flattened batch: the text decoder's forward with tile embeddings
     in place of the ``<image>`` tokens; :meth:`embed_images` makes them.
 
     :raises ValueError: for a vision or text model it does not compute, naming it.
     """
 
-    supports_pipeline = True
 
     def __init__(self, config: Any, comm: Communicator,
                  stage: PipelineStage | None = None) -> None:
@@ -128,10 +127,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
         self.vision_model = SiglipVisionTower(vision, comm) if first else None
         self.connector = Idefics3Connector(vision.hidden_size, text.hidden_size,
                                            int(config.scale_factor), comm) if first else None
-        lm = self.language_model
-        self.kv_layer_ids = lm.kv_layer_ids
-        self.num_layers, self.num_kv_heads, self.head_dim = (lm.num_layers, lm.num_kv_heads,
-                                                             lm.head_dim)
+        self._adopt(self.language_model)
 
     # -- images ----------------------------------------------------------------------------
     def embed_images(self, images: list[dict[str, torch.Tensor]],
@@ -154,14 +150,7 @@ class Idefics3ForConditionalGeneration(nn.Module):
                 out[i] = projected[row]
         return [o for o in out if o is not None]
 
-    # -- the text model --------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        return self.language_model(input_ids, positions, ctx, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
+    # -- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hugging Face's names, as ``save_pretrained`` writes them and as the SmolVLM
         checkpoints have them (``model.text_model.*``, ``model.vision_model.*``,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from quire.interfaces.communicator import Communicator
-from quire.models.context import ForwardContext
+from quire.models.image_text import ImageTextModel
 from quire.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from quire.models.pipeline import PipelineStage
 from quire.models.vision.clip import CLIPVisionTower, activation
@@ -67,7 +67,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(ImageTextModel):
     """LLaVA over a flattened batch: the text decoder's forward with image embeddings in
     place of the ``<image>`` tokens; :meth:`embed_images` makes them.
 
@@ -75,7 +75,6 @@ class LlavaForConditionalGeneration(nn.Module):
         compute, naming the config key.
     """
 
-    supports_pipeline = True
 
     def __init__(self, config: Any, comm: Communicator,
                  stage: PipelineStage | None = None) -> None:
@@ -102,10 +101,7 @@ class LlavaForConditionalGeneration(nn.Module):
             vision.hidden_size * len(layers), config.text_config.hidden_size,
             config.projector_hidden_act, bool(getattr(config, "multimodal_projector_bias",
                                                       True)), comm) if first else None
-        lm = self.language_model
-        self.kv_layer_ids = lm.kv_layer_ids
-        self.num_layers, self.num_kv_heads, self.head_dim = (lm.num_layers, lm.num_kv_heads,
-                                                             lm.head_dim)
+        self._adopt(self.language_model)
 
     # -- images ----------------------------------------------------------------------------
     def embed_images(self, images: list[dict[str, torch.Tensor]],
@@ -131,14 +127,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 out[i] = projected[row]
         return [o for o in out if o is not None]
 
-    # -- the text model --------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        return self.language_model(input_ids, positions, ctx, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
+    # -- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hugging Face's names, as ``save_pretrained`` writes them and as the llava-hf
         checkpoints have them (``language_model.model.*``, ``vision_tower.vision_model.*``)

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import Qwen2_5_VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
+from quire.models.image_text import ImageTextModel
 from quire.models.layers.rotary import MRotaryEmbedding, rope_parameters
 from quire.models.llama import Qwen2ForCausalLM
 from quire.models.pipeline import PipelineStage
@@ -104,7 +104,7 @@ IMAGE_FAMILY = ImageFamily("<|vision_start|><|image_pad|><|vision_end|>",
                            mrope_grid=_merged_grid, make_processor=make_processor)
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(ImageTextModel):
     """Qwen2.5-VL over a flattened batch: the Qwen2 decoder's forward at M-RoPE positions,
     with image embeddings in place of the ``<|image_pad|>`` tokens; :meth:`embed_images`
     makes them. The tower lives on the first pipeline stage only.
@@ -113,7 +113,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         config key.
     """
 
-    supports_pipeline = True
     #: The runner gives it (time, height, width) positions (``ctx.mrope_positions``).
     uses_mrope = True
 
@@ -131,10 +130,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         first = stage is None or stage.is_first
         self.visual = Qwen25VisionTower(config.vision_config, comm) if first else None
         self.merge = config.vision_config.spatial_merge_size
-        lm = self.language_model
-        self.kv_layer_ids = lm.kv_layer_ids
-        self.num_layers, self.num_kv_heads, self.head_dim = (lm.num_layers, lm.num_kv_heads,
-                                                             lm.head_dim)
+        self._adopt(self.language_model)
 
     # -- images ----------------------------------------------------------------------------
     def embed_images(self, images: list[dict[str, torch.Tensor]],
@@ -159,9 +155,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if ctx.mrope_positions is not None:
             positions = ctx.mrope_positions
         return self.language_model(input_ids, positions, ctx, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Hugging Face's names, as the Qwen checkpoints have them (``visual.*``,

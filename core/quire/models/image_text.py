@@ -1,0 +1,34 @@
+"""What every image-text model shares: a text decoder of ours (``language_model``) whose
+forward, logits and KV-cache attributes are the model's own; the subclass adds its
+vision side and ``embed_images``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quire.models.context import ForwardContext
+
+
+class ImageTextModel(nn.Module):
+    """Base of the image-text models: call :meth:`_adopt` with the built decoder."""
+
+    supports_pipeline = True
+
+    def _adopt(self, language_model: nn.Module) -> None:
+        """Take ``language_model`` as the text decoder: its layers size the KV cache."""
+        self.language_model = language_model
+        self.kv_layer_ids: tuple[int, ...] = language_model.kv_layer_ids
+        self.num_layers: int = language_model.num_layers
+        self.num_kv_heads: int = language_model.num_kv_heads
+        self.head_dim: int = language_model.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """The decoder's forward; image rows come in through ``ctx.mm_embeds``."""
+        return self.language_model(input_ids, positions, ctx, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
