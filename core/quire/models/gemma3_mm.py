@@ -115,12 +115,8 @@ class Gemma3ForConditionalGeneration(ImageTextModel):
         for name, tensor in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
                 name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                inner = name.removeprefix("language_model.")
-                text.append((inner if inner.startswith(("model.", "lm_head."))
-                             else "model." + inner, tensor))
-            elif name.startswith("lm_head."):
-                text.append((name, tensor))
+            if (inner := self.text_name(name)) is not None:
+                text.append((inner, tensor))
             elif self.vision_tower is None:
                 continue  # a later pipeline stage's rank
             elif name.startswith("multi_modal_projector."):

@@ -25,6 +25,16 @@ class ImageTextModel(nn.Module):
         self.num_kv_heads: int = language_model.num_kv_heads
         self.head_dim: int = language_model.head_dim
 
+    @staticmethod
+    def text_name(name: str) -> str | None:
+        """The decoder's name for a checkpoint tensor of the text model
+        (``language_model.model.*``, ``language_model.*``, ``lm_head.*``; the in-memory
+        ``model.`` prefix already removed), or None for the vision side's."""
+        if name.startswith("language_model."):
+            inner = name.removeprefix("language_model.")
+            return inner if inner.startswith(("model.", "lm_head.")) else "model." + inner
+        return name if name.startswith("lm_head.") else None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """The decoder's forward; image rows come in through ``ctx.mm_embeds``."""

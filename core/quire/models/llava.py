@@ -137,13 +137,8 @@ class LlavaForConditionalGeneration(ImageTextModel):
         for name, tensor in weights:
             if name.startswith("model.") and not name.startswith("model.layers."):
                 name = name.removeprefix("model.")
-            if name.startswith("language_model."):
-                inner = name.removeprefix("language_model.")
-                if not inner.startswith(("model.", "lm_head.")):
-                    inner = "model." + inner
+            if (inner := self.text_name(name)) is not None:
                 text.append((inner, tensor))
-            elif name.startswith("lm_head."):
-                text.append((name, tensor))
             elif name.startswith(("vision_tower.", "multi_modal_projector.")):
                 if self.vision_tower is None:
                     continue  # a later pipeline stage's rank
