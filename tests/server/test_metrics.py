@@ -108,10 +108,12 @@ def test_every_metric_is_exposed_with_its_type(server):
     counters = ["prefix_cache_queries_total", "prefix_cache_hits_total",
                 "num_preemptions_total", "engine_requests_total", "prompt_tokens_total",
                 "generation_tokens_total",
-                "request_success_total"]
+                "request_success_total", "request_slo_missed_total"]
     histograms = ["time_to_first_token_seconds", "inter_token_latency_seconds",
                   "e2e_request_latency_seconds", "request_queue_time_seconds",
-                  "request_prompt_tokens", "request_generation_tokens"]
+                  "request_prompt_tokens", "request_generation_tokens",
+                  "time_to_first_token_by_prompt_len_seconds",
+                  "request_queue_time_by_prompt_len_seconds"]
     expected = {**{f"quire:{n}": "gauge" for n in gauges},
                 **{f"quire:{n}": "counter" for n in counters},
                 **{f"quire:{n}": "histogram" for n in histograms}}

@@ -105,11 +105,26 @@ def test_config_file_sets_the_server_flags_and_wins_over_the_environment(
     (["--stream-send-timeout", "inf"], "--stream-send-timeout"),
     (["--limit-concurrency", "-1"], "--limit-concurrency"),
     (["--timeout-keep-alive", "0"], "--timeout-keep-alive"),
+    (["--slo-ttft", "0"], "--slo-ttft"),
+    (["--slo-e2e", "-1"], "--slo-e2e"),
+    (["--slo-ttft", "inf"], "--slo-ttft"),
+    (["--slo-e2e", "nan"], "--slo-e2e"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag(serve, capsys, flags, named):
     assert main(["serve", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"quire serve: error: {named}: "), lines
+
+
+def test_slo_flags_reach_the_engine_metrics(serve, monkeypatch):
+    from quire.entrypoints.server.slo import SLOTargets
+
+    made: list[dict] = []
+    monkeypatch.setattr("quire.entrypoints.server.async_engine.AsyncEngine",
+                        lambda engine, **kw: made.append(kw))
+    serve("--slo-ttft", "2", "--slo-e2e", "30")
+    serve()
+    assert [kw["slo"] for kw in made] == [SLOTargets(2.0, 30.0), SLOTargets()]
 
 
 def test_the_engine_core_runs_in_its_own_process_unless_asked(serve, monkeypatch):

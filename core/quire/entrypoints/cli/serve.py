@@ -42,6 +42,7 @@ from quire.entrypoints.server.limits import (
     ServerLimits,
     flag,
 )
+from quire.entrypoints.server.slo import SLOTargets
 
 if TYPE_CHECKING:
     from quire.config import EngineConfig
@@ -141,6 +142,14 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                         help="run the engine core in the API server's process (one "
                              "process fewer, but HTTP, detokenization and the model then "
                              "share one interpreter); one API server, no data parallelism")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                        help="count requests whose time to first token exceeds this in "
+                             "quire:request_slo_missed_total{slo=\"ttft\"} (default: not "
+                             "tracked)")
+    parser.add_argument("--slo-e2e", type=float, default=None, metavar="SECONDS",
+                        help="count requests whose end-to-end latency exceeds this in "
+                             "quire:request_slo_missed_total{slo=\"e2e\"} (default: not "
+                             "tracked)")
     _add_limit_options(parser)
     add_engine_options(parser, many_models=True)
     parser.set_defaults(run=run)
@@ -168,6 +177,16 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         if name in values:
             raise UsageError(f"{flag(name)}: {reason}") from exc
         raise UsageError(str(exc)) from exc
+
+
+def slo_from_args(args: argparse.Namespace) -> SLOTargets:
+    """``--slo-ttft``/``--slo-e2e`` as :class:`SLOTargets`.
+
+    :raises UsageError: naming the flag whose value is refused."""
+    for name, value in (("--slo-ttft", args.slo_ttft), ("--slo-e2e", args.slo_e2e)):
+        if value is not None and not (0 < value < float("inf")):
+            raise UsageError(f"{name}: must be a number of seconds > 0, got {value}")
+    return SLOTargets(args.slo_ttft, args.slo_e2e)
 
 
 def fetch_model_once(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
@@ -221,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     """
     check_server_flags(args)
     limits = limits_from_args(args)
+    slo_from_args(args)
     if len(model_items(args)) > 1:
         return _run_models(args, limits)
     single_model(args)
@@ -448,7 +468,7 @@ def _start_engine(args: argparse.Namespace, limits: ServerLimits, config: Engine
         raise engine_error(exc) from exc
     return AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                        max_stream_backlog=limits.max_stream_backlog,
-                       api_servers=args.api_server_count)
+                       api_servers=args.api_server_count, slo=slo_from_args(args))
 
 
 def _create_app(args: argparse.Namespace, limits: ServerLimits, async_engine: AsyncEngine,

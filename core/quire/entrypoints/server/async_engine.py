@@ -33,6 +33,7 @@ from quire.engine import EngineStats, LLMEngine
 from quire.engine.messages import ThinkingTokens
 from quire.entrypoints.server.errors import ClientTooSlow
 from quire.entrypoints.server.metrics import ServerMetrics, labelled, render_families
+from quire.entrypoints.server.slo import SLOTargets
 from quire.executor.abstract import WorkerDied
 from quire.lora.request import LoRARequest
 from quire.multimodal.inputs import MMItem
@@ -186,10 +187,12 @@ class AsyncEngine:
     :param max_stream_backlog: most outputs a request's reader may leave unread; past it
         the request is aborted and its stream raises :class:`StreamBacklogExceeded`.
     :param api_servers: API server processes serving alongside (shown in the metrics).
+    :param slo: the latency objectives whose misses the metrics count.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 256,
-                 max_stream_backlog: int = 1024, api_servers: int = 1) -> None:
+                 max_stream_backlog: int = 1024, api_servers: int = 1,
+                 slo: SLOTargets | None = None) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         if max_stream_backlog < 1:
@@ -211,7 +214,7 @@ class AsyncEngine:
         self._next_id = 0
         # ids unique across the API servers of one deployment (each has its own counter)
         self._id_prefix = f"req-{secrets.token_hex(4)}-"
-        self._metrics = ServerMetrics(self.max_model_len)  # engine thread only
+        self._metrics = ServerMetrics(self.max_model_len, slo)  # engine thread only
         self._grammars: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         #: Why the engine thread stopped on its own (a worker died), or None.

@@ -13,6 +13,10 @@ data-parallel rank), and the live processes by role, at render time. The app lab
 every sample with ``model``, the name the model is served by, and renders the families
 of every model it serves as one text (:func:`labelled`, :func:`render_families`).
 
+For SLO tracking (:mod:`quire.entrypoints.server.slo`), TTFT and queue time are also
+observed by prompt-length band (label ``prompt_len_le``), and requests that missed an
+objective ``quire serve`` was given are counted by objective (label ``slo``).
+
 One :class:`ServerMetrics` belongs to the engine thread, which feeds and renders it;
 nothing else touches it. The list of metrics is in ``docs/http-api.md``.
 """
@@ -29,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from quire.entrypoints.server.slo import SLOTargets, band_of, prompt_len_bands
 from quire.outputs import EmbeddingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -153,10 +158,13 @@ class ServerMetrics:
     """The request metrics and the per-request bookkeeping that turns outputs into
     observations, plus the engine figures at render time.
 
-    :param max_model_len: bounds the token-count histograms.
+    :param max_model_len: bounds the token-count histograms and the prompt-length bands.
+    :param slo: the objectives whose misses are counted (default: none).
     """
 
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, slo: SLOTargets | None = None) -> None:
+        self.slo = slo or SLOTargets()
+        self.bands = prompt_len_bands(max_model_len)
         #: Several API servers share one metrics directory (``--api-server-count``).
         self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_ENV))
         # In multiprocess mode the values live in files: the metrics register nowhere and
@@ -193,6 +201,23 @@ class ServerMetrics:
         self.request_generation = Histogram("quire:request_generation_tokens",
                                             "Generated tokens per finished request.",
                                             buckets=tokens, registry=own)
+        self.ttft_by_len = Histogram("quire:time_to_first_token_by_prompt_len_seconds",
+                                     "Seconds from arrival to the first output token, by "
+                                     "prompt-length band (prompts of at most prompt_len_le "
+                                     "tokens, more than the band below).",
+                                     ["prompt_len_le"], buckets=TOKEN_LATENCY_BUCKETS,
+                                     registry=own)
+        self.queue_by_len = Histogram("quire:request_queue_time_by_prompt_len_seconds",
+                                      "Seconds from arrival to the first schedule, per "
+                                      "finished request, by prompt-length band.",
+                                      ["prompt_len_le"], buckets=REQUEST_LATENCY_BUCKETS,
+                                      registry=own)
+        self.slo_missed = Counter("quire:request_slo_missed",
+                                  "Requests that missed an objective of quire serve "
+                                  "(--slo-ttft, --slo-e2e), by objective.", ["slo"],
+                                  registry=own)
+        for name in self.slo.names:
+            self.slo_missed.labels(slo=name)
         if not self.multiprocess:
             self.registry.register(self._engine)  # type: ignore[arg-type]
         self._seen: dict[str, _Seen] = {}
@@ -214,7 +239,7 @@ class ServerMetrics:
             seen.num_generation_tokens += generated
         if out.finished:
             seen = self._seen.pop(out.request_id, None)
-            self._finished(out, seen.num_generation_tokens if seen is not None else 0)
+            self._finished(out, seen)
 
     def observe_embedding(self, out: EmbeddingRequestOutput) -> None:
         """Count a finished embedding request: its prompt tokens and finish, no output
@@ -224,10 +249,7 @@ class ServerMetrics:
             return
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.success.labels(finished_reason=out.finish_reason).inc()
-        if m.e2e_latency is not None:
-            self.e2e.observe(m.e2e_latency)
-        if m.queue_time is not None:
-            self.queue_time.observe(m.queue_time)
+        self._latencies(m.e2e_latency, m.queue_time, len(out.prompt_token_ids))
         self.request_prompt.observe(len(out.prompt_token_ids))
         self.request_generation.observe(0)
 
@@ -237,20 +259,36 @@ class ServerMetrics:
         ttft = m.time_to_first_token
         if ttft is not None:
             self.ttft.observe(ttft)
+            self.ttft_by_len.labels(band_of(len(out.prompt_token_ids), self.bands)).observe(ttft)
+            if self.slo.ttft_s is not None and ttft > self.slo.ttft_s:
+                self.slo_missed.labels(slo="ttft").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         seen = self._seen[out.request_id] = _Seen(m.last_token_time, 0)
         return seen
 
-    def _finished(self, out: RequestOutput, num_generated: int) -> None:
+    def _finished(self, out: RequestOutput, seen: _Seen | None) -> None:
+        """``seen``: what was counted of it, None if it never had a first token."""
         m = out.metrics
         assert m is not None
         self.success.labels(finished_reason=finish_reason(out)).inc()
-        if m.e2e_latency is not None:
-            self.e2e.observe(m.e2e_latency)
-        if m.queue_time is not None:
-            self.queue_time.observe(m.queue_time)
+        if seen is None and m.e2e_latency is not None and self.slo.ttft_s is not None \
+                and m.e2e_latency > self.slo.ttft_s:
+            # ended (aborted) with no first token after longer than the TTFT objective
+            self.slo_missed.labels(slo="ttft").inc()
+        self._latencies(m.e2e_latency, m.queue_time, len(out.prompt_token_ids))
         self.request_prompt.observe(len(out.prompt_token_ids))
-        self.request_generation.observe(num_generated)
+        self.request_generation.observe(seen.num_generation_tokens if seen else 0)
+
+    def _latencies(self, e2e: float | None, queue_time: float | None,
+                   prompt_len: int) -> None:
+        """A finished request's end-to-end and queue times, and its E2E objective."""
+        if e2e is not None:
+            self.e2e.observe(e2e)
+            if self.slo.e2e_s is not None and e2e > self.slo.e2e_s:
+                self.slo_missed.labels(slo="e2e").inc()
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+            self.queue_by_len.labels(band_of(prompt_len, self.bands)).observe(queue_time)
 
     def collect(self, stats: Sequence[EngineStats], processes: Mapping[str, int]
                 ) -> list[Metric]:
