@@ -5,6 +5,9 @@ One call runs, for every row with that row's own parameters:
 | step | rows | what |
 | --- | --- | --- |
 | raw logprobs | ``logprobs`` set | ``log_softmax`` of the logits as given (reported, not sampled) |
+| processors | ``logits_processors`` set | the request's own callables, in order |
+| allowed tokens | ``allowed_token_ids`` set | every other token to ``-inf`` |
+| bad words | ``bad_words`` set | a bad word's last token to ``-inf`` where the output ends with the rest |
 | logit bias | ``logit_bias`` set | add the bias |
 | min_tokens | short of ``min_tokens`` | EOS and ``stop_token_ids`` to ``-inf`` |
 | penalties | any penalty set | repetition (prompt + output), frequency, presence |
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quire.sampling.argmax import row_argmax
+from quire.sampling.bad_words import ban_bad_words
 from quire.sampling.batch import BatchParams, RandomRows, batch_key
 from quire.sampling.filters import apply_min_p, apply_top_k_top_p
 from quire.sampling.logprobs import (
@@ -45,6 +49,7 @@ from quire.sampling.logprobs import (
     token_logprobs_of,
 )
 from quire.sampling.noise import NoiseSource
+from quire.sampling.processors import apply_logits_processors
 from quire.sampling.rejection import verify as verify_drafts
 from quire.sampling.rows import DraftRow, SamplingRow
 
@@ -289,7 +294,15 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, batch: BatchParams) -> None:
-        """Bias, min_tokens masks and penalties, in place (vLLM v1 order)."""
+        """Processors, allowed tokens, bad words, bias, min_tokens masks and penalties, in
+        place (vLLM v1 order, its per-request processors first as in its v0)."""
+        if batch.processors is not None:
+            apply_logits_processors(logits, batch.processors)
+        if batch.allowed is not None:
+            rows, mask = batch.allowed
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+        if batch.bad_words is not None:
+            ban_bad_words(logits, batch.bad_words)
         if batch.bias is not None:
             rows, cols, values = batch.bias
             logits.index_put_((rows, cols), values, accumulate=True)

@@ -9,10 +9,12 @@ that need engine facts (vocabulary size, the logprobs cap) live in
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from quire.outputs import RequestOutputKind
 from quire.structured.params import KINDS, StructuredOutputsParams
@@ -74,6 +76,16 @@ class SamplingParams:
       penalties, bias and temperature (vLLM v1's default ``raw_logprobs``).
     * ``stop``/``stop_token_ids`` are normalised to tuples (duplicates dropped, order
       kept); ``stop`` strings must be non-empty.
+    * ``allowed_token_ids``: only these tokens can be sampled (vLLM); a non-empty list.
+    * ``bad_words``: strings whose tokens must not be generated (vLLM): the engine's
+      front turns each into token sequences, with and without a leading space
+      (``bad_words_token_ids``), and the sampler bans a sequence's last token whenever the
+      output ends with the rest of it. A user may give ``bad_words_token_ids`` directly.
+    * ``logits_processors`` (offline only; vLLM's per-request processors): callables
+      ``f(output_ids, logits)`` or ``f(prompt_ids, output_ids, logits)`` returning the
+      float32 ``[vocab]`` row to sample from, applied first, in order. They run in the
+      engine core's process, so they need the core in the caller's process.
+      Logprobs stay raw, from before every processor.
 
     Do not change a ``SamplingParams`` after its request was added: the sampler caches
     tensors built from it for as long as the batch does not change.
@@ -125,14 +137,34 @@ class SamplingParams:
     #: A grammar the output must follow (JSON schema, regex, choice, grammar, any JSON
     #: object); a dict is read as :class:`StructuredOutputsParams`' fields.
     structured_outputs: StructuredOutputsParams | None = None
+    #: Only these token ids may be sampled; None allows all.
+    allowed_token_ids: Sequence[int] | None = None
+    #: Words the output must not contain, as the tokenizer splits them.
+    bad_words: Sequence[str] | None = None
+    #: ``bad_words`` as token sequences: set by the engine's front from ``bad_words``
+    #: (or given directly); the sampler reads only this.
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    #: Per-request logits processors (callables, see above; never crosses a process).
+    logits_processors: Sequence[Any] | None = None
+    #: Beam search instead of sampling (vLLM's extra parameter): the best ``n`` of
+    #: ``best_of`` (or ``n``) beams, see ``docs/generation.md``.
+    use_beam_search: bool = False
+    #: Beam width with ``use_beam_search`` (None: ``n``); without it, only None or ``n``.
+    best_of: int | None = None
+    #: Beam search: a finished beam scores ``sum_logprobs / length ** length_penalty``.
+    length_penalty: float = 1.0
+    #: Beam search: True, False or "never" (transformers' meanings).
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, lo=1)
         self._check_penalties()
+        self._check_vocabulary_limits()
         self._check_temperature_and_filters()
         self._check_lengths()
         self._check_stops()
         self._check_outputs()
+        self._check_beam_search()
 
     # -- checks, one group each ------------------------------------------------------------
     def _check_penalties(self) -> None:
@@ -145,6 +177,37 @@ class SamplingParams:
         self.repetition_penalty = rp
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+
+    def _check_vocabulary_limits(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            ids = _token_ids("allowed_token_ids", allowed)
+            if not ids:
+                raise ValueError("allowed_token_ids must hold at least one token id (None "
+                                 "allows every token)")
+            self.allowed_token_ids = tuple(dict.fromkeys(ids))
+        words = self.bad_words
+        if words is not None:
+            strings = (words,) if isinstance(words, str) else tuple(words)
+            if not all(isinstance(w, str) and w.strip() for w in strings):
+                raise ValueError(f"bad_words must be a list of non-blank strings, "
+                                 f"got {words!r}")
+            self.bad_words = tuple(dict.fromkeys(strings)) or None
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Sequence):
+                raise ValueError(f"bad_words_token_ids must be a list of token id lists, "
+                                 f"got {seqs!r}")
+            checked = [_token_ids("bad_words_token_ids", s) for s in seqs]
+            if not all(checked):
+                raise ValueError("bad_words_token_ids must not hold an empty list")
+            self.bad_words_token_ids = tuple(dict.fromkeys(checked)) or None
+        procs = self.logits_processors
+        if procs is not None:
+            procs = tuple(procs) if not callable(procs) else (procs,)
+            for proc in procs:
+                logits_processor_arity(proc)  # raises naming the field
+            self.logits_processors = procs or None
 
     def _check_temperature_and_filters(self) -> None:
         t = _float("temperature", self.temperature, 0.0, 2.0)
@@ -166,7 +229,7 @@ class SamplingParams:
                 self.seed = None
         if t == 0.0:  # greedy: the filters cannot change an argmax
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-            if self.n > 1:
+            if self.n > 1 and not self.use_beam_search:
                 raise ValueError(f"n must be 1 when sampling greedily (temperature=0), "
                                  f"got {self.n}")
 
@@ -224,6 +287,29 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}")
 
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be True or False, got "
+                             f"{self.use_beam_search!r}")
+        if self.best_of is not None:
+            self.best_of = _int("best_of", self.best_of, lo=self.n)
+            if not self.use_beam_search and self.best_of != self.n:
+                raise ValueError(f"best_of={self.best_of} > n={self.n} needs "
+                                 "use_beam_search=True (sampling returns every sample)")
+        self.length_penalty = _float("length_penalty", self.length_penalty,
+                                     -FLOAT32_MAX, FLOAT32_MAX, "[-3.4e38, 3.4e38]")
+        if self.early_stopping not in (True, False, "never") \
+                or isinstance(self.early_stopping, (int, float)) \
+                and not isinstance(self.early_stopping, bool):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got "
+                             f"{self.early_stopping!r}")
+        # what else beam search refuses, the engine checks (engine/beam_search.py)
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step with ``use_beam_search``: ``best_of``, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
     # -- what the engine asks --------------------------------------------------------------
     def check_against(self, *, vocab_size: int,
                       max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
@@ -232,8 +318,9 @@ class SamplingParams:
         :param vocab_size: width of the model's logits.
         :param max_logprobs: the engine's cap on ``logprobs``/``prompt_logprobs``; -1
             means the whole vocabulary is allowed.
-        :raises ValueError: a token id in ``logit_bias`` or ``stop_token_ids`` outside
-            ``[0, vocab_size)``, or more logprobs than ``max_logprobs``.
+        :raises ValueError: a token id in ``logit_bias``, ``stop_token_ids``,
+            ``allowed_token_ids`` or ``bad_words_token_ids`` outside ``[0, vocab_size)``,
+            or more logprobs than ``max_logprobs``.
         """
         cap = vocab_size if max_logprobs == -1 else max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -243,8 +330,11 @@ class SamplingParams:
                 whole = f" (-1 asks for all {vocab_size})" if value == -1 else ""
                 raise ValueError(f"{name} must be in [0, max_logprobs={cap}], got "
                                  f"{value}{whole}")
+        bad_words = [t for seq in self.bad_words_token_ids or () for t in seq]
         for name, ids in (("logit_bias", self.logit_bias or ()),
-                          ("stop_token_ids", self.stop_token_ids or ())):
+                          ("stop_token_ids", self.stop_token_ids or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words_token_ids", bad_words)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab_size}) (the "
@@ -285,6 +375,35 @@ def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
             allowed = f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
     return value
+
+
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
+           for t in ids):
+        raise ValueError(f"{name} must hold token ids (integers >= 0), got {list(ids)!r}")
+    return tuple(ids)
+
+
+def logits_processor_arity(proc: object) -> int:
+    """How many arguments a logits processor takes: 2 (output ids, logits) or 3 (prompt
+    ids, output ids, logits), as vLLM's per-request processors.
+
+    :raises ValueError: not a callable of two or three positional arguments."""
+    if not callable(proc):
+        raise ValueError(f"logits_processors must hold callables, got {proc!r}")
+    try:
+        params = inspect.signature(proc).parameters.values()
+    except (TypeError, ValueError):
+        raise ValueError(f"logits_processors: cannot read the signature of {proc!r}") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+    if len(positional) not in (2, 3):
+        raise ValueError(f"logits_processors take (output_ids, logits) or (prompt_ids, "
+                         f"output_ids, logits), got {proc!r} with {len(positional)} "
+                         f"required arguments")
+    return len(positional)
 
 
 def _float(name: str, value: object, lo: float, hi: float, shown: str | None = None, *,

@@ -69,6 +69,19 @@ def test_completion_whole_and_streamed_agree(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_allowed_token_ids_and_bad_words(server, client):
+    tok = server.engine.tokenizer
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0)
+    only = client.completions.create(**args, extra_body={"ignore_eos": True,
+                                                         "allowed_token_ids": [42]})
+    assert only.choices[0].text == tok.decode([42] * 4)
+    free = client.completions.create(**args, extra_body={"ignore_eos": True})
+    word = free.choices[0].text.split()[0]
+    banned = client.completions.create(**args, extra_body={"ignore_eos": True,
+                                                           "bad_words": [word]})
+    assert banned.choices[0].text != free.choices[0].text
+
+
 def test_chat_whole_streamed_n2_and_logprobs(client):
     msgs = [{"role": "user", "content": "Paris?"}]
     whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
@@ -95,6 +108,13 @@ def test_chat_whole_streamed_n2_and_logprobs(client):
     ({"prompt": "hi", "top_p": 5}, "top_p"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": 5}, "prompt"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": ["a"]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": 3}, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
+    ({"prompt": "hi", "bad_words": [7]}, "bad_words"),
+    ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(1000)]}, "bad_words"),
 ])
 def test_bad_parameters_are_400_naming_the_field(server, body, param):
     r = http(server, "POST", "/v1/completions", json={"model": MODEL, **body})

@@ -358,3 +358,66 @@ def test_shapes_are_checked():
     assert sampler.sample(torch.zeros(0, V), []).token_ids == []
     with pytest.raises(ValueError, match="logit_bias token id 20"):
         sampler.sample(torch.zeros(1, V), [make_seq(SamplingParams(logit_bias={20: 1.0}))])
+
+
+# -- allowed tokens, bad words, logits processors ---------------------------------------
+def test_allowed_token_ids_limit_greedy_and_random_rows():
+    allowed = [2, 4, 7, 9]
+    greedy = make_seq(SamplingParams(temperature=0, allowed_token_ids=allowed))
+    free = make_seq(SamplingParams(temperature=0))
+    assert Sampler(EOS, V).sample(BASE.repeat(2, 1), [greedy, free]).token_ids == [9, 1]
+    n = 8000
+    seqs = [make_seq(SamplingParams(temperature=0.9, allowed_token_ids=allowed))
+            for _ in range(n)]
+    tokens = Sampler(EOS, V, seed=5).sample(BASE.repeat(n, 1), seqs).token_ids
+    expected = torch.zeros(V, dtype=torch.float64)
+    expected[allowed] = (BASE[allowed].double() / 0.9).softmax(-1)
+    check_distribution(tokens, expected)
+
+
+def test_bad_words_ban_the_last_token_only_after_the_rest():
+    # BASE's argmax is 1, then 5, then 3
+    one = make_seq(SamplingParams(temperature=0, bad_words_token_ids=[[1]]))
+    after_6 = make_seq(SamplingParams(temperature=0, bad_words_token_ids=[[6, 1]]),
+                       output=[6])
+    after_7 = make_seq(SamplingParams(temperature=0, bad_words_token_ids=[[6, 1]]),
+                       output=[7])
+    three = make_seq(SamplingParams(temperature=0, bad_words_token_ids=[[4, 6, 1], [6, 5]]),
+                     output=[4, 6])
+    longer = make_seq(SamplingParams(temperature=0, bad_words_token_ids=[[8, 8, 1]]),
+                      output=[8])  # the word's prefix is longer than the output: no ban
+    seqs = [one, after_6, after_7, three, longer]
+    tokens = Sampler(EOS, V).sample(BASE.repeat(len(seqs), 1), seqs).token_ids
+    assert tokens == [5, 5, 1, 3, 1]
+
+
+def test_logits_processors_see_the_row_s_tokens_and_logprobs_stay_raw():
+    calls = []
+
+    def two(out, logits):
+        calls.append(("two", list(out)))
+        return logits - 100.0 * (torch.arange(V) == 1)  # a new tensor, not in place
+
+    def three(prompt, out, logits):
+        calls.append(("three", list(prompt), list(out)))
+        logits[0] = 50.0
+        logits[0] -= 51.0  # ends below the next best, 5 after `two`
+        return logits
+
+    seq = make_seq(SamplingParams(temperature=0, logprobs=1, logits_processors=[two, three]),
+                   prompt=[3, 4], output=[8])
+    plain = make_seq(SamplingParams(temperature=0))
+    out = Sampler(EOS, V).sample(BASE.repeat(2, 1), [seq, plain])
+    assert out.token_ids == [5, 1]
+    assert calls == [("two", [8]), ("three", [3, 4], [8])]
+    raw = BASE.log_softmax(-1)
+    assert out.logprobs[0].logprob == pytest.approx(float(raw[5]), abs=1e-6)
+
+
+def test_a_processor_returning_a_wrong_shape_names_itself():
+    def broken(out, logits):
+        return logits[:3]
+
+    seq = make_seq(SamplingParams(temperature=0, logits_processors=[broken]))
+    with pytest.raises(ValueError, match="must return a tensor of shape"):
+        Sampler(EOS, V).sample(BASE.repeat(1, 1), [seq])

@@ -62,6 +62,15 @@ def test_defaults_follow_vllm():
         ({"skip_special_tokens": "no"}, r"skip_special_tokens must be True or False"),
         ({"spaces_between_special_tokens": 0}, r"spaces_between_special_tokens must be"),
         ({"temperature": 0.0, "n": 2}, r"n must be 1 when sampling greedily"),
+        ({"allowed_token_ids": []}, r"allowed_token_ids must hold at least one"),
+        ({"allowed_token_ids": [1, -1]}, r"allowed_token_ids must hold token ids"),
+        ({"allowed_token_ids": "12"}, r"allowed_token_ids must be a list"),
+        ({"bad_words": ["ok", " "]}, r"bad_words must be a list of non-blank strings"),
+        ({"bad_words": [3]}, r"bad_words must be a list"),
+        ({"bad_words_token_ids": [[1], []]}, r"bad_words_token_ids must not hold an empty"),
+        ({"bad_words_token_ids": [1, 2]}, r"bad_words_token_ids must be a list of token"),
+        ({"logits_processors": [3]}, r"logits_processors must hold callables"),
+        ({"logits_processors": [lambda x: x]}, r"logits_processors take \(output_ids"),
     ],
 )
 def test_invalid_values_name_the_field_and_range(kwargs, message):
@@ -129,3 +138,28 @@ def test_for_sequence_gives_each_child_its_seed():
     assert one.for_sequence(0) is one
     with pytest.raises(ValueError, match=r"index must be in \[0, n=3\)"):
         p.for_sequence(3)
+
+
+def test_vocabulary_limits_are_normalised_and_checked_against_the_vocabulary():
+    p = SamplingParams(allowed_token_ids=[5, 3, 5], bad_words="hello",
+                       bad_words_token_ids=[[1, 2], [1, 2], [4]])
+    assert p.allowed_token_ids == (5, 3)
+    assert p.bad_words == ("hello",)
+    assert p.bad_words_token_ids == ((1, 2), (4,))
+    p.check_against(vocab_size=6)
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in \[0, 5\)"):
+        p.check_against(vocab_size=5)
+    q = SamplingParams(bad_words_token_ids=[[1, 9]])
+    with pytest.raises(ValueError, match=r"bad_words_token_ids token ids must be in"):
+        q.check_against(vocab_size=9)
+
+
+def test_logits_processors_take_two_or_three_arguments():
+    from quire.sampling_params import logits_processor_arity
+
+    assert logits_processor_arity(lambda out, logits: logits) == 2
+    assert logits_processor_arity(lambda prompt, out, logits, scale=1.0: logits) == 3
+    def one(out, logits):
+        return logits
+
+    assert SamplingParams(logits_processors=one).logits_processors == (one,)

@@ -48,6 +48,10 @@ def _adjusted_argmax(sampler_seed: int, logits: torch.Tensor, row) -> int:
     SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7,
                    presence_penalty=0.4),
     SamplingParams(temperature=0, min_tokens=4, logit_bias={5: 1.5}),
+    SamplingParams(temperature=0, bad_words_token_ids=[[6, 6], [2, 7], [5]],
+                   allowed_token_ids=list(range(0, V, 2)) + [5, 7]),
+    SamplingParams(temperature=0, logits_processors=[
+        lambda out, logits: logits - 2.0 * (torch.arange(V) == (out[-1] + 1) % V)]),
 ])
 def test_each_verification_row_is_adjusted_as_if_its_drafts_were_output(params):
     """Penalties, ``min_tokens`` and bias of row j count drafts 0..j-1 as output: with

@@ -45,6 +45,7 @@ from quire.outputs import (
     RequestOutputKind,
 )
 from quire.plugins.registry import PlatformRegistry
+from quire.sampling.bad_words import bad_words_token_ids
 from quire.sampling_params import SamplingParams
 from quire.structured.backend import GrammarBackend, make_grammar_backend
 from quire.tokenizer import load_tokenizer
@@ -175,6 +176,7 @@ class LLMEngine:
         if self.task == "embed":
             raise ValueError("this model serves embeddings (task='embed') and cannot "
                              "generate: use LLM.embed or POST /v1/embeddings")
+        self._prepare_params(params)
         arrival_time = time.monotonic()
         rid = self._new_id(request_id)
         tokens = check_request(rid, prompt_token_ids, params, self.config, self.vocab_size,
@@ -194,6 +196,20 @@ class LLMEngine:
         self.processor.track(req, 0)
         self._requests[rid] = req
         return rid
+
+    def _prepare_params(self, params: SamplingParams) -> None:
+        """What the front settles in ``params`` with its tokenizer before the core sees
+        them: ``bad_words`` as token sequences. Refuses logits processors the core cannot
+        run (a core in another process).
+
+        :raises ValueError: naming the field."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words,
+                                                             self.tokenizer) or None
+        if params.logits_processors and not isinstance(self.client, InprocCoreClient):
+            raise ValueError("logits_processors run in the engine core's process: this "
+                             "engine's cores run in other processes (data_parallel_size "
+                             "> 1, or a server), so they cannot call them")
 
     def image_inputs(self) -> ImageInputs:
         """The model's image preprocessing (built on first use; thread-safe).

@@ -87,6 +87,12 @@ class BatchParams:
     min_tokens: MinTokens | None
     penalties: PenaltyState | None
     logprobs: LogprobRows | None
+    #: Rows with ``allowed_token_ids`` and their masks (True where a token is allowed).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: ``(row, owner)`` of rows with bad words (their bans change every step).
+    bad_words: list[tuple[int, SamplingRow]] | None = None
+    #: ``(row, owner)`` of rows with logits processors.
+    processors: list[tuple[int, SamplingRow]] | None = None
 
     @classmethod
     def build(cls, seqs: list[SamplingRow], vocab_size: int, eos_token_ids: frozenset[int],
@@ -107,6 +113,11 @@ class BatchParams:
                                     previous.penalties if previous else None)
                        if penalised else None),
             logprobs=_logprob_rows(seqs, vocab_size, device),
+            allowed=_allowed(seqs, vocab_size, device),
+            bad_words=[(i, s) for i, s in enumerate(seqs)
+                       if s.params.bad_words_token_ids] or None,
+            processors=[(i, s) for i, s in enumerate(seqs)
+                        if s.params.logits_processors] or None,
         )
 
 
@@ -192,6 +203,21 @@ def _min_tokens(seqs: list[SamplingRow], vocab_size: int, eos_token_ids: frozens
         return None
     return MinTokens(owners, minimums, _index(rows, device), _index(cols, device),
                      _index(owner_of_pair, device))
+
+
+def _allowed(seqs: list[SamplingRow], vocab_size: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(rows):
+        ids = [t for t in seqs[i].params.allowed_token_ids if t < vocab_size]  # type: ignore[union-attr]
+        if not ids:
+            raise ValueError(f"sequence {seqs[i].seq_id}: no allowed_token_ids inside the "
+                             f"vocabulary [0, {vocab_size})")
+        mask[j, ids] = True
+    return _index(rows, device), mask.to(device)
 
 
 def _logprob_rows(seqs: list[SamplingRow], vocab_size: int,

@@ -282,7 +282,7 @@ def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
         ("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0),
         ("frequency_penalty", 0.0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=n, max_tokens=max_tokens, stop=stop, seed=get(body, "seed", int),
             top_k=get(body, "top_k", int, 0), min_tokens=get(body, "min_tokens", int, 0),
             ignore_eos=get(body, "ignore_eos", bool, False),
@@ -290,10 +290,15 @@ def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
             include_stop_str_in_output=get(body, "include_stop_str_in_output", bool, False),
             skip_special_tokens=get(body, "skip_special_tokens", bool, True),
             logit_bias=_logit_bias(get(body, "logit_bias", dict)),
+            allowed_token_ids=get(body, "allowed_token_ids", list),
+            bad_words=get(body, "bad_words", list),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=structured, **numbers)
     except ValueError as exc:
         raise from_value_error(exc) from exc
+    if params.bad_words:  # tokenized by the engine: bounded as stop strings are
+        bounds.check_stops(list(params.bad_words), "bad_words")
+    return params
 
 
 def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
