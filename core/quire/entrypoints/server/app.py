@@ -8,7 +8,8 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 :mod:`quire.entrypoints.server.errors`), except on ``/v1/messages``, which answers in Anthropic's (see
 :mod:`quire.entrypoints.server.anthropic`); a fault of ours is a 500 in the same shapes, and the
 connection stays usable (:class:`~quire.entrypoints.server.errors.ErrorShield`). ``GET /metrics``
-answers Prometheus text (see :mod:`quire.entrypoints.server.metrics`).
+answers Prometheus text (see :mod:`quire.entrypoints.server.metrics`), and ``GET /dashboard``
+a page that charts it (see :mod:`quire.entrypoints.server.dashboard`).
 
 A request is checked cheapest first: the API key, the body's size and arrival time, the
 model name, then (on a worker thread, :mod:`quire.entrypoints.server.tokenizer_pool`) JSON, types,
@@ -47,6 +48,7 @@ from quire.entrypoints.server.async_engine import (
     Overloaded,
     RequestStream,
 )
+from quire.entrypoints.server.dashboard import Dashboard
 from quire.entrypoints.server.embeddings import embedding_response, parse_embedding
 from quire.entrypoints.server.errors import (
     APIError,
@@ -746,6 +748,7 @@ def create_models_app(models: Sequence[ServedModel], api_key: str | None = None,
         Route("/health", router.health, methods=["GET"]),
         Route("/version", router.version, methods=["GET"]),
         Route("/metrics", router.metrics, methods=["GET"]),
+        *Dashboard().routes(),
     ]
     handlers = {APIError: on_api_error, HTTPException: on_http_error,
                 ClientDisconnect: on_disconnect}
