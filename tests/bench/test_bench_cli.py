@@ -185,3 +185,33 @@ def test_serve_reports_an_unreachable_server(capsys, tiny_path):
                "--repeats", "1", "--served-model-name", "x", "--timeout", "5"])
     assert rc == 0  # every request failed, and the table says so
     assert "other errors" in capsys.readouterr().out
+
+
+def test_serve_steps_concurrency_and_reports_the_capacity(capsys, tmp_path, tiny_path,
+                                                          server):
+    base = ["bench", "serve", "--url", server.url, "--model", tiny_path, "--num-requests",
+            "4", "--input-len", "10", "--output-len", "3", "--repeats", "1"]
+    out, result = run_json(capsys, tmp_path, [*base, "--concurrency", "1,2",
+                                              "--slo-ttft", "60", "--slo-e2e", "120"])
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 2]
+    assert all(lv["met"] and lv["median"]["completed"] == 4 for lv in result["levels"])
+    assert result["capacity"] == 2 and "capacity: 2 concurrent at p95" in out
+    # an objective no server meets: the first level misses, and the search stops there
+    out, result = run_json(capsys, tmp_path, [*base, "--concurrency", "1,2,4",
+                                              "--slo-ttft", "1e-9"])
+    assert [lv["met"] for lv in result["levels"]] == [False]
+    assert result["capacity"] is None and "no level tried meets" in out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--concurrency", "1,2"], "--slo-ttft"),
+    (["--concurrency", "2,1", "--slo-ttft", "1"], "increase"),
+    (["--concurrency", "1,x", "--slo-ttft", "1"], "'x'"),
+    (["--concurrency", "1,8", "--slo-ttft", "1"], "--num-requests"),
+])
+def test_serve_refuses_bad_concurrency_levels_naming_the_flag(capsys, tiny_path, flags,
+                                                               words):
+    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", tiny_path,
+               "--num-requests", "4", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--concurrency: " in err and words in err, err

@@ -155,9 +155,11 @@ def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
                         help="the server, e.g. http://127.0.0.1:8000; repeat it to spread "
                         "the requests over several (with one --served-model-name each)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None,
+    load.add_argument("--concurrency", default=None, metavar="N[,N...]",
                       help="clients sending one request after another (default: the "
-                      "workload's, W5: 120)")
+                      "workload's, W5: 120); several increasing levels (1,2,4,8) run "
+                      "one after another and report the highest whose p95 meets "
+                      "--slo-ttft/--slo-e2e")
     load.add_argument("--request-rate", type=float, default=None, metavar="PER_S",
                       help="Poisson arrivals per second instead of fixed clients")
     parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
@@ -844,8 +846,11 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = _workload(args)
     try:
         slo = SLO(args.slo_ttft, args.slo_e2e)
+        levels = _concurrency_levels(args, spec, slo)
+        if len(levels) > 1:
+            return _run_serve_levels(args, spec, slo, levels)
         concurrency = None if args.request_rate else \
-            args.concurrency or spec.concurrency or spec.num_requests
+            (levels or [spec.concurrency or spec.num_requests])[0]
         shape = serve.LoadShape(concurrency, args.request_rate, args.seed)
         tokenizer_path = args.tokenizer or resolve_model(args.model)
         tokenizer = load_tokenizer(tokenizer_path)
@@ -870,6 +875,74 @@ def run_serve(args: argparse.Namespace) -> int:
                          load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo))
     payload = record("serve", settings, [column])
     _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
+    return 0
+
+
+def _concurrency_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any) -> list[int]:
+    """``--concurrency`` as levels ([] when not given).
+
+    :raises UsageError: naming ``--concurrency`` for a bad list, several levels without
+        an SLO, or a level above the requests a pass sends."""
+    from quire.bench.slo import parse_levels
+
+    if args.concurrency is None:
+        return []
+    try:
+        levels = parse_levels(args.concurrency)
+    except ValueError as exc:
+        raise UsageError(f"--concurrency: {exc}") from exc
+    if len(levels) > 1 and not slo.is_set:
+        raise UsageError("--concurrency: several levels look for the highest that meets "
+                         "an SLO: give --slo-ttft and/or --slo-e2e")
+    if len(levels) > 1 and levels[-1] > spec.num_requests:
+        raise UsageError(f"--concurrency: level {levels[-1]} exceeds the "
+                         f"{spec.num_requests} requests of a pass (--num-requests)")
+    return levels
+
+
+def _run_serve_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any,
+                      levels: list[int]) -> int:
+    """``bench serve`` at each concurrency level in turn (the same prompts at each),
+    up to the first that misses ``slo``; the capacity line (:mod:`quire.bench.slo`)."""
+    import dataclasses
+
+    from quire.bench import serve
+    from quire.bench.report import record
+    from quire.bench.slo import capacity, describe, report, step_levels
+    from quire.bench.stats import median_figures
+    from quire.model_store import resolve_model
+    from quire.tokenizer import load_tokenizer
+
+    try:
+        tokenizer_path = args.tokenizer or resolve_model(args.model)
+        tokenizer = load_tokenizer(tokenizer_path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    runs = _requests(spec, tokenizer, tokenizer_path, args)
+    targets = serve_targets(args.url, args.served_model_name)
+    urls = ", ".join(dict.fromkeys(args.url))
+    names: list[str] = []
+
+    def measure(concurrency: int) -> dict[str, float]:
+        shape = serve.LoadShape(concurrency, None, args.seed)
+        try:
+            model, results = serve.run(targets, runs, shape, None, args.api_key,
+                                       args.timeout, args.split)
+        except (RuntimeError, OSError) as exc:
+            raise UsageError(f"--url {urls}: {exc}") from exc
+        names.append(model)
+        return median_figures([r.figures(slo) for r in results[args.warmup:]])
+
+    judged = step_levels(levels, measure, slo)
+    title = (f"quire bench serve: {spec.name} ({spec.description}), concurrency "
+             f"{args.concurrency} against {describe(slo)}, median of {args.repeats}, "
+             f"{urls}, model {names[0]!r}")
+    settings = _settings(spec, args, url=urls, model=names[0], split=args.split,
+                         levels=levels, slo=dataclasses.asdict(slo))
+    payload = record("serve", settings, capacity=capacity(judged), levels=[
+        {"concurrency": lv.concurrency, "met": lv.met, "misses": list(lv.misses),
+         "median": dict(lv.figures)} for lv in judged])
+    _finish(args, title, report(judged, slo), [], payload)
     return 0
 
 
