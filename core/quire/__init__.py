@@ -1,17 +1,19 @@
 """Quire: an LLM inference and serving engine with a paged KV cache and pluggable backends."""
 
+from quire.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from quire.lora.request import LoRARequest
 from quire.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,
     RequestMetrics,
     RequestOutput,
 )
-from quire.lora.request import LoRARequest
 from quire.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
+           "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
            "RequestMetrics", "RequestOutput", "SamplingParams", "__version__"]
 
 

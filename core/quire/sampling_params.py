@@ -294,8 +294,8 @@ class SamplingParams:
         if self.best_of is not None:
             self.best_of = _int("best_of", self.best_of, lo=self.n)
             if not self.use_beam_search and self.best_of != self.n:
-                raise ValueError(f"best_of={self.best_of} > n={self.n} needs "
-                                 "use_beam_search=True (sampling returns every sample)")
+                raise ValueError(f"best_of must equal n={self.n} without use_beam_search "
+                                 f"(every sample is returned), got {self.best_of}")
         self.length_penalty = _float("length_penalty", self.length_penalty,
                                      -FLOAT32_MAX, FLOAT32_MAX, "[-3.4e38, 3.4e38]")
         if self.early_stopping not in (True, False, "never") \

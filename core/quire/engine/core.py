@@ -27,9 +27,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from quire.config import EngineConfig, ResolvedConfig
+from quire.engine.beam_search import BeamGroup, check_beam_fits, check_beam_params
 from quire.engine.block_manager import BlockManager
 from quire.engine.kv_budget import KVShare, KVShareSpec
 from quire.engine.messages import (
+    BeamResult,
     CoreInfo,
     CoreOutputs,
     CoreRequest,
@@ -82,6 +84,8 @@ class _Request:
     request: CoreRequest
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs_known: int = 1  # the first prompt token has none
+    #: A beam search request's group (its ``seqs`` are then every beam it ever had).
+    beams: BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,6 +155,11 @@ def check_request(request_id: str, token_ids: list[int], params: SamplingParams,
                block_size=config.block_size, num_blocks=num_blocks,
                max_num_batched_tokens=config.max_num_batched_tokens,
                enable_chunked_prefill=config.enable_chunked_prefill)
+    if params.use_beam_search:
+        check_beam_params(params)
+        check_beam_fits(request_id, params,
+                        max_kv_tokens(len(tokens), params, config.max_model_len),
+                        config.block_size, num_blocks, config.max_num_seqs)
     return tokens
 
 
@@ -264,6 +273,7 @@ class EngineCore:
         # generate only: an embedding's step ends its request, with nothing to overlap
         self._async = config.async_scheduling and self.config.task == "generate"
         self._requests: dict[str, _Request] = {}
+        self._beam_rids: set[str] = set()  # beam search requests not finished
         self._grammars: GrammarBackend | None = None
         self._matchers: dict[int, Matcher] = {}  # by seq_id, for structured outputs
         self._thinking: dict[int, _Thinking] = {}  # by seq_id: grammars held after it
@@ -349,6 +359,9 @@ class EngineCore:
             check_images(rid, request.mm, len(tokens), self.takes_images)
             if self.uses_mrope:
                 check_mrope(rid, request.mm)
+        params = request.params
+        if params.use_beam_search and self._speculator is not None:
+            raise ValueError("use_beam_search does not run with speculative decoding")
         seq = self._new_sequence(request, tokens, index=0)
         self._start_matcher(seq, request.thinking)
         try:
@@ -358,6 +371,11 @@ class EngineCore:
             self._release(seq)
             raise
         self._requests[rid] = _Request(request, [seq])
+        if params.use_beam_search:
+            self._requests[rid].beams = BeamGroup.start(
+                seq, params, frozenset(self.eos_token_ids),
+                params.max_output_tokens(len(tokens), self.config.max_model_len))
+            self._beam_rids.add(rid)
         self._num_requests += 1
 
     def _new_sequence(self, request: CoreRequest, tokens: list[int], index: int,
@@ -386,6 +404,7 @@ class EngineCore:
             req = self._requests.pop(rid, None)
             if req is None:
                 continue
+            self._beam_rids.discard(rid)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
@@ -449,6 +468,7 @@ class EngineCore:
             num_preemptions=sched.stats.num_preemptions,
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
             has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
+            peak_used_blocks=sched.stats.peak_used_blocks,
             **self._spec_stats(),
         )
 
@@ -473,7 +493,8 @@ class EngineCore:
         asynchronous while they are not.
         """
         self.tend_kv_share()
-        if self._async and not self._drafts_due():
+        # beams pick their tokens together on the host: a beam search runs synchronously
+        if self._async and not self._drafts_due() and not self._beam_rids:
             return self._step_async()
         while len(self._in_flight) < self.scheduler.depth and self._schedule_next():
             pass
@@ -485,6 +506,8 @@ class EngineCore:
             self._finish_embeddings(out, result.sample_items, result.pooled, outputs)
             return self._report(outputs)
         seqs, logits, drafts = self._live_rows(out, result, outputs)
+        if seqs and self._beam_rids:
+            seqs, logits = self._take_beam_rows(seqs, logits, outputs)
         if seqs and drafts is None:
             self._mask(logits, seqs)
             self._take_tokens(seqs, self.sampler.sample(logits, seqs), outputs)
@@ -590,6 +613,8 @@ class EngineCore:
         :param sampled: the previous step's token ids on the device, and each pending
             sequence's row of it (async scheduling)."""
         out = self.scheduler.schedule()
+        if not out and self._beam_rids and self._unblock_beams():
+            out = self.scheduler.schedule()
         for seq in out.preempted:
             self._items.release(seq.seq_id)
         if not out:
@@ -814,6 +839,93 @@ class EngineCore:
         if len(seq.prompt_token_ids) + num_output >= self.config.max_model_len:
             return "length"
         return None
+
+    # -- beam search (engine/beam_search.py decides; this applies) -------------------------
+    def _take_beam_rows(self, seqs: list[Sequence], logits: torch.Tensor,
+                        outputs: CoreOutputs) -> tuple[list[Sequence], torch.Tensor]:
+        """Give each beam's row to its group, advance the groups whose every beam has
+        one; the other sequences' rows are returned, for the sampler."""
+        keep: list[int] = []
+        ready: dict[str, _Request] = {}
+        for row, seq in enumerate(seqs):
+            req = self._requests[seq.request_id]
+            if req.beams is None:
+                keep.append(row)
+                continue
+            req.beams.take(seq, logits[row])
+            if req.beams.ready:
+                ready[seq.request_id] = req
+        for req in ready.values():
+            self._advance_beams(req, outputs)
+        if len(keep) == len(seqs):
+            return seqs, logits
+        return [seqs[r] for r in keep], logits[keep]
+
+    def _advance_beams(self, req: _Request, outputs: CoreOutputs) -> None:
+        """Apply the group's choice: a parent's first child continues as the parent
+        (its token appended), each other child forks from it on its full computed pages
+        (shared by reference count; it recomputes only the partial page and its new
+        token); a parent with no child ends. A finished group reports its hypotheses."""
+        group = req.beams
+        assert group is not None
+        choices = group.advance()
+        if group.done:
+            self._finish_beams(req, outputs)
+            return
+        bs = self.block_manager.block_size
+        kept: set[int] = set()
+        continuing: list[tuple[Sequence, int]] = []
+        beams: list[tuple[Sequence, float]] = []
+        for choice in choices:  # forks first: they copy the parent's tokens as they are
+            parent = choice.parent
+            if parent.seq_id not in kept:
+                kept.add(parent.seq_id)
+                continuing.append((parent, choice.token))
+                beams.append((parent, choice.score))
+                continue
+            child = self._new_sequence(req.request, parent.prompt_token_ids, index=0,
+                                       arrival=parent.arrival)
+            child.output_token_ids = parent.output_token_ids + [choice.token]
+            self.scheduler.fork(parent, child, parent.num_computed_tokens // bs)
+            req.seqs.append(child)
+            beams.append((child, choice.score))
+        for parent, token in continuing:
+            parent.output_token_ids.append(token)
+        for seq in group.beams:
+            if seq.seq_id not in kept:
+                self.scheduler.finish(seq, "stop")
+                self._release(seq)
+        group.replace(beams)
+
+    def _finish_beams(self, req: _Request, outputs: CoreOutputs) -> None:
+        """End a beam search: its beams' pages go back, its hypotheses go out."""
+        assert req.beams is not None
+        for seq in req.beams.beams:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+                self._release(seq)
+        rid = req.request.request_id
+        outputs.beams.append(BeamResult(rid, req.beams.result(),
+                                        req.seqs[0].first_scheduled_time))
+        del self._requests[rid]
+        self._beam_rids.discard(rid)
+        self._finished.append(rid)
+
+    def _unblock_beams(self) -> bool:
+        """Nothing could be scheduled: beams waiting for their group (holding pages and
+        seats) may block the beams their groups wait for. Preempt the newest group's
+        waiting beams, so older groups can go on; False when no beam waits."""
+        groups = [self._requests[rid] for rid in self._beam_rids]
+        for req in sorted(groups, key=lambda r: -r.seqs[0].arrival):
+            assert req.beams is not None
+            held = [s for s in req.beams.beams if s in self.scheduler.running
+                    and s.num_uncomputed_tokens == 0 and not self.scheduler.in_flight(s)]
+            for seq in held:
+                self.scheduler.preempt(seq)
+                self._items.release(seq.seq_id)
+            if held:
+                return True
+        return False
 
     def _fork(self, req: _Request, parent: Sequence) -> None:
         """Start samples 1..n-1 on the parent's prompt pages (shared, not recomputed).

@@ -395,6 +395,13 @@ class LLMEngine:
             if append(req, update):
                 self.client.stop_sequence(rid, update.index)
             changed[rid] = req
+        for result in outputs.beams:  # beam search: one message at the end
+            req = requests.get(result.request_id)
+            if req is not None:
+                req.first_token_time = req.first_token_time or now
+                req.last_token_time = now
+                self.processor.finish_beams(req, result)
+                changed[result.request_id] = req
         for rid, why in outputs.refused:
             embed = embeddings.pop(rid, None)
             if embed is not None:
@@ -431,6 +438,7 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         prefix_queries=sum(s.prefix_queries for s in stats),
         prefix_hits=sum(s.prefix_hits for s in stats),
         has_unfinished=any(s.has_unfinished for s in stats),
+        peak_used_blocks=sum(s.peak_used_blocks for s in stats),
         num_requests=sum(s.num_requests for s in stats),
         spec_num_drafts=sum(s.spec_num_drafts for s in stats),
         spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),

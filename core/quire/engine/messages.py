@@ -40,6 +40,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    #: The most KV pages held at once since the core started.
+    peak_used_blocks: int = 0
 
 
 class ThinkingTokens(msgspec.Struct, frozen=True):
@@ -95,6 +97,25 @@ class SeqUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: bytes | None = None
 
 
+class BeamHypothesis(msgspec.Struct, array_like=True):
+    """One finished beam of a beam search request."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    #: ``cum_logprob / len(token_ids) ** length_penalty``.
+    score: float
+    finish_reason: str
+
+
+class BeamResult(msgspec.Struct, array_like=True):
+    """A beam search request's outcome, sent once when it finishes: its best ``n``
+    hypotheses, best first (no per-token updates come before it)."""
+
+    request_id: str
+    hypotheses: list[BeamHypothesis]
+    first_scheduled_time: float | None = None
+
+
 class PromptLogprobs(msgspec.Struct, array_like=True):
     """Raw logprobs of prompt tokens ``first + 1 ...`` of a request, from one step."""
 
@@ -110,6 +131,8 @@ class CoreOutputs(msgspec.Struct, omit_defaults=True):
     time: float = 0.0
     updates: list[SeqUpdate] = msgspec.field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
+    #: Beam search requests that finished this step, with their hypotheses.
+    beams: list[BeamResult] = msgspec.field(default_factory=list)
     #: Requests that ended in the core since its previous output (every sample finished).
     finished: list[str] = msgspec.field(default_factory=list)
     #: (request id, why) for requests the core refused after the front accepted them.

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from quire.engine.detokenizer import DetokenizerState, IncrementalDetokenizer
-from quire.engine.messages import SeqUpdate
+from quire.engine.messages import BeamResult, SeqUpdate
 from quire.engine.stop_strings import StopMatcher, StopScan
 from quire.outputs import (
     CompletionOutput,
@@ -201,6 +201,21 @@ class OutputProcessor:
                 spaces_between_special_tokens=params.spaces_between_special_tokens)
         return False
 
+    def finish_beams(self, req: RequestState, result: BeamResult) -> None:
+        """A beam search request's outcome: output ``i`` is hypothesis ``i`` (best
+        first), its text decoded whole (beams come only at the end)."""
+        params = req.params
+        for index, hyp in enumerate(result.hypotheses):
+            out = req.output(index) or self.track(req, index)
+            out.token_ids[out.num_prompt_tokens:] = hyp.token_ids
+            out.text = self.tokenizer.decode(
+                hyp.token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+            out.cumulative_logprob = hyp.cum_logprob
+            out.finish_reason = hyp.finish_reason
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = result.first_scheduled_time
+
     def abort(self, req: RequestState) -> None:
         """End every sample not finished yet (forked or not) with reason "abort"."""
         for index in range(req.params.n):
@@ -232,20 +247,21 @@ class OutputProcessor:
         delta = req.params.output_kind is RequestOutputKind.DELTA
         stops = req.stops
         hold = stops.longest - 1 if stops is not None else 0
+        beams = req.params.use_beam_search  # a beam's sum of logprobs is its rank
         completions = []
         for out in req.outputs:
             finish, text, logprobs = out.finish_reason, out.text, out.logprobs
             if finish is None and hold > 0:  # without a tail that may start a stop string
                 text = text[: len(text) - hold]
             if delta:
-                c = _delta(out, text, finish, logprobs)
+                c = _delta(out, text, finish, logprobs, beams)
                 if c is not None:
                     completions.append(c)
                 continue
             completions.append(CompletionOutput(
                 out.index, text, out.token_ids[out.num_prompt_tokens:],
                 None if logprobs is None else list(logprobs),
-                None if logprobs is None else out.cumulative_logprob,
+                None if logprobs is None and not beams else out.cumulative_logprob,
                 finish, out.stop_reason))
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not (delta and req.sent_prompt_logprobs):
@@ -259,7 +275,8 @@ class OutputProcessor:
 
 
 def _delta(out: SeqOutput, text: str, finish: str | None,
-           logprobs: list[PositionLogprobs] | None) -> CompletionOutput | None:
+           logprobs: list[PositionLogprobs] | None,
+           beams: bool = False) -> CompletionOutput | None:
     """What ``out`` has that was not reported yet, or None if nothing (``text``, its
     visible text, only grows, so the next delta starts where this one ends)."""
     sent_tokens = out.sent_tokens
@@ -270,7 +287,7 @@ def _delta(out: SeqOutput, text: str, finish: str | None,
     c = CompletionOutput(
         out.index, text[out.sent_chars:], new_tokens,
         logprobs[sent_tokens:] if logprobs is not None else None,
-        out.cumulative_logprob if logprobs is not None else None,
+        out.cumulative_logprob if logprobs is not None or beams else None,
         finish, out.stop_reason)
     out.sent_chars, out.sent_tokens = len(text), sent_tokens + len(new_tokens)
     out.sent_finish = finish is not None

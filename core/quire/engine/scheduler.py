@@ -92,6 +92,8 @@ class SchedulerStats:
     #: Prompt tokens looked up in the prefix cache at admission, and found there.
     prefix_queries: int = 0
     prefix_hits: int = 0
+    #: The most KV pages held at once, as each step's pages were allocated.
+    peak_used_blocks: int = 0
 
 
 def check_fits(request_id: str, num_prompt_tokens: int, max_kv_tokens: int, *,
@@ -172,15 +174,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence, shared: int | None = None) -> None:
         """Queue ``child``, another sample of ``parent``'s prompt, on the parent's pages.
 
         The parent must have computed its prompt. The child shares every full prompt page
         but the one holding the last prompt token (whose logits it needs), and computes
-        the rest itself when admitted.
+        the rest itself when admitted. A beam (its tokens the parent's and one more)
+        passes ``shared``: the parent's full computed pages.
         """
         bm = self.block_manager
-        shared = (parent.num_prompt_tokens - 1) // bm.block_size
+        if shared is None:
+            shared = (parent.num_prompt_tokens - 1) // bm.block_size
         bm.share(parent, child, shared)
         child.num_computed_tokens = shared * bm.block_size
         child.status = SequenceStatus.WAITING
@@ -227,6 +231,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, seats - len(out.scheduled))
         self._in_flight.update(s.seq.seq_id for s in out.scheduled)
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks,
+                                          self.block_manager.num_used_blocks)
         return out
 
     def in_flight(self, seq: Sequence) -> bool:
@@ -246,6 +252,9 @@ class Scheduler:
                 i += 1  # in flight, or seq.pending_finishes_it
                 continue
             num = known - seq.num_computed_tokens  # seq.num_uncomputed_tokens
+            if num <= 0:
+                i += 1  # a beam waiting for its group's next tokens
+                continue
             if seq.mm_items:
                 num = self._fit_images(seq, seq.num_computed_tokens, min(num, budget))
                 if num <= 0:
@@ -392,6 +401,11 @@ class Scheduler:
                 encode=self._encode(seq, start, num) if seq.mm_items else ()))
             budget -= num
             admitted += 1
+
+    def preempt(self, seq: Sequence) -> None:
+        """Send running ``seq`` (in no step in flight) back to wait, freeing its pages: the
+        engine's way out when beams hold the pages the rest of their group waits for."""
+        self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

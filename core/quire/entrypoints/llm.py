@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 from typing import Any, Union
 
+from quire.beam_search import BeamSearchOutput, BeamSearchParams, beam_output
 from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.lora.request import LoRARequest
@@ -82,6 +83,24 @@ class LLM:
         """
         return self._collect(self._add_requests(prompts, sampling_params, lora_request),
                              use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search on every prompt (vLLM's ``LLM.beam_search``): one output per
+        prompt, in prompt order, each with ``beam_width`` beams, best first. The search
+        runs in the engine core; beams share their prefix pages.
+
+        :raises ValueError: for an invalid prompt or parameters, before anything runs.
+        """
+        sp = params.to_sampling_params()
+        outs = self._collect(self._add_requests(prompts, sp, lora_request), use_tqdm)
+        return [beam_output(out, params.length_penalty) for out in outs]
 
     def _collect(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Run the queued requests to completion; their outputs in ``order``."""

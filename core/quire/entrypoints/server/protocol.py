@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from quire.engine.beam_search import check_beam_params
 from quire.entrypoints.server.errors import APIError, bad_request, from_value_error
 from quire.entrypoints.server.images import (
     ImageSupport,
@@ -133,7 +134,8 @@ def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
     params = _sampling_params(body, bounds, default_max_tokens=16, logprobs=logprobs,
                               prompt_logprobs=logprobs if echo else None,
                               structured=structured)
-    bounds.check_sequences(len(prompts), params.n)
+    bounds.check_sequences(len(prompts), params.beam_width if params.use_beam_search
+                           else params.n)
     (text, ids), *more = [_encode(p, tokenizer) for p in prompts]
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
@@ -293,12 +295,22 @@ def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
             allowed_token_ids=get(body, "allowed_token_ids", list),
             bad_words=get(body, "bad_words", list),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured, **numbers)
+            structured_outputs=structured, **_beam_fields(body), **numbers)
+        if params.use_beam_search:
+            check_beam_params(params)
     except ValueError as exc:
         raise from_value_error(exc) from exc
     if params.bad_words:  # tokenized by the engine: bounded as stop strings are
         bounds.check_stops(list(params.bad_words), "bad_words")
     return params
+
+
+def _beam_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's beam search extra parameters (the width is ``best_of``, else ``n``)."""
+    return {"use_beam_search": get(body, "use_beam_search", bool, False),
+            "best_of": get(body, "best_of", int),
+            "length_penalty": get(body, "length_penalty", _NUMBER, 1.0),
+            "early_stopping": get(body, "early_stopping", (bool, str), False)}
 
 
 def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
