@@ -6,6 +6,12 @@ source tree for an editable install), so users need no compiler. It never fails 
 install: without a compiler, or where a level does not build, the package ships fewer
 libraries (or none) and the run time builds at first use or warns
 (:mod:`quire.platforms.cpu.native`). ``QUIRE_BUILD_CPU_KERNELS=0`` skips it.
+
+``build_grpc_stubs`` generates the gRPC service's Python modules from
+``quire/entrypoints/grpc/generation.proto`` with grpcio-tools (a build requirement), the
+same way: into the wheel, or into the source tree for an editable install. They are never
+committed; without grpcio-tools the build warns and the run time generates them at first
+use where it can, else says how (:mod:`quire.entrypoints.grpc.stubs`).
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from setuptools.command.build import build
 ROOT = Path(__file__).resolve().parent
 CPU = ROOT / "core" / "quire" / "platforms" / "cpu"
 IN_PACKAGE = Path("quire", "platforms", "cpu", "_prebuilt")
+GRPC_STUBS = ROOT / "core" / "quire" / "entrypoints" / "grpc" / "stubs.py"
 
 
-def _load(name: str) -> ModuleType:
-    """A stdlib-only module of the cpu platform, by path: importing ``quire`` here would
-    need torch, which an isolated build environment does not have."""
-    spec = importlib.util.spec_from_file_location(f"_quire_build_{name}", CPU / f"{name}.py")
+def _load(name: str, path: Path | None = None) -> ModuleType:
+    """A stdlib-only module of the cpu platform (or at ``path``), by path: importing
+    ``quire`` here would need torch, which an isolated build environment does not have."""
+    spec = importlib.util.spec_from_file_location(f"_quire_build_{name}",
+                                                  path or CPU / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
@@ -89,15 +97,53 @@ def _build_kernels(out: Path) -> list[str]:
     return [str(p) for p in sorted(out.glob("quire_cpu-*"))]
 
 
+class build_grpc_stubs(Command):
+    description = "generate the gRPC service's Python modules from its .proto"
+    user_options: list[tuple[str, str | None, str]] = []
+
+    def initialize_options(self) -> None:
+        self.build_lib: str | None = None
+        self.editable_mode = False
+        self._outputs: list[str] = []
+
+    def finalize_options(self) -> None:
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def run(self) -> None:
+        stubs = _load("grpc_stubs", GRPC_STUBS)
+        out = ROOT / "core" if self.editable_mode or self.build_lib is None \
+            else Path(self.build_lib)
+        try:
+            self._outputs = [str(p) for p in stubs.compile_stubs(out)]
+        except RuntimeError as exc:
+            if "grpcio-tools" not in str(exc):
+                raise  # a proto that does not compile must not ship
+            _say(f"gRPC stubs not generated ({exc}); they are generated at first use "
+                 "where grpcio-tools is installed")
+            return
+        _say(f"gRPC stubs generated in {out}")
+
+    def get_outputs(self) -> list[str]:
+        return [] if self.editable_mode else self._outputs
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {}
+
+    def get_source_files(self) -> list[str]:
+        return [str(GRPC_STUBS.with_name("generation.proto").relative_to(ROOT))]
+
+
 def _say(message: str) -> None:
     print(f"quire build: {message}", file=sys.stderr)
 
 
 class build_with_kernels(build):
-    sub_commands = [*build.sub_commands, ("build_cpu_kernels", None)]
+    sub_commands = [*build.sub_commands, ("build_cpu_kernels", None),
+                    ("build_grpc_stubs", None)]
 
 
-commands: dict[str, type] = {"build": build_with_kernels, "build_cpu_kernels": build_cpu_kernels}
+commands: dict[str, type] = {"build": build_with_kernels, "build_cpu_kernels": build_cpu_kernels,
+                             "build_grpc_stubs": build_grpc_stubs}
 try:
     from setuptools.command.bdist_wheel import bdist_wheel
 

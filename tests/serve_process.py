@@ -16,7 +16,9 @@ import httpx
 
 
 class ServeProcess:
-    """``quire serve`` in a child process, port read back from uvicorn's start line."""
+    """``quire serve`` in a child process, port read back from uvicorn's start line (and
+    ``grpc_address``, ``host:port``, from the gRPC server's, with ``--grpc-port``; with
+    ``--no-http`` that line is the one waited for)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
                  start_timeout: float = 120) -> None:
@@ -31,6 +33,11 @@ class ServeProcess:
             line = self.proc.stderr.readline()
             assert line or self.proc.poll() is None, "server died:\n" + "".join(self.log)
             self.log.append(line)
+            grpc_line = re.search(r"gRPC running on (\S+)", line)
+            if grpc_line:
+                self.grpc_address = grpc_line.group(1)
+                if "--no-http" in args:
+                    break
             match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line, re.IGNORECASE)
             if match:
                 self.url = f"http://127.0.0.1:{match.group(1)}"
@@ -111,13 +118,13 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def greedy_reference(url: str, jobs: set[tuple[str, int]],
-                     model: str = "tiny") -> dict[tuple[str, int], str]:
+def greedy_reference(url: str, jobs: set[tuple[str, int]], model: str = "tiny",
+                     headers: dict[str, str] | None = None) -> dict[tuple[str, int], str]:
     """Each (prompt, max_tokens) job's greedy completion, one request at a time: what a
     client gets alone, to compare with what it gets under load."""
     out = {}
     for prompt, max_tokens in sorted(jobs):
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
+        r = httpx.post(url + "/v1/completions", timeout=60, headers=headers, json={
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True})
         assert r.status_code == 200, r.text

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "core" / "quire"
 #: Files the package opens at run time, not imports.
-DATA_SUFFIXES = {".c", ".h", ".txt", ".typed", ".html", ".js", ".css", ".LICENSE"}
+DATA_SUFFIXES = {".c", ".h", ".txt", ".typed", ".html", ".js", ".css", ".LICENSE", ".proto"}
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")

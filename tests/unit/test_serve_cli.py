@@ -243,8 +243,9 @@ class _FakeServer:
 
     seen: dict[str, object] = {}
 
-    def __init__(self, config, engine, drain_s, on_started=None) -> None:
+    def __init__(self, config, engine, drain_s, on_started=None, grpc=None) -> None:
         self.on_started = on_started
+        self.grpc_failure = None
 
     def run(self, sockets=None) -> None:
         (sock,) = sockets

@@ -50,6 +50,25 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def probe_port(host: str, port: int, flag: str) -> int:
+    """Bind ``host:port`` for a moment, without ``SO_REUSEPORT``, and let it go: the
+    port a server of another kind (gRPC) will bind later, after the model loaded, is
+    checked now, and ``port`` 0 becomes the free port the kernel picked.
+
+    :raises UsageError: naming ``flag`` or ``--host``, as :func:`bind_listener`.
+    """
+    if not 0 <= port <= MAX_PORT:
+        raise UsageError(f"{flag}: must be 0-{MAX_PORT} (0: any free port), got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = _resolve(host, port, family)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(_bind_error(host, port, exc, flag)) from exc
+        return int(sock.getsockname()[1])
+
+
 def url(host: str, listener: socket.socket) -> str:
     """``http://host:port`` of ``listener``, with the port it got (for ``--port 0``)."""
     return f"http://{_host_port(host, listener.getsockname()[1])}"
@@ -67,18 +86,18 @@ def _resolve(host: str, port: int, family: socket.AddressFamily) -> tuple[Any, .
     return infos[0][4]
 
 
-def _bind_error(host: str, port: int, exc: OSError) -> str:
+def _bind_error(host: str, port: int, exc: OSError, flag: str = "--port") -> str:
     """The one line that says why ``host:port`` could not be bound, naming the flag."""
     where = _host_port(host, port)
     if exc.errno == errno.EADDRINUSE:
-        return (f"--port: {where} is already in use; stop what listens there or choose "
-                f"another --port (0: any free port)")
+        return (f"{flag}: {where} is already in use; stop what listens there or choose "
+                f"another {flag} (0: any free port)")
     if exc.errno == errno.EADDRNOTAVAIL:
         return f"--host: cannot bind {where}: {host!r} is not an address of this machine"
     if exc.errno == errno.EACCES:
-        return f"--port: cannot bind {where}: permission denied (ports below 1024 need " \
+        return f"{flag}: cannot bind {where}: permission denied (ports below 1024 need " \
                f"privileges)"
-    return f"--host/--port: cannot bind {where}: {exc.strerror or exc}"
+    return f"--host/{flag}: cannot bind {where}: {exc.strerror or exc}"
 
 
 def _host_port(host: str, port: int) -> str:

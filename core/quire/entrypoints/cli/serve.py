@@ -36,6 +36,12 @@ from quire.entrypoints.cli.model_list import (
     served_names,
     single_model,
 )
+from quire.entrypoints.cli.serve_grpc import (
+    add_grpc_options,
+    check_grpc_flags,
+    grpc_server,
+    settle_grpc_port,
+)
 from quire.entrypoints.server.limits import (
     MIN_DEFAULT_PROMPT_BYTES,
     PROMPT_BYTES_PER_TOKEN,
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
     from quire.config import EngineConfig
     from quire.engine.core_client import CoreClient
     from quire.engine.kv_budget import KVShareSpec
+    from quire.entrypoints.grpc.server import GrpcServer
     from quire.entrypoints.server.async_engine import AsyncEngine
     from quire.plugins.registry import PlatformRegistry
 
@@ -151,6 +158,7 @@ def register(subparsers: "argparse._SubParsersAction[Any]") -> None:
                              "quire:request_slo_missed_total{slo=\"e2e\"} (default: not "
                              "tracked)")
     _add_limit_options(parser)
+    add_grpc_options(parser)
     add_engine_options(parser, many_models=True)
     parser.set_defaults(run=run)
 
@@ -249,18 +257,24 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     registry = open_registry(args)
     resolve_device(registry, config.device)
-    listener = bind_listener(args.host, args.port)
+    listener = _bind_http(args)
     try:
+        settle_grpc_port(args)
         config = fetch_model_once(args, config)
         if args.api_server_count > 1:
             from quire.entrypoints.cli.serve_processes import run_api_servers
 
             return run_api_servers(args, config, registry.blocked, listener)
-        address = url(args.host, listener)
         return serve(args, limits, config, registry, listener, chat_template=template,
-                     on_started=lambda: _announce(address))
+                     on_started=lambda: _announce(args, listener))
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
+
+
+def _bind_http(args: argparse.Namespace) -> socket.socket | None:
+    """The HTTP port's listening socket; None with ``--no-http``."""
+    return None if args.no_http else bind_listener(args.host, args.port)
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
@@ -287,27 +301,31 @@ def check_server_flags(args: argparse.Namespace) -> None:
                                    or args.api_server_count > 1):
         raise UsageError("--engine-in-process: runs one engine core in one API server; "
                          "drop it to use --data-parallel-size or --api-server-count")
+    check_grpc_flags(args)
 
 
-def _announce(address: str) -> None:
-    """uvicorn's start line, which it writes only for a socket it bound itself."""
-    logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)",
-                                            address)
+def _announce(args: argparse.Namespace, listener: socket.socket | None) -> None:
+    """uvicorn's start line, which it writes only for a socket it bound itself (none
+    with ``--no-http``; the gRPC server writes its own)."""
+    if listener is not None:
+        logging.getLogger("uvicorn.error").info(
+            "Uvicorn running on %s (Press CTRL+C to quit)", url(args.host, listener))
 
 
 def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
-          registry: PlatformRegistry, listener: socket.socket, *,
+          registry: PlatformRegistry, listener: socket.socket | None, *,
           chat_template: str | None = None, client: CoreClient | None = None,
           on_started: Callable[[], None] | None = None) -> int:
     """One API server on ``listener``: its engine front, the app, uvicorn until a signal
     or a failure.
 
     :param listener: the bound, listening socket (shared with the other API servers
-        under ``--api-server-count``); uvicorn closes it when it stops.
+        under ``--api-server-count``; None with ``--no-http``); uvicorn closes it when it
+        stops. With ``--grpc-port`` the gRPC server runs beside it on the same loop.
     :param chat_template: the Jinja text of ``--chat-template``.
     :param client: the engine cores to use (another process started them); by default
         they are started here (or built in this process with ``--engine-in-process``).
-    :param on_started: called once uvicorn serves.
+    :param on_started: called once uvicorn (and gRPC) serve.
     """
     try:  # the flag's form and --enable-lora first: no engine start for a typo
         parse_lora_modules(args.lora_modules)
@@ -325,10 +343,12 @@ def serve(args: argparse.Namespace, limits: ServerLimits, config: EngineConfig,
 
 
 def _run_uvicorn(args: argparse.Namespace, limits: ServerLimits, app: Any,
-                 engines: _Engines, listener: socket.socket,
+                 engines: _Engines, listener: socket.socket | None,
                  on_started: Callable[[], None] | None) -> int:
-    """Serve ``app`` on ``listener`` until a signal or an engine's failure; the exit
-    status (1: an engine failed)."""
+    """Serve ``app`` on ``listener`` (and gRPC on ``--grpc-port``) until a signal or an
+    engine's failure; the exit status (1: an engine or the gRPC server failed). Without
+    a listener (``--no-http``) uvicorn binds nothing and only runs the app's lifespan,
+    the signals and the drain."""
     import uvicorn
 
     # On SIGINT/SIGTERM uvicorn stops accepting, waits for connections to close, runs
@@ -340,10 +360,12 @@ def _run_uvicorn(args: argparse.Namespace, limits: ServerLimits, app: Any,
                                timeout_graceful_shutdown=args.shutdown_timeout + 5,
                                **connection_options(args, limits))
     server = _graceful_server_class()(uv_config, engines, args.shutdown_timeout,
-                                      on_started)
-    server.run(sockets=[listener])
-    if engines.failure is not None:  # a supervisor should restart us
-        logging.getLogger("quire").error("exiting: %s", engines.failure)
+                                      on_started,
+                                      grpc_server(args, limits, app, api_key_from(args)))
+    server.run(sockets=[] if listener is None else [listener])
+    failure = engines.failure or server.grpc_failure
+    if failure is not None:  # a supervisor should restart us
+        logging.getLogger("quire").error("exiting: %s", failure)
         return 1
     return 0
 
@@ -391,8 +413,9 @@ def _run_models(args: argparse.Namespace, limits: ServerLimits) -> int:
         resolve_device(registry, entry.config.device)
     from quire.hub import fetch_model
 
-    listener = bind_listener(args.host, args.port)
+    listener = _bind_http(args)
     try:
+        settle_grpc_port(args)
         fetched = []
         for entry in entries:
             try:
@@ -400,14 +423,15 @@ def _run_models(args: argparse.Namespace, limits: ServerLimits) -> int:
             except ValueError as exc:
                 raise engine_error(exc) from exc
         return serve_models(args, limits, fetched, templates, registry, listener,
-                            on_started=lambda: _announce(url(args.host, listener)))
+                            on_started=lambda: _announce(args, listener))
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
 
 
 def serve_models(args: argparse.Namespace, limits: ServerLimits, entries: list[ModelEntry],
                  templates: list[str | None], registry: PlatformRegistry,
-                 listener: socket.socket,
+                 listener: socket.socket | None,
                  on_started: Callable[[], None] | None = None) -> int:
     """One API server over one engine core process per model; the cores start in
     order, and the first sets the shared KV budget from what it measured."""
@@ -517,15 +541,21 @@ def _graceful_server_class() -> type:
         On the first signal the engine is drained (new requests refused, in-flight ones
         given ``drain_s`` to finish, the rest aborted so that their streams end with
         finish reason "abort" rather than a cut connection); uvicorn then closes the
-        idle connections and runs the app's shutdown. The process exits with status 0:
+        idle connections and runs the app's shutdown. A gRPC server, if any, starts once
+        the app's lifespan started the engines, says NOT_SERVING when the drain begins,
+        and stops before the engines do. The process exits with status 0:
         uvicorn would re-raise the signal after its shutdown, so that the process dies
         "of" it, while an orderly stop is a success.
         """
 
         def __init__(self, config: Any, engine: _Engines, drain_s: float,
-                     on_started: Callable[[], None] | None = None) -> None:
+                     on_started: Callable[[], None] | None = None,
+                     grpc: GrpcServer | None = None) -> None:
             super().__init__(config)
             self.on_started = on_started
+            self.grpc = grpc
+            #: Why the gRPC server could not start, or None.
+            self.grpc_failure: BaseException | None = None
             self.engine = engine
             self.drain_s = drain_s
             self.loop: asyncio.AbstractEventLoop | None = None
@@ -537,14 +567,31 @@ def _graceful_server_class() -> type:
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
+            if self.grpc is not None and self.started:
+                try:
+                    port = await self.grpc.start()
+                except RuntimeError as exc:  # the stop runs through on_tick
+                    logging.getLogger("quire").error("--grpc-port: %s", exc)
+                    self.grpc_failure = exc
+                    return
+                logging.getLogger("quire").info(
+                    "gRPC running on %s (quire.v1.Generation%s)",
+                    dataclasses.replace(self.grpc.options, port=port).address,
+                    ", TLS" if self.grpc.options.tls_cert else "")
             if self.on_started is not None and self.started:
                 self.on_started()
 
         async def on_tick(self, counter: int) -> bool:
-            """Stop serving once the engine stopped on its own (a worker died)."""
-            if self.engine.failure is not None:
+            """Stop serving once the engine stopped on its own (a worker died), or the
+            gRPC server could not start."""
+            if self.engine.failure is not None or self.grpc_failure is not None:
                 return True
             return await super().on_tick(counter)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            if self.grpc is not None:
+                await self.grpc.stop(self.drain_s + 5)
+            await super().shutdown(sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if self.draining is None and self.loop is not None:
@@ -554,6 +601,8 @@ def _graceful_server_class() -> type:
         def _start_drain(self) -> None:
             if self.draining is None:
                 self.draining = asyncio.ensure_future(self.engine.drain(self.drain_s))
+                if self.grpc is not None:
+                    asyncio.ensure_future(self.grpc.draining())
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

@@ -9,7 +9,9 @@ front ``i``); the kernel spreads connections over them. It then only watches: a 
 passed on to the API servers (each drains its requests), after which the cores are told
 to stop. If any process dies, the others are stopped and the exit status is 1, so that a
 supervisor restarts the whole server. Every child dies with this process
-(``PR_SET_PDEATHSIG``).
+(``PR_SET_PDEATHSIG``). With ``--grpc-port`` each API server also serves gRPC on that
+port (settled here first), all bound together with ``SO_REUSEPORT``; with ``--no-http``
+there is no HTTP socket to hand over.
 """
 
 from __future__ import annotations
@@ -42,14 +44,17 @@ FAIL_GRACE_S = 10.0
 
 
 def run_api_servers(args: argparse.Namespace, config: EngineConfig,
-                    blocked: frozenset[str], listener: socket.socket) -> int:
+                    blocked: frozenset[str], listener: socket.socket | None) -> int:
     """Run the cores and ``args.api_server_count`` API servers on ``listener`` (bound and
     listening; closed here at the end) until a signal or a death."""
-    address = url(args.host, listener)
+    address = url(args.host, listener) if listener is not None \
+        else f"gRPC port {args.grpc_port}"
+    fds = () if listener is None else (listener.fileno(),)
     try:
         cores = CoreProcesses(config, blocked)
     except (ValueError, RuntimeError) as exc:  # the device or its options, refused here
-        listener.close()
+        if listener is not None:
+            listener.close()
         raise UsageError(str(exc)) from exc
     # the API servers' request metrics, summed by whichever of them answers /metrics
     metrics_dir = tempfile.mkdtemp(prefix="quire-metrics-")
@@ -71,8 +76,9 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig,
             servers.append(subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP.format(args=(
                     args.argv, index,
-                    listener.fileno(), ready_w, cores.workdir, cores.pids, os.getpid()))],
-                pass_fds=(listener.fileno(), ready_w), env=env))
+                    fds[0] if fds else -1, ready_w, cores.workdir, cores.pids,
+                    os.getpid()))],
+                pass_fds=(*fds, ready_w), env=env))
         os.close(ready_w)
         status = _watch(servers, cores, ready_r, args.api_server_count, address,
                         lambda: stopping)
@@ -87,7 +93,8 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig,
             if proc.poll() is None:
                 proc.terminate()  # no front is left to say Shutdown
         cores.stop()
-        listener.close()
+        if listener is not None:
+            listener.close()
         os.close(ready_r)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return status
@@ -155,7 +162,8 @@ def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir
         os.write(ready_fd, b"1")
         os.close(ready_fd)
 
-    listener = socket.socket(fileno=fd)  # its family and type read from the descriptor
+    # its family and type read from the descriptor; -1: --no-http
+    listener = socket.socket(fileno=fd) if fd >= 0 else None
     status = serve(args, limits_from_args(args), config, open_registry(args), listener,
                    chat_template=read_chat_template(args.chat_template), client=client,
                    on_started=ready)

@@ -196,8 +196,8 @@ class _Api:
                     else "it generates; serve it with --task embed to embed with it")
             raise bad_request(f"The model does not support the {api} API: {hint}")
 
-    async def _check_grammar(self, parsed: ParsedRequest,
-                             reasoning: bool = True) -> ThinkingTokens | None:
+    async def check_grammar(self, parsed: ParsedRequest,
+                            reasoning: bool = True) -> ThinkingTokens | None:
         """Compile the request's grammar on a tokenizer thread (a 400 naming its field if
         it cannot be used). With a reasoning parser, the thinking markers the core holds
         the grammar after."""
@@ -321,7 +321,7 @@ class _Api:
                         model: str | None = None) -> Response:
         """:param lora: the adapter the request named; ``model`` the name it used."""
         # the reasoning parser reads chat answers only
-        thinking = await self._check_grammar(parsed, reasoning=chat)
+        thinking = await self.check_grammar(parsed, reasoning=chat)
         abandoned = asyncio.Event()
         streams = await self.submit_all(parsed, abandoned, thinking, lora)
         request_id = streams[0].request_id
@@ -354,7 +354,7 @@ class _Api:
         self.check_task("generate", "Messages")
         parsed = await self.pool.run(anthropic.parse_messages, body, self.chat_template,
                                      self.bounds, self.tool_parser, self.images)
-        thinking = await self._check_grammar(parsed)  # a required or named tool's
+        thinking = await self.check_grammar(parsed)  # a required or named tool's
         abandoned = asyncio.Event()
         stream = await self.submit(parsed.token_ids, parsed.params, parsed.prompt,
                                    abandoned, thinking=thinking, lora=lora, mm=parsed.mm)
@@ -753,8 +753,12 @@ def create_models_app(models: Sequence[ServedModel], api_key: str | None = None,
     handlers = {APIError: on_api_error, HTTPException: on_http_error,
                 ClientDisconnect: on_disconnect}
     middleware = [Middleware(AccessLog), Middleware(ErrorShield, shape=_shaped)]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                     exception_handlers=handlers)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers=handlers)  # type: ignore[arg-type]
+    #: the models' handlers, which the gRPC service answers through too
+    #: (:mod:`quire.entrypoints.grpc.service`)
+    app.state.router = router
+    return app
 
 
 def _shaped(path: str, exc: APIError) -> Response:

@@ -65,7 +65,7 @@ def from_value_error(exc: ValueError) -> APIError:
     """A 400 naming the field: quire's checks start their message with the field's name
     (``SamplingParams``) or speak of "the prompt" (the engine's length and id checks)."""
     message = str(exc)
-    first = message.split(" ", 1)[0].rstrip(":,")
+    first = message.split(" ", 1)[0].rstrip(":,").split("[", 1)[0]  # logit_bias[5]
     if first in _PARAMS:
         param: str | None = first
     elif message.startswith("the prompt"):
