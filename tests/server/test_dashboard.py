@@ -24,6 +24,7 @@ from quire.config import EngineConfig
 from quire.engine import LLMEngine
 from quire.entrypoints.server.app import ServedModel, create_models_app
 from quire.entrypoints.server.async_engine import AsyncEngine
+from quire.entrypoints.server.slo import SLOTargets
 from server_thread import Server
 
 MODELS = ("alpha", "beta")
@@ -39,8 +40,11 @@ _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)")
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     path = str(tiny_checkpoint("llama"))
+    # alpha misses its TTFT objective on every request and never its E2E one; beta has none
+    slos = {"alpha": SLOTargets(ttft_s=1e-6, e2e_s=1000.0), "beta": None}
     served = [ServedModel(name, AsyncEngine(LLMEngine(EngineConfig.from_kwargs(
-        path, device="cpu", max_model_len=128, block_size=16)))) for name in MODELS]
+        path, device="cpu", max_model_len=128, block_size=16)), slo=slos[name]))
+        for name in MODELS]
     srv = Server(create_models_app(served, api_key=KEY))
     yield srv
     srv.stop()
@@ -129,12 +133,27 @@ class Reading:
     def total(self, name: str, model: str) -> float:
         return sum(v for _, v in self.of(name, model))
 
-    def buckets(self, name: str, model: str) -> dict[float, float]:
-        out: dict[float, float] = {}
+    def buckets(self, name: str, model: str, group: str | None = None
+                ) -> dict[str, dict[float, float]]:
+        """Group (the ``group`` label's value, "" without one) -> bound -> count."""
+        out: dict[str, dict[float, float]] = {}
         for lbl, v in self.of(name + "_bucket", model):
+            counts = out.setdefault(lbl[group] if group else "", {})
             le = float(lbl["le"])
-            out[le] = out.get(le, 0.0) + v
+            counts[le] = counts.get(le, 0.0) + v
         return out
+
+
+def interval_quantile(prev: Reading, cur: Reading, name: str, model: str, q: float,
+                      group: str | None = None) -> dict[str, float | None]:
+    """Per group, the ``q`` quantile of what ``name`` observed between the readings."""
+    before, after = prev.buckets(name, model, group), cur.buckets(name, model, group)
+    out = {}
+    for key, counts in after.items():
+        was = before.get(key, {})
+        out[key] = histogram_quantile(q, sorted((le, n - was.get(le, 0.0))
+                                               for le, n in counts.items()))
+    return out
 
 
 def expected(prev: Reading, cur: Reading, model: str, interval_s: float
@@ -152,10 +171,14 @@ def expected(prev: Reading, cur: Reading, model: str, interval_s: float
         rows[f"prefix_hit_rate{{{key}}}"] = dh / dq if dq > 0 else None
     for panel, name in (("ttft", "quire:time_to_first_token_seconds"),
                         ("itl", "quire:inter_token_latency_seconds")):
-        before, after = prev.buckets(name, model), cur.buckets(name, model)
-        buckets = sorted((le, n - before.get(le, 0.0)) for le, n in after.items())
         for q in (50, 95, 99):
-            rows[f"{panel}_p{q}"] = histogram_quantile(q / 100, buckets)
+            rows[f"{panel}_p{q}"] = interval_quantile(prev, cur, name, model, q / 100)[""]
+    rows["e2e_p95"] = interval_quantile(prev, cur, "quire:e2e_request_latency_seconds",
+                                        model, 0.95)[""]
+    for prefix, name in (("ttft_p95", "quire:time_to_first_token_by_prompt_len_seconds"),
+                         ("queue_p95", "quire:request_queue_time_by_prompt_len_seconds")):
+        bands = interval_quantile(prev, cur, name, model, 0.95, "prompt_len_le")
+        rows.update({f'{prefix}{{prompt_len_le="{band}"}}': v for band, v in bands.items()})
     for kind in ("prompt", "generation"):
         name = f"quire:{kind}_tokens_total"
         rows[f"{kind}_tokens_per_s"] = (cur.total(name, model) - prev.total(name, model)) \
@@ -163,9 +186,18 @@ def expected(prev: Reading, cur: Reading, model: str, interval_s: float
         rows[f"{kind}_tokens_total"] = cur.total(name, model)
     rows.update({f"processes{{{k}}}": v
                  for k, v in cur.by("quire:processes", model, "role").items()})
-    rows.update({f"slo_missed_total{{{k}}}": v
-                 for k, v in cur.by("quire:request_slo_missed_total", model, "slo").items()})
+    missed = [r.by("quire:request_slo_missed_total", model, "slo") for r in (prev, cur)]
+    for key, v in missed[1].items():
+        rows[f"slo_missed_per_s{{{key}}}"] = (v - missed[0][key]) / interval_s
+        rows[f"slo_missed_total{{{key}}}"] = v
     return rows
+
+
+def over_interval(key: str) -> bool:
+    """Whether the page's figure ``key`` is a rate or percentile between two polls."""
+    base = key.partition("{")[0]
+    return base.endswith("_per_s") or base == "prefix_hit_rate" \
+        or re.search(r"_p\d+$", base) is not None
 
 
 def assert_rows_match(shown: dict[str, str], want: dict[str, float | None],
@@ -253,7 +285,7 @@ def check_charts(page: dict) -> None:
     """Each chart's newest point is its row's value in the table."""
     shown = dict(page["rows"])
     assert set(page["charts"]) == {"requests", "kv", "prefix", "ttft", "itl", "tokens",
-                                   "processes"}
+                                   "processes", "slo", "ttft_bands", "queue_bands"}
     for panel, series in page["charts"].items():
         assert series, panel
         for key, value in series:
@@ -288,8 +320,14 @@ def test_the_page_shows_what_metrics_says(server, browser):
         # the traffic shows: tokens, latencies, prefix hits (every request shares a page)
         assert want["generation_tokens_per_s"] > 0 and want["ttft_p95"] is not None
         assert want["itl_p50"] is not None
+        # the prompts fall in three bands (20 and 33 | 40 and 50 | 70 and 100 tokens)
+        assert sum(k.startswith("ttft_p95{") and v is not None for k, v in want.items()) >= 3
     assert any(v for k, v in want.items() if k.startswith("prefix_hit_rate"))
     assert want['running{model="alpha",engine="0"}'] == 0
+    # alpha's every request missed its TTFT objective, none its E2E one; beta has none
+    assert want['slo_missed_total{model="alpha",slo="ttft"}'] > 0
+    assert want['slo_missed_total{model="alpha",slo="e2e"}'] == 0
+    assert not any('model="beta",slo' in k for k in want)
 
 
 def test_the_page_polls_by_itself_and_catches_up(server, browser, tmp_path):
@@ -302,8 +340,7 @@ def test_the_page_polls_by_itself_and_catches_up(server, browser, tmp_path):
     # gauges and totals: the page reaches what /metrics says once it polled after the
     # traffic (rates and percentiles depend on when its polls fell)
     want = expected(now, now, MODELS[1], 1.0)
-    steady = {k for k in want if not k.endswith("_per_s") and not k.startswith(
-        ("prefix_hit_rate", "ttft_", "itl_"))}
+    steady = {k for k in want if not over_interval(k)}
 
     def caught_up(page: dict) -> bool:
         shown = dict(page["rows"])

@@ -29,6 +29,9 @@
     ["itl", "Inter-token latency over the interval", "seconds"],
     ["tokens", "Tokens per second", "tokens/s"],
     ["processes", "Live processes by role", "processes"],
+    ["slo", "End-to-end p95 and SLO misses over the interval", "seconds, misses/s"],
+    ["ttft_bands", "TTFT p95 by prompt length, over the interval", "seconds"],
+    ["queue_bands", "Queue time p95 by prompt length, over the interval", "seconds"],
   ];
 
   // -- the Prometheus text format (0.0.4) -------------------------------------------------
@@ -102,19 +105,27 @@
     return d >= 0 ? d : null; // a restart resets counters
   }
 
-  // cumulative bucket counts over the interval, every series but "le" summed
-  function bucketIncrease(cur, prev, name, model) {
+  // cumulative bucket counts over the interval, every series but "le" (and "group", when
+  // given) summed: group value -> [[le, count]] sorted by le; bounds as the newest poll
+  function bucketIncrease(cur, prev, name, model, group) {
     const sum = (scrape) => {
       const by = new Map();
       for (const s of ofModel(scrape, name + "_bucket", model)) {
+        const g = group ? s.labels[group] : "";
+        if (!by.has(g)) by.set(g, new Map());
         const le = number(s.labels.le);
-        by.set(le, (by.get(le) || 0) + s.value);
+        by.get(g).set(le, (by.get(g).get(le) || 0) + s.value);
       }
       return by;
     };
-    const now = sum(cur), before = sum(prev);
-    return [...now.keys()].sort((a, b) => a - b)
-      .map((le) => [le, now.get(le) - (before.get(le) || 0)]);
+    const now = sum(cur), before = prev ? sum(prev) : new Map();
+    const out = new Map();
+    for (const g of [...now.keys()].sort((a, b) => Number(a) - Number(b))) {
+      const was = before.get(g) || new Map();
+      out.set(g, [...now.get(g).keys()].sort((a, b) => a - b)
+        .map((le) => [le, now.get(g).get(le) - (was.get(le) || 0)]));
+    }
+    return out;
   }
 
   // PromQL's histogram_quantile over [upper bound, cumulative count] pairs
@@ -136,6 +147,7 @@
   // the rows of the table, [key, value or null, panel id or null], in order
   function figures(cur, prev, model) {
     const rows = [];
+    const dt = prev ? cur.t - prev.t : 0;
     const gauge = (prefix, name, label, panel) => {
       for (const [key, v] of byLabel(cur, name, model, label)) rows.push([`${prefix}{${key}}`, v, panel]);
     };
@@ -157,10 +169,9 @@
     }
     for (const [hist, panel] of [["quire:time_to_first_token_seconds", "ttft"],
       ["quire:inter_token_latency_seconds", "itl"]]) {
-      const buckets = prev ? bucketIncrease(cur, prev, hist, model) : [];
+      const buckets = (prev && bucketIncrease(cur, prev, hist, model).get("")) || [];
       for (const q of QUANTILES) rows.push([`${panel}_p${q}`, quantile(q / 100, buckets), panel]);
     }
-    const dt = prev ? cur.t - prev.t : 0;
     for (const kind of ["prompt", "generation"]) {
       const name = `quire:${kind}_tokens_total`;
       const d = increase(cur, prev, name, model);
@@ -168,8 +179,22 @@
       rows.push([`${kind}_tokens_total`, total(cur, name, model), null]);
     }
     gauge("processes", "quire:processes", "role", "processes");
-    for (const [key, v] of byLabel(cur, "quire:request_slo_missed_total", model, "slo")) {
+    const e2e = (prev && bucketIncrease(cur, prev, "quire:e2e_request_latency_seconds", model).get("")) || [];
+    rows.push(["e2e_p95", quantile(0.95, e2e), "slo"]);
+    const missed = byLabel(cur, "quire:request_slo_missed_total", model, "slo");
+    const missedBefore = prev ? byLabel(prev, "quire:request_slo_missed_total", model, "slo") : null;
+    for (const [key, v] of missed) {
+      const d = prev && missedBefore.has(key) ? v - missedBefore.get(key) : null;
+      rows.push([`slo_missed_per_s{${key}}`, d === null || d < 0 || !(dt > 0) ? null : d / dt, "slo"]);
       rows.push([`slo_missed_total{${key}}`, v, null]);
+    }
+    // by prompt-length band: how the longest prompts fare
+    for (const [hist, prefix, panel] of [
+      ["quire:time_to_first_token_by_prompt_len_seconds", "ttft_p95", "ttft_bands"],
+      ["quire:request_queue_time_by_prompt_len_seconds", "queue_p95", "queue_bands"]]) {
+      for (const [band, buckets] of bucketIncrease(cur, prev, hist, model, "prompt_len_le")) {
+        rows.push([`${prefix}{prompt_len_le="${band}"}`, prev ? quantile(0.95, buckets) : null, panel]);
+      }
     }
     return rows;
   }
