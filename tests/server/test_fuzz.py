@@ -3,6 +3,12 @@ given wrong types, None, huge and tiny numbers (and numbers Python cannot write:
 NaN, 5000 digits), lone surrogates, deep nesting, long strings and lists; and raw bodies
 that are not JSON objects at all.
 
+The gRPC service (``quire.v1.Generation``, on the same engine and handlers) gets the same:
+every Generate field drawn from its proto type's whole range (NaN and infinities, int64's
+ends, long stop lists, any map), and raw bytes as the request of every method; each call
+is OK or a refusal (``INVALID_ARGUMENT``, ``NOT_FOUND`` for a model name), never
+``INTERNAL`` or ``UNKNOWN``, and the server answers the next call.
+
 Per case: no 5xx; a 4xx in the route's own error shape (OpenAI's; Anthropic's on
 /v1/messages); a streamed 200 ends properly (``data: [DONE]``, ``message_stop`` or an
 error event); and the same connection then serves a normal request (a 413 may close
@@ -15,6 +21,7 @@ listed apart (``KNOWN_PROBES``), so each failure has a plain body to reproduce i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -22,8 +29,10 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+import grpc
 import httpx
 import pytest
+from grpc_client import bearer, pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from quire.config import EngineConfig
@@ -51,9 +60,14 @@ def server(tiny_checkpoint):
     engine = LLMEngine(EngineConfig.from_kwargs(path, device="cpu", max_model_len=128))
     # the default limits (8 MiB bodies, 64 stop strings, 256 sequences), and a waiting
     # bound no single request reaches, so a 503 can only be a bug here
-    srv = serve_stepped(engine, lambda aengine: create_app(
-        aengine, MODEL, api_key=KEY, chat_template=CHAT_TEMPLATE),
-        max_waiting_requests=100_000)
+    apps = []
+
+    def make_app(aengine):
+        apps.append(create_app(aengine, MODEL, api_key=KEY, chat_template=CHAT_TEMPLATE))
+        return apps[0]
+
+    srv = serve_stepped(engine, make_app, max_waiting_requests=100_000)
+    srv.app = apps[0]
     yield srv
     srv.stop()
 
@@ -456,6 +470,101 @@ def test_health_is_fast_during_heavy_requests(server, client):
                 time.sleep(0.01)
         worker.join(timeout=CASE_TIMEOUT_S)
         assert slowest < 0.100, f"/health took {slowest * 1000:.0f} ms during {content[:60]!r}"
+
+
+# -- gRPC ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grpc_channel(server):
+    """The same models over gRPC: a ``GrpcServer`` on the server's event loop."""
+    from quire.entrypoints.grpc.server import GrpcOptions, GrpcServer
+
+    grpc_server = GrpcServer(server.app.state.router, GrpcOptions("127.0.0.1", 0), KEY)
+    loop = server.engine.loop
+    port = asyncio.run_coroutine_threadsafe(grpc_server.start(), loop).result(30)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        yield ch
+    asyncio.run_coroutine_threadsafe(grpc_server.stop(1), loop).result(30)
+
+
+INT32 = st.integers(-2**31, 2**31 - 1)
+INT64 = st.integers(-2**63, 2**63 - 1)
+DOUBLES = st.floats(allow_nan=True, allow_infinity=True)
+proto_text = st.text(st.characters(codec="utf-8"), max_size=24)  # proto strings are UTF-8
+proto_id = st.one_of(leaf_id.filter(lambda t: -2**63 <= t < 2**63), INT64)
+GENERATE = {
+    "model": st.one_of(st.just(MODEL), proto_text),
+    "text": proto_text,
+    "token_ids": st.lists(proto_id, max_size=16).map(lambda ids: pb2.TokenIds(ids=ids)),
+    "n": st.one_of(st.integers(1, 4), st.just(128), INT32),
+    "max_tokens": st.one_of(small_tokens, INT32),
+    **{name: st.one_of(SAMPLING[name], DOUBLES) for name in (
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty")},
+    "top_k": st.one_of(SAMPLING["top_k"], INT64),
+    "seed": INT64,
+    "min_tokens": st.one_of(SAMPLING["min_tokens"], INT64),
+    "ignore_eos": flag, "include_stop_str_in_output": flag, "skip_special_tokens": flag,
+    "stop": st.one_of(st.lists(proto_text, max_size=4), st.just(MAX_STOPS),
+                      st.lists(proto_text, min_size=65, max_size=70)),
+    "stop_token_ids": st.lists(proto_id, max_size=4),
+    "logit_bias": st.dictionaries(proto_id, st.one_of(st.floats(-100, 100), DOUBLES),
+                                  max_size=3),
+    "logprobs": st.one_of(st.integers(0, 5), INT32),
+    "structured_outputs": st.fixed_dictionaries({}, optional={
+        "json": st.one_of(proto_text, st.just('{"type": "object"}')), "regex": proto_text,
+        "choice": st.lists(proto_text, max_size=3), "grammar": proto_text,
+        "json_object": flag}).map(lambda kw: pb2.StructuredOutputs(**kw)),
+}
+GRPC_OK = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+METHODS = {"Generate": True, "Embed": False, "Tokenize": False, "Detokenize": False,
+           "ListModels": False}  # name: streams its answer
+
+
+@st.composite
+def generate_requests(draw: Any) -> Any:
+    """A working GenerateRequest with up to six fields replaced or dropped."""
+    fields: dict[str, Any] = {"model": MODEL, "text": "Once upon", "max_tokens": 2}
+    for name in draw(st.lists(st.sampled_from(sorted(GENERATE)), unique=True, max_size=6)):
+        if draw(st.booleans()):
+            fields[name] = draw(GENERATE[name])
+        else:
+            fields.pop(name, None)
+    if "token_ids" in fields:  # one member of the prompt oneof
+        fields.pop("text", None)
+    return pb2.GenerateRequest(**fields)
+
+
+def grpc_case(ch: grpc.Channel, method: str, request: bytes) -> None:
+    """One call of ``method`` with the encoded ``request``: OK or a refusal, in time;
+    then the server still answers."""
+    path = f"/quire.v1.Generation/{method}"
+    call = ch.unary_stream(path) if METHODS[method] else ch.unary_unary(path)
+    try:
+        answer = call(request, metadata=bearer(KEY), timeout=CASE_TIMEOUT_S)
+        if METHODS[method]:
+            list(answer)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+    assert code in GRPC_OK, f"{method} {request[:300]!r}: {code} {details}"
+    assert ch.unary_unary("/quire.v1.Generation/ListModels")(
+        b"", metadata=bearer(KEY), timeout=CASE_TIMEOUT_S)
+
+
+@settings(FUZZ, max_examples=60)
+@given(request=generate_requests())
+def test_fuzz_grpc_generate(grpc_channel, request):
+    grpc_case(grpc_channel, "Generate", request.SerializeToString())
+
+
+@settings(FUZZ, max_examples=40)
+@given(method=st.sampled_from(sorted(METHODS)),
+       raw=st.one_of(st.binary(max_size=64), st.sampled_from([
+           b"\x12\x03\xff\xfe\xfd",  # text: not UTF-8
+           b"\x1a\x05\x0a\x03\x80\x80\x80",  # token ids: a varint cut short
+           b"\x08" * 64, b"\xff" * 64, b"\x0a\x7f" + b"a" * 10])))
+def test_fuzz_grpc_raw_requests(grpc_channel, method, raw):
+    grpc_case(grpc_channel, method, raw)
 
 
 def test_zz_engine_idle_after_everything(server, client):

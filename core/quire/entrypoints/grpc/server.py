@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from quire.entrypoints.grpc.service import GenerationService
+from quire.entrypoints.grpc.service import GenerationService, generic_handler
 from quire.entrypoints.grpc.stubs import load_stubs
 
 if TYPE_CHECKING:
@@ -102,13 +102,13 @@ class GrpcServer:
         :raises RuntimeError: the stubs cannot be loaded, or the port cannot be bound
             (one line saying which address).
         """
-        pb2, pb2_grpc = load_stubs()
+        pb2, _ = load_stubs()
         opts = self.options
         server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 1 if opts.reuse_port else 0),
             ("grpc.max_receive_message_length", opts.max_message_bytes)])
-        pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.router, self.api_key, pb2), server)
+        server.add_generic_rpc_handlers((generic_handler(
+            GenerationService(self.router, self.api_key, pb2), SERVICE_NAME),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -10,6 +10,8 @@ server's ``RESOURCE_EXHAUSTED`` with ``retry-after`` in the trailing metadata).
 
 A call that is cancelled or passes its deadline is cancelled by grpc; leaving the output
 stream then aborts its engine request, which frees its pages (:class:`RequestStream`).
+Requests are decoded by :func:`generic_handler`, not by grpc: a message that does not
+decode is then ``INVALID_ARGUMENT`` (grpc's own decoding failure is ``INTERNAL``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from quire.entrypoints.server.app import RETRY_AFTER_S
 from quire.entrypoints.server.async_engine import EngineStopped, RequestStream
@@ -200,6 +203,51 @@ class GenerationService:
             embeddings=[self.pb2.Embedding(index=i, values=out.embedding)
                         for i, out in enumerate(finals)],
             usage=self.pb2.Usage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def generic_handler(service: GenerationService, service_name: str) -> grpc.GenericRpcHandler:
+    """``service``'s methods as grpc handlers, each request decoded in the handler (see
+    the module's docstring); the methods are read from the proto's descriptor."""
+    pb2 = service.pb2
+    methods = pb2.DESCRIPTOR.services_by_name[service_name.rpartition(".")[2]].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        request_type = getattr(pb2, method.input_type.name)
+        if method.server_streaming:
+            handlers[name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(getattr(service, name), request_type),
+                response_serializer=_serialize)
+        else:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _unary(getattr(service, name), request_type), response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(service_name, handlers)
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+async def _decode(request_type: Any, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a {request_type.DESCRIPTOR.full_name}: {exc}")
+
+
+def _unary(behavior: Callable[..., Awaitable[Any]], request_type: Any
+           ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await _decode(request_type, raw, context), context)
+    return handler
+
+
+def _streaming(behavior: Callable[..., AsyncIterator[Any]], request_type: Any
+               ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for message in behavior(await _decode(request_type, raw, context), context):
+            yield message
+    return handler
 
 
 def completion_body(request: Any) -> dict[str, Any]:
