@@ -18,11 +18,15 @@ Around each pass the server's ``/metrics`` is read for speculative decoding's co
 (``quire:spec_decode_*`` or vLLM's ``vllm:spec_decode_*``, summed over its engines), so
 a speculating server's acceptance figures come with its timings; a server without them
 gives none.
+
+With ``grpc_address`` the requests go over ``quire serve``'s gRPC API instead
+(:mod:`quire.bench.serve_grpc`); ``/metrics`` is still read at the HTTP url.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -291,10 +295,11 @@ async def read_spec_counts(http: Any, url: str, api_key: str | None) -> SpecCoun
 
 def run(url: str | list[tuple[str, str | None]], runs: list[list[BenchRequest]],
         shape: LoadShape, model: str | None, api_key: str | None, timeout_s: float,
-        split: str = "alternate") -> tuple[str, list[ServeRun]]:
+        split: str = "alternate", grpc_address: str | None = None
+        ) -> tuple[str, list[ServeRun]]:
     """Each pass in ``runs`` one after the other, against ``url``, or against several
     (url, model) targets spread as ``split`` says (``model`` then unused; a None model
-    is the first its server lists).
+    is the first its server lists); with ``grpc_address`` (``host:port``), over gRPC.
 
     :returns: the model name used (names, joined), and one :class:`ServeRun` per pass.
     """
@@ -306,9 +311,16 @@ def run(url: str | list[tuple[str, str | None]], runs: list[list[BenchRequest]],
 
     async def main() -> tuple[str, list[ServeRun]]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as http:
-            clients = [Client(http, u, m or await first_model(http, u, api_key), api_key)
-                       for u, m in targets]
+        async with contextlib.AsyncExitStack() as stack:
+            http = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(timeout_s), limits=limits))
+            if grpc_address is None:
+                clients: list[Any] = [
+                    Client(http, u, m or await first_model(http, u, api_key), api_key)
+                    for u, m in targets]
+            else:
+                clients = await _grpc_clients(stack, grpc_address, targets, api_key,
+                                              timeout_s)
             name = ", ".join(c.model for c in clients)
             passes = []
             for requests in runs:
@@ -324,3 +336,17 @@ def run(url: str | list[tuple[str, str | None]], runs: list[list[BenchRequest]],
             return name, passes
 
     return asyncio.run(main())
+
+
+async def _grpc_clients(stack: contextlib.AsyncExitStack, address: str,
+                        targets: list[tuple[str, str | None]], api_key: str | None,
+                        timeout_s: float) -> list[Any]:
+    """One gRPC client per target model, all on one channel to ``address``."""
+    import grpc
+
+    from quire.bench.serve_grpc import GrpcClient
+    from quire.bench.serve_grpc import first_model as grpc_first_model
+
+    channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+    return [GrpcClient(channel, m or await grpc_first_model(channel, api_key), api_key,
+                       timeout_s) for _, m in targets]

@@ -181,6 +181,12 @@ def _register_serve(benches: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="per-request HTTP timeout (default: 600)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--transport", choices=("http", "grpc"), default="http",
+                        help="stream /v1/completions (http), or quire serve's gRPC Generate "
+                        "at --grpc-url (grpc; --url is still read for /metrics) "
+                        "(default: %(default)s)")
+    parser.add_argument("--grpc-url", default=None, metavar="HOST:PORT",
+                        help="quire serve's --grpc-port, for --transport grpc")
     parser.set_defaults(run=run_serve)
 
 
@@ -861,7 +867,7 @@ def run_serve(args: argparse.Namespace) -> int:
     urls = ", ".join(dict.fromkeys(args.url))
     try:
         model, results = serve.run(targets, runs, shape, None, args.api_key, args.timeout,
-                                   args.split)
+                                   args.split, _grpc_address(args))
     except (RuntimeError, OSError) as exc:
         raise UsageError(f"--url {urls}: {exc}") from exc
     column = Column("server", f"{urls}, model {model!r}",
@@ -869,13 +875,28 @@ def run_serve(args: argparse.Namespace) -> int:
     load = f"{shape.concurrency} clients" if shape.concurrency else \
         f"Poisson {shape.request_rate}/s"
     spread = f", {args.split} over {len(targets)} targets" if len(targets) > 1 else ""
+    over = f", gRPC at {args.grpc_url}" if args.transport == "grpc" else ""
     title = (f"quire bench serve: {spec.name} ({spec.description}), {load}{spread}, "
-             f"median of {args.repeats}, {urls}")
+             f"median of {args.repeats}, {urls}{over}")
     settings = _settings(spec, args, url=urls, model=model, split=args.split,
-                         load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo))
+                         load=dataclasses.asdict(shape), slo=dataclasses.asdict(slo),
+                         transport=args.transport, grpc_url=args.grpc_url)
     payload = record("serve", settings, [column])
     _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
     return 0
+
+
+def _grpc_address(args: argparse.Namespace) -> str | None:
+    """``--grpc-url`` when ``--transport grpc``. :raises UsageError: when one lacks the
+    other."""
+    if args.transport == "http":
+        if args.grpc_url is not None:
+            raise UsageError("--grpc-url: needs --transport grpc")
+        return None
+    if not args.grpc_url or ":" not in args.grpc_url or "/" in args.grpc_url:
+        raise UsageError(f"--grpc-url: --transport grpc needs the gRPC server as HOST:PORT, "
+                         f"got {args.grpc_url!r}")
+    return str(args.grpc_url)
 
 
 def _concurrency_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any) -> list[int]:
@@ -927,7 +948,7 @@ def _run_serve_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any,
         shape = serve.LoadShape(concurrency, None, args.seed)
         try:
             model, results = serve.run(targets, runs, shape, None, args.api_key,
-                                       args.timeout, args.split)
+                                       args.timeout, args.split, _grpc_address(args))
         except (RuntimeError, OSError) as exc:
             raise UsageError(f"--url {urls}: {exc}") from exc
         names.append(model)
