@@ -354,7 +354,8 @@ class ProcCoreClient(CoreClient):
                 self._strip(out)
                 for rid in out.finished:
                     self._where.pop(rid, None)
-                if out.updates or out.prompt_logprobs or out.refused or out.error:
+                if out.updates or out.beams or out.prompt_logprobs or out.refused \
+                        or out.error:
                     self._received.append(out)
 
     def _strip(self, out: CoreOutputs) -> None:
@@ -364,6 +365,8 @@ class ProcCoreClient(CoreClient):
             update.request_id = update.request_id[cut:]
         for entry in out.prompt_logprobs:
             entry.request_id = entry.request_id[cut:]
+        for result in out.beams:
+            result.request_id = result.request_id[cut:]
         out.finished = [rid[cut:] for rid in out.finished]
         out.refused = [(rid[cut:], why) for rid, why in out.refused]
 
@@ -571,6 +574,10 @@ class _CoreLoop:
             front = per_front.get(self.owner.get(entry.request_id, -1))
             if front is not None:
                 front.prompt_logprobs.append(entry)
+        for result in out.beams:
+            front = per_front.get(self.owner.get(result.request_id, -1))
+            if front is not None:
+                front.beams.append(result)
         for rid in out.finished:
             front = per_front.get(self.owner.pop(rid, -1))
             if front is not None:
