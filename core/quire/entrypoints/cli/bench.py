@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     _register_sweep(benches)
     _register_host(benches)
     _register_memory(benches)
+    _register_beam(benches)
     _register_accuracy(benches)
     _register_install_peer(benches)
 
@@ -345,6 +346,44 @@ def _register_memory(benches: argparse._SubParsersAction[Any]) -> None:
                         "or int8 / fp8 (kv_cache_dtype: 1 byte an element plus a 4-byte "
                         "scale per head row)")
     parser.set_defaults(run=run_memory)
+
+
+def _register_beam(benches: argparse._SubParsersAction[Any]) -> None:
+    parser = benches.add_parser(
+        "beam", help="beam search against as many samples: peak KV pages, wall time",
+        description="One prompt, beam search with --beam-width beams against n=width "
+        "seeded samples (temperature 1), both --max-tokens past EOS: the most KV pages "
+        "held at once and the wall time (see quire.bench.beam).")
+    parser.add_argument("--prompt", default="The capital of France is",
+                        help="the prompt text")
+    parser.add_argument("--beam-width", type=int, default=4, help="beams, and samples")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens")
+    parser.add_argument("--sample-seed", type=int, default=0, help="the samples' seed")
+    parser.add_argument("--output", metavar="PATH", default=None,
+                        help="also write the results as JSON here")
+    add_engine_options(parser)
+    parser.set_defaults(run=run_beam)
+
+
+def run_beam(args: argparse.Namespace) -> int:
+    from quire.bench.beam import BEAM_FIGURES, compare
+    from quire.bench.report import figure_rows, record
+    from quire.engine import LLMEngine
+    from quire.entrypoints.llm import LLM
+
+    if args.beam_width < 1 or args.max_tokens < 1:
+        raise UsageError("--beam-width and --max-tokens must be >= 1")
+    config = engine_config_from_args(args)
+    figures = compare(lambda: LLM.from_engine(LLMEngine(config)), args.prompt,
+                      args.beam_width, args.max_tokens, args.sample_seed)
+    settings = {"model": config.model, "prompt": args.prompt,
+                "beam_width": args.beam_width, "max_tokens": args.max_tokens,
+                "sample_seed": args.sample_seed}
+    _finish(args, f"quire bench beam: {args.beam_width} beams vs {args.beam_width} "
+            f"samples, {args.max_tokens} tokens, {config.model}",
+            figure_rows(BEAM_FIGURES, figures, "mode"), [],
+            record("beam", settings, modes=figures))
+    return 0
 
 
 #: The reference's own flags, and the engine option each sets.
