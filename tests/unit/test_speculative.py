@@ -182,8 +182,9 @@ def test_drafts_give_way_to_the_budget_and_before_any_preemption():
     assert item.num_tokens == 4 and item.spec == (5, 6, 7)
 
     sched = _scheduler(num_blocks=3, budget=64)
+    b = _decoding(sched, [1, 2], room=4)  # 1 page
     a = _decoding(sched, [1, 2, 3, 4, 5, 6, 7], room=4)  # 2 pages; 8 tokens fill them
-    b = _decoding(sched, [1, 2, 3], room=4)  # 1 page
+    b.output_token_ids.append(9)  # the token a's step computed b's logits for
     a.spec_token_ids = [5, 6]  # would need a third and fourth page: none free
     out = sched.schedule()
     assert not out.preempted
