@@ -17,6 +17,8 @@ from server_thread import Server
 
 MODEL = "tiny"
 PROMPT = [1, 5, 9, 33, 71, 100, 7]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% endfor %}assistant:")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def server(tiny_checkpoint):
     engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_checkpoint("llama")), device="cpu",
                                                 dtype="float32", max_model_len=256))
     aengine = AsyncEngine(engine)
-    srv = Server(create_app(aengine, MODEL), aengine)
+    srv = Server(create_app(aengine, MODEL, chat_template=CHAT_TEMPLATE), aengine)
     yield srv
     srv.stop()
 
@@ -75,3 +77,22 @@ def test_bad_beam_fields_are_400s_naming_them(server, extra, param):
     r = httpx.post(server.url + "/v1/completions", json=_body(**extra), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_beams_equal_completions_on_the_rendered_prompt(server):
+    """Chat takes the same fields: its beams are the completions' beams of the prompt
+    its template renders."""
+    fields = {"model": MODEL, "max_tokens": 6, "use_beam_search": True, "n": 2,
+              "best_of": 3}
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        **fields, "messages": [{"role": "user", "content": "a tale"}]})
+    assert chat.status_code == 200, chat.text
+    rendered = httpx.post(server.url + "/tokenize", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "a tale"}]}).json()
+    completion = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        **fields, "prompt": rendered["tokens"]})
+    assert [c["message"]["content"] for c in chat.json()["choices"]] == \
+        [c["text"] for c in completion.json()["choices"]]
+    bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        **fields, "messages": [{"role": "user", "content": "a tale"}], "top_k": 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
