@@ -30,7 +30,7 @@ CASES = [(2, 2, 1.0, False), (4, 2, 0.5, True), (3, 3, 2.0, "never"), (4, 1, 0.0
 
 @torch.inference_mode()
 def hf_beams(model, prompt: list[int], width: int, n: int, max_new: int, lp: float,
-             es: bool | str, eos: int | None) -> list[tuple[list[int], float]]:
+             es: bool | str, eos: int | list[int] | None) -> list[tuple[list[int], float]]:
     """transformers' best ``n`` beams: (output tokens, sequences_scores)."""
     config = GenerationConfig(
         num_beams=width, num_return_sequences=n, do_sample=False, max_new_tokens=max_new,
@@ -189,3 +189,38 @@ def test_abort_frees_every_beam(tiny_checkpoint):
         assert not engine.has_unfinished_requests()
         assert not list(engine.core.scheduler.live_sequences())
         bm.check_invariants([])
+
+
+@pytest.mark.slow  # two engine core processes
+def test_beams_in_core_processes_with_async_scheduling(tiny_checkpoint):
+    """The search lives in the core: cores in their own processes (data parallel) and
+    async scheduling (a beam search steps synchronously) give the same beams."""
+    path = tiny_checkpoint("llama")
+    params = BeamSearchParams(3, 8, length_penalty=0.5)
+    with LLM(str(path), device="cpu", block_size=4, dtype="float32",
+             data_parallel_size=2, async_scheduling=True) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    hf = hf_model(path)
+    for prompt, out in zip(PROMPTS, outs):
+        assert_same(out, hf_beams(hf, prompt, 3, 3, 8, 0.5, False, TINY_EOS), prompt)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    """SmolLM2-135M (GGUF) in float32, ours and transformers' dequantized copy."""
+    with LLM(str(smollm2_gguf), device="cpu", dtype="float32") as llm:
+        yield llm, hf_model(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.mark.slow  # SmolLM2-135M in float32 on both sides
+@pytest.mark.parametrize("width,n,lp,es", [(4, 2, 1.0, False), (3, 3, 0.8, True)])
+def test_smollm2_beams_equal_transformers(smollm2, width, n, lp, es):
+    llm, hf = smollm2
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    eos = sorted(llm.engine.core.eos_token_ids)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(width, 12, length_penalty=lp, early_stopping=es))
+    for prompt, out in zip(prompts, outs):
+        out.sequences[:] = out.sequences[:n]
+        assert_same(out, hf_beams(hf, prompt, width, n, 12, lp, es, eos), prompt)

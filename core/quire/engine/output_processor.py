@@ -213,6 +213,8 @@ class OutputProcessor:
                 spaces_between_special_tokens=params.spaces_between_special_tokens)
             out.cumulative_logprob = hyp.cum_logprob
             out.finish_reason = hyp.finish_reason
+        for index in range(len(result.hypotheses), params.n):  # fewer beams ended than n
+            (req.output(index) or self.track(req, index)).finish_reason = "length"
         if req.first_scheduled_time is None:
             req.first_scheduled_time = result.first_scheduled_time
 
