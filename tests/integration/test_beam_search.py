@@ -135,6 +135,21 @@ def test_preemption_keeps_beams_equal_to_transformers(tiny_checkpoint):
         assert_same(out, hf_beams(hf, prompt, 4, 4, 16, 0.5, False, TINY_EOS), prompt)
 
 
+def test_groups_that_block_each_other_are_untangled(tiny_checkpoint):
+    """Two 4-beam searches under max_num_seqs=4: each holds running beams that wait for
+    beams the sequence cap keeps out; the newer group's waiting beams are preempted so
+    the older one can go on, and both still equal transformers."""
+    path = tiny_checkpoint("llama")
+    with LLM(str(path), device="cpu", block_size=4, dtype="float32", max_num_seqs=4) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                               BeamSearchParams(4, 6))
+        stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
+    hf = hf_model(path)
+    for prompt, out in zip(PROMPTS, outs):
+        assert_same(out, hf_beams(hf, prompt, 4, 4, 6, 1.0, False, TINY_EOS), prompt)
+
+
 def _run_watching_pages(llm: LLM, prompt: list[int], params: SamplingParams
                         ) -> tuple[int, int]:
     """Run one request step by step, checking the pool's invariants; (the most pages
