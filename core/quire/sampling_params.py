@@ -149,7 +149,8 @@ class SamplingParams:
     #: Beam search instead of sampling (vLLM's extra parameter): the best ``n`` of
     #: ``best_of`` (or ``n``) beams, see ``docs/generation.md``.
     use_beam_search: bool = False
-    #: Beam width with ``use_beam_search`` (None: ``n``); without it, only None or ``n``.
+    #: Beam width with ``use_beam_search`` (None: ``n``); without it, samples drawn, of
+    #: which the ``n`` with the highest cumulative logprob are returned (vLLM's).
     best_of: int | None = None
     #: Beam search: a finished beam scores ``sum_logprobs / length ** length_penalty``.
     length_penalty: float = 1.0
@@ -293,9 +294,9 @@ class SamplingParams:
                              f"{self.use_beam_search!r}")
         if self.best_of is not None:
             self.best_of = _int("best_of", self.best_of, lo=self.n)
-            if not self.use_beam_search and self.best_of != self.n:
-                raise ValueError(f"best_of must equal n={self.n} without use_beam_search "
-                                 f"(every sample is returned), got {self.best_of}")
+            if not self.use_beam_search and self.best_of > 1 and self.temperature == 0.0:
+                raise ValueError(f"best_of must be 1 when sampling greedily "
+                                 f"(temperature=0), got {self.best_of}")
         self.length_penalty = _float("length_penalty", self.length_penalty,
                                      -FLOAT32_MAX, FLOAT32_MAX, "[-3.4e38, 3.4e38]")
         if self.early_stopping not in (True, False, "never") \
@@ -304,6 +305,19 @@ class SamplingParams:
             raise ValueError(f"early_stopping must be true, false or \"never\", got "
                              f"{self.early_stopping!r}")
         # what else beam search refuses, the engine checks (engine/beam_search.py)
+
+    def best_of_samples(self) -> SamplingParams:
+        """What the engine runs for sampling with ``best_of > n``: ``best_of`` samples,
+        each token's logprob kept (``logprobs`` at least 0), of which the front returns
+        the ``n`` with the highest cumulative logprob, once, at the end (a stream gets
+        them in one final output); ``self`` when nothing is picked."""
+        if self.use_beam_search or self.best_of is None or self.best_of == self.n:
+            return self
+        run = copy.copy(self)
+        run.n, run.best_of = self.best_of, None
+        if run.logprobs is None:
+            run.logprobs = 0
+        return run
 
     @property
     def beam_width(self) -> int:

@@ -239,3 +239,24 @@ def test_smollm2_beams_equal_transformers(smollm2, width, n, lp, es):
     for prompt, out in zip(prompts, outs):
         out.sequences[:] = out.sequences[:n]
         assert_same(out, hf_beams(hf, prompt, width, n, 12, lp, es, eos), prompt)
+
+
+def test_best_of_sampling_keeps_the_likeliest_samples(tiny_checkpoint):
+    """``best_of > n`` without beam search (vLLM's): the ``n`` of ``best_of`` seeded
+    samples with the highest cumulative logprob, best first, without the per-token
+    logprobs nobody asked for."""
+    path = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(str(path), device="cpu", block_size=4, dtype="float32") as llm:
+        every = llm.generate(prompts, SamplingParams(n=5, temperature=1.0, seed=11,
+                                                     max_tokens=8, logprobs=0))
+        best = llm.generate(prompts, SamplingParams(n=2, best_of=5, temperature=1.0,
+                                                    seed=11, max_tokens=8))
+        assert llm.engine.stats().num_used_blocks == 0
+    for all_out, best_out in zip(every, best):
+        ranked = sorted(all_out.outputs, key=lambda c: -c.cumulative_logprob)
+        assert [c.token_ids for c in best_out.outputs] == [c.token_ids for c in ranked[:2]]
+        assert [c.index for c in best_out.outputs] == [0, 1]
+        assert all(c.logprobs is None for c in best_out.outputs)
+        assert [c.cumulative_logprob for c in best_out.outputs] == pytest.approx(
+            [c.cumulative_logprob for c in ranked[:2]])

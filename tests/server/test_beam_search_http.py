@@ -72,7 +72,8 @@ def test_streamed_beams_come_in_one_final_chunk(server, expected):
 @pytest.mark.parametrize("extra,param", [
     ({"top_p": 0.5}, "top_p"), ({"logprobs": 1}, "logprobs"), ({"stop": ["a"]}, "stop"),
     ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 1}, "best_of"),
-    ({"use_beam_search": False}, "best_of"), ({"length_penalty": "long"}, "length_penalty")])
+    ({"use_beam_search": False, "temperature": 0, "n": 1}, "best_of"),
+    ({"length_penalty": "long"}, "length_penalty")])
 def test_bad_beam_fields_are_400s_naming_them(server, extra, param):
     r = httpx.post(server.url + "/v1/completions", json=_body(**extra), timeout=60)
     assert r.status_code == 400, r.text
@@ -96,3 +97,26 @@ def test_chat_beams_equal_completions_on_the_rendered_prompt(server):
     bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         **fields, "messages": [{"role": "user", "content": "a tale"}], "top_k": 3})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+
+
+def test_best_of_sampling_returns_the_likeliest_samples(server):
+    """Without beam search, ``best_of`` samples are drawn and the ``n`` of highest
+    cumulative logprob returned (vLLM's): here the best 2 of the 4 samples that ``n=4``
+    with the same seed draws."""
+    fields = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0,
+              "seed": 7, "logprobs": 0}
+    every = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={**fields, "n": 4}).json()["choices"]
+    best = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={**fields, "n": 2, "best_of": 4}).json()["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    assert [c["text"] for c in best] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in best] == [0, 1]
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            **fields, "n": 2, "best_of": 4, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: best[0]["text"], 1: best[1]["text"]}

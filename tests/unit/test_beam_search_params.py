@@ -24,7 +24,7 @@ def test_beam_width_is_best_of_or_n():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"n": 2, "best_of": 4}, "best_of"),  # best_of > n needs beam search
+    ({"n": 1, "best_of": 3, "temperature": 0}, "best_of"),  # greedy samples are equal
     ({"n": 3, "best_of": 2, "use_beam_search": True}, "best_of"),
     ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
     ({"use_beam_search": True, "early_stopping": 1}, "early_stopping"),
@@ -45,3 +45,14 @@ def test_every_beam_must_fit_the_pool_and_the_sequence_cap():
     with pytest.raises(ValueError, match="max_num_seqs"):
         check_beam_fits("r", params, max_kv_tokens=4, block_size=4, num_blocks=16,
                         max_num_seqs=3)
+
+
+def test_best_of_sampling_runs_best_of_samples_with_their_logprobs():
+    asked = SamplingParams(n=2, best_of=5, temperature=1.0, seed=1)
+    run = asked.best_of_samples()
+    assert (run.n, run.best_of, run.logprobs, run.seed) == (5, None, 0, 1)
+    assert asked.n == 2 and asked.logprobs is None  # the request's own are untouched
+    plain = SamplingParams(n=2, temperature=1.0)
+    assert plain.best_of_samples() is plain
+    beams = SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0)
+    assert beams.best_of_samples() is beams

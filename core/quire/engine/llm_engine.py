@@ -177,6 +177,7 @@ class LLMEngine:
             raise ValueError("this model serves embeddings (task='embed') and cannot "
                              "generate: use LLM.embed or POST /v1/embeddings")
         self._prepare_params(params)
+        asked, params = params, params.best_of_samples()  # best_of > n: the samples to run
         arrival_time = time.monotonic()
         rid = self._new_id(request_id)
         tokens = check_request(rid, prompt_token_ids, params, self.config, self.vocab_size,
@@ -193,6 +194,8 @@ class LLMEngine:
         req = RequestState(rid, prompt, tokens, params,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                            arrival_time=arrival_time)
+        if params is not asked:
+            req.keep, req.hide_logprobs = asked.n, asked.logprobs is None
         self.processor.track(req, 0)
         self._requests[rid] = req
         return rid
@@ -362,7 +365,8 @@ class LLMEngine:
                 req.finished_time = time.monotonic()
                 result.append(make_output(req, True))
                 del requests[rid]
-            elif not (final_only or req.params.output_kind is RequestOutputKind.FINAL_ONLY):
+            elif not (final_only or req.params.output_kind is RequestOutputKind.FINAL_ONLY
+                      or req.keep is not None):
                 result.append(make_output(req, False))
         return result
 

@@ -106,6 +106,11 @@ class RequestState:
     sent_prompt_logprobs: bool = False
     #: Prompt tokens the core served from its prefix cache (sample 0's).
     num_cached_tokens: int = 0
+    #: Sampling with ``best_of > n``: return only the best ``n`` samples by cumulative
+    #: logprob, at the end (``params`` are the ``best_of`` samples the engine runs).
+    keep: int | None = None
+    #: ... and leave out their per-token logprobs (the user did not ask for them).
+    hide_logprobs: bool = False
     # timings in time.monotonic() seconds, reported as RequestMetrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -246,13 +251,17 @@ class OutputProcessor:
         """
         if finished is None:
             finished = req.finished
-        delta = req.params.output_kind is RequestOutputKind.DELTA
+        # best_of > n: one output, at the end, whole (as a delta it is the same)
+        delta = req.params.output_kind is RequestOutputKind.DELTA and req.keep is None
         stops = req.stops
         hold = stops.longest - 1 if stops is not None else 0
         beams = req.params.use_beam_search  # a beam's sum of logprobs is its rank
+        picked = req.outputs if req.keep is None else _best(req)
         completions = []
-        for out in req.outputs:
+        for out in picked:
             finish, text, logprobs = out.finish_reason, out.text, out.logprobs
+            if req.keep is not None:
+                beams, logprobs = True, None if req.hide_logprobs else logprobs
             if finish is None and hold > 0:  # without a tail that may start a stop string
                 text = text[: len(text) - hold]
             if delta:
@@ -261,7 +270,8 @@ class OutputProcessor:
                     completions.append(c)
                 continue
             completions.append(CompletionOutput(
-                out.index, text, out.token_ids[out.num_prompt_tokens:],
+                out.index if req.keep is None else len(completions), text,
+                out.token_ids[out.num_prompt_tokens:],
                 None if logprobs is None else list(logprobs),
                 None if logprobs is None and not beams else out.cumulative_logprob,
                 finish, out.stop_reason))
@@ -274,6 +284,13 @@ class OutputProcessor:
                              request_metrics(req.arrival_time, req.first_scheduled_time,
                                              req.first_token_time, req.last_token_time,
                                              req.finished_time))
+
+
+def _best(req: RequestState) -> list[SeqOutput]:
+    """The ``keep`` samples with the highest cumulative logprob, best first (vLLM's
+    ``best_of``; ties keep sample order)."""
+    ranked = sorted(req.outputs, key=lambda o: -o.cumulative_logprob)
+    return ranked[: req.keep]
 
 
 def _delta(out: SeqOutput, text: str, finish: str | None,

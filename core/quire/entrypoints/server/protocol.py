@@ -134,8 +134,7 @@ def parse_completion(body: Mapping[str, Any], bounds: RequestBounds, *,
     params = _sampling_params(body, bounds, default_max_tokens=16, logprobs=logprobs,
                               prompt_logprobs=logprobs if echo else None,
                               structured=structured)
-    bounds.check_sequences(len(prompts), params.beam_width if params.use_beam_search
-                           else params.n)
+    bounds.check_sequences(len(prompts), params.best_of or params.n)
     (text, ids), *more = [_encode(p, tokenizer) for p in prompts]
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
                          stream=get(body, "stream", bool, False),
