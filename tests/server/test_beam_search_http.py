@@ -73,7 +73,7 @@ def test_streamed_beams_come_in_one_final_chunk(server, expected):
     ({"top_p": 0.5}, "top_p"), ({"logprobs": 1}, "logprobs"), ({"stop": ["a"]}, "stop"),
     ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 1}, "best_of"),
     ({"use_beam_search": False, "temperature": 0, "n": 1}, "best_of"),
-    ({"length_penalty": "long"}, "length_penalty")])
+    ({"length_penalty": "long"}, "length_penalty"), ({"best_of": 10**6}, "best_of")])
 def test_bad_beam_fields_are_400s_naming_them(server, extra, param):
     r = httpx.post(server.url + "/v1/completions", json=_body(**extra), timeout=60)
     assert r.status_code == 400, r.text

@@ -164,7 +164,7 @@ def parse_chat(body: Mapping[str, Any], chat_template: str | None, bounds: Reque
         structured, grammar_param = call_grammar, "tools"
     params = _sampling_params(body, bounds, default_max_tokens=None, logprobs=top_logprobs,
                               structured=structured)
-    bounds.check_sequences(1, params.n)
+    bounds.check_sequences(1, params.best_of or params.n)
     text, ids, mm = chat_prompt(messages, tokenizer, chat_template,
                                 tools.tools if tools is not None else None, images)
     return ParsedRequest(model=_model(body), prompt=text, token_ids=ids, params=params,
@@ -306,8 +306,12 @@ def _sampling_params(body: Mapping[str, Any], bounds: RequestBounds, *,
 
 def _beam_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's beam search extra parameters (the width is ``best_of``, else ``n``)."""
+    best_of = get(body, "best_of", int)
+    if best_of is not None and not 1 <= best_of <= MAX_N:
+        raise bad_request(f"best_of must be an integer in [1, {MAX_N}], got {best_of}",
+                          param="best_of")
     return {"use_beam_search": get(body, "use_beam_search", bool, False),
-            "best_of": get(body, "best_of", int),
+            "best_of": best_of,
             "length_penalty": get(body, "length_penalty", _NUMBER, 1.0),
             "early_stopping": get(body, "early_stopping", (bool, str), False)}
 
