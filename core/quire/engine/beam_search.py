@@ -146,7 +146,8 @@ class BeamGroup:
             return
         normed = (top / (length ** self.length_penalty)).tolist()
         new = [BeamHypothesis(parents[i].output_token_ids + [tokens[i]], float(top[i]),
-                          normed[i], "stop" if tokens[i] in self.eos_token_ids else "length")
+                              normed[i],
+                              "stop" if tokens[i] in self.eos_token_ids else "length")
                for i in range(min(self.width, len(tokens))) if ends[i]]
         if new:
             merged = self.finished + new  # kept ones first: ties keep the older
@@ -162,7 +163,7 @@ class BeamGroup:
             length = self.max_new_tokens
         best = torch.tensor(best_running, dtype=torch.float32) / (length ** self.length_penalty)
         worst = torch.tensor(self.finished[-1].score, dtype=torch.float32)
-        self.improvable = bool(best > worst)
+        self.improvable = self.improvable and bool(best > worst)
 
     def result(self) -> list[BeamHypothesis]:
         """The best ``n`` hypotheses, best first."""
