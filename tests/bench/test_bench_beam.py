@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from quire.entrypoints.cli import main
 
 
-@pytest.mark.slow  # four engines
 def test_bench_beam_reports_both_modes(capsys, tmp_path, tiny_path):
     out = tmp_path / "beam.json"
     argv = ["bench", "beam", "--model", tiny_path, "--device", "cpu", "--block-size", "4",

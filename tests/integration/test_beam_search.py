@@ -117,7 +117,6 @@ def _page_bytes(llm: LLM) -> int:
     return llm.engine.core.executor.bytes_per_block()
 
 
-@pytest.mark.slow  # ~7 s on 2 cores
 def test_preemption_keeps_beams_equal_to_transformers(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     with LLM(str(path), device="cpu", block_size=4, dtype="float32") as probe:
