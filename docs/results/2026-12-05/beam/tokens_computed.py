@@ -1,6 +1,12 @@
+"""Tokens each mode computes (the scheduler's scheduled tokens, summed over steps) for
+4 beams and 4 samples of one prompt, 64 tokens, on one SmolLM2 engine; run from the
+repository root: ``python docs/results/2026-12-05/beam/tokens_computed.py``."""
+
 import time
+
 from quire import LLM, BeamSearchParams, SamplingParams
 from quire.engine.scheduler import Scheduler
+
 counts = {"tokens": 0, "steps": 0}
 orig = Scheduler.schedule
 def sched(self):
