@@ -57,6 +57,7 @@ def test_an_adapter_beyond_max_loras_waits_in_its_place():
     sched.complete_step(out)
     for seq in (a, c):
         sched.finish(seq, "stop")
+    d.output_token_ids.append(9)  # what its step sampled: its next token to compute
     assert [s.seq for s in sched.schedule().scheduled] == [d, b]
 
 
