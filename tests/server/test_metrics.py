@@ -103,7 +103,7 @@ def test_every_metric_is_exposed_with_its_type(server):
     assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE
     _, types, helps = parse(r.text)
     gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-              "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate",
+              "kv_cache_usage_by_prompt_len_perc", "num_kv_blocks_used", "num_kv_blocks_total", "prefix_cache_hit_rate",
               "processes"]
     counters = ["prefix_cache_queries_total", "prefix_cache_hits_total",
                 "num_preemptions_total", "engine_requests_total", "prompt_tokens_total",
@@ -192,6 +192,12 @@ def test_disconnect_mid_stream_counts_as_abort_and_frees_pages(server):
             assert value(mid, "quire:num_requests_running", engine="0") == 1
             assert value(mid, "quire:num_kv_blocks_used", engine="0") > 0
             assert value(mid, "quire:kv_cache_usage_perc", engine="0") > 0
+            # the one sequence's pages are all its band's ("Once": the first band)
+            assert value(mid, "quire:kv_cache_usage_by_prompt_len_perc", engine="0",
+                         prompt_len_le="16") == value(mid, "quire:kv_cache_usage_perc",
+                                                      engine="0")
+            assert value(mid, "quire:kv_cache_usage_by_prompt_len_perc", engine="0",
+                         prompt_len_le="32") == 0
         after = wait_idle(server, timeout=3.0)
     finally:
         server.step_delay[0] = 0.0
@@ -201,6 +207,8 @@ def test_disconnect_mid_stream_counts_as_abort_and_frees_pages(server):
     assert 1 <= generated < 100
     assert delta(after, before, "quire:request_generation_tokens_sum") == generated
     assert value(after, "quire:kv_cache_usage_perc", engine="0") == 0
+    assert value(after, "quire:kv_cache_usage_by_prompt_len_perc", engine="0",
+                 prompt_len_le="16") == 0
 
 
 def test_a_busy_engine_thread_makes_the_scrape_time_out(server):

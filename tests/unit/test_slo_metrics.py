@@ -102,3 +102,21 @@ def test_no_objective_no_series_and_a_bad_target_names_its_field():
             SLOTargets(ttft_s=bad)
         with pytest.raises(ValueError, match="e2e_s"):
             SLOTargets(e2e_s=bad)
+
+
+def test_the_core_reports_kv_pages_by_prompt_band(tiny_checkpoint):
+    from quire import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint("llama")), device="cpu", dtype="float32", block_size=16,
+              max_model_len=128, enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    engine.add_request(list(range(3, 13)), params)  # 10 tokens: band 16, one page
+    engine.add_request(list(range(3, 43)), params)  # 40 tokens: band 64, three pages
+    engine.step()  # both prompts computed, their pages held
+    stats = engine.core.stats()
+    assert stats.prompt_len_bands == [16, 32, 64, 128]
+    assert stats.kv_blocks_by_prompt_len == [1, 0, 3, 0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.core.stats().kv_blocks_by_prompt_len == [0, 0, 0, 0]

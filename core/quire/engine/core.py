@@ -40,6 +40,7 @@ from quire.engine.messages import (
     SeqUpdate,
     ThinkingTokens,
 )
+from quire.engine.prompt_bands import band_index, prompt_len_bands
 from quire.engine.scheduler import Scheduler, SchedulerOutput, check_fits
 from quire.engine.sequence import Sequence
 from quire.engine.speculation import Speculator
@@ -199,6 +200,7 @@ class EngineCore:
             model_task=model_task(model_path, self.model_config),
         )
         self.platform.check_dtype(self.config.dtype)
+        self._bands = prompt_len_bands(self.config.max_model_len)  # for stats()
         check_task(self.config.task, self.model_config, config.world_size)
         check_parallel(config, self.model_config)
         tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_path)
@@ -469,8 +471,20 @@ class EngineCore:
             prefix_queries=sched.stats.prefix_queries, prefix_hits=sched.stats.prefix_hits,
             has_unfinished=self.has_unfinished_requests(), num_requests=self._num_requests,
             peak_used_blocks=sched.stats.peak_used_blocks,
+            prompt_len_bands=self._bands, kv_blocks_by_prompt_len=self._kv_by_band(),
             **self._spec_stats(),
         )
+
+    def _kv_by_band(self) -> list[int]:
+        """KV pages held by the sequences of each prompt-length band (running ones, and
+        waiting ones that hold pages: forked samples and beams)."""
+        held = [0] * len(self._bands)
+        bands = self._bands
+        for queue in (self.scheduler.running, self.scheduler.waiting):
+            for seq in queue:
+                if seq.block_table:
+                    held[band_index(len(seq.prompt_token_ids), bands)] += len(seq.block_table)
+        return held
 
     def _spec_stats(self) -> dict[str, object]:
         if self._speculator is None:

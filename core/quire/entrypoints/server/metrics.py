@@ -127,8 +127,16 @@ class _EngineCollector:
         per_pos = CounterMetricFamily("quire:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each position of their "
                                       "proposal (0 first).", labels=["engine", "position"])
+        by_len = GaugeMetricFamily(
+            "quire:kv_cache_usage_by_prompt_len_perc", "Share of KV-cache pages held by "
+            "sequences of each prompt-length band (prompts of at most prompt_len_le tokens, "
+            "more than the band below); a page shared across bands counts in each.",
+            labels=["engine", "prompt_len_le"])
         for i, s in enumerate(self.stats):
             engine = [str(i)]
+            for bound, blocks in zip(s.prompt_len_bands, s.kv_blocks_by_prompt_len):
+                by_len.add_metric([str(i), str(bound)], blocks / s.num_blocks
+                                  if s.num_blocks else 0.0)
             drafts.add_metric(engine, s.spec_num_drafts)
             draft_tokens.add_metric(engine, s.spec_num_draft_tokens)
             accepted.add_metric(engine, s.spec_num_accepted_tokens)
@@ -148,8 +156,8 @@ class _EngineCollector:
                                       "role (any one dying stops the server).", labels=["role"])
         for role in ROLES:
             processes.add_metric([role], self.processes.get(role, 0))
-        yield from (running, waiting, usage, used, total, rate, queries, hits, preemptions,
-                    added, processes)
+        yield from (running, waiting, usage, by_len, used, total, rate, queries, hits,
+                    preemptions, added, processes)
         if speculating:
             yield from (drafts, draft_tokens, accepted, per_pos)
 

@@ -1,26 +1,19 @@
-"""What an operator's service-level objectives are, and how requests are grouped by prompt
-length to track them.
+"""What an operator's service-level objectives are (``quire serve --slo-ttft``,
+``--slo-e2e``).
 
 Operators state SLOs as "120 concurrent at p95 TTFT 2.0 s", and ask how the longest
-prompts fare: TTFT and queue delay grow with the prompt (prefill is linear in it, and a
-long prompt waits for room in the KV pool), so one histogram over all prompts hides the
-tail that matters. :func:`prompt_len_bands` cuts prompt lengths at powers of two, from
-:data:`SMALLEST_BAND` up to ``max_model_len``: within a band prompts differ at most 2x,
-so their prefill costs do too; the number of bands grows with log2 of the context (12
-for 32K tokens), which keeps the series few; and the bands are the same on every server
-of a given context length, so they can be summed across servers. Below
-:data:`SMALLEST_BAND` tokens a prompt's prefill is dwarfed by a step's fixed cost, so
-shorter prompts share one band.
+prompts fare: the metrics group requests by prompt-length band for that
+(:mod:`quire.engine.prompt_bands`, which the core's KV figures share).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 
-#: The upper bound of the first prompt-length band, in tokens.
-SMALLEST_BAND = 16
+from quire.engine.prompt_bands import SMALLEST_BAND, band_of, prompt_len_bands
+
+__all__ = ["SMALLEST_BAND", "SLOTargets", "band_of", "prompt_len_bands"]
 
 
 @dataclass(frozen=True)
@@ -51,27 +44,3 @@ class SLOTargets:
         """The objectives set, as the ``slo`` label names them (``ttft``, ``e2e``)."""
         return tuple(n for n, v in (("ttft", self.ttft_s), ("e2e", self.e2e_s))
                      if v is not None)
-
-
-def prompt_len_bands(max_model_len: int) -> list[int]:
-    """The bands' upper bounds: 16, 32, 64, ... below ``max_model_len``, then
-    ``max_model_len`` itself (a prompt is never longer).
-
-    :raises ValueError: for ``max_model_len`` < 1.
-    """
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    bounds = []
-    bound = SMALLEST_BAND
-    while bound < max_model_len:
-        bounds.append(bound)
-        bound *= 2
-    bounds.append(max_model_len)
-    return bounds
-
-
-def band_of(prompt_len: int, bands: list[int]) -> str:
-    """The label of ``prompt_len``'s band: the smallest bound at or above it (the last
-    for a longer prompt, which no engine admits)."""
-    i = bisect.bisect_left(bands, prompt_len)
-    return str(bands[min(i, len(bands) - 1)])
