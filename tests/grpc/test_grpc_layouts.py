@@ -1,6 +1,7 @@
 """gRPC in the server's other layouts (slow: each starts several processes): two API
 server processes on one gRPC port (``SO_REUSEPORT``) over two data-parallel engine
-cores, gRPC only (``--no-http``); and two models behind one API server, with a waiting
+cores, gRPC only (``--no-http``); the engine in the API server's process, gRPC only;
+and two models behind one API server, with a waiting
 queue of one (``RESOURCE_EXHAUSTED`` with ``retry-after``) and the drain on SIGTERM
 (``UNAVAILABLE`` for new calls, running ones ended, exit status 0)."""
 
@@ -65,6 +66,26 @@ def test_calls_spread_over_both_api_servers_all_equal(api_servers):
     assert len({a["text"] for a in answers}) == 1
     prefixes = {rid.rsplit("-", 1)[0] for a in answers for rid in a["ids"]}
     assert len(prefixes) == 2
+
+
+def test_engine_in_process_grpc_only(tiny_checkpoint):
+    """One process: the engine in the API server, no HTTP port; greedy text equals the
+    offline engine's, and the process stops cleanly."""
+    from quire import LLM, SamplingParams
+
+    path = str(tiny_checkpoint("llama"))
+    srv = ServeProcess("--model", path, "--max-model-len", "128", "--engine-in-process",
+                       "--no-http", "--grpc-port", "0")
+    try:
+        assert set(srv.descendants().values()) <= {"other"}  # no core process
+        with channel(srv.grpc_address) as ch:
+            got = _text(pb2_grpc.GenerationStub(ch), max_tokens=8)["text"]
+    finally:
+        assert srv.stop() == 0
+    llm = LLM(path, device="cpu", max_model_len=128)
+    want = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
+                                                 ignore_eos=True))[0].outputs[0].text
+    assert got == want
 
 
 @pytest.fixture(scope="module")

@@ -131,8 +131,8 @@ def test_logprobs_equal_http(server, stub):
 
 def test_cancel_mid_stream_frees_every_page(server, stub):
     before = aborted(server)
-    call = stub.Generate(pb2.GenerateRequest(model=MODEL, text=PROMPTS[0], max_tokens=240,
-                                             ignore_eos=True), metadata=AUTH)
+    call = stub.Generate(pb2.GenerateRequest(model=MODEL, text=PROMPTS[0], n=32,
+                                             max_tokens=240, ignore_eos=True), metadata=AUTH)
     first = next(call)
     assert first.choices and not first.choices[0].finish_reason
     call.cancel()
@@ -145,15 +145,16 @@ def test_cancel_mid_stream_frees_every_page(server, stub):
 
 def test_deadline_exceeded_aborts_the_request(server, stub):
     before = aborted(server)
-    # 32 samples of 240 tokens: seconds of work, well past the deadline
-    call = stub.Generate(pb2.GenerateRequest(model=MODEL, text=PROMPTS[0], n=32,
+    # 128 samples of 240 tokens: about 4x the deadline's time on an idle host (the tiny
+    # model makes 32 x 240 tokens in 0.4 s), the first message within it
+    call = stub.Generate(pb2.GenerateRequest(model=MODEL, text=PROMPTS[0], n=128,
                                              max_tokens=240, ignore_eos=True),
-                         metadata=AUTH, timeout=0.5)
+                         metadata=AUTH, timeout=0.3)
     assert next(call).choices  # it runs in the engine
     code, _, _ = status(lambda: call)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_idle()
-    assert aborted(server) == before + 1  # one request, its 32 samples stopped
+    assert aborted(server) == before + 1  # one request, its 128 samples stopped
 
 
 @pytest.mark.parametrize("metadata", [(), bearer("wrong"), (("authorization", KEY),)],
