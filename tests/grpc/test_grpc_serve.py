@@ -6,6 +6,7 @@ own figures on ``/metrics`` (KV pages back, requests aborted)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import httpx
@@ -298,3 +299,17 @@ def test_embed_on_a_generating_model_is_invalid_argument(stub):
     code, details, _ = status(lambda: stub.Embed(pb2.EmbedRequest(
         input=[pb2.EmbedInput(text="hi")]), metadata=AUTH))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "embed" in details
+
+
+def test_each_call_writes_an_access_line(server, stub):
+    _, _, _, usage, _ = generate(stub, text="hello", max_tokens=3)
+    status(lambda: stub.Generate(pb2.GenerateRequest(model=MODEL, text="hi", top_p=2.0),
+                                 metadata=AUTH))
+    stub.Tokenize(pb2.TokenizeRequest(prompt="hi"), metadata=AUTH)
+    time.sleep(0.5)  # the log is read from the server's stderr by a thread
+    lines = [line for line in list(server.log) if '"gRPC ' in line]
+    assert any('"gRPC Generate" OK' in line and
+               f"prompt_tokens={usage.prompt_tokens} completion_tokens=3" in line
+               for line in lines), lines[-5:]
+    assert any('"gRPC Generate" INVALID_ARGUMENT id=-' in line for line in lines)
+    assert any('"gRPC Tokenize" OK' in line for line in lines)

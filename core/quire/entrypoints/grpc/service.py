@@ -11,7 +11,9 @@ server's ``RESOURCE_EXHAUSTED`` with ``retry-after`` in the trailing metadata).
 A call that is cancelled or passes its deadline is cancelled by grpc; leaving the output
 stream then aborts its engine request, which frees its pages (:class:`RequestStream`).
 Requests are decoded by :func:`generic_handler`, not by grpc: a message that does not
-decode is then ``INVALID_ARGUMENT`` (grpc's own decoding failure is ``INTERNAL``).
+decode is then ``INVALID_ARGUMENT`` (grpc's own decoding failure is ``INTERNAL``). It also
+writes one ``quire.access`` line per call, as HTTP's access log does: peer, method,
+status, request id and tokens (Generate's), latency.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,6 +60,8 @@ STATUS: dict[int, grpc.StatusCode] = {
 }
 #: The trailing metadata key naming the request field an error is about.
 PARAM_KEY = "quire-error-param"
+
+access_log = logging.getLogger("quire.access")
 
 #: GenerateRequest fields copied into the completions body as they are, when set.
 _SCALARS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -238,16 +244,54 @@ async def _decode(request_type: Any, raw: bytes, context: grpc.aio.ServicerConte
 def _unary(behavior: Callable[..., Awaitable[Any]], request_type: Any
            ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(await _decode(request_type, raw, context), context)
+        start, code = time.monotonic(), grpc.StatusCode.OK
+        try:
+            return await behavior(await _decode(request_type, raw, context), context)
+        except BaseException as exc:
+            code = _code_of(exc, context)
+            raise
+        finally:
+            _log_call(context, behavior.__name__, code, start)
     return handler
 
 
 def _streaming(behavior: Callable[..., AsyncIterator[Any]], request_type: Any
                ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for message in behavior(await _decode(request_type, raw, context), context):
-            yield message
+        start, code, last = time.monotonic(), grpc.StatusCode.OK, None
+        try:
+            async for message in behavior(await _decode(request_type, raw, context),
+                                          context):
+                last = message
+                yield message
+        except BaseException as exc:
+            code = _code_of(exc, context)
+            raise
+        finally:
+            _log_call(context, behavior.__name__, code, start, last)
     return handler
+
+
+def _code_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that raised ``exc`` ends with."""
+    if isinstance(exc, asyncio.CancelledError):
+        remaining = context.time_remaining()
+        return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and \
+            remaining <= 0 else grpc.StatusCode.CANCELLED
+    return context.code() or grpc.StatusCode.UNKNOWN
+
+
+def _log_call(context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode,
+              start: float, last: Any = None) -> None:
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    usage = last.usage if last is not None and last.HasField("usage") else None
+    access_log.info(
+        '%s "gRPC %s" %s id=%s prompt_tokens=%s completion_tokens=%s latency=%.3fs',
+        context.peer() or "-", method, code.name,
+        last.request_id if last is not None else "-",
+        usage.prompt_tokens if usage is not None else "-",
+        usage.completion_tokens if usage is not None else "-", time.monotonic() - start)
 
 
 def completion_body(request: Any) -> dict[str, Any]:
