@@ -113,6 +113,29 @@ def test_token_id_prompt_n_and_seed_equal_http(server, stub, tokenizer):
     assert generate(stub, token_ids=pb2.TokenIds(ids=ids), **fields)[0] == text
 
 
+def test_allowed_tokens_bad_words_and_beam_search_equal_http(server, stub, tokenizer):
+    only, ids, _, _, _ = generate(stub, text=PROMPTS[0], max_tokens=4, temperature=0,
+                                  ignore_eos=True, allowed_token_ids=[42, 43])
+    assert set(ids[0]) <= {42, 43}
+    assert only == http_stream(server, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                               ignore_eos=True, allowed_token_ids=[42, 43])[0]
+    free = generate(stub, text=PROMPTS[0], max_tokens=6, temperature=0, ignore_eos=True)[0]
+    word = free[0].split()[0]
+    banned = generate(stub, text=PROMPTS[0], max_tokens=6, temperature=0, ignore_eos=True,
+                      bad_words=[word])[0]
+    assert banned != free
+    assert banned == http_stream(server, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                 ignore_eos=True, bad_words=[word])[0]
+    beams = {"n": 2, "best_of": 3, "use_beam_search": True, "max_tokens": 5,
+             "temperature": 0, "length_penalty": 0.5}
+    text, _, reasons, usage, messages = generate(stub, text=PROMPTS[1], ignore_eos=True,
+                                                 early_stopping="never", **beams)
+    want, _ = http_stream(server, prompt=PROMPTS[1], ignore_eos=True, early_stopping="never",
+                          **beams)
+    assert text == want and sorted(reasons) == [0, 1] and messages == 1
+    assert usage.completion_tokens == 10
+
+
 def test_logprobs_equal_http(server, stub):
     _text, ids, _, _, _ = generate(stub, text=PROMPTS[1], max_tokens=4, temperature=0,
                                   logprobs=2)
@@ -216,6 +239,11 @@ BAD_FIELDS = [
     ({"stop": ["y" * 1025]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {5: 500.0}}, "logit_bias"),
+    ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"best_of": 0}, "best_of"),
+    ({"use_beam_search": True, "best_of": 2, "temperature": 0,
+      "early_stopping": "sometimes"}, "early_stopping"),
     ({"structured_outputs": pb2.StructuredOutputs(json="{not json")},
      "structured_outputs"),
     ({"structured_outputs": pb2.StructuredOutputs(regex="a", grammar="b")},

@@ -170,6 +170,12 @@ SAMPLING = {
     "skip_special_tokens": flag,
     "include_stop_str_in_output": flag,
     "user": valid_text,
+    "allowed_token_ids": st.lists(leaf_id, max_size=4),
+    "bad_words": st.lists(leaf_text, max_size=3),
+    "use_beam_search": flag,
+    "best_of": st.integers(1, 4),
+    "length_penalty": st.floats(-2, 2),
+    "early_stopping": st.one_of(flag, st.just("never")),
 }
 #: Per POST route: a body that works, and each field the route reads with valid values.
 ROUTES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -510,6 +516,12 @@ GENERATE = {
     "logit_bias": st.dictionaries(proto_id, st.one_of(st.floats(-100, 100), DOUBLES),
                                   max_size=3),
     "logprobs": st.one_of(st.integers(0, 5), INT32),
+    "allowed_token_ids": st.lists(proto_id, max_size=4),
+    "bad_words": st.lists(proto_text, max_size=3),
+    "use_beam_search": flag,
+    "best_of": st.one_of(st.integers(1, 4), INT32),
+    "length_penalty": st.one_of(st.floats(-2, 2), DOUBLES),
+    "early_stopping": st.one_of(st.sampled_from(["true", "false", "never"]), proto_text),
     "structured_outputs": st.fixed_dictionaries({}, optional={
         "json": st.one_of(proto_text, st.just('{"type": "object"}')), "regex": proto_text,
         "choice": st.lists(proto_text, max_size=3), "grammar": proto_text,

@@ -67,7 +67,11 @@ access_log = logging.getLogger("quire.access")
 _SCALARS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
             "min_tokens", "ignore_eos", "include_stop_str_in_output",
-            "skip_special_tokens", "logprobs")
+            "skip_special_tokens", "logprobs", "use_beam_search", "best_of",
+            "length_penalty")
+#: ``early_stopping``'s words, as HTTP's JSON values (anything else is passed on, and
+#: refused there naming the field).
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
 class GenerationService:
@@ -310,6 +314,13 @@ def completion_body(request: Any) -> dict[str, Any]:
         body["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
         body["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
+    if request.allowed_token_ids:
+        body["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.bad_words:
+        body["bad_words"] = list(request.bad_words)
+    if request.HasField("early_stopping"):
+        body["early_stopping"] = _EARLY_STOPPING.get(request.early_stopping,
+                                                     request.early_stopping)
     if request.HasField("structured_outputs"):
         body["structured_outputs"] = structured_body(request.structured_outputs)
     return body
