@@ -109,3 +109,38 @@ def test_an_idle_models_cached_pages_go_to_the_busy_one_and_come_back(models, tm
         for engine in engines:
             engine.shutdown()
         ledger.close()
+
+
+def test_an_embedding_model_beside_a_generating_one_takes_no_budget(models, tmp_path):
+    """An encoder keeps no KV pages: it starts first (the first engine sets the budget)
+    without setting it to nothing or dividing by its zero-byte page, and the generating
+    model beside it runs as alone."""
+    from tiny_encoders import build_bert
+
+    llama, _, page = models
+    bert = build_bert(tmp_path / "bert")
+    ledger_path = str(tmp_path / "ledger")
+    KVLedger.create(ledger_path, 2).close()
+    budget = BUDGET_PAGES * page
+    embed = EngineCore(EngineConfig(model=str(bert), device="cpu"),
+                       kv_share=KVShareSpec(ledger_path, 0))
+    config = _config(llama, budget)
+    gen = LLMEngine(config, client=InprocCoreClient(
+        EngineCore(config, kv_share=KVShareSpec(ledger_path, 1))))
+    alone = LLMEngine(_config(llama, budget))
+    try:
+        assert gen.core.block_manager.num_blocks == budget // gen.core.executor.bytes_per_block()
+        ledger = KVLedger(ledger_path)
+        try:
+            assert ledger.budget == budget  # set by the generating model, the encoder passed
+            with ledger.locked():
+                assert ledger.slots()[0].held == 0
+        finally:
+            ledger.close()
+        got = _run([gen], [PROMPTS[:2]], None, budget)
+        want = _run([alone], [PROMPTS[:2]], None, budget)
+        assert got == want
+    finally:
+        for engine in (gen, alone):
+            engine.shutdown()
+        embed.shutdown()

@@ -236,7 +236,8 @@ class EngineCore:
                                                 // self.config.block_size)
             num_blocks = self.executor.num_kv_blocks()
             self._kv_share: KVShare | None = None
-            if kv_share is not None:
+            # a model that keeps no KV (an encoder) takes no part of the shared budget
+            if kv_share is not None and self.executor.bytes_per_block() > 0:
                 num_blocks, self._kv_share = self._join_kv_share(kv_share, num_blocks)
             num_blocks = min(num_blocks, most)
             self.executor.init_cache(num_blocks)
