@@ -477,14 +477,13 @@ class EngineCore:
         )
 
     def _kv_by_band(self) -> list[int]:
-        """KV pages held by the sequences of each prompt-length band (running ones, and
-        waiting ones that hold pages: forked samples and beams)."""
+        """KV pages held by the running sequences of each prompt-length band. Per step, so
+        the running batch only: a long waiting queue holds no pages (but forked samples
+        and beams not admitted yet, which the pool's total counts)."""
         held = [0] * len(self._bands)
         bands = self._bands
-        for queue in (self.scheduler.running, self.scheduler.waiting):
-            for seq in queue:
-                if seq.block_table:
-                    held[band_index(len(seq.prompt_token_ids), bands)] += len(seq.block_table)
+        for seq in self.scheduler.running:
+            held[band_index(len(seq.prompt_token_ids), bands)] += len(seq.block_table)
         return held
 
     def _spec_stats(self) -> dict[str, object]:

@@ -42,7 +42,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     #: The most KV pages held at once since the core started.
     peak_used_blocks: int = 0
-    #: KV pages held by the sequences of each prompt-length band
+    #: KV pages held by the running sequences of each prompt-length band
     #: (:mod:`quire.engine.prompt_bands`; ``prompt_len_bands`` are the bands' upper
     #: bounds): a page shared by sequences of several bands counts in each.
     prompt_len_bands: list[int] = msgspec.field(default_factory=list)

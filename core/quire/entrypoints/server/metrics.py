@@ -129,8 +129,9 @@ class _EngineCollector:
                                       "proposal (0 first).", labels=["engine", "position"])
         by_len = GaugeMetricFamily(
             "quire:kv_cache_usage_by_prompt_len_perc", "Share of KV-cache pages held by "
-            "sequences of each prompt-length band (prompts of at most prompt_len_le tokens, "
-            "more than the band below); a page shared across bands counts in each.",
+            "running sequences of each prompt-length band (prompts of at most "
+            "prompt_len_le tokens, more than the band below); a page shared across bands "
+            "counts in each.",
             labels=["engine", "prompt_len_le"])
         for i, s in enumerate(self.stats):
             engine = [str(i)]
