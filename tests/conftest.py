@@ -197,3 +197,17 @@ def random_gguf(tmp_path_factory):
         return made[args]
 
     return get
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if ``quire serve`` fetches the model or starts an engine (its flags
+    must be checked first)."""
+    def loaded(*args, **kw):
+        raise AssertionError("the model was fetched or loaded before the flags were checked")
+
+    monkeypatch.setattr("quire.hub.fetch_model", loaded)
+    monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start", loaded)
+    monkeypatch.setattr("quire.engine.core_proc.CoreProcesses.__init__", loaded)
+    monkeypatch.setattr("quire.engine.LLMEngine", loaded)
+    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)

@@ -8,25 +8,9 @@ import socket
 import pytest
 from quire.entrypoints.cli import main
 from quire.entrypoints.grpc.server import GrpcOptions
+from serve_flags import one_line
 
 
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    """Fail the test if ``quire serve`` fetches the model or starts an engine."""
-    def loaded(*args, **kw):
-        raise AssertionError("the model was fetched or loaded before the flags were checked")
-
-    monkeypatch.setattr("quire.hub.fetch_model", loaded)
-    monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start", loaded)
-    monkeypatch.setattr("quire.engine.core_proc.CoreProcesses.__init__", loaded)
-    monkeypatch.setattr("quire.engine.LLMEngine", loaded)
-    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)
-
-
-def _one_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.fixture
@@ -54,7 +38,7 @@ def test_a_bad_grpc_flag_is_one_line_naming_it(nothing_loads, capsys, tmp_path, 
     not_pem.write_text("hello")
     flags = [{"CERT": pem[0], "KEY": pem[1], "NOTPEM": str(not_pem)}.get(f, f) for f in flags]
     assert main(["serve", "--model", str(tmp_path), *flags]) == 2
-    line = _one_line(capsys)
+    line = one_line(capsys)
     assert line.startswith(f"quire serve: error: {error}"), line
     if "NOTPEM" in error:
         assert "not a PEM file" in line
@@ -70,7 +54,7 @@ def test_a_grpc_port_in_use_is_refused_before_the_model_loads(nothing_loads, cap
         code = main(["serve", "--model", str(tmp_path), "--port", "0", "--grpc-port",
                      str(port), *layout])
     assert code == 2
-    assert _one_line(capsys).startswith(
+    assert one_line(capsys).startswith(
         f"quire serve: error: --grpc-port: 127.0.0.1:{port} is already in use")
 
 

@@ -12,6 +12,7 @@ import pytest
 from quire.entrypoints.cli import build_parser, main, parse_args
 from quire.entrypoints.cli.serve import limits_from_args
 from quire.entrypoints.server.limits import ServerLimits, flag
+from serve_flags import one_line
 
 
 class _Stop(Exception):
@@ -149,29 +150,10 @@ def test_bad_process_flags_are_refused_naming_the_flag(tmp_path, capsys, flags, 
 
 
 # -- refused before anything loads ---------------------------------------------------------
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    """Fail the test if ``quire serve`` fetches the model or starts an engine."""
-    def loaded(*args, **kw):
-        raise AssertionError("the model was fetched or loaded before the flags were checked")
-
-    monkeypatch.setattr("quire.hub.fetch_model", loaded)
-    monkeypatch.setattr("quire.engine.core_proc.ProcCoreClient.start", loaded)
-    monkeypatch.setattr("quire.engine.core_proc.CoreProcesses.__init__", loaded)
-    monkeypatch.setattr("quire.engine.LLMEngine", loaded)
-    monkeypatch.setattr("quire.entrypoints.cli.serve._configure_logging", lambda level: None)
-
-
-def _one_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
 @pytest.mark.parametrize("port", ["99999", "65536", "-1"])
 def test_a_port_out_of_range_is_one_line_naming_port(nothing_loads, capsys, port):
     assert main(["serve", "--port", port]) == 2
-    assert _one_line(capsys).startswith("quire serve: error: --port: must be 0-65535")
+    assert one_line(capsys).startswith("quire serve: error: --port: must be 0-65535")
 
 
 @pytest.mark.parametrize("layout", [[], ["--api-server-count", "2"], ["--engine-in-process"],
@@ -183,7 +165,7 @@ def test_a_port_in_use_is_refused_naming_the_address_before_the_model_loads(
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["serve", "--model", str(tmp_path), "--port", str(port), *layout]) == 2
-    line = _one_line(capsys)
+    line = one_line(capsys)
     assert line.startswith(f"quire serve: error: --port: 127.0.0.1:{port} is already in use")
 
 
@@ -193,13 +175,13 @@ def test_a_host_that_does_not_resolve_is_named(nothing_loads, capsys, tmp_path, 
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     assert main(["serve", "--model", str(tmp_path), "--host", "nosuch.invalid"]) == 2
-    assert _one_line(capsys).startswith(
+    assert one_line(capsys).startswith(
         "quire serve: error: --host: cannot resolve 'nosuch.invalid'")
 
 
 def test_a_host_not_of_this_machine_is_named(nothing_loads, capsys, tmp_path):
     assert main(["serve", "--model", str(tmp_path), "--host", "192.0.2.1", "--port", "0"]) == 2
-    assert _one_line(capsys).startswith(
+    assert one_line(capsys).startswith(
         "quire serve: error: --host: cannot bind 192.0.2.1:0: '192.0.2.1' is not an address")
 
 
@@ -214,7 +196,7 @@ def test_a_bad_chat_template_is_refused_before_the_model_loads(
     if text is not None:
         path.write_text(text)
     assert main(["serve", "--model", str(tmp_path), "--chat-template", str(path)]) == 2
-    line = _one_line(capsys)
+    line = one_line(capsys)
     assert line.startswith("quire serve: error: --chat-template: ")
     assert all(w in line for w in words), line
 
@@ -228,7 +210,7 @@ def test_a_bad_chat_template_is_refused_before_the_model_loads(
 def test_other_flags_are_refused_before_the_model_loads(nothing_loads, capsys, tmp_path,
                                                         flags, named):
     assert main(["serve", "--model", str(tmp_path), *flags]) == 2
-    assert _one_line(capsys).startswith(f"quire serve: error: {named}: ")
+    assert one_line(capsys).startswith(f"quire serve: error: {named}: ")
 
 
 def test_the_chat_template_reaches_the_app(serve, tmp_path):
