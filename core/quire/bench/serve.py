@@ -146,6 +146,19 @@ def sse_events(lines: list[str]) -> Iterator[dict[str, Any]]:
         yield json.loads(data)
 
 
+def finish(result: RequestResult, clock: TokenClock, start: float) -> RequestResult:
+    """``result`` once its stream ended without an error: timed by ``clock`` (its token
+    arrivals) from ``start``, or failed when no arrival carried text. Every transport's
+    client ends with it, so they time alike."""
+    if clock.first is None:
+        result.error = "the stream carried no text"
+        return result
+    timing = clock.timing()
+    result.ok, result.ttft_s, result.itl_s = True, timing["ttft_s"], timing["itl_s"]
+    result.e2e_s = time.perf_counter() - start
+    return result
+
+
 class Client:
     """Sends the workload to ``url`` with one ``httpx.AsyncClient``."""
 
@@ -174,13 +187,7 @@ class Client:
         except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        if clock.first is None:
-            result.error = "the stream carried no text"
-            return result
-        timing = clock.timing()
-        result.ok, result.ttft_s, result.itl_s = True, timing["ttft_s"], timing["itl_s"]
-        result.e2e_s = time.perf_counter() - start
-        return result
+        return finish(result, clock, start)
 
     @staticmethod
     def _read_event(line: str, clock: TokenClock, result: RequestResult) -> None:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from quire.bench.peers.clock import TokenClock
-from quire.bench.serve import OVERLOADED, RequestResult
+from quire.bench.serve import OVERLOADED, RequestResult, finish
 from quire.bench.workloads import BenchRequest
 
 
@@ -53,13 +53,7 @@ class GrpcClient:
             result.status = OVERLOADED if overloaded else None
             result.error = f"{exc.code().name}: {exc.details()}"[:200]
             return result
-        if clock.first is None:
-            result.error = "the stream carried no text"
-            return result
-        timing = clock.timing()
-        result.ok, result.ttft_s, result.itl_s = True, timing["ttft_s"], timing["itl_s"]
-        result.e2e_s = time.perf_counter() - start
-        return result
+        return finish(result, clock, start)
 
 
 async def first_model(channel: Any, api_key: str | None) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from quire.bench.peers.spec import PEERS
 from quire.bench.serve import SPLITS
-from quire.bench.workloads import PRESETS, WorkloadSpec, preset
+from quire.bench.workloads import PRESETS, BenchRequest, WorkloadSpec, preset
 from quire.entrypoints.cli.common import UsageError, open_registry
 from quire.entrypoints.cli.engine_options import (
     add_engine_options,
@@ -884,8 +884,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from quire.bench import serve
     from quire.bench.report import SERVE_FIGURES, Column, comparison_table, record
     from quire.bench.stats import SLO
-    from quire.model_store import resolve_model
-    from quire.tokenizer import load_tokenizer
 
     require("httpx", "quire bench serve")
     spec = _workload(args)
@@ -897,13 +895,9 @@ def run_serve(args: argparse.Namespace) -> int:
         concurrency = None if args.request_rate else \
             (levels or [spec.concurrency or spec.num_requests])[0]
         shape = serve.LoadShape(concurrency, args.request_rate, args.seed)
-        tokenizer_path = args.tokenizer or resolve_model(args.model)
-        tokenizer = load_tokenizer(tokenizer_path)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    runs = _requests(spec, tokenizer, tokenizer_path, args)
-    targets = serve_targets(args.url, args.served_model_name)
-    urls = ", ".join(dict.fromkeys(args.url))
+    runs, targets, urls = _serve_inputs(args, spec)
     try:
         model, results = serve.run(targets, runs, shape, None, args.api_key, args.timeout,
                                    args.split, _grpc_address(args))
@@ -923,6 +917,25 @@ def run_serve(args: argparse.Namespace) -> int:
     payload = record("serve", settings, [column])
     _finish(args, title, comparison_table(SERVE_FIGURES, [column]), [], payload)
     return 0
+
+
+def _serve_inputs(args: argparse.Namespace, spec: WorkloadSpec
+                  ) -> tuple[list[list[BenchRequest]], list[tuple[str, str | None]], str]:
+    """What every ``bench serve`` pass sends: each pass's requests (made with the
+    model's tokenizer), the targets, and the URLs as one string for messages.
+
+    :raises UsageError: for a model or tokenizer that does not load."""
+    from quire.model_store import resolve_model
+    from quire.tokenizer import load_tokenizer
+
+    try:
+        tokenizer_path = args.tokenizer or resolve_model(args.model)
+        tokenizer = load_tokenizer(tokenizer_path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    runs = _requests(spec, tokenizer, tokenizer_path, args)
+    return runs, serve_targets(args.url, args.served_model_name), \
+        ", ".join(dict.fromkeys(args.url))
 
 
 def _grpc_address(args: argparse.Namespace) -> str | None:
@@ -970,17 +983,8 @@ def _run_serve_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any,
     from quire.bench.report import record
     from quire.bench.slo import capacity, describe, report, step_levels
     from quire.bench.stats import median_figures
-    from quire.model_store import resolve_model
-    from quire.tokenizer import load_tokenizer
 
-    try:
-        tokenizer_path = args.tokenizer or resolve_model(args.model)
-        tokenizer = load_tokenizer(tokenizer_path)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    runs = _requests(spec, tokenizer, tokenizer_path, args)
-    targets = serve_targets(args.url, args.served_model_name)
-    urls = ", ".join(dict.fromkeys(args.url))
+    runs, targets, urls = _serve_inputs(args, spec)
     names: list[str] = []
 
     def measure(concurrency: int) -> dict[str, float]:
@@ -998,7 +1002,8 @@ def _run_serve_levels(args: argparse.Namespace, spec: WorkloadSpec, slo: Any,
              f"{args.concurrency} against {describe(slo)}, median of {args.repeats}, "
              f"{urls}, model {names[0]!r}")
     settings = _settings(spec, args, url=urls, model=names[0], split=args.split,
-                         levels=levels, slo=dataclasses.asdict(slo))
+                         levels=levels, slo=dataclasses.asdict(slo),
+                         transport=args.transport, grpc_url=args.grpc_url)
     payload = record("serve", settings, capacity=capacity(judged), levels=[
         {"concurrency": lv.concurrency, "met": lv.met, "misses": list(lv.misses),
          "median": dict(lv.figures)} for lv in judged])

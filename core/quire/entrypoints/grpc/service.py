@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -248,54 +249,72 @@ async def _decode(request_type: Any, raw: bytes, context: grpc.aio.ServicerConte
 def _unary(behavior: Callable[..., Awaitable[Any]], request_type: Any
            ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        start, code = time.monotonic(), grpc.StatusCode.OK
+        call, code = _CallInfo.of(context), grpc.StatusCode.OK
         try:
             return await behavior(await _decode(request_type, raw, context), context)
         except BaseException as exc:
-            code = _code_of(exc, context)
+            code = _code_of(exc, context, call)
             raise
         finally:
-            _log_call(context, behavior.__name__, code, start)
+            _log_call(call, behavior.__name__, code)
     return handler
 
 
 def _streaming(behavior: Callable[..., AsyncIterator[Any]], request_type: Any
                ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        start, code, last = time.monotonic(), grpc.StatusCode.OK, None
+        call, code, last = _CallInfo.of(context), grpc.StatusCode.OK, None
         try:
             async for message in behavior(await _decode(request_type, raw, context),
                                           context):
                 last = message
                 yield message
         except BaseException as exc:
-            code = _code_of(exc, context)
+            code = _code_of(exc, context, call)
             raise
         finally:
-            _log_call(context, behavior.__name__, code, start, last)
+            _log_call(call, behavior.__name__, code, last)
     return handler
 
 
-def _code_of(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+@dataclass(frozen=True)
+class _CallInfo:
+    """What the access log and the status of a call need from its context, read when the
+    call starts: once a client cancels, grpc's C core frees the call, and reading its
+    peer then crashed the server (a segmentation fault in ``context.peer()``)."""
+
+    peer: str
+    start: float
+    #: ``time.monotonic()`` at the deadline; None without one.
+    deadline: float | None
+
+    @classmethod
+    def of(cls, context: grpc.aio.ServicerContext) -> _CallInfo:
+        start, remaining = time.monotonic(), context.time_remaining()
+        return cls(context.peer() or "-", start,
+                   None if remaining is None else start + remaining)
+
+
+def _code_of(exc: BaseException, context: grpc.aio.ServicerContext,
+             call: _CallInfo) -> grpc.StatusCode:
     """The status a call that raised ``exc`` ends with."""
     if isinstance(exc, asyncio.CancelledError):
-        remaining = context.time_remaining()
-        return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and \
-            remaining <= 0 else grpc.StatusCode.CANCELLED
+        return grpc.StatusCode.DEADLINE_EXCEEDED if call.deadline is not None and \
+            time.monotonic() >= call.deadline else grpc.StatusCode.CANCELLED
     return context.code() or grpc.StatusCode.UNKNOWN
 
 
-def _log_call(context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode,
-              start: float, last: Any = None) -> None:
+def _log_call(call: _CallInfo, method: str, code: grpc.StatusCode, last: Any = None) -> None:
     if not access_log.isEnabledFor(logging.INFO):
         return
     usage = last.usage if last is not None and last.HasField("usage") else None
     access_log.info(
         '%s "gRPC %s" %s id=%s prompt_tokens=%s completion_tokens=%s latency=%.3fs',
-        context.peer() or "-", method, code.name,
+        call.peer, method, code.name,
         last.request_id if last is not None else "-",
         usage.prompt_tokens if usage is not None else "-",
-        usage.completion_tokens if usage is not None else "-", time.monotonic() - start)
+        usage.completion_tokens if usage is not None else "-",
+        time.monotonic() - call.start)
 
 
 def completion_body(request: Any) -> dict[str, Any]:
