@@ -167,6 +167,22 @@ def test_cancel_mid_stream_frees_every_page(server, stub):
     assert aborted(server) == before + 1
 
 
+def test_repeated_cancels_leave_the_server_up(server, stub):
+    """Each cancel ends its call before the access log reads it (reading a cancelled
+    call's peer crashed the server, at once or within a few cancels)."""
+    for _ in range(10):
+        call = stub.Generate(pb2.GenerateRequest(model=MODEL, text=PROMPTS[0], n=32,
+                                                 max_tokens=240, ignore_eos=True),
+                             metadata=AUTH)
+        next(call)
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    server.wait_idle()
+    assert server.proc.poll() is None
+    assert generate(stub, text=PROMPTS[0], max_tokens=2)[3].completion_tokens == 2
+
+
 def test_deadline_exceeded_aborts_the_request(server, stub):
     before = aborted(server)
     # 128 samples of 240 tokens: about 4x the deadline's time on an idle host (the tiny
