@@ -1,6 +1,6 @@
 """Tokens each mode computes (the scheduler's scheduled tokens, summed over steps) for
-4 beams and 4 samples of one prompt, 64 tokens, on one SmolLM2 engine; run from the
-repository root: ``python docs/results/2026-12-05/beam/tokens_computed.py``."""
+4 beams and 4 samples of one prompt, 64 tokens, on one SmolLM2 engine; run it by its
+path from the repository root (the README beside it gives the figures)."""
 
 import time
 
