@@ -289,6 +289,14 @@ class NativeKernels:
                                        _ptr, _ptr, _i64]
             self._quant_q8_fits.restype = ctypes.c_int
             self._quant_q8_fits.argtypes = [ctypes.c_int32, _i64]
+        self._quant_q8_batch = getattr(library, "quire_quant_gemm_q8_batch", None)
+        batch = getattr(library, "quire_quant_q8_batch_available", None)
+        #: whether this build has the int8-activation batch kernel (AVX2 and above)
+        self.has_quant_q8_batch = (self.has_quant_q8 and self._quant_q8_batch is not None
+                                   and batch is not None and bool(batch()))
+        if self._quant_q8_batch is not None:
+            self._quant_q8_batch.restype = ctypes.c_int
+            self._quant_q8_batch.argtypes = self._quant_q8.argtypes
         if self._quant_q8_team_test is not None:
             self._quant_q8_team_test.restype = ctypes.c_int
             self._quant_q8_team_test.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64,
@@ -468,7 +476,8 @@ class NativeKernels:
     def quant_linear_q8(self, x: torch.Tensor, weight: QuantizedTensor,
                         bias: torch.Tensor | None = None,
                         out: torch.Tensor | None = None, *,
-                        team_threads: int | None = None) -> torch.Tensor | None:
+                        team_threads: int | None = None,
+                        batch: bool = False) -> torch.Tensor | None:
         """``q8(x) @ W.T + bias``: float32 ``x`` ``[m, cols]`` quantised to int8 per 32
         values (``d = max|x| / 127``, round half to even), integer dot products with a
         GGUF block weight's codes read in place (rows may be strided), the block scales
@@ -476,6 +485,9 @@ class NativeKernels:
 
         :param team_threads: run the team variant (``quire_quant_rows_q8_team``) in a
             team of this many threads instead of the one-call entry (for tests).
+        :param batch: the batch kernel (``quire_quant_gemm_q8_batch``: the weight unpacked
+            once into column panels, for many rows) instead of the tiles of up to four
+            rows; None where the build lacks it (:attr:`has_quant_q8_batch`).
         :returns: ``out`` (or a new tensor); None when the format or shape does not fit
             (the caller uses :meth:`quant_linear` or torch) or without scratch memory.
         """
@@ -489,7 +501,11 @@ class NativeKernels:
                 data.stride(0) if data.shape[0] > 1 else data.shape[1], weight.rows,
                 None if bias is None else bias.data_ptr(), y.data_ptr(),
                 y.stride(0) if y.shape[0] > 1 else weight.rows)
-        if team_threads is not None:
+        if batch:
+            if not self.has_quant_q8_batch:
+                return None
+            failed = self._quant_q8_batch(*args)
+        elif team_threads is not None:
             if self._quant_q8_team_test is None:
                 return None
             failed = self._quant_q8_team_test(*args, team_threads)

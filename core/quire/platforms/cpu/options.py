@@ -24,11 +24,13 @@ ENV_DEFAULTS = {
     "wait_policy": "QUIRE_CPU_WAIT_POLICY",
     "kv_prefault": "QUIRE_CPU_KV_PREFAULT",
     "decode_activations": "QUIRE_CPU_DECODE_ACTIVATIONS",
+    "activations": "QUIRE_CPU_ACTIVATIONS",
 }
 _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
-            "kv_prefault": PREFAULT_MODES, "decode_activations": ("float32", "int8")}
+            "kv_prefault": PREFAULT_MODES, "decode_activations": ("float32", "int8"),
+            "activations": ("dtype", "int8")}
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,19 @@ class CpuOptions:
     #: does (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other
     #: formats stay float32). Prompts keep float32 either way.
     decode_activations: str = "float32"
+    #: The activations of every product on quantised weights (GGUF blocks): ``dtype``,
+    #: the model's (float32, or a bfloat16 model's bfloat16 rows on bfloat16-rounded
+    #: weights), with decode rows as ``decode_activations`` says; or ``int8``, every
+    #: row, prompts' and batches' too, quantised per 32 values as ``decode_activations=
+    #: int8`` does (which it implies), batches on csrc/quant_q8.c's batch kernel, which
+    #: unpacks the weight once a call (AVX2 and AVX-512; the generic level takes them on
+    #: the tiles of up to four rows). The formats as ``decode_activations``'.
+    activations: str = "dtype"
+
+    @property
+    def int8_decode(self) -> bool:
+        """Whether decode rows' products take int8 activations (either option)."""
+        return self.decode_activations == "int8" or self.activations == "int8"
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():

@@ -199,8 +199,7 @@ class CpuPlatform(Platform):
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)),
                                  bfloat16=True)
             # needs the packed layers' panels or copies
-            install_fused_decode(model, native,
-                                 int8_decode=options.decode_activations == "int8")
+            install_fused_decode(model, native, int8_decode=options.int8_decode)
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
 
@@ -210,9 +209,9 @@ class CpuPlatform(Platform):
         native = self._native_kernels()
         if native is None or not native.has_quant_gemm:
             return reference_ops()
-        int8_decode = self.options.decode_activations == "int8"
         return reference_ops().with_ops(
-            "cpu", quantized_linear=make_quantized_linear(native, int8_decode))
+            "cpu", quantized_linear=make_quantized_linear(
+                native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""

@@ -21,7 +21,9 @@ from quire.quantization.tensor import QuantizedTensor
 QuantizedLinear = Callable[..., torch.Tensor]
 
 
-#: Rows a product takes int8 activations for, with ``decode_activations=int8``.
+#: Rows a product takes int8 activations for, with ``decode_activations=int8``; and
+#: the most rows the int8 tiles of up to four rows take with ``activations=int8`` (more
+#: take the batch kernel, which unpacks the weight once a call).
 Q8_MAX_ROWS = 4
 
 #: Rows above which bfloat16 activations take the bfloat16 panel kernel (the direct
@@ -29,8 +31,8 @@ Q8_MAX_ROWS = 4
 BF16_MIN_ROWS = 4
 
 
-def make_quantized_linear(native: NativeKernels | None,
-                          int8_decode: bool = False) -> QuantizedLinear:
+def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
+                          int8_all: bool = False) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
     reference op's signature and contract, on the C kernels of ``native``.
 
@@ -38,7 +40,10 @@ def make_quantized_linear(native: NativeKernels | None,
     weight in any format of :mod:`quire.quantization.formats` whose rows may be strided,
     an optional bias. With ``int8_decode``, products of up to :data:`Q8_MAX_ROWS` rows
     on a format ``csrc/quant_q8.c`` takes quantise the rows to int8 per 32 values
-    (the platform's ``decode_activations`` option). bfloat16 ``x`` of more than
+    (the platform's ``decode_activations`` option); with ``int8_all``, products of any
+    number of rows do (the ``activations`` option: more than :data:`Q8_MAX_ROWS` on the
+    batch kernel where the build has it, bfloat16 rows widened to float32 first). Else,
+    bfloat16 ``x`` of more than
     :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
     computes); fewer rows, or no such build, are widened to float32, and every result is
@@ -59,6 +64,10 @@ def make_quantized_linear(native: NativeKernels | None,
         if int8_activations and weight.format.name != "int8":
             raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
         b = None if bias is None else bias.to(torch.float32).contiguous()
+        if int8_all and not int8_activations and native.quant_q8_fits(weight):
+            y = _int8_rows(x.reshape(-1, weight.cols), weight, b)
+            if y is not None:
+                return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
         if (x.dtype == torch.bfloat16 and not int8_activations and native.has_quant_bf16
                 and x.numel() > BF16_MIN_ROWS * weight.cols):
             flat = x.reshape(-1, weight.cols).contiguous()
@@ -76,6 +85,12 @@ def make_quantized_linear(native: NativeKernels | None,
         if y is None:
             return quantized_linear(x, weight, bias, int8_activations=int8_activations)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
+
+    def _int8_rows(flat: torch.Tensor, weight: QuantizedTensor,
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+        rows = flat.to(torch.float32).contiguous()
+        batch = rows.shape[0] > Q8_MAX_ROWS and native.has_quant_q8_batch
+        return native.quant_linear_q8(rows, weight, bias, batch=batch)
 
     linear.__doc__ = quantized_linear.__doc__
     return linear

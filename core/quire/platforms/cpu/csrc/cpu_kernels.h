@@ -322,6 +322,12 @@ void quire_quant_rows_q8_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                               const uint8_t *w, int64_t w_stride, int64_t n, const float *bias,
                               float *y, int64_t ldy);
 int quire_quant_q8_fits(int32_t fmt, int64_t k);
+/* The same for batches: the weight unpacked once per call into column panels, every row
+ * multiplied from them (codes as quire_quant_gemm_q8's; 4 also at the generic level). */
+int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
+                              const uint8_t *w, int64_t w_stride, int64_t n, const float *bias,
+                              float *y, int64_t ldy);
+int quire_quant_q8_batch_available(void);
 
 void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
                        int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,

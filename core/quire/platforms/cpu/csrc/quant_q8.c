@@ -31,9 +31,13 @@
  * convert and one FMA with the 8 blocks' float scales times the 8 activation scales; a
  * 32-weight format's last k/32 mod 8 blocks go one at a time.
  *
- * Return codes (quire_quant_gemm_q8): 0; 4 a format these products do not take (the
- * caller falls back to the float path); 2 k not a whole number of the format's blocks;
- * 3 out of memory.
+ * Batches (quire_quant_gemm_q8_batch, AVX2 and AVX-512 levels): the tiles above unpack
+ * each weight block once per 4 rows; the batch kernel unpacks the weight once a call into
+ * column panels and multiplies every row from them (the section at the end).
+ *
+ * Return codes (quire_quant_gemm_q8, quire_quant_gemm_q8_batch): 0; 4 a format these
+ * products do not take, or no batch kernel at this level (the caller falls back); 2 k
+ * not a whole number of the format's blocks; 3 out of memory.
  */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -743,4 +747,333 @@ int quire_quant_rows_q8_team_test(int32_t fmt, const float *x, int64_t m, int64_
 #pragma omp parallel num_threads(nt)
     quire_quant_rows_q8_team(fmt, x, m, k, w, w_stride, n, bias, y, ldy);
     return 0;
+}
+
+/* ---- batches: every row against column panels of the weight ----
+ *
+ * For products of many rows (prompts, batched decode) the weight's codes are unpacked
+ * once per call into panels of QB_NC output columns (16 at the AVX-512 levels, 8 at
+ * AVX2), laid out so that one vector holds 4 consecutive codes of each column (lane =
+ * column): a row's 4 activation bytes, broadcast, times that vector (vpdpbusd, or
+ * maddubs + madd) add to every column's block sum at once, 8 such per 32-block. Each
+ * row of a tile of up to QB_RM rows then multiplies the panel from cache: a weight
+ * block is unpacked once per call, not once per 4 rows. Each block's integer sums are
+ * scaled per row in float by the block's weight scales (a vector over the columns)
+ * times the row's activation scale, and the minima times the row's block sums added.
+ *
+ * Codes: unsigned as above, but Q8_0's are offset by 128 at VNNI (a minimum of -128 d)
+ * and taken by the sign trick below it (maddubs would saturate on offset codes); Q6_K's
+ * offset by 32 with one scale and minimum (-32 d sc) per 16 weights, the activations'
+ * sums per 16 in float. The results differ from the tiles' above only by float rounding.
+ */
+#if defined(__AVX2__)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QB_NC 16
+#define QB_RM 8
+typedef __m512i qbi;
+typedef __m512 qbf;
+#define QB_ZI() _mm512_setzero_si512()
+#define QB_ZF() _mm512_setzero_ps()
+#define QB_I32(v) _mm512_set1_epi32(v)
+#define QB_F32(v) _mm512_set1_ps(v)
+#define QB_LDF(p) _mm512_load_ps(p)
+#define QB_CVT(v) _mm512_cvtepi32_ps(v)
+#define QB_MUL(a, b) _mm512_mul_ps(a, b)
+#define QB_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#if defined(__AVX512VNNI__)
+#define QB_VNNI 1
+INL qbi qb_dot_u(qbi acc, qbi u, qbi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+#define QB_VNNI 0
+INL qbi qb_dot_u(qbi acc, qbi u, qbi s) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                   _mm512_set1_epi16(1)));
+}
+#endif
+/* signed w: |w| times s carrying w's sign */
+INL qbi qb_dot_s(qbi acc, qbi w, qbi s) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return qb_dot_u(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, QB_ZI(), s));
+}
+INL void qb_store(float *y, qbf v, const float *bias, int nc) {
+    const __mmask16 keep = (__mmask16)((1u << nc) - 1u);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias));
+    _mm512_mask_storeu_ps(y, keep, v);
+}
+#else
+#define QB_NC 8
+#define QB_RM 4
+#define QB_VNNI 0
+typedef __m256i qbi;
+typedef __m256 qbf;
+#define QB_ZI() _mm256_setzero_si256()
+#define QB_ZF() _mm256_setzero_ps()
+#define QB_I32(v) _mm256_set1_epi32(v)
+#define QB_F32(v) _mm256_set1_ps(v)
+#define QB_LDF(p) _mm256_load_ps(p)
+#define QB_CVT(v) _mm256_cvtepi32_ps(v)
+#define QB_MUL(a, b) _mm256_mul_ps(a, b)
+#define QB_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+INL qbi qb_dot_u(qbi acc, qbi u, qbi s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+}
+INL qbi qb_dot_s(qbi acc, qbi w, qbi s) {
+    return qb_dot_u(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+}
+INL void qb_store(float *y, qbf v, const float *bias, int nc) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int c = 0; c < nc; c++) y[c] = bias ? t[c] + bias[c] : t[c];
+}
+#endif
+
+/* The panel's kinds: unsigned codes, one scale and minimum a 32-block (QB_U1); signed
+ * codes, one scale, no minimum (QB_S1: Q8_0 below VNNI); unsigned codes, a scale and
+ * minimum per 16 (QB_U2: Q6_K). */
+enum { QB_U1 = 0, QB_S1 = 1, QB_U2 = 2 };
+
+INL int qb_kind(int32_t fmt) {
+    if (fmt == Q8F_Q6_K)
+        return QB_U2;
+    return fmt == Q8F_Q8_0 && !QB_VNNI ? QB_S1 : QB_U1;
+}
+
+/* The quantised rows for batches: as struct q8_act, with d_b * (sum of q per 16). */
+struct qb_act {
+    const int8_t *q;
+    const float *d, *ds, *ds16;
+    int64_t k, nb;
+};
+
+static size_t qb_act_bytes(int64_t m, int64_t k) {
+    return (size_t)m * (size_t)k + 24 * (size_t)m * (size_t)(k / 32) + 64;
+}
+
+/* A panel: nb blocks of 8 code vectors, then per block `sub` vectors of scales and of
+ * minima (sub = 2 for QB_U2). */
+typedef struct {
+    qbi *q;
+    float *s, *m;
+} qb_panel;
+
+static size_t qb_panel_bytes(int64_t nb) {
+    return (size_t)nb * (8 * sizeof(qbi) + 4 * QB_NC * sizeof(float)) + 64;
+}
+
+static __thread void *qb_buf;
+static __thread size_t qb_buf_bytes;
+
+static qb_panel qb_panel_scratch(int64_t nb) {
+    qb_panel p = {NULL, NULL, NULL};
+    const size_t bytes = qb_panel_bytes(nb);
+    if (bytes > qb_buf_bytes) {
+        void *grown = realloc(qb_buf, bytes);
+        if (grown == NULL)
+            return p;
+        qb_buf = grown;
+        qb_buf_bytes = bytes;
+    }
+    p.q = (qbi *)(((uintptr_t)qb_buf + 63) & ~(uintptr_t)63);
+    p.s = (float *)(p.q + 8 * nb);
+    p.m = p.s + 2 * QB_NC * nb;
+    return p;
+}
+
+/* Columns [j0, j0 + nc) of the weight into the panel (lanes nc.. zero). */
+static void qb_pack(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
+                    int64_t nb, qb_panel p) {
+    const int kind = qb_kind(fmt), sub = kind == QB_U2 ? 2 : 1;
+    uint8_t *codes = (uint8_t *)p.q;
+    for (int c = 0; c < QB_NC; c++) {
+        const uint8_t *row = w + (j0 + c) * ws;
+        for (int64_t b = 0; b < nb; b++) {
+            float *s = p.s + sub * QB_NC * b + c, *mn = p.m + sub * QB_NC * b + c;
+            uint8_t *dst = codes + (size_t)b * 8 * sizeof(qbi) + 4 * c;
+            if (c >= nc) {
+                for (int t = 0; t < 8; t++) memset(dst + t * sizeof(qbi), 0, 4);
+                for (int h = 0; h < sub; h++) s[h * QB_NC] = 0.0f, mn[h * QB_NC] = 0.0f;
+                continue;
+            }
+            wblk o;
+            o.w = _mm256_setzero_si256();
+            decode(fmt, row, b, &o);
+            __m256i v = o.w;
+            if (kind == QB_U2) {
+                v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
+                s[0] = o.scale * (float)o.sc0, s[QB_NC] = o.scale * (float)o.sc1;
+                mn[0] = -32.0f * s[0], mn[QB_NC] = -32.0f * s[QB_NC];
+            } else if (fmt == Q8F_Q8_0) {
+                if (kind == QB_U1)
+                    v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+                s[0] = o.scale, mn[0] = kind == QB_U1 ? -128.0f * o.scale : 0.0f;
+            } else {
+                s[0] = o.scale, mn[0] = o.min;
+            }
+            uint32_t u[8];
+            _mm256_storeu_si256((void *)u, v);
+            for (int t = 0; t < 8; t++) memcpy(dst + t * sizeof(qbi), u + t, 4);
+        }
+    }
+}
+
+INL int32_t qb_word(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Rows [r0, r0 + R) times the panel into y's columns [j0, j0 + nc). */
+INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p,
+                 int nc, int64_t j0, const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = a->nb, k = a->k;
+    qbf acc[8]; /* R <= QB_RM <= 8; the dispatch's switch names up to 7 at every level */
+    for (int r = 0; r < R; r++) acc[r] = QB_ZF();
+    for (int64_t b = 0; b < nb; b++) {
+        const qbi *wq = p.q + 8 * b;
+        if (kind != QB_U2) {
+            const qbf sc = QB_LDF(p.s + QB_NC * b), mn = QB_LDF(p.m + QB_NC * b);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                qbi is = QB_ZI();
+                for (int t = 0; t < 8; t++)
+                    is = kind == QB_S1 ? qb_dot_s(is, wq[t], QB_I32(qb_word(x + 4 * t)))
+                                       : qb_dot_u(is, wq[t], QB_I32(qb_word(x + 4 * t)));
+                const int64_t ib = (r0 + r) * nb + b;
+                acc[r] = QB_FMA(QB_CVT(is), QB_MUL(sc, QB_F32(a->d[ib])), acc[r]);
+                if (kind == QB_U1)
+                    acc[r] = QB_FMA(mn, QB_F32(a->ds[ib]), acc[r]);
+            }
+        } else {
+            const qbf s0 = QB_LDF(p.s + 2 * QB_NC * b), s1 = QB_LDF(p.s + 2 * QB_NC * b + QB_NC);
+            const qbf m0 = QB_LDF(p.m + 2 * QB_NC * b), m1 = QB_LDF(p.m + 2 * QB_NC * b + QB_NC);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                qbi i0 = QB_ZI(), i1 = QB_ZI();
+                for (int t = 0; t < 4; t++) {
+                    i0 = qb_dot_u(i0, wq[t], QB_I32(qb_word(x + 4 * t)));
+                    i1 = qb_dot_u(i1, wq[t + 4], QB_I32(qb_word(x + 16 + 4 * t)));
+                }
+                const int64_t ib = (r0 + r) * nb + b;
+                const qbf d = QB_F32(a->d[ib]);
+                acc[r] = QB_FMA(QB_CVT(i0), QB_MUL(s0, d), acc[r]);
+                acc[r] = QB_FMA(QB_CVT(i1), QB_MUL(s1, d), acc[r]);
+                acc[r] = QB_FMA(m0, QB_F32(a->ds16[2 * ib]), acc[r]);
+                acc[r] = QB_FMA(m1, QB_F32(a->ds16[2 * ib + 1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc);
+}
+
+#define QB_KIND(K)                                                                         \
+    static void qb_rows_##K(int64_t r0, int64_t r1, const struct qb_act *a, qb_panel p,    \
+                            int nc, int64_t j0, const float *bias, float *y, int64_t ldy) { \
+        int64_t r = r0;                                                                    \
+        for (; r + QB_RM <= r1; r += QB_RM)                                                \
+            qb_tile(K, QB_RM, a, r, p, nc, j0, bias, y, ldy);                              \
+        switch (r1 - r) {                                                                  \
+        case 1: qb_tile(K, 1, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 2: qb_tile(K, 2, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 3: qb_tile(K, 3, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 4: qb_tile(K, 4, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 5: qb_tile(K, 5, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 6: qb_tile(K, 6, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 7: qb_tile(K, 7, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        default: break;                                                                    \
+        }                                                                                  \
+    }
+QB_KIND(QB_U1)
+QB_KIND(QB_S1)
+QB_KIND(QB_U2)
+
+#endif /* __AVX2__ */
+
+/* Whether this build has the batch kernel (the AVX2 and AVX-512 levels). */
+int quire_quant_q8_batch_available(void) {
+#if defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
+                              const uint8_t *w, int64_t w_stride, int64_t n, const float *bias,
+                              float *y, int64_t ldy) {
+#if defined(__AVX2__)
+    const int B = q8_block(fmt);
+    if (B == 0)
+        return Q8_UNSUPPORTED;
+    if (k <= 0 || k % B)
+        return 2;
+    if (m <= 0 || n <= 0)
+        return 0;
+    const int64_t nb = k / 32;
+    void *buf = q8_scratch(qb_act_bytes(m, k));
+    if (buf == NULL)
+        return 3;
+    int8_t *q = buf;
+    float *d = (float *)(((uintptr_t)(q + m * k) + 63) & ~(uintptr_t)63);
+    float *ds = d + m * nb, *ds16 = ds + m * nb;
+    int16_t *bs = (int16_t *)(ds16 + 2 * m * nb);
+    const struct qb_act a = {q, d, ds, ds16, k, nb};
+    const int kind = qb_kind(fmt);
+    const int64_t tiles = (n + QB_NC - 1) / QB_NC;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; i++) {
+            q8_quantize_row(x + i * k, k, q + i * k, d + i * nb, ds + i * nb, bs + 2 * i * nb);
+            for (int64_t h = 0; h < 2 * nb; h++)
+                ds16[2 * i * nb + h] = d[i * nb + h / 2] * (float)bs[2 * i * nb + h];
+        }
+        /* work items: column panels, each cut into row chunks when panels are few */
+        int64_t chunks = 1;
+        if (tiles < 4 * team) {
+            chunks = (4 * team + tiles - 1) / tiles;
+            const int64_t most = (m + QB_RM - 1) / QB_RM;
+            chunks = chunks < most ? chunks : most;
+        }
+        const int64_t items = tiles * chunks, i0 = items * t / team, i1 = items * (t + 1) / team;
+        qb_panel p = {NULL, NULL, NULL};
+        if (i0 < i1) {
+            p = qb_panel_scratch(nb);
+            if (p.q == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+        int64_t packed = -1;
+        for (int64_t it = i0; it < i1 && p.q != NULL; it++) {
+            const int64_t tile = it / chunks, chunk = it % chunks, j0 = tile * QB_NC;
+            const int nc = (int)(n - j0 < QB_NC ? n - j0 : QB_NC);
+            if (tile != packed) {
+                qb_pack(fmt, w, w_stride, j0, nc, nb, p);
+                packed = tile;
+            }
+            /* row chunks of whole tiles of QB_RM rows */
+            const int64_t rt = (m + QB_RM - 1) / QB_RM;
+            const int64_t r0 = QB_RM * (rt * chunk / chunks);
+            int64_t r1 = QB_RM * (rt * (chunk + 1) / chunks);
+            r1 = r1 < m ? r1 : m;
+            if (kind == QB_U1)
+                qb_rows_QB_U1(r0, r1, &a, p, nc, j0, bias, y, ldy);
+            else if (kind == QB_S1)
+                qb_rows_QB_S1(r0, r1, &a, p, nc, j0, bias, y, ldy);
+            else
+                qb_rows_QB_U2(r0, r1, &a, p, nc, j0, bias, y, ldy);
+        }
+    }
+    return failed ? 3 : 0;
+#else
+    (void)fmt, (void)x, (void)m, (void)k, (void)w, (void)w_stride, (void)n, (void)bias;
+    (void)y, (void)ldy;
+    return Q8_UNSUPPORTED;
+#endif
 }
