@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from quire.quantization.methods import Quantization, check_method
+from quire.quantization.methods import (
+    GROUPED_METHODS,
+    Quantization,
+    QuantizationConfig,
+    check_method,
+)
 from quire.spec.config import SpeculativeConfig
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -87,6 +92,14 @@ class EngineConfig:
                        "(int8 weights and int8 activations per token), fp8 (e4m3 weights, "
                        "a scale per output channel), none (the model dtype) (default: gguf "
                        "for a .gguf file, none otherwise)"))
+    #: Given as a dict or JSON text too; held as a :class:`QuantizationConfig`.
+    quantization_config: QuantizationConfig | None = field(
+        default=None,
+        metadata=_help("how int8 and w8a8 quantise on load, as a JSON object: "
+                       "'{\"group_size\": 32}' (a scale per 32 weights of a row, GGUF's "
+                       "Q8_0 blocks; w8a8's activations per 32 values of a token) or "
+                       "'{\"group_size\": -1}' (a scale per output row; w8a8's "
+                       "activations per token) (default: group_size 32)"))
     block_size: int | None = field(
         default=None, metadata=_help("tokens per KV page (default: the platform's)")
     )
@@ -231,6 +244,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, int8, "
                              f"fp8, got {self.kv_cache_dtype!r}")
         check_method(self.quantization)
+        if self.quantization_config is not None:
+            object.__setattr__(self, "quantization_config",
+                               QuantizationConfig.parse(self.quantization_config))
+            if self.quantization not in GROUPED_METHODS:
+                raise ValueError(f"quantization_config applies to quantization int8 or "
+                                 f"w8a8, got quantization={self.quantization!r}")
         _positive("block_size", self.block_size, optional=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from quire.config import EngineConfig
 from quire.distributed import TorchDistributedCommunicator
 from quire.models.gguf_file import iter_gguf_weights
@@ -59,10 +60,10 @@ def tiny_gguf(random_gguf) -> Path:
     return random_gguf("--preset", "tiny", "--seed", "3")
 
 
-def _load(path: Path, method: str):
+def _load(path: Path, method: str, group_size: int = 32):
     comm = TorchDistributedCommunicator("gloo", 0, 1)
     model, _ = load_model(str(path), comm, "cpu", torch.float32,
-                          quantization=Quantization(method))
+                          quantization=Quantization(method, group_size))
     return model
 
 
@@ -99,7 +100,28 @@ def test_int8_quantises_the_linears_on_load_and_keeps_the_vocabulary_float(
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert getattr(model.lm_head, "quant", None) is None
     proj = model.model.layers[0].self_attn.qkv_proj
-    assert proj.kernel.formats == ("int8", "int8", "int8")  # q, k, v as loaded
+    assert proj.kernel.formats == ("q8_0", "q8_0", "q8_0")  # q, k, v as loaded
+    per_row = _load(tiny_checkpoint("llama"), "int8", group_size=-1)
+    proj = per_row.model.layers[0].self_attn.qkv_proj
+    assert proj.kernel.formats == ("int8", "int8", "int8")  # quantization_config -1
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_int8_layers_multiply_their_float_weights_quantised(tiny_checkpoint, group_size):
+    """Each loaded layer's product is that of its own float weight quantised here and
+    dequantised (the checkpoint's tensors, this quantiser, F.linear)."""
+    from quire.quantization.quantize import quantize_groups, quantize_rows
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint("llama")
+    model = _load(path, "int8", group_size)
+    tensors = load_file(str(path / "model.safetensors"))
+    weight = tensors["model.layers.0.mlp.down_proj.weight"].float()
+    quantized = quantize_groups(weight) if group_size == 32 else quantize_rows(weight, "int8")
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    down = model.model.layers[0].mlp.down_proj
+    torch.testing.assert_close(down(x), F.linear(x, quantized.dequantize()),
+                               rtol=1e-5, atol=1e-5)
 
 
 def _iq_file(tiny_gguf: Path, tmp_path: Path) -> Path:

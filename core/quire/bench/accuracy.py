@@ -52,7 +52,7 @@ DEFAULT_TEXT = Path(__file__).parent / "data" / "accuracy_text.txt"
 #: What the reference changes in the tested options by default (only the fields this
 #: build's EngineConfig has).
 REFERENCE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "quantization": "none",
-                                      "kv_cache_dtype": "auto"}
+                                      "quantization_config": None, "kv_cache_dtype": "auto"}
 #: The step's token budget (``max_num_batched_tokens``) when the options give none: a
 #: text of 2,000 tokens is prefilled in four chunks (the later ones read KV pages), and a
 #: chunk's logits stay near 100 MB for a 49k vocabulary.

@@ -82,7 +82,8 @@ def resolve_config(config: EngineConfig, platform: Platform) -> ResolvedConfig:
         config.quantization, gguf_file=is_gguf(model_path),
         checkpoint_quantization=None if is_gguf(model_path)  # its blocks are the file's
         else checkpoint_quantization(model_config),
-        platform_name=platform.name, platform_methods=tuple(platform.quantizations))
+        platform_name=platform.name, platform_methods=tuple(platform.quantizations),
+        config=config.quantization_config)
     return config.resolve(model_max_len=context_length(model_path,
                                                        model_max_len(model_config)),
                           platform_block_size=platform.default_block_size,

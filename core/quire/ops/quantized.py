@@ -17,6 +17,8 @@ from quire.quantization.tensor import QuantizedTensor
 
 #: Most bytes of float32 weights the reference dequantises at once.
 SLAB_BYTES = 64 << 20
+#: Values of a row that share one activation scale in ``w8a8`` products on ``q8_0``.
+ACTIVATION_BLOCK = 32
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
@@ -29,15 +31,21 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     weights, float32 sums. A platform may multiply bfloat16 ``x`` by the weights rounded
     to bfloat16 instead (float32 sums, as a bfloat16 model of the dequantised weights
     computes); the conformance suite's bfloat16 tolerance allows it.
-    ``int8_activations`` (``w8a8``; ``weight`` must be ``int8``): each row of ``x`` is
-    quantised to int8 with ``scale = max |x| / 127`` (round to nearest), the integer
-    products are summed exactly, and the sum is scaled by both scales, as an integer
-    kernel computes it.
+    ``int8_activations`` (``w8a8``; ``weight`` ``int8`` or ``q8_0``): with ``int8``
+    weights, each row of ``x`` is quantised to int8 with ``scale = max |x| / 127``
+    (round to nearest), the integer products are summed exactly, and the sum is scaled
+    by both scales, as an integer kernel computes it. With ``q8_0`` weights, each 32
+    values of a row take their own scale (:func:`quantize_activation_blocks`, llama.cpp's
+    Q8 activations) and each 32-value integer sum is scaled by both blocks' scales; here
+    in float64, so the result is that sum to float64 rounding.
     """
     rows = x.reshape(-1, weight.cols)
-    if int8_activations:
+    if int8_activations and weight.format.name == "q8_0":
+        y = _q8_blocks_linear(rows, weight, bias)
+    elif int8_activations:
         if weight.format.name != "int8":
-            raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
+            raise ValueError(f"int8 activations need int8 weights (per row, or q8_0 "
+                             f"blocks), got {weight.format.name}")
         qx, sx = quantize_activations(rows)
         qw = weight.data.view(torch.int8)
         # float64 holds every int8 x int8 sum of up to 2^38 terms exactly
@@ -57,6 +65,31 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
             if bias is not None:
                 y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
+
+
+def _q8_blocks_linear(rows: torch.Tensor, weight: QuantizedTensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """Q8 activations times ``q8_0`` weights, float32 ``[n, rows]``: both sides' values
+    (int8 times a scale) are exact in float64, and so is each product but for one
+    rounding, so this is the blockwise integer sum scaled, to float64 rounding."""
+    qx, dx = quantize_activation_blocks(rows)
+    xd = (qx.double().view(rows.shape[0], -1, ACTIVATION_BLOCK)
+          * dx.double().unsqueeze(2)).reshape(rows.shape)
+    slab = max(1, SLAB_BYTES // (8 * weight.cols))
+    y = torch.cat([F.linear(xd, weight.narrow_rows(r, min(slab, weight.rows - r))
+                            .dequantize(torch.float64))
+                   for r in range(0, weight.rows, slab)], dim=1).float()
+    return y if bias is None else y + bias.float()
+
+
+def quantize_activation_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each 32 values of each row of ``rows`` ``[n, k]`` (``k`` a multiple of 32) as int8
+    ``[n, k]`` and their float32 scales ``[n, k / 32]``: ``max |x| / 127`` (0 for an
+    all-zero block), round half to even, as ``csrc/quant_q8.c`` quantises them."""
+    xf = rows.float().reshape(rows.shape[0], -1, ACTIVATION_BLOCK)
+    d = xf.abs().amax(dim=2) / 127
+    q = torch.round(xf / torch.where(d > 0, d, 1.0).unsqueeze(2)).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(rows.shape), d
 
 
 def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

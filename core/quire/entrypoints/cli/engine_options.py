@@ -96,6 +96,7 @@ def _parse_mm_limit(text: str) -> int:
 
 _TYPES: dict[str, Any] = {"kv_cache_memory": _parse_memory, "gpu_memory_utilization": float,
                           "platform_options": _parse_options, "speculative_config": str,
+                          "quantization_config": str,
                           "limit_mm_per_prompt": _parse_mm_limit}
 
 

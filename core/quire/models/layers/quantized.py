@@ -25,7 +25,7 @@ from torch import nn
 from quire.ops.quantized import QuantizedLinearKernel
 from quire.quantization.formats import FORMATS
 from quire.quantization.methods import Quantization
-from quire.quantization.quantize import quantize_rows
+from quire.quantization.quantize import quantize_groups, quantize_rows
 from quire.quantization.tensor import QuantizedTensor
 
 
@@ -76,6 +76,10 @@ class LayerQuant:
 
     def _quantize(self, weight: torch.Tensor) -> QuantizedTensor:
         fmt = self.quantization.on_load_format
+        if fmt == "q8_0" and weight.shape[1] % FORMATS["q8_0"].block == 0:
+            return quantize_groups(weight)
+        if fmt == "q8_0":  # a width of no whole 32-weight groups: a scale per row
+            return quantize_rows(weight, "int8")
         if fmt is not None:
             return quantize_rows(weight, fmt)
         # a float tensor where the file is quantised elsewhere: kept as float32 rows

@@ -42,7 +42,9 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     on a format ``csrc/quant_q8.c`` takes quantise the rows to int8 per 32 values
     (the platform's ``decode_activations`` option); with ``int8_all``, products of any
     number of rows do (the ``activations`` option: more than :data:`Q8_MAX_ROWS` on the
-    batch kernel where the build has it, bfloat16 rows widened to float32 first). Else,
+    batch kernel where the build has it, bfloat16 rows widened to float32 first).
+    ``w8a8`` on ``q8_0`` weights (``int8``'s groups) takes the same Q8 products, so its
+    activations are int8 per 32 values of a token. Else,
     bfloat16 ``x`` of more than
     :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
@@ -61,6 +63,8 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
                 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == weight.cols
                 and (bias is None or bias.device.type == "cpu")):
             return quantized_linear(x, weight, bias, int8_activations=int8_activations)
+        if int8_activations and weight.format.name == "q8_0":
+            return w8a8_blocks(x, weight, bias)
         if int8_activations and weight.format.name != "int8":
             raise ValueError(f"int8 activations need int8 weights, got {weight.format.name}")
         b = None if bias is None else bias.to(torch.float32).contiguous()
@@ -91,6 +95,18 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
         rows = flat.to(torch.float32).contiguous()
         batch = rows.shape[0] > Q8_MAX_ROWS and native.has_quant_q8_batch
         return native.quant_linear_q8(rows, weight, bias, batch=batch)
+
+    def w8a8_blocks(x: torch.Tensor, weight: QuantizedTensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``w8a8`` on Q8_0 blocks: Q8 activations, ``csrc/quant_q8.c``'s integer
+        products (the batch kernel for more than :data:`Q8_MAX_ROWS` rows where the
+        build has it; the reference where the build has no Q8 products)."""
+        b = None if bias is None else bias.to(torch.float32).contiguous()
+        fits = native.quant_q8_fits(weight)
+        y = _int8_rows(x.reshape(-1, weight.cols), weight, b) if fits else None
+        if y is None:
+            return quantized_linear(x, weight, bias, int8_activations=True)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
 
     linear.__doc__ = quantized_linear.__doc__
     return linear
