@@ -51,8 +51,31 @@ def load_model_config(path: str) -> PretrainedConfig:
     if is_gguf(path) and os.path.isfile(path):
         return AutoConfig.from_pretrained(hf_dir_for_gguf(path))
     if os.path.isdir(path):
-        return lift_text_config(AutoConfig.from_pretrained(path))
+        return lift_text_config(_hf_config(path))
     raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
+
+
+#: Model types transformers does not know whose config is a known family's with extra
+#: keys, read as that family's (MiMo: Qwen2's and ``num_nextn_predict_layers``).
+SIBLING_CONFIGS = {"mimo": "qwen2"}
+
+
+def _hf_config(path: str) -> PretrainedConfig:
+    """``AutoConfig`` of a checkpoint directory, or its sibling family's config class
+    (:data:`SIBLING_CONFIGS`); the ``model_type`` stays the checkpoint's."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    sibling = SIBLING_CONFIGS.get(model_type or "")
+    if sibling is None:
+        return AutoConfig.from_pretrained(path)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    family = CONFIG_MAPPING[sibling]
+    # from_dict: from_pretrained would warn that the model types differ, as they do
+    return family.from_dict(family.get_config_dict(path)[0])
 
 
 def lift_text_config(config: PretrainedConfig) -> PretrainedConfig:

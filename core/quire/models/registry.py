@@ -44,6 +44,7 @@ CORE_MODELS: Mapping[str, ModelSpec] = MappingProxyType(
     | {"BertModel": _core("BertModel", "bert")}
     | {name: _core(name, "moe") for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}
     | {"Gemma3ForCausalLM": _core("Gemma3ForCausalLM", "gemma3")}
+    | {"MiMoForCausalLM": _core("MiMoForCausalLM", "mimo")}
     | {"LlavaForConditionalGeneration": _core("LlavaForConditionalGeneration", "llava")}
     | {"Qwen2_5_VLForConditionalGeneration": _core("Qwen2_5_VLForConditionalGeneration",
                                                    "qwen2_5_vl")}
@@ -66,6 +67,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType(
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mixtral": "MixtralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "mimo": "MiMoForCausalLM",
     }
 )
 
