@@ -358,7 +358,11 @@ def test_acceptance_counts_per_position():
      "prompt_lookup_max"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "eagle", "num_speculative_tokens": 2}, r"\.model must name"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not built yet"),
+    ({"method": "mtp", "model": "x", "num_speculative_tokens": 2},
+     r"\.model does not apply to method 'mtp'"),
+    ({"method": "mimo_mtp", "num_speculative_tokens": 2, "quantization": "int8"},
+     r"\.quantization does not apply to method 'mtp'"),
+    ({"method": "mtp", "num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"\.model must name the draft"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2},
      r"\.model does not apply to method 'ngram'"),
@@ -405,6 +409,13 @@ def test_vllm_defaults_and_the_json_form():
     with pytest.raises(ValueError, match=r"'eagle' cannot run with async_scheduling"):
         EngineConfig(model="m", async_scheduling=True, speculative_config={
             "method": "eagle", "model": "d", "num_speculative_tokens": 3})
+    # vLLM's older per-family names are its "mtp"
+    for name in ("mtp", "mimo_mtp", "deepseek_mtp"):
+        assert SpeculativeConfig.parse({"method": name, "num_speculative_tokens": 2}) \
+            .method == "mtp"
+    with pytest.raises(ValueError, match=r"'mtp' cannot run with async_scheduling"):
+        EngineConfig(model="m", async_scheduling=True, speculative_config={
+            "method": "mtp", "num_speculative_tokens": 3})
     EngineConfig(model="m", pipeline_parallel_size=2,  # n-gram drafts run with stages
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 

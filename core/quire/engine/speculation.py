@@ -29,7 +29,7 @@ import numpy as np
 
 from quire.engine.scheduler import ScheduledSeq
 from quire.engine.sequence import Sequence
-from quire.spec.config import SpeculativeConfig
+from quire.spec.config import HEAD_METHODS, SpeculativeConfig
 from quire.spec.ngram import NgramProposer
 from quire.structured.backend import Matcher
 
@@ -151,7 +151,7 @@ class Speculator:
         #: The draft's K/V per sequence, with a draft model or an EAGLE head.
         self.draft_kv: DraftKV | None = (None if config.method == "ngram"
                                          else DraftKV(every_step=config.method
-                                                      in ("eagle", "eagle3")))
+                                                      in HEAD_METHODS))
 
         #: With a draft model: sequences that draft (True) or never will (False), decided
         #: at their first proposal and when they would catch up (module docstring).

@@ -1,6 +1,6 @@
 """``Drafter``: a draft model's proposals, made in the worker just before the target's
 forward of the same step (speculative decoding with ``speculative_config.model``);
-``EagleDrafter``: an EAGLE head's, the same way.
+``EagleDrafter``: an EAGLE head's (or the target's own MTP layers'), the same way.
 
 The engine schedules ``num_spec`` stand-in tokens behind a decoding sequence's last
 token, with pages for them, as it does for n-gram drafts; only their values come from
@@ -133,9 +133,9 @@ class Drafter:
 
 
 class EagleDrafter:
-    """An EAGLE or EAGLE-3 head's proposals (:mod:`quire.models.eagle`), made in the
-    worker just before the target's forward, from the target's hidden states of the step
-    before.
+    """An EAGLE or EAGLE-3 head's proposals (:mod:`quire.models.eagle`), or an MTP
+    head's (:mod:`quire.models.mimo`), made in the worker just before the target's
+    forward, from the target's hidden states of the step before.
 
     Head position ``i`` reads token ``i + 1`` and the target's hidden state at ``i``.
     The runner hands over each step's hidden states (:meth:`keep`); the next step writes
@@ -144,7 +144,9 @@ class EagleDrafter:
     after the last is the first proposal. ``num_spec - 1`` one-token steps follow, each
     reading the head's own output as the hidden state. Their K/V is rewritten from the
     target's hidden states once accepted (the engine counts only up to the start).
-    Runs every step, so that no hidden state is lost; one per model runner.
+    Runs every step, so that no hidden state is lost; one per model runner. The head is
+    told the draft step (0 for the forward over the target's hidden states): an MTP
+    head runs its layer of that step, an EAGLE head its one network for all.
     """
 
     def __init__(self, head: nn.Module, backend: AttentionBackend,
@@ -197,7 +199,7 @@ class EagleDrafter:
         self.input_batch.apply(idle, released)
         proposals: list[list[int]] = [[] for _ in items]
         if forward:
-            tokens, own = self._forward(forward, torch.cat(features))
+            tokens, own = self._forward(forward, torch.cat(features), 0)
             for i, token in zip(drafting, tokens, strict=True):
                 proposals[i].append(token)
             for j in range(1, max((items[i].num_spec for i in drafting), default=0)):
@@ -208,7 +210,7 @@ class EagleDrafter:
                                  items[i].start - 1 + j, [], True,
                                  first_page=self.input_batch.num_pages_of(items[i].seq_id))
                         for i in drafting]
-                tokens, own = self._forward(step, own)
+                tokens, own = self._forward(step, own, j)
                 for i, token in zip(drafting, tokens, strict=True):
                     proposals[i].append(token)
         filled = []
@@ -220,15 +222,16 @@ class EagleDrafter:
                 item, token_ids=item.token_ids[: len(item.token_ids) - n] + proposals[i]))
         return filled, tuple(tuple(p) for p in proposals)
 
-    def _forward(self, items: list[StepItem], features: torch.Tensor
+    def _forward(self, items: list[StepItem], features: torch.Tensor, step: int
                  ) -> tuple[list[int], torch.Tensor]:
-        """One forward of the head; the argmax and the head's hidden state at each
-        sampling item's last position."""
+        """One forward of the head for draft ``step`` (0: from the target's hidden
+        states); the argmax and the head's hidden state at each sampling item's last
+        position."""
         inputs = self.input_batch.prepare(items)
         ctx = ForwardContext(backend=self.backend,
                              metadata=self.backend.build_metadata(inputs.batch),
                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
-        hidden = self.head(inputs.input_ids, inputs.positions, ctx, features)
+        hidden = self.head(inputs.input_ids, inputs.positions, ctx, features, step)
         if not inputs.sample_items:
             return [], hidden[:0]
         own = hidden[inputs.sample_rows]

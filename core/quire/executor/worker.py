@@ -42,6 +42,7 @@ from quire.models.loader import (
     load_model,
     load_model_config,
 )
+from quire.models.mimo import MiMoMTPHead, load_mtp_head
 from quire.models.pipeline import PipelineLink, PipelineStage
 from quire.models.pooling import (
     PoolingConfig,
@@ -161,10 +162,10 @@ class Worker:
         self.pooling: PoolingConfig | None = (
             pooling_config(model_path, model_config, config.pooling)
             if self.config.task == "embed" else None)
-        #: The draft model or EAGLE head (speculative decoding with
-        #: ``speculative_config.model``), on the same ranks as the target, and its KV
-        #: shape facts; None without one.
-        self.draft_model: CausalLM | EagleHead | Eagle3Head | None = None
+        #: The draft model, EAGLE head or MTP head (speculative decoding with
+        #: ``speculative_config.model`` or method ``mtp``), on the same ranks as the
+        #: target, and its KV shape facts; None without one.
+        self.draft_model: CausalLM | EagleHead | Eagle3Head | MiMoMTPHead | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
         self.draft_kv_dtype: torch.dtype | None = None
         spec_config = config.speculative_config
@@ -172,6 +173,8 @@ class Worker:
             self._load_draft(spec_config, tp_comm, registry)
         elif spec_config is not None and spec_config.method in ("eagle", "eagle3"):
             self._load_eagle(spec_config, tp_comm)
+        elif spec_config is not None and spec_config.method == "mtp":
+            self._load_mtp(spec_config, tp_comm, model_path)
         self.runner: ModelRunner | None = None
 
     def _load_draft(self, spec: SpeculativeConfig, comm: Communicator,
@@ -218,6 +221,20 @@ class Worker:
         self.platform.check_dtype(dtype)
         head = load_eagle_head(resolve_model(spec.model), comm, self.device, dtype,
                                self.model, eagle3=spec.method == "eagle3")
+        self._use_head(head, dtype)
+
+    def _load_mtp(self, spec: SpeculativeConfig, comm: Communicator, path: str) -> None:
+        """Build the MTP head from the target checkpoint's own layers (it shares the
+        target's embedding and LM head), at the target's dtype unless
+        ``speculative_config.dtype`` says."""
+        dtype = parse_dtype(spec.dtype) if spec.dtype is not None else self.config.dtype
+        self.platform.check_dtype(dtype)
+        head = load_mtp_head(path, comm, self.device, dtype, self.model)
+        self._use_head(head, dtype)
+
+    def _use_head(self, head: EagleHead | Eagle3Head | MiMoMTPHead, dtype: torch.dtype
+                  ) -> None:
+        """Keep ``head`` as the draft, with its KV shape facts."""
         self.draft_model = head
         self.draft_kv_spec = KVCacheSpec.of(head)
         self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
@@ -315,7 +332,8 @@ class Worker:
                                            spec.num_kv_heads, spec.head_size,
                                            self.draft_kv_dtype, self.device)
             for _ in range(spec.num_layers)]
-        make = (EagleDrafter if isinstance(self.draft_model, (EagleHead, Eagle3Head))
+        make = (EagleDrafter if isinstance(self.draft_model,
+                                           (EagleHead, Eagle3Head, MiMoMTPHead))
                 else Drafter)
         return make(self.draft_model, self.backend, caches, self.config.block_size,
                     self.device, self.ops, limits)

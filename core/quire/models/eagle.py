@@ -83,11 +83,12 @@ class EagleHead(nn.Module):
         self._shared = (target.model.embed_tokens, target)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
+                ctx: ForwardContext, features: torch.Tensor, step: int = 0) -> torch.Tensor:
         """:param input_ids: int64 [T], token ``i + 1`` at row ``i``.
         :param positions: int64 [T], ``i`` (where the head's K/V goes).
         :param features: [T, H], the target's final hidden state at ``i`` (or the head's
             own output there, drafting further).
+        :param step: the draft step; the same layers run for every one.
         :returns: [T, H], the head's hidden states (:meth:`compute_logits` reads them)."""
         assert self._shared, "share() the target's embedding first"
         embeds = self._shared[0](input_ids)
@@ -192,9 +193,10 @@ class Eagle3Head(nn.Module):
         return self._shared[1].model.aux_hidden_states
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext, features: torch.Tensor) -> torch.Tensor:
+                ctx: ForwardContext, features: torch.Tensor, step: int = 0) -> torch.Tensor:
         """:param features: [T, 3H] the target's (:meth:`target_features`), or [T, H]
             the head's own earlier outputs.
+        :param step: the draft step; the same layer runs for every one.
         :returns: [T, H], the hidden states before the final norm."""
         assert self._shared, "share() the target's embedding first"
         layer = self.midlayer

@@ -3,9 +3,10 @@
 ``LLM(..., speculative_config={...})`` and ``--speculative-config '{...}'`` take the same
 keys as vLLM's. What is built so far: ``method: "ngram"`` (prompt lookup, no second
 model), a draft ``model`` (``method: "draft_model"``, implied by ``model`` alone) and an
-EAGLE or EAGLE-3 head (``method: "eagle"``, ``"eagle3"``, :mod:`quire.models.eagle`),
-all proposing greedily in the workers (:mod:`quire.executor.drafter`). ``mtp`` is
-refused at start, naming the field, until it is.
+EAGLE or EAGLE-3 head (``method: "eagle"``, ``"eagle3"``, :mod:`quire.models.eagle`) and
+the target checkpoint's own multi-token-prediction layers (``method: "mtp"``, MiMo's:
+:mod:`quire.models.mimo`; vLLM's older names ``mimo_mtp``, ``deepseek_mtp`` ... read as
+``mtp``), all proposing greedily in the workers (:mod:`quire.executor.drafter`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from typing import Any
 
 #: Methods vLLM names, and whether Quire runs them yet.
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-BUILT = ("ngram", "draft_model", "eagle", "eagle3")
+BUILT = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+#: Methods whose head reads the target's hidden states, in every step.
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
+#: Methods that run a second network in the workers, before the target's forward.
+WORKER_METHODS = ("draft_model", *HEAD_METHODS)
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
@@ -74,6 +79,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model must name the draft model or EAGLE "
                              "head (a path, a Hub repo id or a built-in name), got "
                              f"{self.model!r}")
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError("speculative_config.model does not apply to method 'mtp' (its "
+                             "layers are the target checkpoint's own)")
+        if self.method == "mtp" and self.quantization is not None:
+            raise ValueError("speculative_config.quantization does not apply to method "
+                             "'mtp' (its layers are read as the target's are)")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config.model does not apply to method 'ngram' "
                              "(prompt lookup runs no second model)")
@@ -119,6 +130,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(_KEYS)}")
         method = value.get("method")
+        if isinstance(method, str) and method.endswith("_mtp"):  # vLLM's older names
+            method = "mtp"
         if method is None:
             if value.get("model") is None:
                 raise ValueError("speculative_config needs a method (ngram) or a model")
