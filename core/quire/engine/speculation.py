@@ -95,13 +95,13 @@ class TokenArrays:
 
 class DraftKV:
     """Where the draft's K/V stands for each sequence (``Sequence.draft_computed``),
-    with a draft model or an EAGLE head; one per engine core.
+    with a draft model or an EAGLE (or MTP) head; one per engine core.
 
     - A draft model runs only in steps that draft, over every item's tokens its K/V
       lacks: it writes its K/V for the known tokens and for its proposals but the last.
       Pages from the prefix cache or a forked parent may have been computed in steps
       without it, so they are not trusted: a sequence starts at 0.
-    - An EAGLE head runs in every step: it writes position ``i`` from the target's
+    - An EAGLE or MTP head runs in every step: it writes position ``i`` from the target's
       hidden state at ``i``, which the workers keep only from the step before, so each
       step writes the positions the last one computed, up to the item's start. It writes
       its proposals' positions from its own hidden states, so they do not count. Pages
