@@ -796,11 +796,19 @@ INL qbi qb_dot_s(qbi acc, qbi w, qbi s) {
     const __mmask64 neg = _mm512_movepi8_mask(w);
     return qb_dot_u(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, QB_ZI(), s));
 }
-INL void qb_store(float *y, qbf v, const float *bias, int nc) {
+/* A whole line of 16 floats, 64-byte aligned: not read first (the output is larger
+ * than the caches, and a missed store's line fetch would stall every row). */
+INL int qb_stream_fits(const float *y, int nc) {
+    return nc == 16 && ((uintptr_t)y & 63) == 0;
+}
+INL void qb_store(float *y, qbf v, const float *bias, int nc, int stream) {
     const __mmask16 keep = (__mmask16)((1u << nc) - 1u);
     if (bias)
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias));
-    _mm512_mask_storeu_ps(y, keep, v);
+    if (stream && qb_stream_fits(y, nc))
+        _mm512_stream_ps(y, v);
+    else
+        _mm512_mask_storeu_ps(y, keep, v);
 }
 #else
 #define QB_NC 8
@@ -823,7 +831,8 @@ INL qbi qb_dot_u(qbi acc, qbi u, qbi s) {
 INL qbi qb_dot_s(qbi acc, qbi w, qbi s) {
     return qb_dot_u(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
 }
-INL void qb_store(float *y, qbf v, const float *bias, int nc) {
+INL void qb_store(float *y, qbf v, const float *bias, int nc, int stream) {
+    (void)stream;
     float t[8];
     _mm256_storeu_ps(t, v);
     for (int c = 0; c < nc; c++) y[c] = bias ? t[c] + bias[c] : t[c];
@@ -863,6 +872,9 @@ static size_t qb_panel_bytes(int64_t nb) {
     return (size_t)nb * (8 * sizeof(qbi) + 4 * QB_NC * sizeof(float)) + 64;
 }
 
+/* Outputs of more bytes than this are written by streaming stores where they fit. */
+#define QB_STREAM_BYTES (4 << 20)
+
 static __thread void *qb_buf;
 static __thread size_t qb_buf_bytes;
 
@@ -882,40 +894,70 @@ static qb_panel qb_panel_scratch(int64_t nb) {
     return p;
 }
 
-/* Columns [j0, j0 + nc) of the weight into the panel (lanes nc.. zero). */
+/* r[i] (8 dwords each) transposed: r[t] lane i = dword t of the input r[i]. */
+INL void qb_transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Column c's block b: its 32 codes as the panel takes them, its scales and minima. */
+INL __m256i qb_codes(int32_t fmt, int kind, const uint8_t *row, int64_t b, float *s,
+                     float *mn) {
+    wblk o;
+    o.w = _mm256_setzero_si256();
+    decode(fmt, row, b, &o);
+    if (kind == QB_U2) {
+        s[0] = o.scale * (float)o.sc0, s[QB_NC] = o.scale * (float)o.sc1;
+        mn[0] = -32.0f * s[0], mn[QB_NC] = -32.0f * s[QB_NC];
+        return _mm256_add_epi8(o.w, _mm256_set1_epi8(32));
+    }
+    if (fmt == Q8F_Q8_0) {
+        s[0] = o.scale, mn[0] = kind == QB_U1 ? -128.0f * o.scale : 0.0f;
+        return kind == QB_U1 ? _mm256_xor_si256(o.w, _mm256_set1_epi8((char)0x80)) : o.w;
+    }
+    s[0] = o.scale, mn[0] = o.min;
+    return o.w;
+}
+
+/* Transposes stage[i][0 .. QB_NC) (column i's 32 codes) into the panel's block at dst. */
+INL void qb_put(__m256i *stage, uint8_t *dst) {
+    for (int g = 0; g < QB_NC / 8; g++) {
+        qb_transpose8(stage + 8 * g);
+        for (int t = 0; t < 8; t++)
+            _mm256_store_si256((void *)(dst + t * sizeof(qbi) + 32 * g), stage[8 * g + t]);
+    }
+}
+
+/* Columns [j0, j0 + nc) of the weight into the panel (lanes nc.. zero): a block of
+ * every column decoded, then transposed into 4-byte lanes. */
 static void qb_pack(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
                     int64_t nb, qb_panel p) {
     const int kind = qb_kind(fmt), sub = kind == QB_U2 ? 2 : 1;
-    uint8_t *codes = (uint8_t *)p.q;
-    for (int c = 0; c < QB_NC; c++) {
-        const uint8_t *row = w + (j0 + c) * ws;
-        for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i stage[QB_NC];
+        for (int c = 0; c < QB_NC; c++) {
             float *s = p.s + sub * QB_NC * b + c, *mn = p.m + sub * QB_NC * b + c;
-            uint8_t *dst = codes + (size_t)b * 8 * sizeof(qbi) + 4 * c;
-            if (c >= nc) {
-                for (int t = 0; t < 8; t++) memset(dst + t * sizeof(qbi), 0, 4);
-                for (int h = 0; h < sub; h++) s[h * QB_NC] = 0.0f, mn[h * QB_NC] = 0.0f;
-                continue;
-            }
-            wblk o;
-            o.w = _mm256_setzero_si256();
-            decode(fmt, row, b, &o);
-            __m256i v = o.w;
-            if (kind == QB_U2) {
-                v = _mm256_add_epi8(v, _mm256_set1_epi8(32));
-                s[0] = o.scale * (float)o.sc0, s[QB_NC] = o.scale * (float)o.sc1;
-                mn[0] = -32.0f * s[0], mn[QB_NC] = -32.0f * s[QB_NC];
-            } else if (fmt == Q8F_Q8_0) {
-                if (kind == QB_U1)
-                    v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-                s[0] = o.scale, mn[0] = kind == QB_U1 ? -128.0f * o.scale : 0.0f;
+            if (c < nc) {
+                stage[c] = qb_codes(fmt, kind, w + (j0 + c) * ws, b, s, mn);
             } else {
-                s[0] = o.scale, mn[0] = o.min;
+                stage[c] = _mm256_setzero_si256();
+                for (int h = 0; h < sub; h++) s[h * QB_NC] = 0.0f, mn[h * QB_NC] = 0.0f;
             }
-            uint32_t u[8];
-            _mm256_storeu_si256((void *)u, v);
-            for (int t = 0; t < 8; t++) memcpy(dst + t * sizeof(qbi), u + t, 4);
         }
+        qb_put(stage, (uint8_t *)(p.q + 8 * b));
     }
 }
 
@@ -927,7 +969,7 @@ INL int32_t qb_word(const int8_t *p) {
 
 /* Rows [r0, r0 + R) times the panel into y's columns [j0, j0 + nc). */
 INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p,
-                 int nc, int64_t j0, const float *bias, float *y, int64_t ldy) {
+                 int nc, int64_t j0, const float *bias, float *y, int64_t ldy, int stream) {
     const int64_t nb = a->nb, k = a->k;
     qbf acc[8]; /* R <= QB_RM <= 8; the dispatch's switch names up to 7 at every level */
     for (int r = 0; r < R; r++) acc[r] = QB_ZF();
@@ -966,23 +1008,24 @@ INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p
         }
     }
     for (int r = 0; r < R; r++)
-        qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc);
+        qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc, stream);
 }
 
 #define QB_KIND(K)                                                                         \
     static void qb_rows_##K(int64_t r0, int64_t r1, const struct qb_act *a, qb_panel p,    \
-                            int nc, int64_t j0, const float *bias, float *y, int64_t ldy) { \
+                            int nc, int64_t j0, const float *bias, float *y, int64_t ldy,  \
+                            int stream) {                                                  \
         int64_t r = r0;                                                                    \
         for (; r + QB_RM <= r1; r += QB_RM)                                                \
-            qb_tile(K, QB_RM, a, r, p, nc, j0, bias, y, ldy);                              \
+            qb_tile(K, QB_RM, a, r, p, nc, j0, bias, y, ldy, stream);                      \
         switch (r1 - r) {                                                                  \
-        case 1: qb_tile(K, 1, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 2: qb_tile(K, 2, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 3: qb_tile(K, 3, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 4: qb_tile(K, 4, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 5: qb_tile(K, 5, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 6: qb_tile(K, 6, a, r, p, nc, j0, bias, y, ldy); break;                       \
-        case 7: qb_tile(K, 7, a, r, p, nc, j0, bias, y, ldy); break;                       \
+        case 1: qb_tile(K, 1, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 2: qb_tile(K, 2, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 3: qb_tile(K, 3, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 4: qb_tile(K, 4, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 5: qb_tile(K, 5, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 6: qb_tile(K, 6, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
+        case 7: qb_tile(K, 7, a, r, p, nc, j0, bias, y, ldy, stream); break;               \
         default: break;                                                                    \
         }                                                                                  \
     }
@@ -1023,6 +1066,8 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
     const struct qb_act a = {q, d, ds, ds16, k, nb};
     const int kind = qb_kind(fmt);
     const int64_t tiles = (n + QB_NC - 1) / QB_NC;
+    /* an output larger than the caches is streamed (QB_STREAM_BYTES) */
+    const int stream = (double)m * (double)n * sizeof(float) > QB_STREAM_BYTES;
     int failed = 0;
 #pragma omp parallel
     {
@@ -1063,12 +1108,14 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
             int64_t r1 = QB_RM * (rt * (chunk + 1) / chunks);
             r1 = r1 < m ? r1 : m;
             if (kind == QB_U1)
-                qb_rows_QB_U1(r0, r1, &a, p, nc, j0, bias, y, ldy);
+                qb_rows_QB_U1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
             else if (kind == QB_S1)
-                qb_rows_QB_S1(r0, r1, &a, p, nc, j0, bias, y, ldy);
+                qb_rows_QB_S1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
             else
-                qb_rows_QB_U2(r0, r1, &a, p, nc, j0, bias, y, ldy);
+                qb_rows_QB_U2(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
         }
+        if (stream)
+            _mm_sfence(); /* the streamed stores visible before the team's barrier */
     }
     return failed ? 3 : 0;
 #else
