@@ -197,6 +197,35 @@ def test_fp8_activations_follow_their_torch_model(m):
     check_close(got, x, weight, bias, 2.0 ** -3)
 
 
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("split", [1, 3])
+def test_w8a8_on_q8_0_is_the_blockwise_integer_product(m, split):
+    """``int8``'s 32-weight groups (Q8_0) with Q8 activations: within float32 summation
+    of the reference (float64 sums of the same integer block products), the bound of
+    tests/unit/test_quantize_groups.py."""
+    from quire.ops.quantized import quantize_activation_blocks
+    from quire.quantization.quantize import quantize_groups
+
+    k = 320
+    g = torch.Generator().manual_seed(m + 7 * split)
+    w = torch.randn(40, 2 * k, generator=g) * 0.02
+    w.view(40, -1, 32)[:, ::8] *= 50
+    weight = quantize_groups(w).narrow_cols(64, k)  # strided rows
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    bias = torch.randn(40, generator=g)
+    want = reference_linear(x, weight, bias, int8_activations=True)
+    got = kernels().quantized_matmul(x, weight, bias, activations="int8", split_k=split)
+    qx, dx = quantize_activation_blocks(x)
+    xq = (qx.float().view(m, -1, 32) * dx.unsqueeze(-1)).view(m, k)
+    gmax = weight.dequantize().abs().view(40, -1, 32).amax(-1).repeat_interleave(32, 1)
+    eps = torch.finfo(torch.float32).eps
+    bound = (k / 32 + 8) * eps * (xq.abs().double() @ gmax.double().T + bias.abs())
+    assert torch.all((got.double() - want.double()).abs() <= bound + 1e-30)
+    y16 = kernels().quantized_linear(x.bfloat16(), weight, None, int8_activations=True)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (m, 40)
+
+
 def test_the_op_is_in_triton_ops_and_refuses_what_the_reference_refuses():
     from quire.kernels.triton_ops import quantized_linear, triton_ops
 
@@ -205,7 +234,7 @@ def test_the_op_is_in_triton_ops_and_refuses_what_the_reference_refuses():
     x = torch.randn(3, 64)
     check_close(quantized_linear(x, weight), x, weight, None, FLOAT32_TOLERANCE)
     with pytest.raises(ValueError, match="int8 activations need int8 weights"):
-        quantized_linear(x, weight, int8_activations=True)
+        quantized_linear(x, random_weight("q4_0", 16, 64, seed=1), int8_activations=True)
     with pytest.raises(ValueError, match="features"):
         quantized_linear(torch.randn(3, 32), weight)
     empty = quantized_linear(torch.randn(0, 64), weight)
@@ -247,6 +276,8 @@ _COMPILE = textwrap.dedent(
              ACT_INT8=False, BLOCK_N=32, BLOCK_K=64, **common), half),
             ("w8a8", Q._qmm_act_kernel, dict(ACT=Q.ACT_INT8, BLOCK_M=64, BLOCK_N=64,
              BLOCK_K=128, **common), dict(half, x_ptr="u8")),
+            ("w8a8 q8_0", Q._qmm_q8_kernel, dict(BLOCK_M=64, BLOCK_N=64, **common),
+             dict(half, x_ptr="u8")),
         ]
         if target.backend == "cuda":
             jobs.append(("fp8", Q._qmm_act_kernel, dict(ACT=Q.ACT_FP8, BLOCK_M=64,
@@ -269,4 +300,4 @@ def test_kernels_compile_for_nvidia_and_amd_targets():
                             text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     results = json.loads(result.stdout.splitlines()[-1])
-    assert len(results) == 7 and all(r[-1] for r in results), results
+    assert len(results) == 9 and all(r[-1] for r in results), results

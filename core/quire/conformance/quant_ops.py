@@ -1,8 +1,9 @@
 """A platform's ``quantized_linear`` op against the reference, per method it declares.
 
 One row per method of ``Platform.quantizations`` but ``none``: ``gguf`` runs every GGUF
-format (the block types, then F16/BF16/F32), ``int8`` and ``fp8`` their row formats,
-``w8a8`` int8 weights with ``int8_activations``. Each case multiplies random inputs,
+format (the block types, then F16/BF16/F32), ``int8`` its 32-weight groups (Q8_0)
+and its rows, ``fp8`` its rows, ``w8a8`` both int8 layouts with ``int8_activations``
+(int8 activations per 32 values on Q8_0, per row on the rows). Each case multiplies random inputs,
 rounded to each dtype the platform declares, by a random weight
 (:mod:`quire.quantization.random`), with a bias, for one row (a decode step) and for
 batches, at widths that leave partial tiles. The oracle is
@@ -32,8 +33,8 @@ TOLERANCE: dict[torch.dtype, float] = {
 #: (rows of x, output features, input features): one decode row; batches across tiles.
 CASES = ((1, 48, 256), (7, 40, 512), (33, 24, 768))
 #: Formats each method is checked in.
-METHOD_FORMATS = {"gguf": GGUF_TYPES, "int8": ("int8",), "fp8": ("fp8_e4m3",),
-                  "w8a8": ("int8",)}
+METHOD_FORMATS = {"gguf": GGUF_TYPES, "int8": ("q8_0", "int8"), "fp8": ("fp8_e4m3",),
+                  "w8a8": ("q8_0", "int8")}
 
 
 def check_quantized_linear(ctx: CheckContext) -> list[CheckResult]:

@@ -34,6 +34,10 @@ Kernels (one program = one Triton program instance):
 - ``_qmm_act_kernel``: the same tiling with quantised activations: ``ACT_INT8`` (w8a8:
   int8 x int8 ``tl.dot``, int32 sums, the float scaling in float64 so the result is the
   reference's bit for bit), or ``ACT_FP8`` (e4m3 x e4m3 ``tl.dot``, float32 sums).
+- ``_qmm_q8_kernel``: w8a8 on ``q8_0`` weights (``int8``'s 32-weight groups): the rows
+  int8 per 32 values, one int8 ``tl.dot`` per 32-value block, each int32 block sum
+  times both blocks' scales into float32 sums (so within float32 rounding of the
+  reference, which sums in float64).
 
 With one split the kernel adds the bias and stores x's dtype; with several it stores
 float32 (int32 for w8a8) partial sums that torch adds up, then the bias and the cast.
@@ -70,7 +74,7 @@ import triton.language as tl
 # whether the kernels run in Triton's interpreter, fixed at import
 from quire.kernels.triton_attention import INTERPRETED
 from quire.kernels.triton_fused import _round  # the interpreter's bfloat16 rounding, shared
-from quire.ops.quantized import quantize_activations
+from quire.ops.quantized import quantize_activation_blocks, quantize_activations
 from quire.quantization.tensor import QuantizedTensor
 
 #: e4m3's largest finite value (the fp8-activation scale is ``max |x| / FP8_MAX``).
@@ -376,6 +380,51 @@ def _qmm_act_kernel(
         tl.store(y_ptr + pid_k * stride_ys + y_off, acc, mask=out_mask)
 
 
+@triton.jit
+def _qmm_q8_kernel(
+    x_ptr, xd_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, k_split,
+    stride_xm, stride_xd, stride_w, stride_ym, stride_ys,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """w8a8 on Q8_0 blocks: int8 rows with a float32 scale per 32 values (``xd``) times
+    the blocks' int8 codes, one int8 ``tl.dot`` per 32-value block (exact int32 sums),
+    each scaled by both blocks' scales into float32 sums."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_start = pid_k * k_split
+    k_end = tl.minimum(K, k_start + k_split)
+    offs_c = tl.arange(0, 32)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, 32):
+        b = k0 // 32
+        x = tl.load(x_rows + k0 + offs_c[None, :], mask=m_ok[:, None], other=0)
+        w = tl.load(w_rows + b * 34 + 2 + offs_c[None, :], mask=n_ok[:, None], other=0)
+        isum = tl.dot(x.to(tl.int8, bitcast=True), tl.trans(w.to(tl.int8, bitcast=True)),
+                      out_dtype=tl.int32)
+        dx = tl.load(xd_ptr + offs_m.to(tl.int64) * stride_xd + b, mask=m_ok, other=0.0)
+        dw = _f16(w_ptr + offs_n.to(tl.int64) * stride_w + b * 34, n_ok)
+        acc += isum.to(tl.float32) * (dx[:, None] * dw[None, :])
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_off = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT == 1:
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = _round(y, y_ptr.dtype.element_ty, INTERPRETED).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + y_off, out, mask=out_mask)
+    else:  # float32 partial sums [SPLIT, M, N]
+        tl.store(y_ptr + pid_k * stride_ys + y_off, acc, mask=out_mask)
+
+
 # -- launchers ------------------------------------------------------------------------------
 
 
@@ -417,8 +466,12 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedTensor,
     if act is None:
         raise ValueError(f"activations={activations!r}: one of {', '.join(_ACTS)}")
     fmt = weight.format
+    if act == ACT_INT8 and fmt.name == "q8_0":
+        return _q8_blocks_matmul(x, weight, bias, block_m=block_m, block_n=block_n,
+                                 split_k=split_k, num_warps=num_warps)
     if act == ACT_INT8 and fmt.name != "int8":
-        raise ValueError(f"int8 activations need int8 weights, got {fmt.name}")
+        raise ValueError(f"int8 activations need int8 weights (per row, or q8_0 blocks), "
+                         f"got {fmt.name}")
     if act == ACT_FP8 and fmt.name != "fp8_e4m3":
         raise ValueError(f"fp8 activations need fp8_e4m3 weights, got {fmt.name}")
     if x.dtype not in _FLOATS:
@@ -515,6 +568,55 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedTensor,
             )
     if split > 1:
         y = _reduce_splits(out, act, sx, scale, bias).to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _q8_blocks_matmul(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None,
+                      *, block_m: int | None, block_n: int | None, split_k: int | None,
+                      num_warps: int | None) -> torch.Tensor:
+    """w8a8 on ``q8_0`` weights (``_qmm_q8_kernel``): the rows quantised per 32 values by
+    torch (:func:`~quire.ops.quantized.quantize_activation_blocks`), every row count on
+    the tiled kernel (K steps are the 32-value blocks)."""
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.shape[-1] != weight.cols:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.cols} columns")
+    if bias is not None and tuple(bias.shape) != (weight.rows,):
+        raise ValueError(f"bias must be [{weight.rows}], got {tuple(bias.shape)}")
+    if x.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the triton quantized_linear got CPU tensors, but triton was "
+                           "imported without TRITON_INTERPRET=1; set it before triton is "
+                           "first imported to run on CPU")
+    k, n = weight.cols, weight.rows
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0 or n == 0:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        y = y if bias is None else y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    qx, dx = quantize_activation_blocks(rows)
+    qx = qx.view(torch.uint8)
+    data = weight.data
+    stride_w = data.stride(0) if n > 1 else data.shape[1]
+    bm = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    bn = block_n or 64
+    split, k_split = _splits(split_k, triton.cdiv(m, bm) * triton.cdiv(n, bn), k, 32,
+                             x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                           device=x.device)
+    if bias is not None:
+        bias = bias.contiguous()
+    _qmm_q8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        qx, dx, data, y if bias is None else bias, out, m, n, k, k_split,
+        qx.stride(0), dx.stride(0), stride_w, out.stride(-2),
+        out.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn,
+        INTERPRETED=INTERPRETED, num_warps=num_warps or 4, **_compile_options(),
+    )
+    if split > 1:
+        y = out.sum(0)
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
 
 
