@@ -5,15 +5,22 @@ The bounds are what these methods measured here (``docs/quantization.md``) with 
 the host: they are not the issue's 99% top-1. bfloat16 weights and activations, vLLM's
 default, agree with float32 at only 97.2% of SmolLM2's positions and 95-98% on the tiny
 random models, whose next-token distributions are nearly flat; an 8-bit scheme cannot do
-better than the precision it has. What the tests hold is that each method stays as close
-as it measured, so a kernel or a scale that drifts fails.
+better than the precision it has. Top-1 disagreement comes from near-ties: across every
+method measured on SmolLM2 it is about 0.6 x sqrt(mean KL), so 99% needs a mean KL near
+3e-4 (docs/quantization.md, "Accuracy"). What the tests hold is that each method stays as
+close as it measured, so a kernel or a scale that drifts fails.
 
 Bounds, (top-1 at least, mean KL at most):
 
 - ``gguf``: the dequantised model exactly: 100%, 1e-6 (float32 products in another order).
-- int8 weights: SmolLM2 (0.95, 6e-3), tiny models (0.90, 5e-3); measured 96.9% / 2.8e-3
-  and 92.5-97.2% / 3e-4 to 2.7e-3.
-- w8a8: (0.85, 5e-2), (0.87, 1.5e-2); measured 89.4% / 2.7e-2 and 90.9-96.5% / 7e-4 to 6.4e-3.
+- int8 weights in 32-weight groups (Q8_0, the default): SmolLM2 (0.97, 2e-3), tiny models
+  (0.90, 4e-3); measured 98.1% / 1.1e-3 and 94.1-98.4% / 2.1e-4 to 2.1e-3.
+- int8 with a scale per output row (``group_size: -1``): SmolLM2 (0.95, 6e-3); measured
+  96.9% / 2.8e-3.
+- w8a8, Q8 activations on the groups (the default): (0.95, 5e-3), (0.87, 8e-3); measured
+  96.7% / 3.0e-3 and 90.2-97.2% / 5.5e-4 to 4.1e-3.
+- w8a8 per row and per token (``group_size: -1``): SmolLM2 (0.85, 5e-2); measured
+  89.4% / 2.7e-2.
 - fp8 weights (3 mantissa bits): (0.88, 3e-2), (0.70, 0.1); measured 93.0% / 1.5e-2 and
   77.2-87.8% / 5.6e-3 to 5.0e-2.
 - int8 KV pages: (0.97, 2e-3), (0.95, 2e-3); measured 98.6% / 6.4e-4 and 97.2-99.2%.
@@ -29,14 +36,17 @@ from tiny_models import ARCHS
 
 pytestmark = pytest.mark.slow
 
-#: option -> ((SmolLM2 top-1, KL), (tiny models' top-1, KL))
-BOUNDS = {
-    ("quantization", "int8"): ((0.95, 6e-3), (0.90, 5e-3)),
-    ("quantization", "w8a8"): ((0.85, 5e-2), (0.87, 1.5e-2)),
-    ("quantization", "fp8"): ((0.88, 3e-2), (0.70, 0.1)),
-    ("kv_cache_dtype", "int8"): ((0.97, 2e-3), (0.95, 2e-3)),
-    ("kv_cache_dtype", "fp8"): ((0.93, 1e-2), (0.85, 4e-2)),
-}
+PER_ROW = {"quantization_config": {"group_size": -1}}
+#: (label, options, (SmolLM2 top-1, KL), (tiny models' top-1, KL) or None: not run there)
+BOUNDS = (
+    ("int8", {"quantization": "int8"}, (0.97, 2e-3), (0.90, 4e-3)),
+    ("int8 per row", {"quantization": "int8", **PER_ROW}, (0.95, 6e-3), None),
+    ("w8a8", {"quantization": "w8a8"}, (0.95, 5e-3), (0.87, 8e-3)),
+    ("w8a8 per row", {"quantization": "w8a8", **PER_ROW}, (0.85, 5e-2), None),
+    ("fp8", {"quantization": "fp8"}, (0.88, 3e-2), (0.70, 0.1)),
+    ("kv int8", {"kv_cache_dtype": "int8"}, (0.97, 2e-3), (0.95, 2e-3)),
+    ("kv fp8", {"kv_cache_dtype": "fp8"}, (0.93, 1e-2), (0.85, 4e-2)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,20 +85,20 @@ def test_smollm2_each_method_within_its_bounds(smollm2_float, smollm2_gguf):
 
     ids = text_token_ids(load_tokenizer(str(smollm2_float)), load_text())
     with Comparison(str(smollm2_float), ids, {"device": "cpu", "dtype": "float32"}) as cmp:
-        for (option, value), (bound, _) in BOUNDS.items():
-            if option == "kv_cache_dtype":
-                continue
-            _check(cmp.score({"device": "cpu", option: value}), bound, value)
-    for (option, value), (bound, _) in BOUNDS.items():
-        if option == "kv_cache_dtype":  # on the GGUF file: its blocks, KV pages quantised
-            _check(compare(str(smollm2_gguf), {"device": "cpu", option: value}), bound,
-                   f"kv {value}")
+        for label, options, bound, _ in BOUNDS:
+            if "kv_cache_dtype" not in options:
+                _check(cmp.score({"device": "cpu", **options}), bound, label)
+    for label, options, bound, _ in BOUNDS:
+        if "kv_cache_dtype" in options:  # on the GGUF file: its blocks, KV pages quantised
+            _check(compare(str(smollm2_gguf), {"device": "cpu", **options}), bound, label)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_models_each_method_within_its_bounds(tiny_checkpoint, arch):
     path = str(tiny_checkpoint(arch))
-    for (option, value), (_, bound) in BOUNDS.items():
-        result = compare(path, {"device": "cpu", "kv_cache_memory": 16 << 20,
-                                option: value}, max_tokens=256)
-        _check(result, bound, f"{arch} {option}={value}")
+    for label, options, _, bound in BOUNDS:
+        if bound is None:
+            continue
+        result = compare(path, {"device": "cpu", "kv_cache_memory": 16 << 20, **options},
+                         max_tokens=256)
+        _check(result, bound, f"{arch} {label}")

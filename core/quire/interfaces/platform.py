@@ -88,7 +88,9 @@ class Platform(ABC):
     #: The default is what the op set's reference ``quantized_linear`` runs on any torch
     #: device (weights dequantised a slab at a time, float products); a platform adds
     #: ``w8a8`` when its ``quantized_linear`` takes ``int8_activations`` (integer
-    #: products), and replaces the op with kernels that read the blocks in place. Plugin
+    #: products) on ``int8`` rows and on ``q8_0`` blocks (``w8a8``'s default groups: int8
+    #: activations per 32 values), and replaces the op with kernels that read the blocks
+    #: in place. Plugin
     #: API 1.3; an older plugin gets this default.
     quantizations: ClassVar[tuple[str, ...]] = ("none", "gguf", "int8", "fp8")
 
