@@ -972,11 +972,13 @@ INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p
                  int nc, int64_t j0, const float *bias, float *y, int64_t ldy, int stream) {
     const int64_t nb = a->nb, k = a->k;
     qbf acc[8]; /* R <= QB_RM <= 8; the dispatch's switch names up to 7 at every level */
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = QB_ZF();
     for (int64_t b = 0; b < nb; b++) {
         const qbi *wq = p.q + 8 * b;
         if (kind != QB_U2) {
             const qbf sc = QB_LDF(p.s + QB_NC * b), mn = QB_LDF(p.m + QB_NC * b);
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *x = a->q + (r0 + r) * k + 32 * b;
                 qbi is = QB_ZI();
@@ -991,6 +993,7 @@ INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p
         } else {
             const qbf s0 = QB_LDF(p.s + 2 * QB_NC * b), s1 = QB_LDF(p.s + 2 * QB_NC * b + QB_NC);
             const qbf m0 = QB_LDF(p.m + 2 * QB_NC * b), m1 = QB_LDF(p.m + 2 * QB_NC * b + QB_NC);
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *x = a->q + (r0 + r) * k + 32 * b;
                 qbi i0 = QB_ZI(), i1 = QB_ZI();
@@ -1007,6 +1010,7 @@ INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p
             }
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc, stream);
 }
