@@ -36,5 +36,13 @@ def test_tp2_and_pp2_on_gguf_blocks_equal_one_process(q4_k_m):
 
 def test_tp2_int8_equals_one_process(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    assert _greedy(path, quantization="int8", tensor_parallel_size=2) == _greedy(
-        path, quantization="int8")
+    per_row = {"quantization": "int8", "quantization_config": {"group_size": -1}}
+    assert _greedy(path, **per_row, tensor_parallel_size=2) == _greedy(path, **per_row)
+
+
+@pytest.mark.slow
+def test_tp2_int8_groups_load_where_a_shard_splits_a_group(tiny_checkpoint):
+    """The default 32-weight groups: down_proj's 96 inputs split in two are no whole
+    groups, so that layer takes a scale per row (tests/unit/test_quantize_groups.py)."""
+    tokens = _greedy(tiny_checkpoint("llama"), quantization="int8", tensor_parallel_size=2)
+    assert [len(t) for t in tokens] == [8, 8, 8]

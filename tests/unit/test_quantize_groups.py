@@ -174,3 +174,19 @@ def test_quantization_config_is_refused_with_a_method_it_does_not_apply_to():
     config = EngineConfig(model="m", quantization="w8a8",
                           quantization_config='{"group_size": -1}')
     assert config.quantization_config == QuantizationConfig(-1)
+
+
+def test_a_rank_s_columns_keep_the_single_rank_s_groups_or_fall_back_to_rows():
+    """A row-parallel shard is cut from the whole rows' groups (what one rank holds) when
+    it falls on whole groups; otherwise that layer takes a scale per row."""
+    from quire.models.layers.quantized import LayerQuant
+
+    w = float_weight(8, 192, seed=8)
+    shard = LayerQuant(Quantization("int8"), torch.device("cpu"), (8, 96))
+    shard.store_cols(w, 96, 96)
+    part = shard.ordered_parts()[0]
+    assert part.format.name == "q8_0"
+    assert torch.equal(part.dequantize(), quantize_groups(w).dequantize()[:, 96:])
+    odd = LayerQuant(Quantization("w8a8"), torch.device("cpu"), (8, 48))
+    odd.store_cols(w[:, :96], 48, 48)
+    assert odd.ordered_parts()[0].format.name == "int8"

@@ -28,6 +28,9 @@ from quire.quantization.methods import Quantization
 from quire.quantization.quantize import quantize_groups, quantize_rows
 from quire.quantization.tensor import QuantizedTensor
 
+#: Weights per scale of ``int8``'s groups (a Q8_0 block).
+_GROUP = FORMATS["q8_0"].block
+
 
 @dataclass
 class LayerQuant:
@@ -56,7 +59,7 @@ class LayerQuant:
         (a row-parallel layer's input shard)."""
         if not isinstance(loaded, QuantizedTensor):
             # the whole rows first: a row's scale is then the one a single rank takes
-            loaded = self._quantize(loaded)
+            loaded = self._quantize(loaded, whole_groups=not (start % _GROUP or size % _GROUP))
         part = loaded.narrow_cols(start, size)
         self._check_width(part)
         self.parts[0] = part.to(self.device)
@@ -74,11 +77,14 @@ class LayerQuant:
             at += self.parts[offset].rows
         return parts
 
-    def _quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+    def _quantize(self, weight: torch.Tensor, whole_groups: bool = True) -> QuantizedTensor:
+        """``weight`` in the method's on-load format. ``int8``'s 32-weight groups take a
+        scale per row instead where the width, or this rank's share of the columns
+        (``whole_groups`` False), is not a whole number of groups."""
         fmt = self.quantization.on_load_format
-        if fmt == "q8_0" and weight.shape[1] % FORMATS["q8_0"].block == 0:
+        if fmt == "q8_0" and whole_groups and weight.shape[1] % _GROUP == 0:
             return quantize_groups(weight)
-        if fmt == "q8_0":  # a width of no whole 32-weight groups: a scale per row
+        if fmt == "q8_0":
             return quantize_rows(weight, "int8")
         if fmt is not None:
             return quantize_rows(weight, fmt)
