@@ -941,10 +941,48 @@ INL void qb_put(__m256i *stage, uint8_t *dst) {
     }
 }
 
+/* The same for the 32-weight formats, their half scales converted 8 columns at once. */
+static void qb_pack32(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
+                      int64_t nb, qb_panel p) {
+    const int bb = fmt == Q8F_Q4_0 ? 18 : fmt == Q8F_Q4_1 ? 20 : fmt == Q8F_Q5_0 ? 22
+                   : fmt == Q8F_Q5_1 ? 24 : 34;
+    const int offset8 = fmt == Q8F_Q8_0 && qb_kind(fmt) == QB_U1;
+    const float bias = fmt == Q8F_Q4_0 ? -8.0f : fmt == Q8F_Q5_0 ? -16.0f
+                       : offset8 ? -128.0f : 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i stage[QB_NC];
+        uint16_t hd[QB_NC], hm[QB_NC];
+        for (int c = 0; c < QB_NC; c++) {
+            if (c >= nc) {
+                stage[c] = _mm256_setzero_si256(), hd[c] = hm[c] = 0;
+                continue;
+            }
+            const uint8_t *q = w + (j0 + c) * ws + bb * b;
+            memcpy(hd + c, q, 2);
+            memcpy(hm + c, q + 2, 2);
+            stage[c] = codes32(fmt, q);
+            if (offset8)
+                stage[c] = _mm256_xor_si256(stage[c], _mm256_set1_epi8((char)0x80));
+        }
+        qb_put(stage, (uint8_t *)(p.q + 8 * b));
+        for (int g = 0; g < QB_NC / 8; g++) {
+            const __m256 d = h2f8(hd + 8 * g);
+            const __m256 mn = fmt == Q8F_Q4_1 || fmt == Q8F_Q5_1
+                                  ? h2f8(hm + 8 * g) : _mm256_mul_ps(d, _mm256_set1_ps(bias));
+            _mm256_store_ps(p.s + QB_NC * b + 8 * g, d);
+            _mm256_store_ps(p.m + QB_NC * b + 8 * g, mn);
+        }
+    }
+}
+
 /* Columns [j0, j0 + nc) of the weight into the panel (lanes nc.. zero): a block of
  * every column decoded, then transposed into 4-byte lanes. */
 static void qb_pack(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
                     int64_t nb, qb_panel p) {
+    if (q8_block(fmt) == 32) {
+        qb_pack32(fmt, w, ws, j0, nc, nb, p);
+        return;
+    }
     const int kind = qb_kind(fmt), sub = kind == QB_U2 ? 2 : 1;
     for (int64_t b = 0; b < nb; b++) {
         __m256i stage[QB_NC];
