@@ -779,6 +779,7 @@ typedef __m512 qbf;
 #define QB_F32(v) _mm512_set1_ps(v)
 #define QB_LDF(p) _mm512_load_ps(p)
 #define QB_CVT(v) _mm512_cvtepi32_ps(v)
+#define QB_ADDI(a, b) _mm512_add_epi32(a, b)
 #define QB_MUL(a, b) _mm512_mul_ps(a, b)
 #define QB_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #if defined(__AVX512VNNI__)
@@ -822,6 +823,7 @@ typedef __m256 qbf;
 #define QB_F32(v) _mm256_set1_ps(v)
 #define QB_LDF(p) _mm256_load_ps(p)
 #define QB_CVT(v) _mm256_cvtepi32_ps(v)
+#define QB_ADDI(a, b) _mm256_add_epi32(a, b)
 #define QB_MUL(a, b) _mm256_mul_ps(a, b)
 #define QB_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 INL qbi qb_dot_u(qbi acc, qbi u, qbi s) {
@@ -1019,10 +1021,13 @@ INL void qb_tile(int kind, int R, const struct qb_act *a, int64_t r0, qb_panel p
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int8_t *x = a->q + (r0 + r) * k + 32 * b;
-                qbi is = QB_ZI();
-                for (int t = 0; t < 8; t++)
-                    is = kind == QB_S1 ? qb_dot_s(is, wq[t], QB_I32(qb_word(x + 4 * t)))
-                                       : qb_dot_u(is, wq[t], QB_I32(qb_word(x + 4 * t)));
+                qbi i0 = QB_ZI(), i1 = QB_ZI(); /* two chains of 4, not one of 8 */
+                for (int t = 0; t < 8; t += 2) {
+                    const qbi a0 = QB_I32(qb_word(x + 4 * t)), a1 = QB_I32(qb_word(x + 4 * t + 4));
+                    i0 = kind == QB_S1 ? qb_dot_s(i0, wq[t], a0) : qb_dot_u(i0, wq[t], a0);
+                    i1 = kind == QB_S1 ? qb_dot_s(i1, wq[t + 1], a1) : qb_dot_u(i1, wq[t + 1], a1);
+                }
+                const qbi is = QB_ADDI(i0, i1);
                 const int64_t ib = (r0 + r) * nb + b;
                 acc[r] = QB_FMA(QB_CVT(is), QB_MUL(sc, QB_F32(a->d[ib])), acc[r]);
                 if (kind == QB_U1)
