@@ -757,7 +757,8 @@ int quire_quant_rows_q8_team_test(int32_t fmt, const float *x, int64_t m, int64_
  * column): a row's 4 activation bytes, broadcast, times that vector (vpdpbusd, or
  * maddubs + madd) add to every column's block sum at once, 8 such per 32-block. Each
  * row of a tile of up to QB_RM rows then multiplies the panel from cache: a weight
- * block is unpacked once per call, not once per 4 rows. Each block's integer sums are
+ * block is unpacked once per call (once per chunk of rows where the panels are too few
+ * to share among the threads), not once per 4 rows. Each block's integer sums are
  * scaled per row in float by the block's weight scales (a vector over the columns)
  * times the row's activation scale, and the minima times the row's block sums added.
  *
