@@ -88,8 +88,9 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata=_help("how weights are kept: gguf (a GGUF file's blocks as stored), int8 "
-                       "(weight-only, a scale per output channel, quantised on load), w8a8 "
-                       "(int8 weights and int8 activations per token), fp8 (e4m3 weights, "
+                       "(weight-only, quantised on load, a scale per 32 weights of a row: "
+                       "see quantization_config), w8a8 (int8 weights as int8's and int8 "
+                       "activations per token, a scale per 32 values), fp8 (e4m3 weights, "
                        "a scale per output channel), none (the model dtype) (default: gguf "
                        "for a .gguf file, none otherwise)"))
     #: Given as a dict or JSON text too; held as a :class:`QuantizationConfig`.
