@@ -36,8 +36,9 @@ DECODERS = {
 }
 #: Architectures checked by the encoder test below, or by another name's checkpoint.
 ENCODERS = {"BertModel"}
-#: Same model class as a checked architecture (a text-only alias of it).
-ALIASES: dict[str, str] = {}
+#: Architectures whose class runs a checked architecture's forward unchanged (a subclass
+#: that only reads its checkpoint differently): MiMo is Qwen2 with its MTP layers unread.
+ALIASES: dict[str, str] = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
 #: Image-text architectures -> (the tiny checkpoint's builder module and function, the
 #: placeholder in prompts): their decoders must fuse as the text families' do, with
 #: image rows in the step.
@@ -67,6 +68,13 @@ def test_every_registered_architecture_is_checked() -> None:
     unchecked = (set(CORE_MODELS) - set(DECODERS) - ENCODERS - set(ALIASES)
                  - set(IMAGE_MODELS))
     assert not unchecked, f"architectures without a native-ops check: {sorted(unchecked)}"
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_an_alias_runs_its_checked_architectures_forward(alias: str) -> None:
+    cls, checked = CORE_MODELS[alias].load(), CORE_MODELS[ALIASES[alias]].load()
+    assert issubclass(cls, checked), f"{alias} is not a {ALIASES[alias]}"
+    assert cls.forward is checked.forward, f"{alias} has its own forward: check it natively"
 
 
 def _model(llm: LLM) -> torch.nn.Module:
