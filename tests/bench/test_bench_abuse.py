@@ -42,6 +42,7 @@ def check_record(result: dict, clients: int) -> None:
     assert sum(result["abusers"]["non_reader"].values()) == 1
 
 
+@pytest.mark.slow  # a real server under the abusive mix: about half a minute
 def test_against_a_running_server(capsys, tmp_path, tiny_path, server):
     out = tmp_path / "abuse.json"
     argv = ["bench", "abuse", "--url", server.url, "--server-pid", str(os.getpid()),

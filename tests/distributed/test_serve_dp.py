@@ -95,6 +95,7 @@ def _stopped_cleanly(srv: ServeProcess, below: dict[int, str]) -> int:
     return rc
 
 
+@pytest.mark.slow  # two API servers over two engine cores: about 20 s
 def test_dp2_behind_two_api_servers(tiny_checkpoint):
     srv = _serve(tiny_checkpoint, "--data-parallel-size", "2", "--api-server-count", "2")
     below = srv.descendants()
@@ -187,6 +188,7 @@ def test_dp2_x_tp2_sixty_four_streams_then_a_killed_worker(tiny_checkpoint):
     assert not [p for p in below if alive(p)]
 
 
+@pytest.mark.slow  # a whole process tree per layout: about 15 s each
 @pytest.mark.parametrize("layout", [[], ["--engine-in-process"]])
 def test_ctrl_c_to_the_process_group_drains_every_process(tiny_checkpoint, layout):
     """A terminal's Ctrl-C is SIGINT to every process of the group (API server, core,
