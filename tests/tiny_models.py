@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from quire.interfaces.communicator import Communicator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -147,3 +148,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
         if token in eos_ids:
             break
     return ids[len(prompt):]
+
+
+class SingleRank(Communicator):
+    """World size 1: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from quire.interfaces.attention import AttentionBatch
-from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
 from quire.models.loader import load_model
 from quire.ops import reference_ops
 from quire.ops.attention import ReferenceAttentionBackend
+from tiny_models import SingleRank
 
 PROMPT = [5, 17, 42, 9, 77, 3, 101, 64, 8]
 #: arch -> (rms_norm calls, activation op, its calls) for one step of the two-layer model:
@@ -20,22 +20,6 @@ PROMPT = [5, 17, 42, 9, 77, 3, 101, 64, 8]
 CALLS = {"llama": (5, "silu_and_mul", 2), "qwen3": (9, "silu_and_mul", 2),
          "gemma3": (13, "gelu_tanh_and_mul", 2)}
 
-
-class SingleRank(Communicator):
-    rank = 0
-    world_size = 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
 
 
 def run_steps(model, steps, ops, backend=None):

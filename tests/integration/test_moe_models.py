@@ -26,28 +26,12 @@ from quire.models.moe import DenseMLP, MixtralForCausalLM, Qwen3MoeForCausalLM
 from quire.models.registry import resolve_architecture
 from quire.ops import reference_ops
 from quire.ops.attention import ReferenceAttentionBackend
-from tiny_models import hf_model, tiny_config
+from tiny_models import SingleRank, hf_model, tiny_config
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 200, 5, 33, 301, 12, 90]
 TOL = 1e-4
 MOE_ARCHS = ("qwen3_moe", "mixtral")
 
-
-class SingleRank(Communicator):
-    rank = 0
-    world_size = 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
 
 
 class ThreadRank(Communicator):

@@ -20,13 +20,12 @@ import pytest
 import torch
 from quire import LLM, SamplingParams
 from quire.interfaces.attention import AttentionBatch
-from quire.interfaces.communicator import Communicator
 from quire.models.context import ForwardContext
 from quire.models.loader import load_model
 from quire.models.mimo import MiMoForCausalLM, load_mtp_head
 from quire.ops.attention import ReferenceAttentionBackend
 from safetensors.torch import load_file, save_file
-from tiny_models import _COMMON, _tokenizer, hf_greedy, randomize
+from tiny_models import _COMMON, SingleRank, _tokenizer, hf_greedy, randomize
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
@@ -206,22 +205,6 @@ def test_the_target_alone_generates_what_transformers_qwen2_generates(mimo, plai
 
 
 # -- the head's logits against the hand-written layer ---------------------------------------
-class _SingleRank(Communicator):
-    rank = 0
-    world_size = 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
-
 
 def _prefill(model: torch.nn.Module, n: int) -> ForwardContext:
     """A context for one sequence's ``n``-token prefill into fresh pages of 4 tokens."""
@@ -243,7 +226,7 @@ def test_each_mtp_layer_s_logits_equal_the_hand_written_layer(mimo):
     """The head over a whole sequence, step 0 (layer 0, from the target's hidden
     states) and step 1 (layer 1), against :class:`HandMTP` in float32."""
     path, hf = mimo
-    comm = _SingleRank()
+    comm = SingleRank()
     target, _ = load_model(str(path), comm, "cpu", torch.float32)
     assert isinstance(target, MiMoForCausalLM)
     head = load_mtp_head(str(path), comm, "cpu", torch.float32, target)

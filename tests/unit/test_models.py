@@ -38,31 +38,13 @@ from quire.models.loader import iter_weights, load_model
 from quire.models.registry import ModelRegistry, resolve_architecture
 from quire.ops.attention import ReferenceAttentionBackend
 from quire.plugins.spec import ModelSpec
+from tiny_models import SingleRank
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 200, 5]  # 12 tokens, all < 256
 TOL = 1e-4
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class SingleRank(Communicator):
-    """World size 1: every collective is the identity."""
-
-    rank = 0
-    world_size = 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
 
 
 class _ThreadGroup:
