@@ -21,12 +21,14 @@ from quire.executor.drafter import Drafter, EagleDrafter
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
+from quire.executor.profile_cache import ProfileCache, profile_key
 from quire.interfaces.attention import (
     QUANTIZED_KV_TORCH_DTYPES,
     AttentionBackend,
     check_kv_cache_dtype,
 )
 from quire.interfaces.communicator import Communicator
+from quire.interfaces.memory import MemoryProfiler
 from quire.interfaces.platform import Platform, configure_platform
 from quire.lora.layers import LoRAManager
 from quire.model_store import model_path_of, resolve_model
@@ -283,8 +285,7 @@ class Worker:
         if not isinstance(requested, int):  # a share of free memory: leave room to run
             full = min(self.config.max_num_batched_tokens, self.config.max_model_len)
             run = profiler.profile_tokens(full)
-            peak = profiler.profile(lambda: self._profile_run(run))
-            activation_peak = -(-peak * full // run)
+            activation_peak = -(-self._activation_peak(profiler, run) * full // run)
         if utilization is not None:
             held = max(0, self._free_at_start - profiler.free_memory())
             budget = profiler.utilization_budget(float(utilization), held, activation_peak)
@@ -296,6 +297,27 @@ class Worker:
             # first, since each takes a share of what it finds free)
             budget //= self.ranks_on_host * self.config.engine.data_parallel_size
         return profiler.num_kv_blocks(budget, self.bytes_per_block())
+
+    def _activation_peak(self, profiler: MemoryProfiler, num_tokens: int) -> int:
+        """How far a forward of ``num_tokens`` prompt tokens raises this rank's memory:
+        measured once, then read from the profile cache while nothing that sets it
+        changes (:mod:`quire.executor.profile_cache`)."""
+        spec = self.config.engine.speculative_config
+        models = [model_path_of(self.config.engine)]
+        if spec is not None and spec.model is not None:
+            models.append(resolve_model(spec.model))
+        key = profile_key(self.config, model_paths=models, platform=self.platform,
+                          rank=self.rank, world_size=self.config.engine.world_size,
+                          ranks_on_host=self.ranks_on_host, tokens=num_tokens)
+        cache = ProfileCache()
+        peak = cache.get(key)
+        if peak is None:
+            peak = profiler.profile(lambda: self._profile_run(num_tokens))
+            cache.put(key, peak)
+        else:
+            logger.debug("activation peak of %d tokens from the profile cache: %d bytes",
+                         num_tokens, peak)
+        return peak
 
     def _profile_run(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` prompt tokens, on a throwaway cache."""
