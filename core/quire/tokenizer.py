@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PretrainedConfig
+from transformers import PreTrainedTokenizerBase, PretrainedConfig
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -15,14 +15,16 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """
     try:
         if path.endswith(".gguf"):
-            from quire.models.gguf_hf_cache import NO_TOKENIZER, hf_dir_for_gguf
+            from quire.models.gguf_hf_cache import NO_TOKENIZER, cached_tokenizer, hf_dir_for_gguf
 
             converted = hf_dir_for_gguf(path)
             if (converted / NO_TOKENIZER).exists():
                 reason = (converted / NO_TOKENIZER).read_text().strip()
                 raise ValueError(f"the GGUF file has no usable tokenizer ({reason}); "
                                  "pass tokenizer=<a tokenizer directory>")
-            return AutoTokenizer.from_pretrained(converted)
+            return cached_tokenizer(converted)
+        from transformers import AutoTokenizer  # here: its import is a quarter second
+
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e

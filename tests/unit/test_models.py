@@ -580,6 +580,84 @@ def test_gguf_conversion_roundtrip_matches_transformers(
     assert diff <= TOL
 
 
+#: Class constants of transformers' config classes that a cached config does not carry:
+#: tensor- and pipeline-parallel plans, Gemma 3's rope defaults (already applied to its
+#: ``rope_parameters``), and two values the base class reads another way.
+CONFIG_CLASS_CONSTANTS = {"base_model_tp_plan", "base_model_pp_plan", "default_theta",
+                          "per_layer_config", "transformers_version", "use_cache"}
+
+
+@pytest.mark.parametrize("case,arch", [("llama-tied-bias", "llama"), ("qwen3", "qwen3")])
+def test_gguf_cached_config_has_every_value_of_the_family_class(
+    case: str, arch: str, checkpoint, tmp_path
+) -> None:
+    """The config a GGUF start reads (transformers' base class, never the family's, whose
+    import costs a second) answers every attribute the family class does, alike."""
+    from quire.models.gguf_file import load_gguf_config
+    from quire.models.gguf_hf_cache import cached_config, hf_dir_for_gguf
+
+    _, hf = checkpoint(case)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(hf, arch, path)
+    family = load_gguf_config(path)
+    cached = cached_config(hf_dir_for_gguf(path, root=tmp_path / "cache"))
+    assert type(cached).__name__ != type(family).__name__
+    compared = 0
+    for name in dir(family):
+        if name.startswith("_") or name in CONFIG_CLASS_CONSTANTS:
+            continue
+        value = getattr(family, name)
+        if callable(value):
+            continue
+        assert getattr(cached, name) == value, name
+        compared += 1
+    assert compared > 40 and cached.model_type == arch
+
+
+def test_a_cached_config_keeps_the_family_aliases_and_pickles(tmp_path) -> None:
+    """MoE families name ``num_experts`` through ``attribute_map``; the cached config keeps
+    the alias, per instance, so it still pickles by its class (to worker processes)."""
+    import json
+    import pickle
+
+    from transformers import Qwen3MoeConfig
+
+    from quire.models.gguf_hf_cache import FULL_CONFIG, cached_config
+
+    family = Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2)
+    (tmp_path / FULL_CONFIG).write_text(json.dumps(
+        {"values": family.to_dict(), "attribute_map": type(family).attribute_map}))
+    cached = cached_config(tmp_path)
+    assert cached.num_experts == family.num_experts == 8
+    again = pickle.loads(pickle.dumps(cached))
+    assert again.num_experts == 8 and again.num_experts_per_tok == 2
+
+
+def test_a_gguf_start_imports_no_family_config_class(checkpoint, tmp_path) -> None:
+    """A worker loading a GGUF model from the conversion cache leaves the family's config
+    module (and what transformers 5 imports with it) unimported."""
+    import subprocess
+    import sys
+
+    from quire.models.gguf_hf_cache import hf_dir_for_gguf
+
+    _, hf = checkpoint("llama-tied-bias")
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(hf, "llama", path)
+    hf_dir_for_gguf(path)  # the first start converts, with the family class
+    script = (
+        "import sys, torch\n"
+        "from quire.config import EngineConfig\n"
+        "from quire.executor.worker import Worker\n"
+        f"Worker(EngineConfig.from_kwargs({path!r}, device='cpu', max_model_len=64))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.llama')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 @pytest.mark.slow
 def test_gguf_smollm2_matches_transformers(smollm2_gguf) -> None:
     path = str(smollm2_gguf)
@@ -619,7 +697,7 @@ def test_gguf_config_and_tokenizer_cache_round_trips(tmp_path, smollm2_gguf):
     from transformers import AutoConfig, AutoTokenizer
 
     from quire.models.gguf_file import load_gguf_config
-    from quire.models.gguf_hf_cache import hf_dir_for_gguf
+    from quire.models.gguf_hf_cache import cached_config, cached_tokenizer, hf_dir_for_gguf
 
     source = tmp_path / smollm2_gguf.name
     shutil.copy(smollm2_gguf, source)
@@ -634,5 +712,14 @@ def test_gguf_config_and_tokenizer_cache_round_trips(tmp_path, smollm2_gguf):
     cached_tok = AutoTokenizer.from_pretrained(first)
     assert cached_tok.encode(text) == direct.encode(text)
     assert cached_tok.chat_template == direct.chat_template
+    # what a start loads: the saved class, without AutoTokenizer's tables
+    started = cached_tokenizer(first)
+    assert type(started) is type(direct) and started.encode(text) == direct.encode(text)
+    assert started.chat_template == direct.chat_template
+    assert started.all_special_ids == direct.all_special_ids
+    started_config = cached_config(first)
+    for key, value in load_gguf_config(str(source)).to_dict().items():
+        if key not in CONFIG_CLASS_CONSTANTS | {"_name_or_path"}:
+            assert getattr(started_config, key) == value, key
     os.utime(source, ns=(1, 1))
     assert hf_dir_for_gguf(str(source), root=tmp_path / "cache") != first

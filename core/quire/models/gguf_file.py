@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from quire.models.gguf_reader import dequantize, quantized, read_gguf_index
 from quire.quantization.tensor import QuantizedTensor
@@ -156,6 +156,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     reader = GGUFReader(path)
     arch = _architecture(reader, path)
     directory, name = os.path.split(os.path.abspath(path))
+    from transformers import AutoConfig  # a conversion's only (gguf_hf_cache caches it)
+
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length:

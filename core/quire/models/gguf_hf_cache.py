@@ -5,18 +5,26 @@ vocabulary takes seconds, and config and tokenizer each parse it again). The con
 files are saved once as an ordinary Hugging Face directory under the cache directory,
 keyed by the GGUF file's path, size and modification time, so a later start reads two
 small JSON files instead. Weights are never cached: they stay in the GGUF file.
+
+Beside the Hugging Face ``config.json`` (for other tools) the entry holds every value of
+the family's config class (:data:`FULL_CONFIG`), which :func:`cached_config` reads into
+transformers' base config class. Importing a family's config class costs about a
+second and tens of MiB at every start (transformers 5 pulls torch's distributed tensor
+package and sympy in with it) for values that are already known.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer
+import transformers
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from quire.model_store import cache_dir
 from quire.models.gguf_file import load_gguf_config
@@ -24,7 +32,7 @@ from quire.models.gguf_file import load_gguf_config
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever what is saved changes, so old entries are not reused.
-_FORMAT = "1"
+_FORMAT = "2"
 
 
 def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:
@@ -60,13 +68,58 @@ def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:
     return target
 
 
+#: Every value of the family's config class, and its attribute aliases (``attribute_map``:
+#: MoE families read ``num_experts`` as ``num_local_experts``).
+FULL_CONFIG = "quire_config.json"
+
+
+def cached_config(directory: Path) -> PretrainedConfig:
+    """The config saved in ``directory`` by :func:`hf_dir_for_gguf`, as transformers' base
+    config class holding the family class's values and aliases.
+
+    Every value the family class held at conversion is an attribute here, its derived
+    ones (``head_dim``, Gemma 3's ``layer_types``) included; what stays behind are the
+    class's own constants that Quire does not read (transformers' tensor-parallel plans).
+    """
+    with open(directory / FULL_CONFIG, encoding="utf-8") as f:
+        saved = json.load(f)
+    config = PretrainedConfig.from_dict(saved["values"])
+    config.attribute_map = dict(saved["attribute_map"])  # per instance: still picklable
+    return config
+
+
+def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``directory`` by :func:`hf_dir_for_gguf`, loaded by the class
+    it was saved from (``tokenizer_config.json``'s ``tokenizer_class``), as ``AutoTokenizer``
+    resolved it at conversion; ``AutoTokenizer`` itself imports every family's mapping
+    tables, a quarter of a second. A class transformers no longer exports falls back to it.
+    """
+    try:
+        with open(directory / "tokenizer_config.json", encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    saved = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(saved, type) and issubclass(saved, PreTrainedTokenizerBase):
+        return saved.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, config=cached_config(directory))
+
+
 #: Written instead of tokenizer files when the GGUF file's vocabulary cannot be converted.
 NO_TOKENIZER = "no_tokenizer.txt"
 
 
 def _convert(source: Path, out: Path) -> None:
-    load_gguf_config(str(source)).save_pretrained(out)
+    config = load_gguf_config(str(source))
+    config.save_pretrained(out)
+    full = {"values": config.to_dict(), "attribute_map": dict(type(config).attribute_map)}
+    (out / FULL_CONFIG).write_text(json.dumps(full, indent=1, sort_keys=True) + "\n",
+                                   encoding="utf-8")
     try:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, OSError, KeyError) as exc:
         # The weights are still usable with a tokenizer from elsewhere (tokenizer=...).

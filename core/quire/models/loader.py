@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from quire.interfaces.communicator import Communicator
 from quire.models.layers.embedding import VocabParallelEmbedding
@@ -27,7 +27,7 @@ from quire.models.layers.quantized import (
     quantized_formats,
 )
 from quire.models.gguf_file import iter_gguf_weights
-from quire.models.gguf_hf_cache import hf_dir_for_gguf
+from quire.models.gguf_hf_cache import cached_config, hf_dir_for_gguf
 from quire.models.pipeline import PipelineStage
 from quire.models.registry import ModelRegistry
 from quire.ops import OpSet, reference_ops
@@ -49,7 +49,7 @@ def load_model_config(path: str) -> PretrainedConfig:
     :raises FileNotFoundError: when ``path`` is neither.
     """
     if is_gguf(path) and os.path.isfile(path):
-        return AutoConfig.from_pretrained(hf_dir_for_gguf(path))
+        return cached_config(hf_dir_for_gguf(path))
     if os.path.isdir(path):
         return lift_text_config(_hf_config(path))
     raise FileNotFoundError(f"{path}: not a checkpoint directory or a .gguf file")
@@ -70,6 +70,8 @@ def _hf_config(path: str) -> PretrainedConfig:
         model_type = None
     sibling = SIBLING_CONFIGS.get(model_type or "")
     if sibling is None:
+        from transformers import AutoConfig  # here: its import is a quarter second
+
         return AutoConfig.from_pretrained(path)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
