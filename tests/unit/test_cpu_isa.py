@@ -31,7 +31,8 @@ X86 = levels_for("x86_64")
 ARM = levels_for("aarch64")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 #: gcc's -m names that differ from /proc/cpuinfo's
-GCC_NAMES = {"avx512bf16": "avx512_bf16", "avx512vnni": "avx512_vnni"}
+GCC_NAMES = {"avx512bf16": "avx512_bf16", "avx512vnni": "avx512_vnni",
+             "amx-tile": "amx_tile", "amx-bf16": "amx_bf16"}
 CPUS = {
     "zen3": CpuFeatures.of("x86_64", {"avx2", "fma"}),
     "zen4": CpuFeatures.of("x86_64", {"avx2", "fma", *AVX512, "avx512_bf16",
@@ -46,7 +47,7 @@ CPUS = {
                                             "i8mm"}),
     "raspberry_pi4": CpuFeatures.of("aarch64", {"asimd"}),
 }
-EXPECTED = {"zen3": "avx2", "zen4": "avx512_bf16", "sapphire_rapids": "avx512_bf16",
+EXPECTED = {"zen3": "avx2", "zen4": "avx512_bf16", "sapphire_rapids": "amx",
             "sandy_bridge": "generic", "avx512_without_bw": "avx2", "graviton2": "neon",
             "graviton3": "neon", "raspberry_pi4": "generic"}
 
@@ -86,12 +87,13 @@ def test_a_level_the_cpu_lacks_is_refused_naming_what_is_missing() -> None:
     with pytest.raises(ValueError, match=r"'avx2'.*avx2, fma"):
         best_level(CPUS["sandy_bridge"], X86, forced="avx2")
     with pytest.raises(ValueError,
-                       match=r"'neon'.*levels here: generic, avx2, avx512, avx512_bf16"):
+                       match=r"'neon'.*levels here: generic, avx2, avx512, avx512_bf16, amx"):
         best_level(CPUS["zen4"], X86, forced="neon")
 
 
 def test_levels_are_ordered_and_their_flags_enable_only_what_they_need() -> None:
-    assert [level.name for level in X86] == ["generic", "avx2", "avx512", "avx512_bf16"]
+    assert [level.name for level in X86] == ["generic", "avx2", "avx512", "avx512_bf16",
+                                          "amx"]
     assert [level.name for level in ARM] == ["generic", "neon"]
     for lower, higher in zip(X86, X86[1:]):
         assert lower.needs < higher.needs
@@ -100,7 +102,8 @@ def test_levels_are_ordered_and_their_flags_enable_only_what_they_need() -> None
         # (the compiler's name for a feature, where it is not /proc/cpuinfo's)
         assert {GCC_NAMES.get(f, f) for f in (f.removeprefix("-m") for f in level.flags[1:])
                 } == level.needs
-    assert set(LEVEL_NAMES) == {"generic", "avx2", "avx512", "avx512_bf16", "neon"}
+    assert set(LEVEL_NAMES) == {"generic", "avx2", "avx512", "avx512_bf16", "amx",
+                                "neon"}
     unknown = levels_for("riscv64")  # the compiler's default target only
     assert [(lv.name, lv.flags) for lv in unknown] == [("generic", ())]
     assert best_level(CpuFeatures(machine="riscv64"), unknown).name == "generic"
@@ -135,7 +138,7 @@ def test_the_isa_option_is_checked_and_read_from_its_variable() -> None:
     assert CpuOptions().isa is None
     assert CpuOptions.parse({"isa": "AVX2"}, {}).isa == "avx2"
     assert CpuOptions.parse({}, {"QUIRE_CPU_ISA": "generic"}).isa == "generic"
-    with pytest.raises(ValueError, match=r"isa='avx3'.*generic, avx2, avx512, avx512_bf16, neon"):
+    with pytest.raises(ValueError, match=r"isa='avx3'.*generic, avx2, avx512, avx512_bf16, amx, neon"):
         CpuOptions(isa="avx3")
     with pytest.raises(ValueError, match="QUIRE_CPU_ISA"):
         CpuOptions.parse({}, {"QUIRE_CPU_ISA": "sse"})

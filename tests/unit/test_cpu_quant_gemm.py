@@ -229,3 +229,31 @@ def test_a_bfloat16_model_s_batched_products_take_the_bfloat16_path(
             w = w.to(torch.bfloat16).float()
         torch.testing.assert_close(y.float(), F.linear(x.float(), w, bias),
                                    rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "q4_k", "f16", "int8"])
+def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
+                                                       name: str) -> None:
+    """At the amx level the bfloat16 path multiplies whole 16 rows by whole 32-value K
+    blocks on AMX tiles and the rest with vdpbf16ps; at every level the result is
+    ``F.linear`` on the weights rounded to bfloat16, summed in float32, within the
+    summation-order bound above. Rows: whole tiles, a tail, tiles and a tail, fewer than
+    a tile; K: whole blocks, a 16-value tail after a block or in the second K chunk,
+    less than a block; outputs: part of a panel, several panel groups."""
+    if not kernels.has_quant_bf16:
+        pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
+    if kernels.level == "amx" and not kernels.has_amx:
+        pytest.skip("Linux refused this process AMX's tile state (arch_prctl)")
+    gen = torch.Generator().manual_seed(8)
+    block = max(FORMATS[name].block, 1)
+    cols_list = (256, 592, 48, 16) if block == 1 else (512 + block, 2 * block)
+    for cols in cols_list:
+        for out in (37, 100):
+            weight = make_weight(name, out, cols, gen)
+            w = weight.dequantize().to(torch.bfloat16).float()
+            bias = torch.randn(out, generator=gen)
+            for m in (16, 21, 48, 64, 7):
+                x = torch.randn(m, cols, generator=gen).to(torch.bfloat16)
+                y = kernels.quant_linear_bf16(x, weight, bias if m % 2 else None)
+                assert y is not None and y.shape == (m, out)
+                assert_close_to_reference(y, x.float(), w, bias if m % 2 else None)

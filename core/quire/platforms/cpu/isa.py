@@ -104,6 +104,7 @@ class IsaLevel:
 
 _X86_AVX2 = ("-march=x86-64", "-mavx2", "-mfma")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+_AVX512_BF16 = (*_AVX512, "avx512bf16", "avx512vnni")
 #: Each architecture's levels, lowest first.
 _LEVELS: dict[str, tuple[IsaLevel, ...]] = {
     "x86_64": (
@@ -114,9 +115,14 @@ _LEVELS: dict[str, tuple[IsaLevel, ...]] = {
         # bfloat16 dot products (vdpbf16ps): the pair-panel kernel, csrc/panel_bf16.c; and
         # int8 ones (vpdpbusd, AVX512_VNNI, which every CPU with AVX512_BF16 has):
         # csrc/quant_gemm.c's w8a8 products
-        IsaLevel("avx512_bf16", (*_X86_AVX2, *(f"-m{f}" for f in (*_AVX512, "avx512bf16",
-                                                                  "avx512vnni"))),
+        IsaLevel("avx512_bf16", (*_X86_AVX2, *(f"-m{f}" for f in _AVX512_BF16)),
                  frozenset({"avx2", "fma", *_AVX512, "avx512_bf16", "avx512_vnni"})),
+        # AMX tiles (TDPBF16PS) for bfloat16 products on quantised weights' pair panels,
+        # csrc/amx_tiles.c; used only once Linux grants the tile state at run time
+        IsaLevel("amx", (*_X86_AVX2, *(f"-m{f}" for f in (*_AVX512_BF16, "amx-tile",
+                                                          "amx-bf16"))),
+                 frozenset({"avx2", "fma", *_AVX512, "avx512_bf16", "avx512_vnni",
+                            "amx_tile", "amx_bf16"})),
     ),
     "aarch64": (
         IsaLevel("generic", ("-march=armv8-a",)),  # NEON is part of every AArch64 CPU

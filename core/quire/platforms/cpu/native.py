@@ -272,6 +272,10 @@ class NativeKernels:
         #: whether this build multiplies bfloat16 rows by quantised weights (AVX512_BF16)
         self.has_quant_bf16 = (self._quant_bf16 is not None and available is not None
                                and bool(available()))
+        ready = getattr(library, "quire_amx_ready", None)
+        #: whether the bfloat16 products on quantised weights run on AMX tiles: the amx
+        #: level's build, once Linux granted this process the tile state (amx_tiles.c)
+        self.has_amx = ready is not None and bool(ready())
         if self._quant_bf16 is not None:
             self._quant_bf16.restype = ctypes.c_int
             self._quant_bf16.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64,
@@ -452,7 +456,8 @@ class NativeKernels:
                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """``x @ W.T + bias`` for bfloat16 ``x`` ``[m, cols]`` and a quantised ``W`` read in
         place: each weight dequantised as :mod:`quire.quantization.dequant` does, rounded
-        to bfloat16, and summed in float32 (``csrc/quant_gemm.c``, AVX512_BF16 only).
+        to bfloat16, and summed in float32 (``csrc/quant_gemm.c``, AVX512_BF16 only; on
+        AMX tiles where :attr:`has_amx`).
 
         :returns: float32 ``[m, rows]``; None when the build has no such path, the
             arguments do not fit it (odd ``cols``) or scratch could not be had.
@@ -766,6 +771,10 @@ def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = N
                         "features: %s)", level.name,
                         " (the isa option)" if isa is not None else "", origin, path,
                         " ".join(sorted(features.present)) or "none known")
+            if "amx_tile" in level.needs and not kernels.has_amx:
+                logger.warning("cpu platform: Linux refused this process AMX's tile state "
+                               "(arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16+); bfloat16 "
+                               "products keep vdpbf16ps")
             return kernels
     if compiler is None:
         logger.warning("cpu platform: no C compiler (%s) found and no prebuilt kernels fit "

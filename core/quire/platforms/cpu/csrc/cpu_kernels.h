@@ -275,6 +275,19 @@ static inline void attend_heads_kv(int kv_bf16, const float *q, const void *k_ca
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
                         const float *scales, const float *offsets, int64_t j);
 
+/* amx_tiles.c: whether this process may use AMX tiles (asked of Linux once; 0 at levels
+ * built without AMX, or when refused). Only where it is 1: quire_amx_begin loads the
+ * calling thread's tile configuration, quire_amx_end releases the tiles, and between
+ * them quire_amx_pairs adds (or, without accumulate, stores) a [m][lda] bfloat16 times
+ * np pair panels (pstride pairs apart) over kt blocks of 32 K values into c's columns
+ * [0, 16 np) (rows ldc floats apart); m a multiple of 16. */
+int quire_amx_ready(void);
+void quire_amx_begin(void);
+void quire_amx_end(void);
+void quire_amx_pairs(const uint16_t *a, int64_t lda, int64_t m, const uint32_t *b,
+                     int64_t pstride, int64_t np, int64_t kt, float *c, int64_t ldc,
+                     int accumulate);
+
 /* panel_gemm.c: the calling thread's scratch, at least `floats` long (NULL when it cannot
  * grow). Shared by the entry points, none of which calls another, so a call may use it
  * whole; call it before a parallel region and pass the pointer in (each thread of the

@@ -730,20 +730,65 @@ INL void bf_tile(int MR, int NP, const uint16_t *x, int64_t ldx, const uint32_t 
     default: bf_tile(1, NP, ARGS); break;                                                  \
     }
 
+/* Rows [0, m) of x (ldx apart) by np pair panels over k2 pairs into y's columns
+ * [0, cols), BF_ROWS rows at a time (bf_tile). */
+static void bf_rows(const uint16_t *x, int64_t ldx, int64_t m, const uint32_t *b,
+                    int64_t pstride, int64_t np, int64_t k2, float *y, int64_t ldy,
+                    int64_t cols, int accumulate) {
+    for (int64_t r0 = 0; r0 < m; r0 += BF_ROWS) {
+        const int64_t mr = m - r0 < BF_ROWS ? m - r0 : BF_ROWS;
+#define ARGS x + r0 * ldx, ldx, b, pstride, k2, y + r0 * ldy, ldy, cols, accumulate
+        if (np == 4) {
+            BF_ROW_CASES(4)
+        } else if (np == 3) {
+            BF_ROW_CASES(3)
+        } else if (np == 2) {
+            BF_ROW_CASES(2)
+        } else {
+            BF_ROW_CASES(1)
+        }
+#undef ARGS
+    }
+}
+#undef BF_ROW_CASES
+
+/* One K chunk of len values (x's columns, ldx apart) on AMX tiles: each whole 16 rows'
+ * whole blocks of 32 values on tiles (amx_tiles.c), what is left of K and of the rows
+ * with bf_tile; into acc [m][16 BF_PANELS] floats, added to it unless first. */
+static void bf_amx_chunk(const uint16_t *x, int64_t ldx, int64_t m, const uint32_t *pairs,
+                         int64_t pstride, int64_t np, int64_t len, float *acc, int first) {
+    const int64_t lda = 16 * BF_PANELS, m16 = m & ~(int64_t)15, kt = len / 32;
+    if (m16 > 0 && kt > 0)
+        quire_amx_pairs(x, ldx, m16, pairs, pstride, np, kt, acc, lda, !first);
+    if (m16 > 0 && len > 32 * kt)
+        bf_rows(x + 32 * kt, ldx, m16, pairs + 256 * kt, pstride, np, len / 2 - 16 * kt, acc,
+                lda, lda, !first || kt > 0);
+    if (m > m16)
+        bf_rows(x + m16 * ldx, ldx, m - m16, pairs, pstride, np, len / 2, acc + m16 * lda, lda,
+                lda, !first);
+}
+
 /* The bfloat16 panel path for the calling thread's share of panels: as panel_share, with
- * each K chunk's dequantised weights rounded to bfloat16 pairs; 0, or 3 without memory. */
+ * each K chunk's dequantised weights rounded to bfloat16 pairs; with amx, multiplied on
+ * AMX tiles into a [m][64] float buffer copied to y once a group of panels is done.
+ * 0, or 3 without memory. */
 static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                             const uint8_t *w, int64_t ws, int64_t n, const float *rs,
                             const float *bias, float *y, int64_t ldy, int64_t p_begin,
-                            int64_t p_end) {
+                            int64_t p_end, int amx) {
     if (p_begin >= p_end)
         return 0;
     /* one row's floats [KC], 16 rows of pairs [16][KC] (KC / 2 used, so that transpose16
-     * reads them as floats KC apart), then BF_PANELS pair panels [KC / 2][16] */
-    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)BF_PANELS * 8 * KC);
+     * reads them as floats KC apart), BF_PANELS pair panels [KC / 2][16], then (amx) the
+     * sums [m][16 BF_PANELS] */
+    const size_t panel_floats = (size_t)17 * KC + (size_t)BF_PANELS * 8 * KC;
+    float *row = quire_thread_scratch(panel_floats + (amx ? (size_t)m * 16 * BF_PANELS : 0));
     if (row == NULL)
         return 3;
     uint32_t *rows = (uint32_t *)(row + KC), *pairs = rows + 16 * KC;
+    float *acc = row + panel_floats;
+    if (amx)
+        quire_amx_begin();
     int64_t np;
     for (int64_t p = p_begin; p < p_end; p += np) {
         np = p_end - p < BF_PANELS ? p_end - p : BF_PANELS;
@@ -763,28 +808,23 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
                 /* pairs are 32-bit words: the float transpose moves them whole */
                 transpose16((const float *)rows, len / 2, (float *)(pairs + q * pstride));
             }
-            for (int64_t r0 = 0; r0 < m; r0 += BF_ROWS) {
-                const int64_t mr = m - r0 < BF_ROWS ? m - r0 : BF_ROWS;
-#define ARGS x + r0 * k + c0, k, pairs, pstride, len / 2, y + r0 * ldy + j0, ldy, cols, c0 > 0
-                if (np == 4) {
-                    BF_ROW_CASES(4)
-                } else if (np == 3) {
-                    BF_ROW_CASES(3)
-                } else if (np == 2) {
-                    BF_ROW_CASES(2)
-                } else {
-                    BF_ROW_CASES(1)
-                }
-#undef ARGS
-            }
+            if (amx)
+                bf_amx_chunk(x + c0, k, m, pairs, pstride, np, len, acc, c0 == 0);
+            else
+                bf_rows(x + c0, k, m, pairs, pstride, np, len / 2, y + j0, ldy, cols, c0 > 0);
         }
-        if (bias)
+        if (amx)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = 0; c < cols; c++)
+                    y[i * ldy + j0 + c] = acc[i * 16 * BF_PANELS + c] + (bias ? bias[j0 + c] : 0);
+        else if (bias)
             for (int64_t i = 0; i < m; i++)
                 for (int64_t c = 0; c < cols; c++) y[i * ldy + j0 + c] += bias[j0 + c];
     }
+    if (amx)
+        quire_amx_end();
     return 0;
 }
-#undef BF_ROW_CASES
 
 int quire_quant_gemm_bf16_available(void) { return 1; }
 
@@ -800,12 +840,13 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
     if (m <= 0 || n <= 0)
         return 0;
     const int64_t num_panels = (n + 15) / 16;
+    const int amx = quire_amx_ready();
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         failed |= bf16_panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
-                                   num_panels * t / team, num_panels * (t + 1) / team);
+                                   num_panels * t / team, num_panels * (t + 1) / team, amx);
     }
     return failed ? 3 : 0;
 }
