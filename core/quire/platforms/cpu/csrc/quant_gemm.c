@@ -686,6 +686,36 @@ static void round_to_pairs(const float *src, int64_t len, uint32_t *dst) {
     }
 }
 
+/* Weights [c0, c0 + len) of one row of a format of 32 or 256-weight blocks, rounded to
+ * bfloat16 pairs as round_to_pairs does, straight from each block's registers (no float
+ * copy of the row in between). */
+INL void dq_pairs(int32_t fmt, const uint8_t *row, int64_t c0, int64_t len, uint32_t *out) {
+    const int B = blk_vals(fmt), BB = blk_bytes(fmt), NV = B / NL;
+    const uint8_t *p = row + c0 / B * BB;
+    for (int64_t blk = 0; blk < len / B; blk++) {
+        vf v[256 / NL];
+        dq_block(fmt, p + blk * BB, 0.0f, v);
+        for (int t = 0; t < NV; t += 2)
+            _mm512_storeu_si512(out + (blk * B + NL * t) / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh((__m512)v[t + 1], (__m512)v[t]));
+    }
+}
+
+#define PAIRS_FMT(F)                                                                       \
+    case F: dq_pairs(F, row, c0, len, out); return 1;
+
+/* dq_pairs for the block formats (1 when taken); the one-weight formats return 0. */
+static int dequant_pairs(int32_t fmt, const uint8_t *row, int64_t c0, int64_t len,
+                         uint32_t *out) {
+    switch (fmt) {
+        PAIRS_FMT(QF_Q4_0) PAIRS_FMT(QF_Q4_1) PAIRS_FMT(QF_Q5_0) PAIRS_FMT(QF_Q5_1)
+        PAIRS_FMT(QF_Q8_0) PAIRS_FMT(QF_Q2_K) PAIRS_FMT(QF_Q3_K) PAIRS_FMT(QF_Q4_K)
+        PAIRS_FMT(QF_Q5_K) PAIRS_FMT(QF_Q6_K)
+    default: return 0;
+    }
+}
+#undef PAIRS_FMT
+
 /* MR rows of x (bfloat16, ldx apart) by NP pair panels (pstride pairs apart) over k2
  * pairs, added into (or, for the first chunk, stored to) y's columns [0, cols). */
 INL void bf_tile(int MR, int NP, const uint16_t *x, int64_t ldx, const uint32_t *b,
@@ -789,6 +819,7 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
     float *acc = row + panel_floats;
     if (amx)
         quire_amx_begin();
+    const int blocks = blk_vals(fmt) >= 32;
     int64_t np;
     for (int64_t p = p_begin; p < p_end; p += np) {
         np = p_end - p < BF_PANELS ? p_end - p : BF_PANELS;
@@ -798,7 +829,9 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
             for (int64_t q = 0; q < np; q++) {
                 for (int64_t r = 0; r < 16; r++) {
                     const int64_t j = j0 + 16 * q + r;
-                    if (j < n) {
+                    if (j < n && blocks) {
+                        dequant_pairs(fmt, w + j * ws, c0, len, rows + r * KC);
+                    } else if (j < n) {
                         dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len, row);
                         round_to_pairs(row, len, rows + r * KC);
                     } else {
