@@ -237,10 +237,23 @@ INL vf e4m3_v(const uint8_t *p) {
     return (vf)(r | ((u & 0x80) << 24));
 }
 
+/* The half at p as a float in every lane (as splat(h2f_at(p))): on AVX-512 one
+ * vcvtph2ps of the broadcast half (exact, as h2f), not h2f's scalar steps, which were a
+ * large part of unpacking a 32-weight block. */
+INL vf h2f_splat(const uint8_t *p) {
+#if NL == 16
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return (vf)_mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+#else
+    return splat(h2f_at(p));
+#endif
+}
+
 /* ---- blocks to vectors: each writes block / NL vectors of consecutive weights ---- */
 
 INL void dq_q4_0(const uint8_t *b, vf *v) {
-    const vf d = splat(h2f_at(b));
+    const vf d = h2f_splat(b);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 2 + NL * h);
         v[h] = d * cvt((q & 15) - 8);
@@ -249,7 +262,7 @@ INL void dq_q4_0(const uint8_t *b, vf *v) {
 }
 
 INL void dq_q4_1(const uint8_t *b, vf *v) {
-    const vf d = splat(h2f_at(b)), m = splat(h2f_at(b + 2));
+    const vf d = h2f_splat(b), m = h2f_splat(b + 2);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 4 + NL * h);
         v[h] = d * cvt(q & 15) + m;
@@ -265,7 +278,7 @@ INL vi high_bits(const uint8_t *p, uint32_t first) {
 }
 
 INL void dq_q5_0(const uint8_t *b, vf *v) {
-    const vf d = splat(h2f_at(b));
+    const vf d = h2f_splat(b);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 6 + NL * h);
         v[h] = d * cvt(((q & 15) | (high_bits(b + 2, NL * h) << 4)) - 16);
@@ -274,7 +287,7 @@ INL void dq_q5_0(const uint8_t *b, vf *v) {
 }
 
 INL void dq_q5_1(const uint8_t *b, vf *v) {
-    const vf d = splat(h2f_at(b)), m = splat(h2f_at(b + 2));
+    const vf d = h2f_splat(b), m = h2f_splat(b + 2);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 8 + NL * h);
         v[h] = d * cvt((q & 15) | (high_bits(b + 4, NL * h) << 4)) + m;
@@ -283,7 +296,7 @@ INL void dq_q5_1(const uint8_t *b, vf *v) {
 }
 
 INL void dq_q8_0(const uint8_t *b, vf *v) {
-    const vf d = splat(h2f_at(b));
+    const vf d = h2f_splat(b);
     for (int t = 0; t < 32 / NL; t++) v[t] = cvt(ld_s8(b + 2 + NL * t)) * d;
 }
 
