@@ -142,3 +142,24 @@ def test_throughput_job_counts_every_requested_token(worker):
     assert "fake 1M F32" in result["engine"] and "2 parallel" in result["engine"]
     latency = module.latency({**job, "runs": [REQUESTS[:2]]})
     assert [t["output_tokens"] for t in latency["runs"][0]["requests"]] == [3, 1]
+
+
+def test_repack_off_turns_llama_cpps_extra_buffer_types_off(worker):
+    """``--llamacpp-repack off`` loads the model with ``use_extra_bufts`` false (its AMX
+    repacking crashes on some hosts); on by default, llama.cpp's own default."""
+    module, fake = worker
+
+    class Params:
+        _fields_ = [("use_extra_bufts", None)]
+
+        def __init__(self) -> None:
+            self.use_extra_bufts = True
+
+    loaded = []
+    fake.llama_model_default_params = Params
+    fake.llama_model_load_from_file = lambda path, params: loaded.append(params) or "model"
+    module._Runner("m.gguf", n_parallel=1, seq_len=8, n_batch=8, threads=1)
+    runner = module._Runner("m.gguf", n_parallel=1, seq_len=8, n_batch=8, threads=1,
+                            repack=False)
+    assert [p.use_extra_bufts for p in loaded] == [True, False]
+    assert "no repacked weights" in runner.describe()

@@ -69,14 +69,25 @@ class _Slot:
         return self.fed == len(self.request["prompt_token_ids"])
 
 
+def model_params(options: dict[str, Any]) -> Any:
+    """llama.cpp's default model parameters, but without its extra buffer types (the AMX
+    and other repacked weight layouts) when ``options["repack"]`` is false: its AMX path
+    crashes on some hosts, and this keeps its plain CPU kernels measurable there."""
+    params = L.llama_model_default_params()
+    if not options.get("repack", True) and "use_extra_bufts" in dict(type(params)._fields_):
+        params.use_extra_bufts = False
+    return params
+
+
 class _Runner:
     """A loaded model, one context and one batch, reused for every run."""
 
     def __init__(self, path: str, n_parallel: int, seq_len: int, n_batch: int,
-                 threads: int, kv_type: str = "f16") -> None:
+                 threads: int, kv_type: str = "f16", repack: bool = True) -> None:
         self._log_callback = quiet_logs()
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+        self.model = L.llama_model_load_from_file(path.encode(),
+                                                  model_params({"repack": repack}))
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = L.llama_context_default_params()
@@ -95,14 +106,15 @@ class _Runner:
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.sampler = L.llama_sampler_init_greedy()
         self.n_parallel, self.n_batch, self.threads = n_parallel, n_batch, threads
-        self.kv_type = kv_type
+        self.kv_type, self.repack = kv_type, repack
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)
         L.llama_model_desc(self.model, buf, len(buf))
         return (f"llama.cpp (llama-cpp-python {L.__version__}), {buf.value.decode()}, "
                 f"{self.kv_type.upper()} KV cache, {self.threads} threads, "
-                f"{self.n_parallel} parallel sequences")
+                f"{self.n_parallel} parallel sequences"
+                + ("" if self.repack else ", no repacked weights (extra buffer types off)"))
 
     # -- KV cells: the memory API, or the kv_self one of older releases ----------------
     def _forget(self, seq: int) -> None:
@@ -171,7 +183,7 @@ def _runner(job: Job, n_parallel: int) -> tuple[_Runner, float]:
     runner = _Runner(job["model"], n_parallel, seq_len,
                      int(options.get("n_batch") or _DEFAULT_BATCH),
                      int(options.get("threads") or os.cpu_count() or 1),
-                     options.get("kv_type", "f16"))
+                     options.get("kv_type", "f16"), bool(options.get("repack", True)))
     return runner, time.perf_counter() - start
 
 
@@ -246,7 +258,7 @@ def logits(job: Job) -> dict[str, Any]:
     keep_alive = quiet_logs()  # noqa: F841 - llama.cpp calls it until we return
     start = time.perf_counter()
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
+    model = L.llama_model_load_from_file(job["model"].encode(), model_params(options))
     if not model:
         raise RuntimeError(f"llama.cpp could not load {job['model']}")
     params = L.llama_context_default_params()

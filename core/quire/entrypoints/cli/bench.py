@@ -91,6 +91,10 @@ def _register_offline(benches: argparse._SubParsersAction[Any], name: str, workl
     parser.add_argument("--llamacpp-kv-type", default="f16", choices=("f16", "f32"),
                         help="the llamacpp peer's KV cache type (default: f16, llama.cpp's "
                         "own)")
+    parser.add_argument("--llamacpp-repack", default="on", choices=("on", "off"),
+                        help="off: the llamacpp peer without its repacked weight layouts "
+                        "(AMX and others; llama.cpp's use_extra_bufts), whose AMX path "
+                        "crashes on some hosts (default: on, its own default)")
     parser.add_argument("--llamacpp-variant", default="both",
                         choices=("both", "native", "f32"),
                         help="which llamacpp runs: the GGUF file as it is (native), an F32 "
@@ -755,7 +759,8 @@ def _run_peers(args: argparse.Namespace, mode: str, model_path: str,
     columns, failures = [], {}
     options = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                "vllm_dtype": getattr(args, "vllm_dtype", "float32"),
-               "kv_type": getattr(args, "llamacpp_kv_type", "f16"), **(where or {})}
+               "kv_type": getattr(args, "llamacpp_kv_type", "f16"),
+               "repack": getattr(args, "llamacpp_repack", "on") == "on", **(where or {})}
     for name in dict.fromkeys(args.peers):
         spec = PEERS[name]
         try:
