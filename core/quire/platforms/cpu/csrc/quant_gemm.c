@@ -774,10 +774,15 @@ INL void bf_tile(int MR, int NP, const uint16_t *x, int64_t ldx, const uint32_t 
     }
 
 /* Rows [0, m) of x (ldx apart) by np pair panels over k2 pairs into y's columns
- * [0, cols), BF_ROWS rows at a time (bf_tile). */
+ * [0, cols), BF_ROWS rows by up to BF_PANELS panels at a time (bf_tile). */
 static void bf_rows(const uint16_t *x, int64_t ldx, int64_t m, const uint32_t *b,
                     int64_t pstride, int64_t np, int64_t k2, float *y, int64_t ldy,
                     int64_t cols, int accumulate) {
+    for (; np > BF_PANELS; np -= BF_PANELS, cols -= 16 * BF_PANELS) {
+        bf_rows(x, ldx, m, b, pstride, BF_PANELS, k2, y, ldy, cols, accumulate);
+        b += BF_PANELS * pstride;
+        y += 16 * BF_PANELS;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += BF_ROWS) {
         const int64_t mr = m - r0 < BF_ROWS ? m - r0 : BF_ROWS;
 #define ARGS x + r0 * ldx, ldx, b, pstride, k2, y + r0 * ldy, ldy, cols, accumulate
@@ -795,80 +800,107 @@ static void bf_rows(const uint16_t *x, int64_t ldx, int64_t m, const uint32_t *b
 }
 #undef BF_ROW_CASES
 
-/* One K chunk of len values (x's columns, ldx apart) on AMX tiles: each whole 16 rows'
- * whole blocks of 32 values on tiles (amx_tiles.c), what is left of K and of the rows
- * with bf_tile; into acc [m][16 BF_PANELS] floats, added to it unless first. */
-static void bf_amx_chunk(const uint16_t *x, int64_t ldx, int64_t m, const uint32_t *pairs,
-                         int64_t pstride, int64_t np, int64_t len, float *acc, int first) {
-    const int64_t lda = 16 * BF_PANELS, m16 = m & ~(int64_t)15, kt = len / 32;
-    if (m16 > 0 && kt > 0)
-        quire_amx_pairs(x, ldx, m16, pairs, pstride, np, kt, acc, lda, !first);
-    if (m16 > 0 && len > 32 * kt)
-        bf_rows(x + 32 * kt, ldx, m16, pairs + 256 * kt, pstride, np, len / 2 - 16 * kt, acc,
-                lda, lda, !first || kt > 0);
-    if (m > m16)
-        bf_rows(x + m16 * ldx, ldx, m - m16, pairs, pstride, np, len / 2, acc + m16 * lda, lda,
-                lda, !first);
+/* Weights [c0, c0 + len) of the 16 weight rows from j0 as one pair panel's K2 rows at
+ * out ([len / 2][16] words, zero past n): each row dequantised and rounded to pairs into
+ * rows ([16][KC] words), then transposed; row is a float row's scratch [KC]. */
+static void bf_fill_panel(int32_t fmt, const uint8_t *w, int64_t ws, const float *rs,
+                          int64_t n, int64_t j0, int64_t c0, int64_t len, float *row,
+                          uint32_t *rows, uint32_t *out) {
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t j = j0 + r;
+        if (j < n && blk_vals(fmt) >= 32) {
+            dequant_pairs(fmt, w + j * ws, c0, len, rows + r * KC);
+        } else if (j < n) {
+            dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len, row);
+            round_to_pairs(row, len, rows + r * KC);
+        } else {
+            memset(rows + r * KC, 0, sizeof(uint32_t) * (len / 2));
+        }
+    }
+    /* pairs are 32-bit words: the float transpose moves them whole */
+    transpose16((const float *)rows, len / 2, (float *)out);
 }
 
 /* The bfloat16 panel path for the calling thread's share of panels: as panel_share, with
- * each K chunk's dequantised weights rounded to bfloat16 pairs; with amx, multiplied on
- * AMX tiles into a [m][64] float buffer copied to y once a group of panels is done.
- * 0, or 3 without memory. */
+ * each K chunk's dequantised weights rounded to bfloat16 pairs; 0, or 3 without memory. */
 static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                             const uint8_t *w, int64_t ws, int64_t n, const float *rs,
                             const float *bias, float *y, int64_t ldy, int64_t p_begin,
-                            int64_t p_end, int amx) {
+                            int64_t p_end) {
     if (p_begin >= p_end)
         return 0;
     /* one row's floats [KC], 16 rows of pairs [16][KC] (KC / 2 used, so that transpose16
-     * reads them as floats KC apart), BF_PANELS pair panels [KC / 2][16], then (amx) the
-     * sums [m][16 BF_PANELS] */
-    const size_t panel_floats = (size_t)17 * KC + (size_t)BF_PANELS * 8 * KC;
-    float *row = quire_thread_scratch(panel_floats + (amx ? (size_t)m * 16 * BF_PANELS : 0));
+     * reads them as floats KC apart), then BF_PANELS pair panels [KC / 2][16] */
+    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)BF_PANELS * 8 * KC);
     if (row == NULL)
         return 3;
     uint32_t *rows = (uint32_t *)(row + KC), *pairs = rows + 16 * KC;
-    float *acc = row + panel_floats;
-    if (amx)
-        quire_amx_begin();
-    const int blocks = blk_vals(fmt) >= 32;
     int64_t np;
     for (int64_t p = p_begin; p < p_end; p += np) {
         np = p_end - p < BF_PANELS ? p_end - p : BF_PANELS;
         const int64_t j0 = 16 * p, cols = n - j0 < 16 * np ? n - j0 : 16 * np;
         for (int64_t c0 = 0; c0 < k; c0 += KC) {
             const int64_t len = k - c0 < KC ? k - c0 : KC, pstride = 8 * len;
-            for (int64_t q = 0; q < np; q++) {
-                for (int64_t r = 0; r < 16; r++) {
-                    const int64_t j = j0 + 16 * q + r;
-                    if (j < n && blocks) {
-                        dequant_pairs(fmt, w + j * ws, c0, len, rows + r * KC);
-                    } else if (j < n) {
-                        dequant_span(fmt, w + j * ws, rs ? rs[j] : 0.0f, c0, len, row);
-                        round_to_pairs(row, len, rows + r * KC);
-                    } else {
-                        memset(rows + r * KC, 0, sizeof(uint32_t) * (len / 2));
-                    }
-                }
-                /* pairs are 32-bit words: the float transpose moves them whole */
-                transpose16((const float *)rows, len / 2, (float *)(pairs + q * pstride));
-            }
-            if (amx)
-                bf_amx_chunk(x + c0, k, m, pairs, pstride, np, len, acc, c0 == 0);
-            else
-                bf_rows(x + c0, k, m, pairs, pstride, np, len / 2, y + j0, ldy, cols, c0 > 0);
+            for (int64_t q = 0; q < np; q++)
+                bf_fill_panel(fmt, w, ws, rs, n, j0 + 16 * q, c0, len, row, rows,
+                              pairs + q * pstride);
+            bf_rows(x + c0, k, m, pairs, pstride, np, len / 2, y + j0, ldy, cols, c0 > 0);
         }
-        if (amx)
-            for (int64_t i = 0; i < m; i++)
-                for (int64_t c = 0; c < cols; c++)
-                    y[i * ldy + j0 + c] = acc[i * 16 * BF_PANELS + c] + (bias ? bias[j0 + c] : 0);
-        else if (bias)
+        if (bias)
             for (int64_t i = 0; i < m; i++)
                 for (int64_t c = 0; c < cols; c++) y[i * ldy + j0 + c] += bias[j0 + c];
     }
-    if (amx)
-        quire_amx_end();
+    return 0;
+}
+
+/* Panels a group takes on AMX tiles: 8 (128 columns) while K is short enough that their
+ * whole-K pairs stay below 512 KB, else 4. */
+static int64_t amx_group(int64_t k) { return k <= 2048 ? 8 : 4; }
+
+/* The same on AMX tiles (amx_tiles.c): a group's panels are dequantised over the whole
+ * of K first, then each 32 rows of x run every K block on tiles, the sums kept in the
+ * tiles (no float sums written back between K chunks) and stored once into a [32][16 G]
+ * buffer copied to y with the bias; what is left of K past whole 32-value blocks, and
+ * rows past whole 16, with bf_tile. */
+static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
+                          const uint8_t *w, int64_t ws, int64_t n, const float *rs,
+                          const float *bias, float *y, int64_t ldy, int64_t p_begin,
+                          int64_t p_end) {
+    if (p_begin >= p_end)
+        return 0;
+    const int64_t G = amx_group(k), pstride = 8 * k, ldc = 16 * G, kt = k / 32;
+    /* one row's floats [KC], 16 rows of pairs [16][KC], G whole-K pair panels, the sums */
+    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)G * pstride + 32 * ldc);
+    if (row == NULL)
+        return 3;
+    uint32_t *rows = (uint32_t *)(row + KC), *pairs = rows + 16 * KC;
+    float *acc = (float *)(pairs + G * pstride);
+    quire_amx_begin();
+    int64_t np;
+    for (int64_t p = p_begin; p < p_end; p += np) {
+        np = p_end - p < G ? p_end - p : G;
+        const int64_t j0 = 16 * p, cols = n - j0 < 16 * np ? n - j0 : 16 * np;
+        for (int64_t c0 = 0; c0 < k; c0 += KC)
+            for (int64_t q = 0; q < np; q++)
+                bf_fill_panel(fmt, w, ws, rs, n, j0 + 16 * q, c0, k - c0 < KC ? k - c0 : KC,
+                              row, rows, pairs + q * pstride + 8 * c0);
+        for (int64_t r0 = 0; r0 < m; r0 += 32) {
+            const int64_t mr = m - r0 < 32 ? m - r0 : 32, m16 = mr & ~(int64_t)15;
+            const uint16_t *xr = x + r0 * k;
+            if (m16 > 0 && kt > 0)
+                quire_amx_pairs(xr, k, m16, pairs, pstride, np, kt, acc, ldc, 0);
+            if (m16 > 0 && k > 32 * kt)
+                bf_rows(xr + 32 * kt, k, m16, pairs + 256 * kt, pstride, np, k / 2 - 16 * kt,
+                        acc, ldc, ldc, kt > 0);
+            if (mr > m16)
+                bf_rows(xr + m16 * k, k, mr - m16, pairs, pstride, np, k / 2, acc + m16 * ldc,
+                        ldc, ldc, 0);
+            for (int64_t i = 0; i < mr; i++)
+                for (int64_t c = 0; c < cols; c++)
+                    y[(r0 + i) * ldy + j0 + c] = acc[i * ldc + c] + (bias ? bias[j0 + c] : 0);
+        }
+    }
+    quire_amx_end();
     return 0;
 }
 
@@ -891,8 +923,11 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
 #pragma omp parallel reduction(| : failed)
     {
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-        failed |= bf16_panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
-                                   num_panels * t / team, num_panels * (t + 1) / team, amx);
+        const int64_t p0 = num_panels * t / team, p1 = num_panels * (t + 1) / team;
+        failed |= amx ? bf16_amx_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
+                                       p0, p1)
+                      : bf16_panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y,
+                                         ldy, p0, p1);
     }
     return failed ? 3 : 0;
 }
