@@ -22,7 +22,7 @@ from quire.quantization.methods import (
     QuantizationConfig,
     check_method,
 )
-from quire.spec.config import HEAD_METHODS, WORKER_METHODS, SpeculativeConfig
+from quire.spec.config import SpeculativeConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -289,18 +289,11 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         spec = self.speculative_config
-        if spec is not None and spec.method in WORKER_METHODS \
-                and self.pipeline_parallel_size > 1:
-            raise ValueError(f"speculative_config.method {spec.method!r} cannot run with "
+        if spec is not None and spec.method == "eagle3" and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config.method 'eagle3' cannot run with "
                              f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size})"
-                             ": the draft proposes in the workers before the target's "
-                             "forward, which a pipeline's stages split; use ngram or no "
-                             "pipeline")
-        if spec is not None and spec.method in HEAD_METHODS and self.async_scheduling:
-            raise ValueError(f"speculative_config.method {spec.method!r} cannot run with "
-                             "async_scheduling: the head reads every step's tokens before "
-                             "its forward, which an asynchronous step has on the device "
-                             "only; turn one of them off")
+                             ": the head reads three target layers that stages split; use "
+                             "eagle, a draft model, ngram or no pipeline")
         if self.speculative_config is not None and self.task == "embed":
             raise ValueError("speculative_config applies to generating models, not "
                              "task='embed'")

@@ -256,6 +256,30 @@ def test_tensor_parallel_ranks_share_the_head_and_keep_greedy_output(method, hea
     assert stats.spec_num_draft_tokens > 0
 
 
+@pytest.mark.slow  # about 15 s each: two worker processes
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2 ties its LM head and embedding
+def test_pipeline_stages_run_the_head_on_the_last_and_keep_its_proposals(
+        arch, heads, tiny_checkpoint, tmp_path, monkeypatch):
+    """The head runs on the last stage, with a copy of the embedding, and sends its
+    proposals to the first stage before that one's forward: every context gets the
+    drafts it gets without stages, and greedy output is the target's."""
+    target = tiny_checkpoint(arch)
+    head = heads[1] if arch == "llama" else write_head(target, tmp_path / "e", bias=True,
+                                                       safetensors=False)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": K,
+            "disable_by_batch_size": None}
+    plain, _ = _greedy(target, None)
+    seen = _record_drafts(monkeypatch)
+    alone, _ = _greedy(target, spec)
+    drafts_alone = {tuple(context): drafts for context, drafts in seen}
+    seen.clear()
+    got, stats = _greedy(target, spec, pipeline_parallel_size=2,
+                         distributed_executor_backend="mp")
+    assert got == alone == plain
+    assert stats.spec_num_draft_tokens > 0 and len(drafts_alone) > 10
+    assert {tuple(context): drafts for context, drafts in seen} == drafts_alone
+
+
 # -- EAGLE-3 ---------------------------------------------------------------------------------
 AUX = [0, 1, 1]  # the tiny target has two layers: its inputs to layers 0, 1 and 1
 DRAFT_VOCAB = 200
@@ -424,3 +448,54 @@ def test_a_grammar_and_parallel_samples_keep_their_rules_with_a_head(heads):
     assert runs[1] == runs[0]
     for text in runs[1][0]:
         assert re.fullmatch(regex, text), text
+
+
+# -- async scheduling ----------------------------------------------------------------------
+#: Per prompt: two stop early, so that two run on alone (see :func:`_async_greedy`).
+ASYNC_MAX_TOKENS = [6, 10, 24, 24]
+
+
+def _async_greedy(path, spec, monkeypatch) -> tuple[list[list[int]], int]:
+    """Greedy outputs of :data:`PROMPTS` with async scheduling and drafts off from 3
+    running sequences: asynchronous steps while 3 or 4 run (the head keeps its K/V,
+    reading each step's pending token on the device), then synchronous ones with drafts
+    once two have stopped. Also the asynchronous steps taken."""
+    from quire.engine.core import EngineCore
+
+    steps = []
+    step_async = EngineCore._step_async
+
+    def counting(self):
+        steps.append(1)
+        return step_async(self)
+
+    monkeypatch.setattr(EngineCore, "_step_async", counting)
+    with LLM(str(path), device="cpu", block_size=4, async_scheduling=True,
+             speculative_config={**spec, "disable_by_batch_size": 3}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                             for m in ASYNC_MAX_TOKENS])
+        assert llm.engine.core.block_manager.num_used_blocks == 0
+    return [o.outputs[0].token_ids for o in outs], len(steps)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_async_scheduling_keeps_the_head_s_proposals_and_greedy_output(method, heads,
+                                                                       tmp_path,
+                                                                       monkeypatch):
+    """Every draft verified, after the asynchronous steps too, is the one the head
+    gives by hand over the target's hidden states, so the K/V the head wrote in those
+    steps is right; greedy output is the target's."""
+    target, head, _ = heads
+    if method == "eagle3":
+        head = write_head3(target, tmp_path / "eagle3")
+    plain, _ = _greedy(target, None, max_tokens=24)
+    seen = _record_drafts(monkeypatch)
+    got, async_steps = _async_greedy(target, {"method": method, "model": str(head),
+                                              "num_speculative_tokens": K}, monkeypatch)
+    assert got == [p[:m] for p, m in zip(plain, ASYNC_MAX_TOKENS)]
+    assert async_steps >= 5 and len(seen) >= 4
+    hand = (_HandHead(head, hf_model(target)) if method == "eagle"
+            else _HandHead3(head, hf_model(target)))
+    for context, drafts in seen:
+        assert drafts == hand.proposals(context, len(drafts)), context

@@ -301,6 +301,56 @@ def test_greedy_outputs_equal_the_target_s(scenario, mimo, plain):
         assert stats.prefix_hits > 0
 
 
+def test_async_scheduling_keeps_the_mtp_proposals_and_greedy_output(mimo, plain,
+                                                                    monkeypatch):
+    """Async scheduling with drafts off from 3 running sequences: asynchronous steps
+    while 3 or 4 run (the head writes its K/V from each step's pending token, read on
+    the device), synchronous ones with drafts once two have stopped. The drafts verified
+    then are the layers' own by hand, and greedy output is the target's."""
+    from quire.engine.core import EngineCore
+
+    path, hf = mimo
+    steps = []
+    step_async = EngineCore._step_async
+
+    def counting(self):
+        steps.append(1)
+        return step_async(self)
+
+    monkeypatch.setattr(EngineCore, "_step_async", counting)
+    seen = _record_drafts(monkeypatch)
+    max_tokens = [6, 10, 24, 24]
+    with LLM(str(path), device="cpu", block_size=4, async_scheduling=True,
+             speculative_config={**_mtp(), "disable_by_batch_size": 3}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                             for m in max_tokens])
+        assert llm.engine.core.block_manager.num_used_blocks == 0
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [p[:m] for p, m in zip(plain, max_tokens)]
+    assert len(steps) >= 5 and len(seen) >= 4
+    hand = HandMTP(path, hf)
+    for context, drafts in seen:
+        assert drafts == hand.proposals(context, len(drafts)), context
+
+
+@pytest.mark.slow  # about 15 s: two worker processes
+def test_pipeline_stages_run_the_mtp_layers_on_the_last_and_keep_their_proposals(
+        mimo, plain, monkeypatch):
+    """The MTP layers run on the last stage, with a copy of the embedding, and send
+    their proposals to the first stage before that one's forward: every draft verified
+    is the layers' own by hand, and greedy output is the target's."""
+    path, hf = mimo
+    seen = _record_drafts(monkeypatch)
+    got, stats = _greedy(path, _mtp(), max_tokens=24, pipeline_parallel_size=2,
+                         distributed_executor_backend="mp")
+    assert got == plain
+    assert stats.spec_num_draft_tokens > 0 and len(seen) > 10
+    hand = HandMTP(path, hf)
+    for context, drafts in seen[:: len(seen) // 8]:  # eight of them, spread
+        assert drafts == hand.proposals(context, len(drafts)), context
+
+
 @pytest.mark.slow  # about 10 s: two worker processes
 def test_tensor_parallel_ranks_share_the_mtp_layers_and_keep_greedy_output(mimo, plain):
     got, stats = _greedy(mimo[0], _mtp(), max_tokens=24, tensor_parallel_size=2,

@@ -214,3 +214,34 @@ def test_the_cli_takes_a_bare_async_scheduling_flag():
     args = parser.parse_args(expand_bare_flags(parser, ["--async-scheduling", "--model", "m"]))
     assert engine_config_from_args(args).async_scheduling is True
     assert engine_config_from_args(parser.parse_args(["--model", "m"])).async_scheduling is False
+
+
+# -- the drafters ----------------------------------------------------------------------------
+def test_a_draft_model_reads_a_pending_token_from_the_device(tiny_checkpoint):
+    """A step in which one sequence drafts while another's last token is still on the
+    device: the draft model's proposals and K/V are those with the token on the host."""
+    from quire.executor.drafter import Drafter
+    from quire.models.loader import load_model
+    from quire.ops import reference_ops
+    from quire.ops.attention import ReferenceAttentionBackend
+    from tiny_models import SingleRank
+
+    cpu = torch.device("cpu")
+    model, _ = load_model(str(tiny_checkpoint("llama")), SingleRank(), cpu, torch.float32)
+    backend = ReferenceAttentionBackend()
+
+    def run(second: StepItem, sampled: torch.Tensor | None):
+        caches = [backend.allocate_kv_cache(4, BS, model.num_kv_heads, model.head_dim,
+                                            torch.float32, cpu).zero_()
+                  for _ in range(model.num_layers)]
+        drafter = Drafter(model, backend, caches, BS, cpu, reference_ops())
+        drafting = StepItem(0, [5, 17, 42, 0, 0], 0, [0, 1], True, num_spec=2)
+        _, proposals = drafter.propose([drafting, second], sampled=sampled)
+        return proposals, caches
+
+    host, host_kv = run(StepItem(1, [9, 33, 77], 0, [2], True), None)
+    pending, pending_kv = run(StepItem(1, [9, 33, PENDING_TOKEN], 0, [2], True, prev_row=1),
+                              torch.tensor([0, 77]))
+    assert pending == host and len(host[0]) == 2 and host[1] == ()
+    for got, want in zip(pending_kv, host_kv, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

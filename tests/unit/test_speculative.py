@@ -401,21 +401,26 @@ def test_vllm_defaults_and_the_json_form():
                                      "quantization": "int8", "dtype": "bfloat16"})
     assert (draft.method, draft.model, draft.quantization, draft.dtype) == \
         ("draft_model", "d", "int8", "bfloat16")
-    for method in ("draft_model", "eagle"):
-        with pytest.raises(ValueError, match=rf"speculative_config\.method '{method}' "
-                                             "cannot run with pipeline"):
-            EngineConfig(model="m", pipeline_parallel_size=2, speculative_config={
-                "method": method, "model": "d", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match=r"'eagle' cannot run with async_scheduling"):
+    with pytest.raises(ValueError, match=r"speculative_config\.method 'eagle3' cannot run "
+                                         "with pipeline"):
+        EngineConfig(model="m", pipeline_parallel_size=2, speculative_config={
+            "method": "eagle3", "model": "d", "num_speculative_tokens": 3})
+    # a draft model runs on the first stage, an EAGLE or MTP head on the last (the
+    # integration tests compare outputs)
+    for spec in ({"model": "d"}, {"method": "eagle", "model": "d"}, {"method": "mtp"}):
+        EngineConfig(model="m", pipeline_parallel_size=2,
+                     speculative_config={**spec, "num_speculative_tokens": 3})
+    # heads too: their K/V kept in asynchronous steps from the pending tokens on the
+    # device (tests/integration/test_eagle.py and test_mtp.py compare outputs)
+    for method in ("eagle", "eagle3"):
         EngineConfig(model="m", async_scheduling=True, speculative_config={
-            "method": "eagle", "model": "d", "num_speculative_tokens": 3})
+            "method": method, "model": "d", "num_speculative_tokens": 3})
     # vLLM's older per-family names are its "mtp"
     for name in ("mtp", "mimo_mtp", "deepseek_mtp"):
         assert SpeculativeConfig.parse({"method": name, "num_speculative_tokens": 2}) \
             .method == "mtp"
-    with pytest.raises(ValueError, match=r"'mtp' cannot run with async_scheduling"):
-        EngineConfig(model="m", async_scheduling=True, speculative_config={
-            "method": "mtp", "num_speculative_tokens": 3})
+    EngineConfig(model="m", async_scheduling=True, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3})
     EngineConfig(model="m", pipeline_parallel_size=2,  # n-gram drafts run with stages
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 

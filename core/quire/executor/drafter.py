@@ -21,6 +21,17 @@ rank makes the same ones. The draft's K/V lives in its own tensors under the tar
 page ids: one page id holds a position for both models, so the engine's block manager
 and its one budget cover both. A rejected draft's K/V is overwritten when its position
 is reached again.
+
+With pipeline stages a draft model runs on the first stage, where the step's tokens
+enter. An EAGLE or MTP head runs on the last, which holds the target's hidden states and
+LM head (and a copy of its embedding): it proposes before that stage's part of the
+forward and sends the proposals to the first stage, whose :class:`StageProposals` puts
+them in place of the stand-ins.
+
+With async scheduling a step's last known token may still be on the device (the item's
+``prev_row``): the drafter's forward that reads it takes it from the same sampled ids as
+the target's (:meth:`InputBatch.prepare`), so an EAGLE or MTP head keeps its K/V in the
+asynchronous steps that draft nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +46,16 @@ from quire.executor.input_batch import InputBatch, StepLimits
 from quire.executor.messages import StepItem
 from quire.interfaces.attention import AttentionBackend
 from quire.models.context import ForwardContext
+from quire.models.pipeline import PipelineLink
 from quire.ops import OpSet
+
+
+def _fill(items: list[StepItem], proposals: list[list[int]]) -> list[StepItem]:
+    """``items`` with each drafting item's stand-ins replaced by its proposals."""
+    return [item if not item.num_spec else msgspec.structs.replace(
+                item, token_ids=item.token_ids[: len(item.token_ids) - item.num_spec]
+                + proposals[i])
+            for i, item in enumerate(items)]
 
 
 class Drafter:
@@ -55,11 +75,15 @@ class Drafter:
         self.max_tokens = limits.max_num_tokens if limits is not None else None
 
     @torch.inference_mode()
-    def propose(self, items: list[StepItem], released: Iterable[int] = ()
+    def propose(self, items: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None
                 ) -> tuple[list[StepItem], tuple[tuple[int, ...], ...]]:
         """Write the draft's K/V for the step's known tokens and propose each drafting
         item's ``num_spec`` tokens.
 
+        :param sampled: the previous step's sampled token ids on this device, for items
+            whose last token is pending (``StepItem.prev_row``, async scheduling: items
+            without drafts, since async steps draft nothing).
         :returns: the items with their stand-ins replaced by the proposals, and each
             item's proposals (empty for an item without drafts).
         """
@@ -70,7 +94,7 @@ class Drafter:
             return items, tuple(() for _ in items)
         tokens: list[int] = []
         for forward in self._catch_up(items):
-            tokens += self._forward(forward, released)
+            tokens += self._forward(forward, released, sampled)
             released = ()
         for i, token in zip(drafting, tokens, strict=True):
             proposals[i].append(token)
@@ -85,11 +109,7 @@ class Drafter:
                                      first_page=self.input_batch.num_pages_of(seq_id)))
             for i, token in zip(drafting, self._forward(step), strict=True):
                 proposals[i].append(token)
-        filled = [item if not item.num_spec else msgspec.structs.replace(
-                      item, token_ids=item.token_ids[: len(item.token_ids) - item.num_spec]
-                      + proposals[i])
-                  for i, item in enumerate(items)]
-        return filled, tuple(tuple(p) for p in proposals)
+        return _fill(items, proposals), tuple(tuple(p) for p in proposals)
 
     def keep(self, items: list[StepItem], hidden: torch.Tensor) -> None:
         """A draft model reads no hidden state of the target's."""
@@ -111,17 +131,20 @@ class Drafter:
                 last = take == len(tokens)
                 forwards[-1].append(StepItem(item.seq_id, tokens[:take], start, table,
                                              last and item.num_spec > 0,
-                                             first_page=first_page))
+                                             first_page=first_page,
+                                             prev_row=-1 if item.num_spec or not last
+                                             else item.prev_row))
                 tokens, start = tokens[take:], start + take
                 first_page, table = first_page + len(table), []
                 if room is not None:
                     room -= take
         return forwards
 
-    def _forward(self, items: list[StepItem], released: Iterable[int] = ()) -> list[int]:
+    def _forward(self, items: list[StepItem], released: Iterable[int] = (),
+                 sampled: torch.Tensor | None = None) -> list[int]:
         """One forward of the draft over ``items``; the argmax at each sampling item's
         last token."""
-        inputs = self.input_batch.prepare(items, released)
+        inputs = self.input_batch.prepare(items, released, sampled)
         ctx = ForwardContext(backend=self.backend,
                              metadata=self.backend.build_metadata(inputs.batch),
                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
@@ -151,8 +174,12 @@ class EagleDrafter:
 
     def __init__(self, head: nn.Module, backend: AttentionBackend,
                  kv_caches: list[torch.Tensor | None], block_size: int,
-                 device: torch.device, ops: OpSet, limits: StepLimits | None = None) -> None:
+                 device: torch.device, ops: OpSet, limits: StepLimits | None = None,
+                 link: PipelineLink | None = None) -> None:
+        """:param link: on the last of several pipeline stages, the link its proposals
+            go to the first stage by (:meth:`PipelineLink.send_proposals`)."""
         self.head = head
+        self.link = link
         self.backend = backend
         self.kv_caches = kv_caches
         self.ops = ops
@@ -172,9 +199,11 @@ class EagleDrafter:
             row += n
 
     @torch.inference_mode()
-    def propose(self, items: list[StepItem], released: Iterable[int] = ()
+    def propose(self, items: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None
                 ) -> tuple[list[StepItem], tuple[tuple[int, ...], ...]]:
-        """As :meth:`Drafter.propose`."""
+        """As :meth:`Drafter.propose`. The forward over the target's hidden states reads
+        the item's first token last: when that one is pending, from ``sampled``."""
         for seq_id in released:
             self._hidden.pop(seq_id, None)
         forward: list[StepItem] = []
@@ -191,15 +220,18 @@ class EagleDrafter:
                 continue
             # position j reads token j + 1: the lag's after the first, then the item's
             tokens = (item.draft_lag + item.token_ids[:1])[low + 1 - first :]
+            # a pending token is the item's last: read here only when it is its only one
+            pending = item.prev_row if len(item.token_ids) == 1 else -1
             forward.append(StepItem(item.seq_id, tokens, low, item.block_table,
-                                    item.num_spec > 0, first_page=item.first_page))
+                                    item.num_spec > 0, first_page=item.first_page,
+                                    prev_row=pending))
             features.append(kept[1][low - kept[0] : item.start - kept[0]])
             if item.num_spec > 0:
                 drafting.append(i)
         self.input_batch.apply(idle, released)
         proposals: list[list[int]] = [[] for _ in items]
         if forward:
-            tokens, own = self._forward(forward, torch.cat(features), 0)
+            tokens, own = self._forward(forward, torch.cat(features), 0, sampled)
             for i, token in zip(drafting, tokens, strict=True):
                 proposals[i].append(token)
             for j in range(1, max((items[i].num_spec for i in drafting), default=0)):
@@ -213,21 +245,22 @@ class EagleDrafter:
                 tokens, own = self._forward(step, own, j)
                 for i, token in zip(drafting, tokens, strict=True):
                     proposals[i].append(token)
-        filled = []
         for i, item in enumerate(items):
             n = item.num_spec
             if n and len(proposals[i]) < n:  # no hidden state to draft from: any tokens do
                 proposals[i] = [item.token_ids[0]] * n
-            filled.append(item if not n else msgspec.structs.replace(
-                item, token_ids=item.token_ids[: len(item.token_ids) - n] + proposals[i]))
-        return filled, tuple(tuple(p) for p in proposals)
+        flat = [token for p in proposals for token in p]
+        if self.link is not None and flat:  # the first stage waits for them
+            self.link.send_proposals(torch.tensor(flat, dtype=torch.int64,
+                                                  device=self.link.device))
+        return _fill(items, proposals), tuple(tuple(p) for p in proposals)
 
-    def _forward(self, items: list[StepItem], features: torch.Tensor, step: int
-                 ) -> tuple[list[int], torch.Tensor]:
+    def _forward(self, items: list[StepItem], features: torch.Tensor, step: int,
+                 sampled: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
         """One forward of the head for draft ``step`` (0: from the target's hidden
         states); the argmax and the head's hidden state at each sampling item's last
         position."""
-        inputs = self.input_batch.prepare(items)
+        inputs = self.input_batch.prepare(items, sampled=sampled)
         ctx = ForwardContext(backend=self.backend,
                              metadata=self.backend.build_metadata(inputs.batch),
                              kv_caches=self.kv_caches, ops=self.ops, batch=inputs.batch)
@@ -236,3 +269,31 @@ class EagleDrafter:
             return [], hidden[:0]
         own = hidden[inputs.sample_rows]
         return self.head.propose(own).tolist(), own
+
+
+class StageProposals:
+    """The first pipeline stage's drafter when an EAGLE or MTP head runs on the last
+    stage: each step that drafts, it receives the head's proposals (each drafting item's
+    ``num_spec``, in item order) and puts them in place of the stand-ins before the
+    first stage's forward. It holds no model and no K/V."""
+
+    def __init__(self, link: PipelineLink) -> None:
+        self.link = link
+        self.kv_caches: list[torch.Tensor | None] = []
+
+    def propose(self, items: list[StepItem], released: Iterable[int] = (),
+                sampled: torch.Tensor | None = None
+                ) -> tuple[list[StepItem], tuple[tuple[int, ...], ...]]:
+        """As :meth:`Drafter.propose`; blocks until the last stage has proposed."""
+        count = sum(item.num_spec for item in items)
+        if not count:
+            return items, tuple(() for _ in items)
+        flat = self.link.recv_proposals(count).tolist()
+        proposals: list[list[int]] = []
+        for item in items:
+            proposals.append(flat[: item.num_spec])
+            flat = flat[item.num_spec :]
+        return _fill(items, proposals), tuple(tuple(p) for p in proposals)
+
+    def keep(self, items: list[StepItem], hidden: torch.Tensor) -> None:
+        """The head keeps the hidden states, on the last stage."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quire.executor.drafter import Drafter, EagleDrafter
+from quire.executor.drafter import Drafter, EagleDrafter, StageProposals
 from quire.executor.encoder_cache import ImageEmbeddings, image_blocks
 from quire.executor.graphs import DecodeGraphs
 from quire.executor.input_batch import InputBatch, StepInputs, StepLimits
@@ -71,7 +71,7 @@ class ModelRunner:
         ops: OpSet | None = None,
         pooling: PoolingConfig | None = None,
         limits: StepLimits | None = None,
-        drafter: Drafter | EagleDrafter | None = None,
+        drafter: Drafter | EagleDrafter | StageProposals | None = None,
         lora: LoRAManager | None = None,
     ) -> None:
         """:param kv_caches: one per layer of the model, by global layer index (None for
@@ -83,7 +83,8 @@ class ModelRunner:
         :param limits: the largest step, for the input batch's buffers (they grow from
             small ones when None).
         :param drafter: a draft model or an EAGLE head that fills each item's draft
-            stand-ins before the forward (speculative decoding), or None.
+            stand-ins before the forward (speculative decoding; on a first pipeline
+            stage, the proposals a head on the last stage sends), or None.
         :param lora: the LoRA adapters' slots, told each step's adapters (``StepItem.
             lora_id``), or None."""
         self.model = model
@@ -140,7 +141,7 @@ class ModelRunner:
         drafts = None
         released = tuple(released)  # read twice: the input batch, the image entries
         if self.drafter is not None:
-            scheduled, drafts = self.drafter.propose(scheduled, released)
+            scheduled, drafts = self.drafter.propose(scheduled, released, sampled)
         inputs = self.prepare(scheduled, released, sampled)
         if self.lora is not None:
             self.lora.prepare([item.lora_id for item in scheduled],
@@ -168,10 +169,10 @@ class ModelRunner:
             intermediate = (None if self.link.stage.is_first
                             else self.link.recv(inputs.input_ids.shape[0]))
             out = self.model(inputs.input_ids, inputs.positions, ctx, intermediate)
-            if isinstance(out, tuple):
+            if isinstance(out, tuple):  # not the last stage: a first one's drafts go back
                 self.link.send(*out)
                 return StepResult(out[0].new_empty((0, 0), dtype=torch.float32),
-                                  inputs.sample_items)
+                                  inputs.sample_items, drafts=drafts)
             hidden = out
         if self.pooling is not None:
             return self._pool(hidden, inputs, self.pooling)

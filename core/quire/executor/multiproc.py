@@ -274,6 +274,10 @@ def _handle(worker: Worker, request: Call | Step) -> Reply:
     if isinstance(request, Step):
         result = worker.execute(request.plan.items, request.plan.released,
                                 free_pages=request.plan.free_pages)
+        if worker.returns_drafts:  # a first stage's proposals, for the last stage's logits
+            assert result.drafts is not None
+            return Reply(output=StepOutput(None, [], [],
+                                           drafts=[list(d) for d in result.drafts]))
         if not worker.returns_logits:
             return Reply()
         return Reply(output=StepOutput(

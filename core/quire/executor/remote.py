@@ -81,10 +81,13 @@ class RemoteExecutor(Executor):
         self._free_pages += [start, stop]
 
     def wait(self, handle: object) -> StepResult:
-        """The logits come from the rank that has them (the last stage's first rank)."""
-        out = next(r.output for r in self._receive(handle) if r.output is not None)
+        """The logits come from the rank that has them (the last stage's first rank), a
+        draft model's proposals from the rank that made them (the first stage's)."""
+        outputs = [r.output for r in self._receive(handle) if r.output is not None]
+        out = next(o for o in outputs if o.logits is not None)
         assert out.logits is not None
+        drafts = next((o.drafts for o in outputs if o.drafts is not None), None)
         return StepResult(out.logits.tensor(), tuple(out.sample_items),
                           tuple((i, first, a.tensor()) for i, first, a in out.prompt_logits),
                           None if out.pooled is None else out.pooled.tensor(),
-                          None if out.drafts is None else tuple(map(tuple, out.drafts)))
+                          None if drafts is None else tuple(map(tuple, drafts)))

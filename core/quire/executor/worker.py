@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from quire.config import EngineConfig, ResolvedConfig, parse_dtype
-from quire.executor.drafter import Drafter, EagleDrafter
+from quire.executor.drafter import Drafter, EagleDrafter, StageProposals
 from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
@@ -55,7 +55,7 @@ from quire.models.pooling import (
 from quire.ops import OpSet
 from quire.plugins.registry import PlatformRegistry
 from quire.quantization.methods import resolve_method
-from quire.spec.config import SpeculativeConfig
+from quire.spec.config import HEAD_METHODS, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,13 @@ class Worker:
         self.device = self.platform.device(rank)
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         stage_index, tp_rank = divmod(rank, tp)  # tensor-parallel ranks are adjacent
-        self.stage = (PipelineStage.of(stage_index, pp, model_config.num_hidden_layers)
+        spec_config = config.speculative_config
+        #: An EAGLE or MTP head, which runs where the target's hidden states and LM head
+        #: are: on the last pipeline stage, which then keeps the embedding too.
+        self.head_method = spec_config is not None and spec_config.method in HEAD_METHODS
+        self.stage = (PipelineStage.of(stage_index, pp, model_config.num_hidden_layers,
+                                       keeps_embedding=self.head_method
+                                       and stage_index == pp - 1)
                       if pp > 1 else None)
         tp_comm, pp_comm = self._communicators(tp_rank, tp, stage_index, pp)
         self.ops: OpSet = self.platform.make_ops()
@@ -166,17 +172,25 @@ class Worker:
             if self.config.task == "embed" else None)
         #: The draft model, EAGLE head or MTP head (speculative decoding with
         #: ``speculative_config.model`` or method ``mtp``), on the same ranks as the
-        #: target, and its KV shape facts; None without one.
+        #: target (with pipeline stages, a draft model on the first stage's, where the
+        #: step's tokens enter, a head on the last's), and its KV shape facts; None
+        #: without one.
         self.draft_model: CausalLM | EagleHead | Eagle3Head | MiMoMTPHead | None = None
         self.draft_kv_spec: KVCacheSpec | None = None
         self.draft_kv_dtype: torch.dtype | None = None
-        spec_config = config.speculative_config
-        if spec_config is not None and spec_config.method == "draft_model":
+        first_stage = self.stage is None or self.stage.is_first
+        last_stage = self.stage is None or self.stage.is_last
+        if spec_config is not None and spec_config.method == "draft_model" and first_stage:
             self._load_draft(spec_config, tp_comm, registry)
-        elif spec_config is not None and spec_config.method in ("eagle", "eagle3"):
+        elif spec_config is not None and spec_config.method in ("eagle", "eagle3") \
+                and last_stage:
             self._load_eagle(spec_config, tp_comm)
-        elif spec_config is not None and spec_config.method == "mtp":
+        elif spec_config is not None and spec_config.method == "mtp" and last_stage:
             self._load_mtp(spec_config, tp_comm, model_path)
+        #: This rank's step replies carry the draft model's proposals: the first stage's
+        #: first rank, when that is not the rank with the logits (pipeline stages).
+        self.returns_drafts = (tp_rank == 0 and self.draft_model is not None
+                               and not self.returns_logits)
         self.runner: ModelRunner | None = None
 
     def _load_draft(self, spec: SpeculativeConfig, comm: Communicator,
@@ -342,10 +356,13 @@ class Worker:
         self._capture_graphs(self.runner)
 
     def _drafter(self, num_blocks: int, limits: StepLimits | None = None
-                 ) -> Drafter | EagleDrafter | None:
+                 ) -> Drafter | EagleDrafter | StageProposals | None:
         """The draft model's (or EAGLE head's) runner over ``num_blocks`` pages of its own
-        K/V, or None."""
+        K/V; on the first of several pipeline stages, the proposals of the head on the
+        last; or None."""
         if self.draft_model is None:
+            if self.head_method and self.link is not None and self.link.stage.is_first:
+                return StageProposals(self.link)
             return None
         spec = self.draft_kv_spec
         assert spec is not None and self.draft_kv_dtype is not None
@@ -354,11 +371,12 @@ class Worker:
                                            spec.num_kv_heads, spec.head_size,
                                            self.draft_kv_dtype, self.device)
             for _ in range(spec.num_layers)]
-        make = (EagleDrafter if isinstance(self.draft_model,
-                                           (EagleHead, Eagle3Head, MiMoMTPHead))
-                else Drafter)
-        return make(self.draft_model, self.backend, caches, self.config.block_size,
-                    self.device, self.ops, limits)
+        if isinstance(self.draft_model, (EagleHead, Eagle3Head, MiMoMTPHead)):
+            return EagleDrafter(self.draft_model, self.backend, caches,
+                                self.config.block_size, self.device, self.ops, limits,
+                                link=self.link)  # on the last stage: sends to the first
+        return Drafter(self.draft_model, self.backend, caches, self.config.block_size,
+                       self.device, self.ops, limits)
 
     def _capture_graphs(self, runner: ModelRunner) -> None:
         """Capture the decode graphs when the platform records graphs and nothing turns

@@ -282,9 +282,10 @@ class LlamaModel(nn.Module):
         """:param make_mlp: layer index -> that layer's MLP, or None for the default."""
         super().__init__()
         self.stage = stage
-        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        last = stage is None or stage.is_last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                    comm=comm) if first else None)
+                                                    comm=comm)
+                             if stage is None or stage.embeds else None)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, variant, comm,
                               mlp=None if make_mlp is None else make_mlp(i))
@@ -434,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
         if layer is not None:
             return name if stage.holds(layer) else None
         if name.startswith("model.embed_tokens."):
-            if stage.is_first:
+            if stage.embeds:
                 return name
             tied_here = self.tie_word_embeddings and stage.is_last
             return name.replace("model.embed_tokens.", "lm_head.") if tied_here else None

@@ -3,7 +3,9 @@
 A model split into ``count`` stages gives stage ``index`` a contiguous run of decoder
 layers (the first stages take one more when the split is uneven); the first stage also
 holds the embedding, the last the final norm and the LM head. Between stages travel the
-hidden states and the residual stream, by the communicator's ``send``/``recv``.
+hidden states and the residual stream, by the communicator's ``send``/``recv``; with an
+EAGLE or MTP head (which runs on the last stage, and keeps a copy of the embedding there)
+its proposals travel back, from the last stage to the first, before the first's forward.
 """
 
 from __future__ import annotations
@@ -24,16 +26,20 @@ class PipelineStage:
     count: int
     start: int
     end: int
+    #: The stage holds the token embedding though it is not the first (the last stage,
+    #: for an EAGLE or MTP head that shares it).
+    keeps_embedding: bool = False
 
     @classmethod
-    def of(cls, index: int, count: int, num_layers: int) -> "PipelineStage":
+    def of(cls, index: int, count: int, num_layers: int,
+           keeps_embedding: bool = False) -> "PipelineStage":
         """:raises ValueError: when there are fewer layers than stages."""
         if not 0 <= index < count or count > num_layers:
             raise ValueError(f"stage {index} of {count} over {num_layers} layers: every "
                              f"stage needs at least one layer")
         base, extra = divmod(num_layers, count)
         start = index * base + min(index, extra)
-        return cls(index, count, start, start + base + (index < extra))
+        return cls(index, count, start, start + base + (index < extra), keeps_embedding)
 
     @property
     def is_first(self) -> bool:
@@ -42,6 +48,11 @@ class PipelineStage:
     @property
     def is_last(self) -> bool:
         return self.index == self.count - 1
+
+    @property
+    def embeds(self) -> bool:
+        """The stage holds the token embedding."""
+        return self.is_first or self.keeps_embedding
 
     def holds(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -75,3 +86,14 @@ class PipelineLink:
         dst = self.stage.index + 1
         self.comm.send(hidden, dst)
         self.comm.send(residual, dst)
+
+    def send_proposals(self, tokens: torch.Tensor) -> None:
+        """On the last stage: a step's draft proposals (int64 [N]) to the first stage,
+        before this stage receives the step's hidden states (so no two stages both send
+        first)."""
+        self.comm.send(tokens, 0)
+
+    def recv_proposals(self, count: int) -> torch.Tensor:
+        """On the first stage: the ``count`` proposals the last stage sends, int64."""
+        like = torch.empty(count, dtype=torch.int64, device=self.device)
+        return self.comm.recv(like, self.stage.count - 1)

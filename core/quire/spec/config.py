@@ -20,8 +20,6 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 BUILT = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 #: Methods whose head reads the target's hidden states, in every step.
 HEAD_METHODS = ("eagle", "eagle3", "mtp")
-#: Methods that run a second network in the workers, before the target's forward.
-WORKER_METHODS = ("draft_model", *HEAD_METHODS)
 #: The most drafts per step: the verifier's rows and the pages they need grow with it.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``disable_by_batch_size`` when none is given: where drafts stopped paying on the cpu
