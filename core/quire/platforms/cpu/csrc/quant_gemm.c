@@ -27,7 +27,12 @@
  * and multiplied with vdpbf16ps into float32 sums: what F.linear on bfloat16 activations
  * and the dequantised weight rounded to bfloat16 computes, up to summation order, at the
  * bfloat16 product rate (twice float32's per instruction) with the dequantisation spread
- * over every row. Returns 4 where the level has no AVX512_BF16, or K is odd.
+ * over every row. Block formats are rounded to pairs straight from the block's registers.
+ * At the amx level, once Linux grants the tile state, the pair panels (AMX's B-tile
+ * layout) are multiplied on AMX tiles instead (amx_tiles.c): a group of 8 panels is
+ * unpacked over the whole of K, then each 32 rows run every K block with the sums kept
+ * in the tiles; row and K tails take vdpbf16ps. Returns 4 where the level has no
+ * AVX512_BF16, or K is odd.
  *
  * Integer activations (quire_quant_gemm_i8, w8a8): each row of x is quantised to int8
  * as quire.ops.quantized.quantize_activations does (scale max|x| / 127, round half to
