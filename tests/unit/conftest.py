@@ -29,3 +29,17 @@ def kernels(request: pytest.FixtureRequest) -> NativeKernels:
     assert loaded is not None, "cc exists but the kernels did not build; see the log"
     assert loaded.level == request.param
     return loaded
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the ``amx`` level's kernels only in modules marked ``amx``: its build differs
+    from ``avx512_bf16``'s only in the bfloat16 products on quantised weights
+    (csrc/amx_tiles.c, csrc/quant_gemm.c), so every other kernel test would run the same
+    code a second time."""
+    skip = pytest.mark.skip(reason="the amx build runs avx512_bf16's code here; modules "
+                                   "marked amx run it (tests/unit/conftest.py)")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if (callspec is not None and callspec.params.get("kernels") == "amx"
+                and item.get_closest_marker("amx") is None):
+            item.add_marker(skip)

@@ -23,6 +23,9 @@ from quire.quantization.formats import FORMATS, QuantFormat
 from quire.quantization.tensor import QuantizedTensor
 
 #: offsets of each GGUF block's f16 scale fields (ggml-common.h)
+#: the amx level's build differs in this file's kernels (tests/unit/conftest.py)
+pytestmark = pytest.mark.amx
+
 F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
               "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
               "q6_k": (208,)}
