@@ -288,12 +288,6 @@ class EngineConfig:
                      "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "eagle3" and self.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config.method 'eagle3' cannot run with "
-                             f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size})"
-                             ": the head reads three target layers that stages split; use "
-                             "eagle, a draft model, ngram or no pipeline")
         if self.speculative_config is not None and self.task == "embed":
             raise ValueError("speculative_config applies to generating models, not "
                              "task='embed'")

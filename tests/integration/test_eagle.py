@@ -257,16 +257,24 @@ def test_tensor_parallel_ranks_share_the_head_and_keep_greedy_output(method, hea
 
 
 @pytest.mark.slow  # about 15 s each: two worker processes
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2 ties its LM head and embedding
+@pytest.mark.parametrize("arch, method", [
+    ("llama", "eagle"),
+    ("qwen2", "eagle"),  # qwen2 ties its LM head to the embedding
+    ("llama", "eagle3"),  # it reads layers 0 and 1: one on each stage
+])
 def test_pipeline_stages_run_the_head_on_the_last_and_keep_its_proposals(
-        arch, heads, tiny_checkpoint, tmp_path, monkeypatch):
-    """The head runs on the last stage, with a copy of the embedding, and sends its
-    proposals to the first stage before that one's forward: every context gets the
-    drafts it gets without stages, and greedy output is the target's."""
+        arch, method, heads, tiny_checkpoint, tmp_path, monkeypatch):
+    """The head runs on the last stage, with a copy of the embedding (an EAGLE-3 head
+    with the inputs of its layers that the first stage kept), and sends its proposals
+    to the first stage before that one's forward: every context gets the drafts it gets
+    without stages, and greedy output is the target's."""
     target = tiny_checkpoint(arch)
-    head = heads[1] if arch == "llama" else write_head(target, tmp_path / "e", bias=True,
-                                                       safetensors=False)
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": K,
+    if method == "eagle3":
+        head = write_head3(target, tmp_path / "e3")
+    else:
+        head = heads[1] if arch == "llama" else write_head(target, tmp_path / "e",
+                                                           bias=True, safetensors=False)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": K,
             "disable_by_batch_size": None}
     plain, _ = _greedy(target, None)
     seen = _record_drafts(monkeypatch)

@@ -401,13 +401,10 @@ def test_vllm_defaults_and_the_json_form():
                                      "quantization": "int8", "dtype": "bfloat16"})
     assert (draft.method, draft.model, draft.quantization, draft.dtype) == \
         ("draft_model", "d", "int8", "bfloat16")
-    with pytest.raises(ValueError, match=r"speculative_config\.method 'eagle3' cannot run "
-                                         "with pipeline"):
-        EngineConfig(model="m", pipeline_parallel_size=2, speculative_config={
-            "method": "eagle3", "model": "d", "num_speculative_tokens": 3})
-    # a draft model runs on the first stage, an EAGLE or MTP head on the last (the
-    # integration tests compare outputs)
-    for spec in ({"model": "d"}, {"method": "eagle", "model": "d"}, {"method": "mtp"}):
+    # a draft model runs on the first stage, an EAGLE, EAGLE-3 or MTP head on the last
+    # (the integration tests compare outputs)
+    for spec in ({"model": "d"}, {"method": "eagle", "model": "d"},
+                 {"method": "eagle3", "model": "d"}, {"method": "mtp"}):
         EngineConfig(model="m", pipeline_parallel_size=2,
                      speculative_config={**spec, "num_speculative_tokens": 3})
     # heads too: their K/V kept in asynchronous steps from the pending tokens on the

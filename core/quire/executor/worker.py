@@ -33,7 +33,7 @@ from quire.interfaces.platform import Platform, configure_platform
 from quire.lora.layers import LoRAManager
 from quire.model_store import model_path_of, resolve_model
 from quire.models.compile import compile_model
-from quire.models.eagle import Eagle3Head, EagleHead, load_eagle_head
+from quire.models.eagle import Eagle3Head, EagleHead, eagle3_aux_layers, load_eagle_head
 from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.interface import CausalLM
 from quire.models.llama import LlamaForCausalLM
@@ -128,7 +128,7 @@ class Worker:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         stage_index, tp_rank = divmod(rank, tp)  # tensor-parallel ranks are adjacent
         spec_config = config.speculative_config
-        #: An EAGLE or MTP head, which runs where the target's hidden states and LM head
+        #: An EAGLE (EAGLE-3) or MTP head, which runs where the target's hidden states and LM head
         #: are: on the last pipeline stage, which then keeps the embedding too.
         self.head_method = spec_config is not None and spec_config.method in HEAD_METHODS
         self.stage = (PipelineStage.of(stage_index, pp, model_config.num_hidden_layers,
@@ -142,8 +142,19 @@ class Worker:
                                    stage=self.stage, quantization=self.config.quantization,
                                    ops=self.ops)
         self.model.eval()
+        aux_width = 0
+        if self.stage is not None and spec_config is not None \
+                and spec_config.method == "eagle3" and isinstance(self.model, LlamaForCausalLM):
+            # every stage keeps the inputs of its share of the layers an EAGLE-3 head reads,
+            # and hands them on with the hidden states to the last stage, where it runs
+            assert spec_config.model is not None
+            self.model.model.aux_layers = eagle3_aux_layers(
+                load_model_config(resolve_model(spec_config.model)),
+                model_config.num_hidden_layers)
+            aux_width = 3 * model_config.hidden_size
         self.link = None if self.stage is None or pp_comm is None else PipelineLink(
-            pp_comm, self.stage, model_config.hidden_size, self.config.dtype, self.device)
+            pp_comm, self.stage, model_config.hidden_size, self.config.dtype, self.device,
+            aux_width)
         #: This rank's step replies carry the logits (the last stage's first rank).
         self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
         self.platform.prepare_model(self.model, compiled=config.compile)

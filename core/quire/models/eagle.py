@@ -175,18 +175,8 @@ class Eagle3Head(nn.Module):
         target.model.aux_layers = self.aux_layers(target.config.num_hidden_layers)
 
     def aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        """The target layers whose input hidden states (the residual stream) the head
-        reads: the checkpoint's ``eagle_config.eagle_aux_hidden_state_layer_ids``, else
-        EAGLE-3's 2, N/2 and N-3.
-
-        :raises ValueError: for ids outside the target's layers."""
-        eagle = getattr(self.config, "eagle_config", None) or {}
-        ids = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or
-                    (2, num_target_layers // 2, num_target_layers - 3))
-        if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
-            raise ValueError(f"EAGLE-3 reads three of the target's {num_target_layers} "
-                             f"layers, got layer ids {list(ids)}")
-        return ids
+        """:func:`eagle3_aux_layers` of this head."""
+        return eagle3_aux_layers(self.config, num_target_layers)
 
     def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the head reads of a target forward: its three layers' inputs, [T, 3H]."""
@@ -239,6 +229,21 @@ def checkpoint_name(name: str, shared: tuple[str, ...] = _SHARED_PREFIXES) -> st
     if name.startswith(shared) or name.endswith("rotary_emb.inv_freq"):
         return None
     return name
+
+
+def eagle3_aux_layers(config: PretrainedConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose input hidden states (the residual stream) an EAGLE-3
+    head with ``config`` reads: its ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+    else EAGLE-3's 2, N/2 and N-3 (every pipeline stage needs them, the head's or not).
+
+    :raises ValueError: for ids outside the target's layers."""
+    eagle = getattr(config, "eagle_config", None) or {}
+    ids = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or
+                (2, num_target_layers // 2, num_target_layers - 3))
+    if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(f"EAGLE-3 reads three of the target's {num_target_layers} "
+                         f"layers, got layer ids {list(ids)}")
+    return ids
 
 
 def load_eagle_head(path: str, comm: Communicator, device: torch.device | str,

@@ -303,43 +303,53 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        intermediate: tuple[torch.Tensor, ...] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The final hidden states, or on a stage before the last its (hidden, residual)
-        for the next; a stage after the first starts from ``intermediate``."""
+        for the next, and with :attr:`aux_layers` the kept inputs so far; a stage after
+        the first starts from ``intermediate``, the previous stage's."""
         residual: torch.Tensor | None
+        aux = None
         if intermediate is None:
             assert self.embed_tokens is not None
             hidden, residual = ctx.merge_mm(self.embed_tokens(input_ids)), None
         else:
-            hidden, residual = intermediate
+            hidden, residual = intermediate[0], intermediate[1]
+            aux = intermediate[2] if len(intermediate) > 2 else None
         rotary = self.rotary_emb(positions, hidden.dtype)
         start, end = ((0, len(self.layers)) if self.stage is None
                       else (self.stage.start, self.stage.end))
         if self.aux_layers:
-            hidden, residual = self._layers_keeping_aux(hidden, residual, rotary, ctx)
+            hidden, residual, aux = self._layers_keeping_aux(hidden, residual, rotary, ctx,
+                                                             start, end, aux)
         else:
             for layer in self.layers[start:end]:
                 hidden, residual = layer(hidden, residual, rotary, ctx)
         if self.norm is None:
             assert residual is not None
-            return hidden, residual
+            return (hidden, residual) if aux is None else (hidden, residual, aux)
+        self.aux_hidden_states = aux
         hidden, _ = self.norm(hidden, residual, ctx.ops)
         return hidden
 
-
     def _layers_keeping_aux(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                            rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer (no pipeline stages), keeping the :attr:`aux_layers` inputs."""
-        kept: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                kept[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(hidden, residual, rotary, ctx)
-        self.aux_hidden_states = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
+                            rotary: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
+                            start: int, end: int, aux: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layers ``start .. end - 1``, keeping the inputs of those among
+        :attr:`aux_layers` in their slots of ``aux`` ([T, len(aux_layers) * H], the
+        earlier stages' slots filled; made on the first stage)."""
+        width = hidden.shape[-1]
+        if aux is None:
+            aux = hidden.new_empty(hidden.shape[0], len(self.aux_layers) * width)
+        for i in range(start, end):
+            for slot, layer_id in enumerate(self.aux_layers):
+                if layer_id == i:
+                    aux[:, slot * width : (slot + 1) * width] = (
+                        hidden if residual is None else hidden + residual)
+            hidden, residual = self.layers[i](hidden, residual, rotary, ctx)
         assert residual is not None
-        return hidden, residual
+        return hidden, residual, aux
 
 
 class LlamaForCausalLM(nn.Module):
@@ -408,14 +418,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        intermediate: tuple[torch.Tensor, ...] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """:param input_ids: int64 [T]. :param positions: int64 [T].
         :param intermediate: a later pipeline stage's input: the previous stage's
-            (hidden, residual), each [T, hidden_size].
+            (hidden, residual), each [T, hidden_size], and with an EAGLE-3 head's
+            layers kept (``model.aux_layers``) their inputs so far.
 
         :returns: [T, hidden_size], after the final norm; on a pipeline stage before the
-            last, (hidden, residual) for the next stage.
+            last, (hidden, residual[, kept inputs]) for the next stage.
         """
         return self.model(input_ids, positions, ctx, intermediate)
 

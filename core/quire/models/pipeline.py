@@ -4,8 +4,9 @@ A model split into ``count`` stages gives stage ``index`` a contiguous run of de
 layers (the first stages take one more when the split is uneven); the first stage also
 holds the embedding, the last the final norm and the LM head. Between stages travel the
 hidden states and the residual stream, by the communicator's ``send``/``recv``; with an
-EAGLE or MTP head (which runs on the last stage, and keeps a copy of the embedding there)
-its proposals travel back, from the last stage to the first, before the first's forward.
+EAGLE (EAGLE-3) or MTP head, which runs on the last stage and keeps a copy of the
+embedding there, its proposals travel back, from the last stage to the first, before the
+first's forward, and an EAGLE-3 head's layer inputs travel forward with the hidden states.
 """
 
 from __future__ import annotations
@@ -67,25 +68,35 @@ class LayerGap(nn.Module):
 
 class PipelineLink:
     """A stage's neighbours: hidden states and residual from the previous stage, to the
-    next, in the model's dtype on its device."""
+    next, in the model's dtype on its device; with an EAGLE-3 head, also the inputs of
+    the target layers it reads that earlier stages kept."""
 
     def __init__(self, comm: Communicator, stage: PipelineStage, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, aux_width: int = 0) -> None:
+        """:param aux_width: the width of those kept inputs (``3 * hidden_size`` with an
+            EAGLE-3 head), 0 when none travel."""
         self.comm = comm
         self.stage = stage
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
+        self.aux_width = aux_width
 
-    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """(hidden, residual), and the kept inputs when ``aux_width`` is not 0."""
         like = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         src = self.stage.index - 1
-        return self.comm.recv(like, src), self.comm.recv(like, src)
+        received = (self.comm.recv(like, src), self.comm.recv(like, src))
+        if not self.aux_width:
+            return received
+        aux = torch.empty(num_tokens, self.aux_width, dtype=self.dtype, device=self.device)
+        return (*received, self.comm.recv(aux, src))
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor, *aux: torch.Tensor) -> None:
+        """What :meth:`recv` takes on the next stage."""
         dst = self.stage.index + 1
-        self.comm.send(hidden, dst)
-        self.comm.send(residual, dst)
+        for tensor in (hidden, residual, *aux):
+            self.comm.send(tensor, dst)
 
     def send_proposals(self, tokens: torch.Tensor) -> None:
         """On the last stage: a step's draft proposals (int64 [N]) to the first stage,
