@@ -260,3 +260,9 @@ def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
                 y = kernels.quant_linear_bf16(x, weight, bias if m % 2 else None)
                 assert y is not None and y.shape == (m, out)
                 assert_close_to_reference(y, x.float(), w, bias if m % 2 else None)
+            # oneDNN's bfloat16 product (AMX tiles of its own configuration, on this
+            # thread) between two calls leaves the kernel's result as it was
+            x = torch.randn(32, cols, generator=gen).to(torch.bfloat16)
+            first = kernels.quant_linear_bf16(x, weight)
+            F.linear(x, w.to(torch.bfloat16))
+            assert torch.equal(kernels.quant_linear_bf16(x, weight), first)
