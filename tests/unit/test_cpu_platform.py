@@ -60,8 +60,11 @@ def test_auto_dtype_is_bfloat16_only_for_bf16_checkpoints_on_cpus_with_bf16_prod
     platform = CpuPlatform()
     want = torch.bfloat16 if bf16 and onednn_available() else torch.float32
     assert platform.auto_dtype(torch.bfloat16) == want
-    for stored in (torch.float32, torch.float16, None):
+    for stored in (torch.float32, torch.float16):
         assert platform.auto_dtype(stored) == torch.float32
+    # a dtype unstated (a GGUF file): bfloat16 only on AMX tiles
+    amx = "amx_bf16" in flags and onednn_available()
+    assert platform.auto_dtype(None) == (torch.bfloat16 if amx else torch.float32)
 
 
 def test_checkpoint_dtype_reads_the_config() -> None:

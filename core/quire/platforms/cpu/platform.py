@@ -99,17 +99,28 @@ class CpuPlatform(Platform):
 
     def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """bfloat16 for a bfloat16 checkpoint on a CPU with bfloat16 products (and
-        oneDNN to run them), as vLLM does; float32 otherwise (every CPU computes it
-        natively, and our C kernels are float32). The choice and why are logged."""
+        oneDNN to run them), as vLLM does, and for a checkpoint that states no dtype (a
+        GGUF file) on a CPU with AMX bfloat16 tiles; float32 otherwise (every CPU
+        computes it natively). The choice and why are logged.
+
+        Unstated dtypes take the fastest activations whose accuracy stays within
+        llama.cpp's own on the same file (mean KL against float32, the accuracy tool):
+        bfloat16's is a quarter of it. With AMX tiles bfloat16 is the faster for
+        batches and one stream alike; with AVX512_BF16 alone it is faster for batches
+        but slower for one stream, so float32 stays (figures: docs/quantization.md).
+        """
         features = detect()
         bf16 = (checkpoint_dtype == torch.bfloat16 and has_bf16_products(features)
                 and onednn_available())
-        chosen = torch.bfloat16 if bf16 else torch.float32
+        amx = checkpoint_dtype is None and features.amx_bf16 and onednn_available()
+        chosen = torch.bfloat16 if bf16 or amx else torch.float32
         logger.info("cpu platform: dtype auto -> %s (checkpoint %s; %s)",
                     str(chosen).removeprefix("torch."),
                     str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype
                     else "dtype unstated",
-                    "the CPU has bfloat16 products" if has_bf16_products(features)
+                    "AMX bfloat16 tiles: faster than float32 for batches and one stream, "
+                    "accuracy within llama.cpp's" if amx
+                    else "the CPU has bfloat16 products" if has_bf16_products(features)
                     else "no bfloat16 products on this CPU")
         if chosen == torch.float32 and checkpoint_dtype is None and has_bf16_products(features):
             # a GGUF file (its dtype unstated): float32 keeps the file's exact products;
@@ -167,7 +178,10 @@ class CpuPlatform(Platform):
                          "cached prefix (pages read in place); torch SDPA for soft-capped "
                          "layers")
         features = detect()
-        lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
+        lines.append("dtype auto: bfloat16 for bfloat16 checkpoints and GGUF files (AMX), "
+                     "float32 otherwise"
+                     if features.amx_bf16 and onednn_available() else
+                     "dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
                      if has_bf16_products(features) and onednn_available() else
                      "dtype auto: float32 (no bfloat16 products on this CPU)")
         if native is not None and self.options.linear == "packed":
