@@ -14,6 +14,7 @@ import pytest
 import torch
 from quire import LLM, SamplingParams
 from safetensors.torch import save_file
+from spec_probes import count_async_steps, record_drafts
 from tiny_models import hf_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -141,28 +142,12 @@ def _greedy(path, spec, max_tokens=16, **options):
         return [o.outputs[0].token_ids for o in outs], core.stats()
 
 
-def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Every verification's (context, drafts), as the engine's core runs them."""
-    from quire.engine.core import EngineCore
-
-    seen: list[tuple[list[int], list[int]]] = []
-    verify = EngineCore._verify
-
-    def recording(self, seqs, logits, drafts, outputs):
-        for seq, draft in zip(seqs, drafts):
-            seen.append((list(seq.prompt_token_ids) + list(seq.output_token_ids), draft))
-        return verify(self, seqs, logits, drafts, outputs)
-
-    monkeypatch.setattr(EngineCore, "_verify", recording)
-    return seen
-
-
 def test_every_proposal_is_the_head_s_own_over_the_target_s_hidden_states(heads,
                                                                           monkeypatch):
     """Through chunked prefill (a 8-token budget cuts the prompts) and decoding: the
     drafts each verification received are those the head gives by hand."""
     target, head, _ = heads
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     plain, _ = _greedy(target, None)
     got, stats = _greedy(target, {"method": "eagle", "model": str(head),
                                   "num_speculative_tokens": K,
@@ -277,7 +262,7 @@ def test_pipeline_stages_run_the_head_on_the_last_and_keep_its_proposals(
     spec = {"method": method, "model": str(head), "num_speculative_tokens": K,
             "disable_by_batch_size": None}
     plain, _ = _greedy(target, None)
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     alone, _ = _greedy(target, spec)
     drafts_alone = {tuple(context): drafts for context, drafts in seen}
     seen.clear()
@@ -393,7 +378,7 @@ def test_every_eagle3_proposal_is_the_head_s_own_over_the_target_s_layers(
     mapped through d2t; chunked prefill, preemption-free; greedy output unchanged."""
     target = heads[0]
     head = write_head3(target, tmp_path / "eagle3")
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     plain, _ = _greedy(target, None)
     got, stats = _greedy(target, {"method": "eagle3", "model": str(head),
                                   "num_speculative_tokens": K,
@@ -468,16 +453,7 @@ def _async_greedy(path, spec, monkeypatch) -> tuple[list[list[int]], int]:
     running sequences: asynchronous steps while 3 or 4 run (the head keeps its K/V,
     reading each step's pending token on the device), then synchronous ones with drafts
     once two have stopped. Also the asynchronous steps taken."""
-    from quire.engine.core import EngineCore
-
-    steps = []
-    step_async = EngineCore._step_async
-
-    def counting(self):
-        steps.append(1)
-        return step_async(self)
-
-    monkeypatch.setattr(EngineCore, "_step_async", counting)
+    steps = count_async_steps(monkeypatch)
     with LLM(str(path), device="cpu", block_size=4, async_scheduling=True,
              speculative_config={**spec, "disable_by_batch_size": 3}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -498,7 +474,7 @@ def test_async_scheduling_keeps_the_head_s_proposals_and_greedy_output(method, h
     if method == "eagle3":
         head = write_head3(target, tmp_path / "eagle3")
     plain, _ = _greedy(target, None, max_tokens=24)
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     got, async_steps = _async_greedy(target, {"method": method, "model": str(head),
                                               "num_speculative_tokens": K}, monkeypatch)
     assert got == [p[:m] for p, m in zip(plain, ASYNC_MAX_TOKENS)]

@@ -25,6 +25,7 @@ from quire.models.loader import load_model
 from quire.models.mimo import MiMoForCausalLM, load_mtp_head
 from quire.ops.attention import ReferenceAttentionBackend
 from safetensors.torch import load_file, save_file
+from spec_probes import count_async_steps, record_drafts
 from tiny_models import _COMMON, SingleRank, _tokenizer, hf_greedy, randomize
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
@@ -247,29 +248,13 @@ def test_each_mtp_layer_s_logits_equal_the_hand_written_layer(mimo):
 
 
 # -- through the engine ---------------------------------------------------------------------
-def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Every verification's (context, drafts), as the engine's core runs them."""
-    from quire.engine.core import EngineCore
-
-    seen: list[tuple[list[int], list[int]]] = []
-    verify = EngineCore._verify
-
-    def recording(self, seqs, logits, drafts, outputs):
-        for seq, draft in zip(seqs, drafts):
-            seen.append((list(seq.prompt_token_ids) + list(seq.output_token_ids), draft))
-        return verify(self, seqs, logits, drafts, outputs)
-
-    monkeypatch.setattr(EngineCore, "_verify", recording)
-    return seen
-
-
 def test_every_proposal_is_the_mtp_layers_own_over_the_target_s_hidden_states(
         mimo, plain, monkeypatch):
     """Through chunked prefill (an 8-token budget cuts the prompts) and decoding, with
     more drafts than layers: the drafts each verification received are those the
     layers give by hand, and greedy output is the target's."""
     path, hf = mimo
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     got, stats = _greedy(path, _mtp(), max_num_batched_tokens=8)
     assert got == [p[:16] for p in plain]
     assert stats.spec_num_draft_tokens > 0 and len(seen) > 20
@@ -307,18 +292,9 @@ def test_async_scheduling_keeps_the_mtp_proposals_and_greedy_output(mimo, plain,
     while 3 or 4 run (the head writes its K/V from each step's pending token, read on
     the device), synchronous ones with drafts once two have stopped. The drafts verified
     then are the layers' own by hand, and greedy output is the target's."""
-    from quire.engine.core import EngineCore
-
     path, hf = mimo
-    steps = []
-    step_async = EngineCore._step_async
-
-    def counting(self):
-        steps.append(1)
-        return step_async(self)
-
-    monkeypatch.setattr(EngineCore, "_step_async", counting)
-    seen = _record_drafts(monkeypatch)
+    steps = count_async_steps(monkeypatch)
+    seen = record_drafts(monkeypatch)
     max_tokens = [6, 10, 24, 24]
     with LLM(str(path), device="cpu", block_size=4, async_scheduling=True,
              speculative_config={**_mtp(), "disable_by_batch_size": 3}) as llm:
@@ -341,7 +317,7 @@ def test_pipeline_stages_run_the_mtp_layers_on_the_last_and_keep_their_proposals
     their proposals to the first stage before that one's forward: every draft verified
     is the layers' own by hand, and greedy output is the target's."""
     path, hf = mimo
-    seen = _record_drafts(monkeypatch)
+    seen = record_drafts(monkeypatch)
     got, stats = _greedy(path, _mtp(), max_tokens=24, pipeline_parallel_size=2,
                          distributed_executor_backend="mp")
     assert got == plain

@@ -171,21 +171,13 @@ def test_greedy_outputs_with_worker_processes_equal_those_without(setup, spec, l
     """A draft model runs on every rank of a tensor-parallel group, and on the first
     pipeline stage, whose first rank sends its proposals back with the step: the drafts
     verified are the draft's own greedy tokens (transformers', for a spread of them)."""
-    from quire.engine.core import EngineCore
+    from spec_probes import record_drafts
     from tiny_models import hf_greedy, hf_model
-
-    seen: list[tuple[list[int], list[int]]] = []
-    verify = EngineCore._verify
-
-    def recording(self, seqs, logits, drafts, outputs):
-        for seq, draft in zip(seqs, drafts):
-            seen.append((list(seq.prompt_token_ids) + list(seq.output_token_ids), draft))
-        return verify(self, seqs, logits, drafts, outputs)
 
     path, _, stop, stop_id = setup
     params = _greedy_params(stop, stop_id)
     plain, _ = _generate(path, None, params)
-    monkeypatch.setattr(EngineCore, "_verify", recording)
+    seen = record_drafts(monkeypatch)
     got, stats = _generate(path, spec, params, distributed_executor_backend="mp", **layout)
     assert got == plain
     assert stats.spec_num_accepted_tokens > 0
