@@ -20,7 +20,10 @@ def q4_k_m(random_gguf) -> Path:
 
 
 def _run(path: Path, prompts, **options):
+    """Float32 unless ``options`` say otherwise: the tolerances below are float32's, and
+    ``dtype=auto`` takes a GGUF file to bfloat16 on an AMX host."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    options.setdefault("dtype", "float32")
     with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, **options) as llm:
         outs = llm.generate(prompts, params)
     return [(o.outputs[0].token_ids,
