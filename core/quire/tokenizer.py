@@ -23,7 +23,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
                 raise ValueError(f"the GGUF file has no usable tokenizer ({reason}); "
                                  "pass tokenizer=<a tokenizer directory>")
             return cached_tokenizer(converted)
-        from transformers import AutoTokenizer  # here: its import is a quarter second
+        from transformers import AutoTokenizer  # here: GGUF starts never import its tables
 
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

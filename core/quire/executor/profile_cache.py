@@ -41,8 +41,8 @@ _FORMAT = "1"
 @cache
 def code_fingerprint(package: str) -> str:
     """The source and library files of importable ``package``: each one's path, size and
-    modification time, hashed (a few milliseconds for quire's tree). Empty when the
-    package has no files on disk."""
+    modification time, hashed (a walk of the tree, cheap next to a forward). Empty when
+    the package has no files on disk."""
     module = sys.modules.get(package)
     paths = getattr(module, "__path__", None) if module is not None else None
     if not paths:

@@ -8,9 +8,9 @@ small JSON files instead. Weights are never cached: they stay in the GGUF file.
 
 Beside the Hugging Face ``config.json`` (for other tools) the entry holds every value of
 the family's config class (:data:`FULL_CONFIG`), which :func:`cached_config` reads into
-transformers' base config class. Importing a family's config class costs about a
-second and tens of MiB at every start (transformers 5 pulls torch's distributed tensor
-package and sympy in with it) for values that are already known.
+transformers' base config class. Importing a family's config class is a large share of
+a start's time and memory (transformers 5 pulls torch's distributed tensor package and
+sympy in with it), for values that are already known.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def cached_config(directory: Path) -> PretrainedConfig:
 def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in ``directory`` by :func:`hf_dir_for_gguf`, loaded by the class
     it was saved from (``tokenizer_config.json``'s ``tokenizer_class``), as ``AutoTokenizer``
-    resolved it at conversion; ``AutoTokenizer`` itself imports every family's mapping
-    tables, a quarter of a second. A class transformers no longer exports falls back to it.
+    resolved it at conversion, without importing ``AutoTokenizer``'s tables of every
+    family. A class transformers no longer exports falls back to ``AutoTokenizer``.
     """
     try:
         with open(directory / "tokenizer_config.json", encoding="utf-8") as f:

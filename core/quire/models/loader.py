@@ -70,7 +70,7 @@ def _hf_config(path: str) -> PretrainedConfig:
         model_type = None
     sibling = SIBLING_CONFIGS.get(model_type or "")
     if sibling is None:
-        from transformers import AutoConfig  # here: its import is a quarter second
+        from transformers import AutoConfig  # here: GGUF starts never import its tables
 
         return AutoConfig.from_pretrained(path)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING

@@ -104,8 +104,8 @@ class CpuPlatform(Platform):
         computes it natively). The choice and why are logged.
 
         Unstated dtypes take the fastest activations whose accuracy stays within
-        llama.cpp's own on the same file (mean KL against float32, the accuracy tool):
-        bfloat16's is a quarter of it. With AMX tiles bfloat16 is the faster for
+        llama.cpp's own on the same file (mean KL against float32, the accuracy tool),
+        which bfloat16's is well inside. With AMX tiles bfloat16 is the faster for
         batches and one stream alike; with AVX512_BF16 alone it is faster for batches
         but slower for one stream, so float32 stays (figures: docs/quantization.md).
         """
