@@ -103,6 +103,7 @@ def _sequences(tok, rng: random.Random, count: int):
         yield prompt, outputs
 
 
+@pytest.mark.slow  # about 45 s on 2 cores, nearly all of it with skip_special=True
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_the_decode_stream_streams_what_two_decodes_do(skip_special):
     """One ``DecodeStream.step`` per token where it applies, two decodes elsewhere: the
