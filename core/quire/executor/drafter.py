@@ -249,10 +249,11 @@ class EagleDrafter:
             n = item.num_spec
             if n and len(proposals[i]) < n:  # no hidden state to draft from: any tokens do
                 proposals[i] = [item.token_ids[0]] * n
-        flat = [token for p in proposals for token in p]
-        if self.link is not None and flat:  # the first stage waits for them
-            self.link.send_proposals(torch.tensor(flat, dtype=torch.int64,
-                                                  device=self.link.device))
+        if self.link is not None:  # the first stage waits for them
+            flat = [token for p in proposals for token in p]
+            if flat:
+                self.link.send_proposals(torch.tensor(flat, dtype=torch.int64,
+                                                      device=self.link.device))
         return _fill(items, proposals), tuple(tuple(p) for p in proposals)
 
     def _forward(self, items: list[StepItem], features: torch.Tensor, step: int,
