@@ -60,11 +60,10 @@ def test_auto_dtype_is_bfloat16_only_for_bf16_checkpoints_on_cpus_with_bf16_prod
     platform = CpuPlatform()
     want = torch.bfloat16 if bf16 and onednn_available() else torch.float32
     assert platform.auto_dtype(torch.bfloat16) == want
-    for stored in (torch.float32, torch.float16):
+    # a dtype unstated (a GGUF file) keeps a float32 model everywhere: its products
+    # take bfloat16 through the activations option instead
+    for stored in (torch.float32, torch.float16, None):
         assert platform.auto_dtype(stored) == torch.float32
-    # a dtype unstated (a GGUF file): bfloat16 only on AMX tiles
-    amx = "amx_bf16" in flags and onednn_available()
-    assert platform.auto_dtype(None) == (torch.bfloat16 if amx else torch.float32)
 
 
 def test_checkpoint_dtype_reads_the_config() -> None:
@@ -392,3 +391,33 @@ def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
     # A file rendezvous instead of a TCP port: no free-port race with parallel runs.
     mp.spawn(_worker, args=(world_size, str(tmp_path / "rendezvous")), nprocs=world_size,
              join=True)
+
+
+@pytest.mark.parametrize("flags,kernel,option,want", [
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", "bfloat16"),
+    (["avx512f", "avx512_bf16"], True, "auto", "dtype"),          # no AMX: float32 stays
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", "dtype"),
+    (["avx512f", "avx512_bf16"], True, "bfloat16", "bfloat16"),
+    (["avx2", "fma"], False, "bfloat16", "dtype"),                # cannot run: logged
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "int8", "int8"),
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "dtype", "dtype"),
+])
+def test_the_activations_option_resolves_by_cpu_and_build(monkeypatch, caplog, flags, kernel,
+                                                          option, want) -> None:
+    """``activations=auto`` is bfloat16 products on AMX bfloat16 tiles (when the build
+    has the bfloat16 kernel), the model's dtype elsewhere; ``bfloat16`` where the build
+    cannot run it falls back to float32 products and says so."""
+    from types import SimpleNamespace
+
+    from quire.platforms.cpu import platform as platform_module
+    from quire.platforms.cpu.isa import CpuFeatures
+    from quire.platforms.cpu.options import CpuOptions
+
+    assert CpuOptions().activations == "auto"
+    monkeypatch.setattr(platform_module, "detect", lambda: CpuFeatures.of("x86_64", flags))
+    platform = CpuPlatform()
+    platform.configure({"activations": option})
+    with caplog.at_level("INFO", logger=platform_module.logger.name):
+        assert platform._activations(SimpleNamespace(has_quant_bf16=kernel)) == want
+    if option == "bfloat16" and want == "dtype":
+        assert "products stay float32" in caplog.text

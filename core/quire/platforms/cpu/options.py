@@ -30,7 +30,7 @@ _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
             "kv_prefault": PREFAULT_MODES, "decode_activations": ("float32", "int8"),
-            "activations": ("dtype", "int8")}
+            "activations": ("auto", "dtype", "bfloat16", "int8")}
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,21 @@ class CpuOptions:
     #: does (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other
     #: formats stay float32). Prompts keep float32 either way.
     decode_activations: str = "float32"
-    #: The activations of every product on quantised weights (GGUF blocks): ``dtype``,
-    #: the model's (float32, or a bfloat16 model's bfloat16 rows on bfloat16-rounded
-    #: weights), with decode rows as ``decode_activations`` says; or ``int8``, every
-    #: row, prompts' and batches' too, quantised per 32 values as ``decode_activations=
-    #: int8`` does (which it implies), batches on csrc/quant_q8.c's batch kernel, which
-    #: unpacks the weight once a call (AVX2 and AVX-512; the generic level takes them on
-    #: the tiles of up to four rows). The formats as ``decode_activations``'.
-    activations: str = "dtype"
+    #: The activations of every product on quantised weights (GGUF blocks, int8, fp8):
+    #: ``dtype``, the model's (float32, or a bfloat16 model's bfloat16 rows on
+    #: bfloat16-rounded weights), with decode rows as ``decode_activations`` says;
+    #: ``bfloat16``, a float32 model's products of more rows than a decode's rounded to
+    #: bfloat16 on the bfloat16 (AMX) kernel, float32 sums and results, the rest of the
+    #: model (residual stream, norms, attention, logits) kept in float32, as PyTorch's
+    #: ``float32_matmul_precision="medium"`` does (needs AVX512_BF16; without it the
+    #: products stay float32, which is logged); ``int8``, every row, prompts' and
+    #: batches' too, quantised per 32 values as ``decode_activations=int8`` does (which
+    #: it implies), batches on csrc/quant_q8.c's batch kernel, which unpacks the weight
+    #: once a call (AVX2 and AVX-512; the generic level takes them on the tiles of up to
+    #: four rows), the formats as ``decode_activations``'; or ``auto``: ``bfloat16``
+    #: where the CPU has AMX bfloat16 tiles, ``dtype`` elsewhere (the accuracy and speed
+    #: of each: docs/quantization.md, "Activations").
+    activations: str = "auto"
 
     @property
     def int8_decode(self) -> bool:

@@ -99,36 +99,26 @@ class CpuPlatform(Platform):
 
     def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """bfloat16 for a bfloat16 checkpoint on a CPU with bfloat16 products (and
-        oneDNN to run them), as vLLM does, and for a checkpoint that states no dtype (a
-        GGUF file) on a CPU with AMX bfloat16 tiles; float32 otherwise (every CPU
-        computes it natively). The choice and why are logged.
+        oneDNN to run them), as vLLM does; float32 otherwise (every CPU computes it
+        natively), a checkpoint that states no dtype (a GGUF file) included. The choice
+        and why are logged.
 
-        Unstated dtypes take the fastest activations whose accuracy stays within
-        llama.cpp's own on the same file (mean KL against float32, the accuracy tool),
-        which bfloat16's is well inside. With AMX tiles bfloat16 is the faster for
-        batches and one stream alike; with AVX512_BF16 alone it is faster for batches
-        but slower for one stream, so float32 stays (figures: docs/quantization.md).
+        A GGUF file keeps a float32 model even where bfloat16 would be faster: a
+        bfloat16 residual stream moves the next-token distribution five times as far
+        from float32 as bfloat16 products alone do, enough to change a greedy answer.
+        Its products take bfloat16 where that is fast through the ``activations``
+        option instead (figures: docs/quantization.md, "Activations").
         """
         features = detect()
         bf16 = (checkpoint_dtype == torch.bfloat16 and has_bf16_products(features)
                 and onednn_available())
-        amx = checkpoint_dtype is None and features.amx_bf16 and onednn_available()
-        chosen = torch.bfloat16 if bf16 or amx else torch.float32
+        chosen = torch.bfloat16 if bf16 else torch.float32
         logger.info("cpu platform: dtype auto -> %s (checkpoint %s; %s)",
                     str(chosen).removeprefix("torch."),
                     str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype
                     else "dtype unstated",
-                    "AMX bfloat16 tiles: faster than float32 for batches and one stream, "
-                    "accuracy within llama.cpp's" if amx
-                    else "the CPU has bfloat16 products" if has_bf16_products(features)
+                    "the CPU has bfloat16 products" if has_bf16_products(features)
                     else "no bfloat16 products on this CPU")
-        if chosen == torch.float32 and checkpoint_dtype is None and has_bf16_products(features):
-            # a GGUF file (its dtype unstated): float32 keeps the file's exact products;
-            # say what the other choice gives (its figures: docs/quantization.md)
-            logger.info("cpu platform: float32 activations keep the file's exact products; "
-                        "--dtype bfloat16 runs batches and prompts faster on this CPU's "
-                        "bfloat16 products (speed and accuracy: docs/quantization.md, "
-                        "'Activations')")
         return chosen
 
     def child_environment(self, options: Mapping[str, Any],
@@ -223,9 +213,34 @@ class CpuPlatform(Platform):
         native = self._native_kernels()
         if native is None or not native.has_quant_gemm:
             return reference_ops()
+        activations = self._activations(native)
         return reference_ops().with_ops(
             "cpu", quantized_linear=make_quantized_linear(
-                native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
+                native, self.options.int8_decode, int8_all=activations == "int8",
+                bf16_all=activations == "bfloat16"))
+
+    def _activations(self, native: NativeKernels) -> str:
+        """The ``activations`` option resolved for this CPU and build (``auto``:
+        ``bfloat16`` on AMX bfloat16 tiles, else ``dtype``); logged when it is not
+        ``dtype``, or when ``bfloat16`` cannot run here."""
+        chosen = self.options.activations
+        if chosen == "auto":
+            chosen = "bfloat16" if detect().amx_bf16 and native.has_quant_bf16 else "dtype"
+            if chosen == "bfloat16":
+                logger.info("cpu platform: activations auto -> bfloat16 (AMX bfloat16 "
+                            "tiles): a float32 model's batched products on quantised "
+                            "weights take bfloat16 activations; activations=dtype keeps "
+                            "them float32")
+            elif native.has_quant_bf16:
+                logger.info("cpu platform: products on quantised weights keep the model's "
+                            "dtype; activations=bfloat16 runs batches and prompts faster on "
+                            "this CPU's bfloat16 products (speed and accuracy: "
+                            "docs/quantization.md, 'Activations')")
+        elif chosen == "bfloat16" and not native.has_quant_bf16:
+            logger.warning("cpu platform: activations=bfloat16 needs bfloat16 products "
+                           "(AVX512_BF16), which this build has not: products stay float32")
+            chosen = "dtype"
+        return chosen
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""

@@ -32,7 +32,7 @@ BF16_MIN_ROWS = 4
 
 
 def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
-                          int8_all: bool = False) -> QuantizedLinear:
+                          int8_all: bool = False, bf16_all: bool = False) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
     reference op's signature and contract, on the C kernels of ``native``.
 
@@ -49,7 +49,10 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
     computes); fewer rows, or no such build, are widened to float32, and every result is
-    rounded back to ``x``'s dtype. Everything else falls back to the torch reference
+    rounded back to ``x``'s dtype. With ``bf16_all`` (the ``activations=bfloat16``
+    option), float32 ``x`` of more than :data:`BF16_MIN_ROWS` rows takes the same
+    bfloat16 kernel, rounded to bfloat16 on the way in, and keeps its float32 sums as
+    the result. Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
     library without them), another device or dtype, ``w8a8`` rows longer than
     :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
@@ -72,9 +75,9 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
             y = _int8_rows(x.reshape(-1, weight.cols), weight, b)
             if y is not None:
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
-        if (x.dtype == torch.bfloat16 and not int8_activations and native.has_quant_bf16
-                and x.numel() > BF16_MIN_ROWS * weight.cols):
-            flat = x.reshape(-1, weight.cols).contiguous()
+        if ((x.dtype == torch.bfloat16 or bf16_all) and not int8_activations
+                and native.has_quant_bf16 and x.numel() > BF16_MIN_ROWS * weight.cols):
+            flat = x.reshape(-1, weight.cols).to(torch.bfloat16).contiguous()
             y = native.quant_linear_bf16(flat, weight, b)
             if y is not None:
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
