@@ -161,8 +161,9 @@ def test_smollm2_q4_blocks_with_adapters_equal_peft(smollm2_gguf, tmp_path):
     loras = [None, *[LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]]
     cases = [(p, lora) for p in prompts for lora in loras]
     max_tokens = 16
+    # float32 products, as the oracle's (activations=auto takes bfloat16 on AMX hosts)
     with LLM(str(smollm2_gguf), device="cpu", max_model_len=256, enable_lora=True,
-             max_loras=2) as llm:
+             max_loras=2, platform_options={"activations": "dtype"}) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p, _ in cases],
             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
