@@ -23,8 +23,11 @@ def _with_ops(**ops):
 def test_cpu_platform_passes_every_declared_method():
     platform = CpuPlatform()
     rows = run_conformance(platform, ONLY).results
+    # its op takes bf16_activations: one more row for each weight-only method
     assert [r.case for r in rows] == [f"{m}, float32" for m in platform.quantizations
-                                      if m != "none"]
+                                      if m != "none"] + [
+        f"{m}, float32, bf16_activations" for m in platform.quantizations
+        if m not in ("none", "w8a8")]
     for row in rows:
         assert row.outcome is Outcome.PASS, row.reason
 
@@ -58,6 +61,26 @@ def test_broken_ops_fail_naming_the_format_and_case(op, words):
     gguf = next(r for r in rows if r.case == "gguf, float32")
     assert gguf.outcome is Outcome.FAIL
     assert words in gguf.reason
+
+
+def test_bf16_activations_rows_hold_an_op_that_takes_the_keyword():
+    """Only an op that takes ``bf16_activations`` gets its rows; there a product that
+    drops a block fails them, and a rounded one passes."""
+    def rounded(x, weight, bias=None, *, int8_activations=False, bf16_activations=False):
+        return quantized.quantized_linear(x, weight, bias, int8_activations=int8_activations,
+                                          bf16_activations=bf16_activations)
+
+    def dropping(x, weight, bias=None, *, int8_activations=False, bf16_activations=False):
+        return _drops_the_last_block(x, weight, bias, int8_activations=int8_activations)
+
+    for op, passes in ((rounded, True), (dropping, False)):
+        rows = run_conformance(_with_ops(quantized_linear=op), ONLY,
+                               expected_name="cpu").results
+        row = next(r for r in rows if r.case == "gguf, float32, bf16_activations")
+        assert (row.outcome is Outcome.PASS) == passes, row.reason
+    rows = run_conformance(_with_ops(quantized_linear=_no_bias), ONLY,
+                           expected_name="cpu").results
+    assert not any("bf16_activations" in r.case for r in rows)
 
 
 def test_a_platform_declaring_no_method_is_not_run():

@@ -421,3 +421,51 @@ def test_the_activations_option_resolves_by_cpu_and_build(monkeypatch, caplog, f
         assert platform._activations(SimpleNamespace(has_quant_bf16=kernel)) == want
     if option == "bfloat16" and want == "dtype":
         assert "products stay float32" in caplog.text
+
+
+def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_gguf,
+                                                                        monkeypatch) -> None:
+    """``activations=bfloat16`` on a GGUF model: every weight-only quantised layer takes
+    the op's ``bf16_activations``, the batched products run on the bfloat16 kernel, and
+    greedy tokens and logprobs stay close to float32 products' (logprobs within 0.05
+    where the tokens agree); ``dtype`` marks none."""
+    from quire import LLM, SamplingParams
+    from quire.ops.quantized import QuantizedLinearKernel
+    from quire.platforms.cpu.native import NativeKernels, load_native_kernels
+
+    native = load_native_kernels()
+    if native is None or not native.has_quant_bf16:
+        pytest.skip("no bfloat16 products (AVX512_BF16) on this host")
+    path = random_gguf("--preset", "tiny", "--seed", "7")
+    prompts = [[1, 17 + i, 45, 99, 23, 7 + i, 5] for i in range(6)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    calls = []
+    original = NativeKernels.quant_linear_bf16
+
+    def counting(self, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
+
+    def run(activations):
+        with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, dtype="float32",
+                 platform_options={"activations": activations}) as llm:
+            kernels = [m.kernel for m in llm.engine.core.executor.worker.model.modules()
+                       if isinstance(getattr(m, "kernel", None), QuantizedLinearKernel)]
+            outs = llm.generate(prompts, params)
+        return kernels, [(o.outputs[0].token_ids,
+                          [step[t].logprob for step, t in zip(o.outputs[0].logprobs,
+                                                              o.outputs[0].token_ids)])
+                         for o in outs]
+
+    monkeypatch.setattr(NativeKernels, "quant_linear_bf16", counting)
+    plain_kernels, plain = run("dtype")
+    assert not calls and plain_kernels
+    assert not any(k.bf16_activations for k in plain_kernels)
+    kernels, rounded = run("bfloat16")
+    assert kernels and all(k.bf16_activations for k in kernels)
+    assert calls and min(calls) > 4
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rounded, plain):
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
+                     len(tokens))
+        assert agree >= 2
+        assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.05)

@@ -236,28 +236,32 @@ def test_a_bfloat16_model_s_batched_products_take_the_bfloat16_path(
 
 def test_bfloat16_activations_round_a_float32_model_s_batches_only(
         kernels: NativeKernels) -> None:
-    """``activations=bfloat16`` (``bf16_all``): a float32 model's products of more than
-    BF16_MIN_ROWS rows are the bfloat16 kernel's float32 sums on the rows rounded to
-    bfloat16, left in float32; fewer rows, and every product without the option, are
-    the float32 kernel's."""
+    """``bf16_activations`` (the ``activations=bfloat16`` option): a float32 model's
+    products of more than BF16_MIN_ROWS rows are the bfloat16 kernel's float32 sums on
+    the rows rounded to bfloat16, left in float32 (the reference's rounded product, to
+    float32 summation order); fewer rows, and every product without it, are the float32
+    kernel's."""
     from quire.platforms.cpu.quant_linear import BF16_MIN_ROWS
-    rounded = make_quantized_linear(kernels, bf16_all=True)
-    plain = make_quantized_linear(kernels)
+    linear = make_quantized_linear(kernels)
     gen = torch.Generator().manual_seed(11)
     weight = make_weight("q4_1", 48, 512, gen)
     bias = torch.randn(48, generator=gen)
     for m in (1, BF16_MIN_ROWS, BF16_MIN_ROWS + 1, 64):
         x = torch.randn(2, m, 512, generator=gen)
-        y = rounded(x, weight, bias)
+        y = linear(x, weight, bias, bf16_activations=True)
         assert y.dtype == torch.float32 and y.shape == (2, m, 48)
         flat = x.reshape(-1, 512)
         wide = kernels.quant_linear(flat, weight, bias).reshape(2, m, 48)
-        assert torch.equal(plain(x, weight, bias), wide)
+        assert torch.equal(linear(x, weight, bias), wide)
         narrow = kernels.quant_linear_bf16(flat.to(torch.bfloat16), weight, bias)
         if 2 * m > BF16_MIN_ROWS and narrow is not None:
             assert torch.equal(y, narrow.reshape(2, m, 48))
-            assert_close_to_reference(y.reshape(-1, 48), flat.to(torch.bfloat16).float(),
-                                      weight.dequantize().to(torch.bfloat16).float(), bias)
+            # the reference op's rounded product, to float32 summation order
+            rounded_x = flat.to(torch.bfloat16).float()
+            rounded_w = weight.dequantize().to(torch.bfloat16).float()
+            assert torch.equal(quantized_linear(x, weight, bias, bf16_activations=True),
+                               F.linear(rounded_x, rounded_w, bias).reshape(2, m, 48))
+            assert_close_to_reference(y.reshape(-1, 48), rounded_x, rounded_w, bias)
         else:
             assert torch.equal(y, wide)
 

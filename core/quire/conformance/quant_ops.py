@@ -15,9 +15,16 @@ Tolerances, relative to the largest reference output (``|out - ref| <= atol * ma
 product errs by 1e-3 and fails); float16 5e-3 and bfloat16 3e-2 (the output rounded to
 the dtype, and a kernel may multiply in it). ``w8a8`` compares integer products, so the
 same float32 bound holds whatever the kernel's order.
+
+An op that takes ``bf16_activations`` (a platform that sets it on its own layers, as the
+cpu platform's ``activations`` option does) gets one more row per weight-only method:
+float32 inputs with the keyword, against the reference's rounded product, at bfloat16's
+tolerance (the op may round fewer rows, or none), the output float32.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -48,15 +55,30 @@ def check_quantized_linear(ctx: CheckContext) -> list[CheckResult]:
     except Exception as exc:  # reported, not raised: the table names the check
         return [CheckResult(QUANT, Outcome.FAIL, reason=f"make_ops() raised "
                             f"{type(exc).__name__}: {exc}")]
-    return [_row(ctx, ops, method, dtype) for method in methods for dtype in ctx.dtypes]
+    rows = [_row(ctx, ops, method, dtype) for method in methods for dtype in ctx.dtypes]
+    if _takes_bf16_activations(ops.quantized_linear):
+        rows += [_row(ctx, ops, method, torch.float32, bf16=True) for method in methods
+                 if method != "w8a8"]
+    return rows
 
 
-def _row(ctx: CheckContext, ops: object, method: str, dtype: torch.dtype) -> CheckResult:
-    name = f"{method}, {str(dtype).removeprefix('torch.')}"
-    tol = TOLERANCE.get(dtype)
+def _takes_bf16_activations(op: object) -> bool:
+    try:
+        return "bf16_activations" in inspect.signature(op).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def _row(ctx: CheckContext, ops: object, method: str, dtype: torch.dtype,
+         bf16: bool = False) -> CheckResult:
+    name = f"{method}, {str(dtype).removeprefix('torch.')}" + (
+        ", bf16_activations" if bf16 else "")
+    tol = TOLERANCE.get(torch.bfloat16 if bf16 else dtype)
     if tol is None:
         return CheckResult(QUANT, Outcome.FAIL, name, f"no tolerance for {dtype}")
     int8_act = method == "w8a8"
+    extra = {"int8_activations": True} if int8_act else \
+        {"bf16_activations": True} if bf16 else {}
     worst, failures = 0.0, []
     for fmt in METHOD_FORMATS[method]:
         for n, (m, rows, cols) in enumerate(CASES):
@@ -65,12 +87,10 @@ def _row(ctx: CheckContext, ops: object, method: str, dtype: torch.dtype) -> Che
             weight = random_quantized(fmt, rows, cols, g)
             x = torch.randn(m, cols, generator=g).to(dtype)
             bias = torch.randn(rows, generator=g).to(dtype)
-            ref = quantized.quantized_linear(x.float(), weight, bias.float(),
-                                             int8_activations=int8_act)
+            ref = quantized.quantized_linear(x.float(), weight, bias.float(), **extra)
             try:
-                kwargs = {"int8_activations": True} if int8_act else {}
                 out = ops.quantized_linear(x.to(ctx.device), weight.to(ctx.device),
-                                           bias.to(ctx.device), **kwargs)
+                                           bias.to(ctx.device), **extra)
             except Exception as exc:  # one broken case must not hide the others
                 failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
                 continue

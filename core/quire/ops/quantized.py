@@ -23,7 +23,8 @@ ACTIVATION_BLOCK = 32
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
                      bias: torch.Tensor | None = None, *,
-                     int8_activations: bool = False) -> torch.Tensor:
+                     int8_activations: bool = False,
+                     bf16_activations: bool = False) -> torch.Tensor:
     """``x W^T (+ bias)`` for a quantised ``W`` ``[rows, cols]``: ``[..., cols] ->
     [..., rows]`` in ``x``'s dtype.
 
@@ -31,6 +32,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     weights, float32 sums. A platform may multiply bfloat16 ``x`` by the weights rounded
     to bfloat16 instead (float32 sums, as a bfloat16 model of the dequantised weights
     computes); the conformance suite's bfloat16 tolerance allows it.
+    ``bf16_activations`` asks for that for float32 ``x`` too, with a float32 result: ``x``
+    and the weights rounded to bfloat16, float32 sums (what PyTorch's
+    ``float32_matmul_precision="medium"`` allows a float32 product), here exactly that;
+    a platform may round fewer rows (a decode's) or none, so it is held to the bfloat16
+    tolerance. A platform's ``prepare_model`` sets it on its own layers only
+    (:class:`QuantizedLinearKernel`), so an op that does not take it is never given it.
     ``int8_activations`` (``w8a8``; ``weight`` ``int8`` or ``q8_0``): with ``int8``
     weights, each row of ``x`` is quantised to int8 with ``scale = max |x| / 127``
     (round to nearest), the integer products are summed exactly, and the sum is scaled
@@ -55,13 +62,20 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
             y = y + bias.float()
     else:
         xf = rows.float()
+        if bf16_activations:
+            xf = xf.to(torch.bfloat16).float()
+
+        def dequantized(w: QuantizedTensor) -> torch.Tensor:
+            f = w.dequantize()
+            return f.to(torch.bfloat16).float() if bf16_activations else f
+
         slab = max(1, SLAB_BYTES // (4 * weight.cols))
         if weight.rows <= slab:
-            y = F.linear(xf, weight.dequantize(), None if bias is None else bias.float())
+            y = F.linear(xf, dequantized(weight), None if bias is None else bias.float())
         else:
-            y = torch.cat([F.linear(xf, weight.narrow_rows(r, min(slab, weight.rows - r))
-                                    .dequantize()) for r in range(0, weight.rows, slab)],
-                          dim=1)
+            y = torch.cat([F.linear(xf, dequantized(
+                weight.narrow_rows(r, min(slab, weight.rows - r))))
+                for r in range(0, weight.rows, slab)], dim=1)
             if bias is not None:
                 y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
@@ -113,7 +127,10 @@ def quantized_embedding(ids: torch.Tensor, weight: QuantizedTensor,
 class QuantizedLinearKernel:
     """A :class:`~quire.models.layers.linear.LinearKernel` over a layer's quantised parts:
     one ``quantized_linear`` call per part, the outputs side by side, zero columns for
-    rows this rank holds none of (a tensor-parallel vocabulary's padding)."""
+    rows this rank holds none of (a tensor-parallel vocabulary's padding).
+
+    ``bf16_activations`` (False until a platform's ``prepare_model`` sets it, for an op
+    that takes it) passes the op's keyword of that name with weight-only products."""
 
     def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
                  out_features: int, int8_activations: bool = False) -> None:
@@ -121,6 +138,7 @@ class QuantizedLinearKernel:
         self.op = op
         self.out_features = out_features
         self.int8_activations = int8_activations
+        self.bf16_activations = False
         self.padding = out_features - sum(p.rows for p in parts)
         if self.padding < 0:
             raise ValueError(f"quantised parts hold {out_features - self.padding} rows, "
@@ -131,7 +149,8 @@ class QuantizedLinearKernel:
         return tuple(p.format.name for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kwargs = {"int8_activations": True} if self.int8_activations else {}
+        kwargs = {"int8_activations": True} if self.int8_activations else \
+            {"bf16_activations": True} if self.bf16_activations else {}
         if len(self.parts) == 1 and not self.padding:
             return self.op(x, self.parts[0], bias, **kwargs)
         ys = [self.op(x, part, None, **kwargs) for part in self.parts]

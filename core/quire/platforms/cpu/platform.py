@@ -30,7 +30,7 @@ from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
-from quire.platforms.cpu.quant_linear import make_quantized_linear
+from quire.platforms.cpu.quant_linear import make_quantized_linear, use_bfloat16_activations
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
     WAIT_ENV,
@@ -185,14 +185,17 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
         """Pack float32 linear weights (unless the ``linear`` option is ``torch``) and,
-        with the native kernels, run float32 RMSNorms and whole decoder layers in C;
-        none of it when the model is to be compiled (Inductor cannot lower oneDNN's
-        packed weights or a ``ctypes`` call).
+        with the native kernels, run float32 RMSNorms and whole decoder layers in C, and
+        give quantised layers bfloat16 activations where the ``activations`` option
+        resolves to ``bfloat16``; none of it when the model is to be compiled (Inductor
+        cannot lower oneDNN's packed weights or a ``ctypes`` call).
         """
         options = self.options
         if compiled:  # Inductor traces neither oneDNN's packed weights nor ctypes calls
             return
         native = self._native_kernels()
+        if native is not None and self._activations(native) == "bfloat16":
+            use_bfloat16_activations(model)
         if options.linear == "packed":
             pack_linear_weights(model, native, compact=options.compact)
         if native is not None:
@@ -213,11 +216,9 @@ class CpuPlatform(Platform):
         native = self._native_kernels()
         if native is None or not native.has_quant_gemm:
             return reference_ops()
-        activations = self._activations(native)
         return reference_ops().with_ops(
             "cpu", quantized_linear=make_quantized_linear(
-                native, self.options.int8_decode, int8_all=activations == "int8",
-                bf16_all=activations == "bfloat16"))
+                native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
 
     def _activations(self, native: NativeKernels) -> str:
         """The ``activations`` option resolved for this CPU and build (``auto``:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from quire.ops.quantized import quantized_linear
+from quire.ops.quantized import QuantizedLinearKernel, quantized_linear
 from quire.platforms.cpu.native import NativeKernels
 from quire.quantization.tensor import QuantizedTensor
 
@@ -32,9 +33,10 @@ BF16_MIN_ROWS = 4
 
 
 def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
-                          int8_all: bool = False, bf16_all: bool = False) -> QuantizedLinear:
-    """``quantized_linear(x, weight, bias=None, *, int8_activations=False)`` with the
-    reference op's signature and contract, on the C kernels of ``native``.
+                          int8_all: bool = False) -> QuantizedLinear:
+    """``quantized_linear(x, weight, bias=None, *, int8_activations=False,
+    bf16_activations=False)`` with the reference op's signature and contract, on the C
+    kernels of ``native``.
 
     The kernels take host tensors: ``x`` of any leading shape in float32 or bfloat16, a
     weight in any format of :mod:`quire.quantization.formats` whose rows may be strided,
@@ -49,10 +51,11 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
     computes); fewer rows, or no such build, are widened to float32, and every result is
-    rounded back to ``x``'s dtype. With ``bf16_all`` (the ``activations=bfloat16``
-    option), float32 ``x`` of more than :data:`BF16_MIN_ROWS` rows takes the same
-    bfloat16 kernel, rounded to bfloat16 on the way in, and keeps its float32 sums as
-    the result. Everything else falls back to the torch reference
+    rounded back to ``x``'s dtype. With ``bf16_activations`` (set on a model's layers
+    by the ``activations=bfloat16`` option, :func:`use_bfloat16_activations`), float32
+    ``x`` of more than :data:`BF16_MIN_ROWS` rows takes the same bfloat16 kernel,
+    rounded to bfloat16 on the way in, and keeps its float32 sums as the result; fewer
+    rows keep the float32 products. Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
     library without them), another device or dtype, ``w8a8`` rows longer than
     :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
@@ -61,11 +64,13 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
         return quantized_linear
 
     def linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
-               *, int8_activations: bool = False) -> torch.Tensor:
+               *, int8_activations: bool = False,
+               bf16_activations: bool = False) -> torch.Tensor:
         if not (x.device.type == "cpu" and weight.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == weight.cols
                 and (bias is None or bias.device.type == "cpu")):
-            return quantized_linear(x, weight, bias, int8_activations=int8_activations)
+            return quantized_linear(x, weight, bias, int8_activations=int8_activations,
+                                    bf16_activations=bf16_activations)
         if int8_activations and weight.format.name == "q8_0":
             return w8a8_blocks(x, weight, bias)
         if int8_activations and weight.format.name != "int8":
@@ -75,7 +80,7 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
             y = _int8_rows(x.reshape(-1, weight.cols), weight, b)
             if y is not None:
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
-        if ((x.dtype == torch.bfloat16 or bf16_all) and not int8_activations
+        if ((x.dtype == torch.bfloat16 or bf16_activations) and not int8_activations
                 and native.has_quant_bf16 and x.numel() > BF16_MIN_ROWS * weight.cols):
             flat = x.reshape(-1, weight.cols).to(torch.bfloat16).contiguous()
             y = native.quant_linear_bf16(flat, weight, b)
@@ -90,7 +95,8 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
         if y is None:
             y = entry(rows, weight, b)
         if y is None:
-            return quantized_linear(x, weight, bias, int8_activations=int8_activations)
+            return quantized_linear(x, weight, bias, int8_activations=int8_activations,
+                                    bf16_activations=bf16_activations)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
 
     def _int8_rows(flat: torch.Tensor, weight: QuantizedTensor,
@@ -113,3 +119,19 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
 
     linear.__doc__ = quantized_linear.__doc__
     return linear
+
+
+def use_bfloat16_activations(model: nn.Module) -> int:
+    """Set ``bf16_activations`` on every weight-only quantised layer of ``model`` (the
+    ``activations=bfloat16`` option; its op must be :func:`make_quantized_linear`'s or
+    the reference, which take the keyword).
+
+    :returns: how many layers take it.
+    """
+    count = 0
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, QuantizedLinearKernel) and not kernel.int8_activations:
+            kernel.bf16_activations = True
+            count += 1
+    return count
