@@ -394,19 +394,19 @@ def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags,kernel,option,want", [
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", "bfloat16"),
-    (["avx512f", "avx512_bf16"], True, "auto", "dtype"),          # no AMX: float32 stays
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", "dtype"),
-    (["avx512f", "avx512_bf16"], True, "bfloat16", "bfloat16"),
-    (["avx2", "fma"], False, "bfloat16", "dtype"),                # cannot run: logged
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "int8", "int8"),
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "dtype", "dtype"),
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", True),
+    (["avx512f", "avx512_bf16"], True, "auto", False),       # no AMX: float32 stays
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", False),
+    (["avx512f", "avx512_bf16"], True, "bfloat16", True),    # asked for: taken
+    (["avx2", "fma"], False, "bfloat16", False),             # cannot run: logged
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "int8", False),
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "dtype", False),
 ])
-def test_the_activations_option_resolves_by_cpu_and_build(monkeypatch, caplog, flags, kernel,
-                                                          option, want) -> None:
+def test_the_activations_option_resolves_by_cpu_and_build(
+        monkeypatch, caplog, flags, kernel, option, want) -> None:
     """``activations=auto`` is bfloat16 products on AMX bfloat16 tiles (when the build
-    has the bfloat16 kernel), the model's dtype elsewhere; ``bfloat16`` where the build
-    cannot run it falls back to float32 products and says so."""
+    has the bfloat16 kernel), the model's elsewhere; ``bfloat16`` where the build cannot
+    run it falls back to float32 products and says so."""
     from types import SimpleNamespace
 
     from quire.platforms.cpu import platform as platform_module
@@ -417,9 +417,11 @@ def test_the_activations_option_resolves_by_cpu_and_build(monkeypatch, caplog, f
     monkeypatch.setattr(platform_module, "detect", lambda: CpuFeatures.of("x86_64", flags))
     platform = CpuPlatform()
     platform.configure({"activations": option})
+    monkeypatch.setattr(platform, "_native_kernels",
+                        lambda: SimpleNamespace(has_quant_bf16=kernel))
     with caplog.at_level("INFO", logger=platform_module.logger.name):
-        assert platform._activations(SimpleNamespace(has_quant_bf16=kernel)) == want
-    if option == "bfloat16" and want == "dtype":
+        assert platform.bf16_activations() is want
+    if option == "bfloat16" and not want:
         assert "products stay float32" in caplog.text
 
 
@@ -464,6 +466,14 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
     kernels, rounded = run("bfloat16")
     assert kernels and all(k.bf16_activations for k in kernels)
     assert calls and min(calls) > 4
+    # auto on an AMX host: taken, for a float32 model too
+    import dataclasses
+
+    from quire.platforms.cpu import platform as platform_module
+    from quire.platforms.cpu.isa import detect
+    amx = dataclasses.replace(detect(), amx_tile=True, amx_bf16=True)
+    monkeypatch.setattr(platform_module, "detect", lambda: amx)
+    assert all(k.bf16_activations for k in run("auto")[0])
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rounded, plain):
         agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
                      len(tokens))

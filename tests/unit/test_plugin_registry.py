@@ -175,7 +175,9 @@ def test_parse_plugin_names(text: str | None, names: set[str]) -> None:
         ("1.3", "1.3", True),
         ("1.3", "1.4", True),
         ("1.4", "1.3", False),
+        ("1.4", "1.5", True),
         ("1.5", "1.4", False),
+        ("1.6", "1.5", False),
         ("0.9", "1.0", False),
         ("2.0", "1.0", False),
         ("1", "1.0", False),
@@ -205,24 +207,26 @@ def test_incompatible_platform_is_listed_refused_and_names_both_versions() -> No
     assert registry.auto_choice() == "cpu"
 
 
-def test_this_core_provides_api_1_4_and_keeps_plugins_built_for_1_0_to_1_3() -> None:
+def test_this_core_provides_api_1_5_and_keeps_plugins_built_for_1_0_to_1_4() -> None:
     """1.1 added Communicator.send/recv, 1.2 Platform.auto_dtype and details, 1.3 the
-    quantised ops, 1.4 KV pages given back; a MINOR bump must not refuse older plugins,
-    and an older platform gets the defaults (the reference quantized_linear, no w8a8, a
-    backend that gives no memory back)."""
-    assert PLUGIN_API_VERSION == "1.4"
+    quantised ops, 1.4 KV pages given back, 1.5 bfloat16 activations; a MINOR bump must
+    not refuse older plugins, and an older platform gets the defaults (the reference
+    quantized_linear, no w8a8, a backend that gives no memory back, float products)."""
+    assert PLUGIN_API_VERSION == "1.5"
     registry = PlatformRegistry(entry_points=[
         ep("old", platform("old", api="1.0"), dist="quire-old"),
         ep("mid", platform("mid", api="1.1"), dist="quire-mid"),
         ep("prev", platform("prev", api="1.2"), dist="quire-prev"),
         ep("new", platform("new", api="1.3"), dist="quire-new"),
-        ep("next", PlatformSpec("next", "1.5", never_built), dist="quire-next"),
+        ep("last", platform("last", api="1.4"), dist="quire-last"),
+        ep("next", PlatformSpec("next", "1.6", never_built), dist="quire-next"),
     ])
     refused = {e.name: e.refused for e in registry.entries()}
-    assert all(refused[name] is None for name in ("old", "mid", "prev", "new"))
+    assert all(refused[name] is None for name in ("old", "mid", "prev", "new", "last"))
     assert refused["next"] is not None
-    assert "built for plugin API 1.5, but this Quire provides plugin API 1.4" in refused["next"]
-    assert "built for plugin API 1.x (at most 1.4)" in refused["next"]
+    assert "built for plugin API 1.6, but this Quire provides plugin API 1.5" in refused["next"]
+    assert "built for plugin API 1.x (at most 1.5)" in refused["next"]
+    assert registry.resolve("last").bf16_activations() is False
     mid = registry.resolve("mid")
     assert mid.auto_dtype(torch.bfloat16) == mid.supported_dtypes[0]
     assert mid.auto_dtype(None) == mid.supported_dtypes[0]

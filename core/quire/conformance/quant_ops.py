@@ -16,8 +16,8 @@ product errs by 1e-3 and fails); float16 5e-3 and bfloat16 3e-2 (the output roun
 the dtype, and a kernel may multiply in it). ``w8a8`` compares integer products, so the
 same float32 bound holds whatever the kernel's order.
 
-An op that takes ``bf16_activations`` (a platform that sets it on its own layers, as the
-cpu platform's ``activations`` option does) gets one more row per weight-only method:
+An op that takes ``bf16_activations`` (``Platform.bf16_activations``, which the cpu
+platform's ``activations`` option answers) gets one more row per weight-only method:
 float32 inputs with the keyword, against the reference's rounded product, at bfloat16's
 tolerance (the op may round fewer rows, or none), the output float32.
 """

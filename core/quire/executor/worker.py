@@ -36,6 +36,7 @@ from quire.models.compile import compile_model
 from quire.models.eagle import Eagle3Head, EagleHead, eagle3_aux_layers, load_eagle_head
 from quire.models.gemma3 import Gemma3ForCausalLM
 from quire.models.interface import CausalLM
+from quire.models.layers.quantized import use_bfloat16_activations
 from quire.models.llama import LlamaForCausalLM
 from quire.models.loader import (
     checkpoint_dtype,
@@ -157,6 +158,8 @@ class Worker:
             aux_width)
         #: This rank's step replies carry the logits (the last stage's first rank).
         self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
+        if not config.compile and self.platform.bf16_activations():
+            use_bfloat16_activations(self.model)
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
@@ -223,6 +226,8 @@ class Worker:
                               extra_models=registry.model_specs(),
                               quantization=quantization, ops=self.ops)
         model.eval()
+        if self.platform.bf16_activations():
+            use_bfloat16_activations(model)
         self.platform.prepare_model(model, compiled=False)
         layer_ids = tuple(getattr(model, "kv_layer_ids", range(model.num_layers)))
         if len(layer_ids) != model.num_layers:

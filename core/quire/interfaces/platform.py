@@ -128,6 +128,14 @@ class Platform(ABC):
         API 1.2; must return one of :attr:`supported_dtypes`)."""
         return self.supported_dtypes[0]
 
+    def bf16_activations(self) -> bool:
+        """Whether a model's weight-only quantised products take bfloat16 activations
+        (the op set ``quantized_linear``'s ``bf16_activations``: float32 rows and weights
+        rounded to bfloat16, float32 sums and results), a precision apart from the
+        model's dtype, as PyTorch's ``float32_matmul_precision`` is. Only for a platform
+        whose op takes that keyword. Plugin API 1.5; default False."""
+        return False
+
     def synchronize(self) -> None:
         """Wait for queued device work (for timing). Host platforms need nothing."""
 

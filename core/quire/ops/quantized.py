@@ -36,8 +36,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     and the weights rounded to bfloat16, float32 sums (what PyTorch's
     ``float32_matmul_precision="medium"`` allows a float32 product), here exactly that;
     a platform may round fewer rows (a decode's) or none, so it is held to the bfloat16
-    tolerance. A platform's ``prepare_model`` sets it on its own layers only
-    (:class:`QuantizedLinearKernel`), so an op that does not take it is never given it.
+    tolerance. The engine sets it on a model's layers (:class:`QuantizedLinearKernel`)
+    only where ``Platform.bf16_activations()`` says so, so an op that does not take it
+    is never given it.
     ``int8_activations`` (``w8a8``; ``weight`` ``int8`` or ``q8_0``): with ``int8``
     weights, each row of ``x`` is quantised to int8 with ``scale = max |x| / 127``
     (round to nearest), the integer products are summed exactly, and the sum is scaled
@@ -129,8 +130,9 @@ class QuantizedLinearKernel:
     one ``quantized_linear`` call per part, the outputs side by side, zero columns for
     rows this rank holds none of (a tensor-parallel vocabulary's padding).
 
-    ``bf16_activations`` (False until a platform's ``prepare_model`` sets it, for an op
-    that takes it) passes the op's keyword of that name with weight-only products."""
+    ``bf16_activations`` (False until the engine sets it, where
+    ``Platform.bf16_activations()`` says so) passes the op's keyword of that name with
+    weight-only products."""
 
     def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
                  out_features: int, int8_activations: bool = False) -> None:

@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 #: 1.4: AttentionBackend.releases_kv_memory and release_kv_pages (a KV pool's unused
 #:      pages given back, for one memory budget shared by several models); a 1.3
 #:      backend gives nothing back, so its models split that budget evenly.
-PLUGIN_API_VERSION = "1.4"
+#: 1.5: Platform.bf16_activations (weight-only quantised products on bfloat16-rounded
+#:      activations in a float32 model, the op's ``bf16_activations`` keyword); a 1.4
+#:      platform keeps its float products.
+PLUGIN_API_VERSION = "1.5"
 
 
 @dataclass(frozen=True)

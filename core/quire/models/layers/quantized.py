@@ -159,6 +159,21 @@ def install_quantized_kernels(model: nn.Module, ops: Any) -> int:
     return installed
 
 
+def use_bfloat16_activations(model: nn.Module) -> int:
+    """Set ``bf16_activations`` on every weight-only quantised layer's kernel (what
+    ``Platform.bf16_activations`` asks for; its op takes the keyword).
+
+    :returns: how many layers take it.
+    """
+    count = 0
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, QuantizedLinearKernel) and not kernel.int8_activations:
+            kernel.bf16_activations = True
+            count += 1
+    return count
+
+
 def quantized_formats(model: nn.Module) -> dict[str, int]:
     """How many layer parts each format holds (for the load log)."""
     counts: dict[str, int] = {}

@@ -30,7 +30,7 @@ from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
-from quire.platforms.cpu.quant_linear import make_quantized_linear, use_bfloat16_activations
+from quire.platforms.cpu.quant_linear import make_quantized_linear
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
     WAIT_ENV,
@@ -185,17 +185,14 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module, *, compiled: bool = False) -> None:
         """Pack float32 linear weights (unless the ``linear`` option is ``torch``) and,
-        with the native kernels, run float32 RMSNorms and whole decoder layers in C, and
-        give quantised layers bfloat16 activations where the ``activations`` option
-        resolves to ``bfloat16``; none of it when the model is to be compiled (Inductor
-        cannot lower oneDNN's packed weights or a ``ctypes`` call).
+        with the native kernels, run float32 RMSNorms and whole decoder layers in C;
+        none of it when the model is to be compiled (Inductor cannot lower oneDNN's
+        packed weights or a ``ctypes`` call).
         """
         options = self.options
         if compiled:  # Inductor traces neither oneDNN's packed weights nor ctypes calls
             return
         native = self._native_kernels()
-        if native is not None and self._activations(native) == "bfloat16":
-            use_bfloat16_activations(model)
         if options.linear == "packed":
             pack_linear_weights(model, native, compact=options.compact)
         if native is not None:
@@ -220,28 +217,31 @@ class CpuPlatform(Platform):
             "cpu", quantized_linear=make_quantized_linear(
                 native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
 
-    def _activations(self, native: NativeKernels) -> str:
-        """The ``activations`` option resolved for this CPU and build (``auto``:
-        ``bfloat16`` on AMX bfloat16 tiles, else ``dtype``); logged when it is not
-        ``dtype``, or when ``bfloat16`` cannot run here."""
+    def bf16_activations(self) -> bool:
+        """The ``activations`` option resolved for this CPU and build: ``bfloat16``, or
+        ``auto`` where the CPU has AMX bfloat16 tiles and the build the bfloat16 kernel
+        (whatever the dtype: ``activations=dtype`` keeps a float32 model's products
+        exact). Logged when it is taken, and when ``bfloat16`` cannot run here."""
+        native = self._native_kernels()
+        kernel = native is not None and native.has_quant_bf16
         chosen = self.options.activations
-        if chosen == "auto":
-            chosen = "bfloat16" if detect().amx_bf16 and native.has_quant_bf16 else "dtype"
-            if chosen == "bfloat16":
-                logger.info("cpu platform: activations auto -> bfloat16 (AMX bfloat16 "
-                            "tiles): a float32 model's batched products on quantised "
-                            "weights take bfloat16 activations; activations=dtype keeps "
-                            "them float32")
-            elif native.has_quant_bf16:
-                logger.info("cpu platform: products on quantised weights keep the model's "
-                            "dtype; activations=bfloat16 runs batches and prompts faster on "
-                            "this CPU's bfloat16 products (speed and accuracy: "
-                            "docs/quantization.md, 'Activations')")
-        elif chosen == "bfloat16" and not native.has_quant_bf16:
+        if chosen == "bfloat16" and not kernel:
             logger.warning("cpu platform: activations=bfloat16 needs bfloat16 products "
                            "(AVX512_BF16), which this build has not: products stay float32")
-            chosen = "dtype"
-        return chosen
+            return False
+        if chosen == "auto":
+            if not (kernel and detect().amx_bf16):
+                if kernel:
+                    logger.info("cpu platform: products on quantised weights keep the "
+                                "model's dtype; activations=bfloat16 runs batches and "
+                                "prompts faster on this CPU's bfloat16 products (speed and "
+                                "accuracy: docs/quantization.md, 'Activations')")
+                return False
+            logger.info("cpu platform: activations auto -> bfloat16 (AMX bfloat16 tiles): "
+                        "batched products on quantised weights take bfloat16 activations, "
+                        "the model float32; activations=dtype keeps them float32")
+            return True
+        return chosen == "bfloat16"
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""

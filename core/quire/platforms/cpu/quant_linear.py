@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from quire.ops.quantized import QuantizedLinearKernel, quantized_linear
+from quire.ops.quantized import quantized_linear
 from quire.platforms.cpu.native import NativeKernels
 from quire.quantization.tensor import QuantizedTensor
 
@@ -52,7 +51,7 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
     computes); fewer rows, or no such build, are widened to float32, and every result is
     rounded back to ``x``'s dtype. With ``bf16_activations`` (set on a model's layers
-    by the ``activations=bfloat16`` option, :func:`use_bfloat16_activations`), float32
+    where the platform's ``activations`` option resolves to ``bfloat16``), float32
     ``x`` of more than :data:`BF16_MIN_ROWS` rows takes the same bfloat16 kernel,
     rounded to bfloat16 on the way in, and keeps its float32 sums as the result; fewer
     rows keep the float32 products. Everything else falls back to the torch reference
@@ -120,18 +119,3 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     linear.__doc__ = quantized_linear.__doc__
     return linear
 
-
-def use_bfloat16_activations(model: nn.Module) -> int:
-    """Set ``bf16_activations`` on every weight-only quantised layer of ``model`` (the
-    ``activations=bfloat16`` option; its op must be :func:`make_quantized_linear`'s or
-    the reference, which take the keyword).
-
-    :returns: how many layers take it.
-    """
-    count = 0
-    for module in model.modules():
-        kernel = getattr(module, "kernel", None)
-        if isinstance(kernel, QuantizedLinearKernel) and not kernel.int8_activations:
-            kernel.bf16_activations = True
-            count += 1
-    return count
