@@ -393,20 +393,23 @@ def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
              join=True)
 
 
-@pytest.mark.parametrize("flags,kernel,option,want", [
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", True),
-    (["avx512f", "avx512_bf16"], True, "auto", False),       # no AMX: float32 stays
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", False),
-    (["avx512f", "avx512_bf16"], True, "bfloat16", True),    # asked for: taken
-    (["avx2", "fma"], False, "bfloat16", False),             # cannot run: logged
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "int8", False),
-    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "dtype", False),
+@pytest.mark.parametrize("flags,kernel,option,dtype_auto,want", [
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", True, "bfloat16"),
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", False, "dtype"),
+    (["avx512f", "avx512_bf16"], True, "auto", True, "dtype"),      # no AMX: float32 stays
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", True, "dtype"),
+    (["avx512f", "avx512_bf16"], True, "bfloat16", False, "bfloat16"),  # asked for
+    (["avx2", "fma"], False, "bfloat16", True, "bfloat16"),         # cannot run: logged
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "int8", True, "int8"),
+    (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "dtype", True, "dtype"),
 ])
-def test_the_activations_option_resolves_by_cpu_and_build(
-        monkeypatch, caplog, flags, kernel, option, want) -> None:
+def test_the_activations_option_resolves_by_cpu_build_and_dtype(
+        monkeypatch, caplog, flags, kernel, option, dtype_auto, want) -> None:
     """``activations=auto`` is bfloat16 products on AMX bfloat16 tiles (when the build
-    has the bfloat16 kernel), the model's elsewhere; ``bfloat16`` where the build cannot
-    run it falls back to float32 products and says so."""
+    has the bfloat16 kernel) for a dtype left to auto; an explicit dtype, or another CPU,
+    keeps the model's. ``settle_options`` hands workers that choice explicitly (other
+    values as they are); ``bfloat16`` where the build cannot run it falls back to
+    float32 products and says so."""
     from types import SimpleNamespace
 
     from quire.platforms.cpu import platform as platform_module
@@ -416,13 +419,23 @@ def test_the_activations_option_resolves_by_cpu_and_build(
     assert CpuOptions().activations == "auto"
     monkeypatch.setattr(platform_module, "detect", lambda: CpuFeatures.of("x86_64", flags))
     platform = CpuPlatform()
-    platform.configure({"activations": option})
+    platform.configure({"activations": option, "threads": 1})
     monkeypatch.setattr(platform, "_native_kernels",
                         lambda: SimpleNamespace(has_quant_bf16=kernel))
+    settled = platform.settle_options({"activations": option, "threads": 1},
+                                      dtype_auto=dtype_auto)
+    assert settled == {"activations": want, "threads": 1}
     with caplog.at_level("INFO", logger=platform_module.logger.name):
-        assert platform.bf16_activations() is want
-    if option == "bfloat16" and not want:
+        taken = platform.bf16_activations(dtype_auto)
+    assert taken is (want == "bfloat16" and kernel)
+    if want == "bfloat16" and not kernel:
         assert "products stay float32" in caplog.text
+    # a worker gets the settled options and an explicit dtype: the same answer
+    worker = CpuPlatform()
+    worker.configure(settled)
+    monkeypatch.setattr(worker, "_native_kernels",
+                        lambda: SimpleNamespace(has_quant_bf16=kernel))
+    assert worker.bf16_activations(False) is taken
 
 
 def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_gguf,
@@ -448,8 +461,8 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
         calls.append(x.shape[0])
         return original(self, x, *args, **kwargs)
 
-    def run(activations):
-        with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, dtype="float32",
+    def run(activations, dtype="float32"):
+        with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, dtype=dtype,
                  platform_options={"activations": activations}) as llm:
             kernels = [m.kernel for m in llm.engine.core.executor.worker.model.modules()
                        if isinstance(getattr(m, "kernel", None), QuantizedLinearKernel)]
@@ -466,16 +479,19 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
     kernels, rounded = run("bfloat16")
     assert kernels and all(k.bf16_activations for k in kernels)
     assert calls and min(calls) > 4
-    # auto on an AMX host: taken, for a float32 model too
+    # auto on an AMX host: taken for dtype auto (float32 for a GGUF file), not for an
+    # explicit float32
     import dataclasses
 
     from quire.platforms.cpu import platform as platform_module
     from quire.platforms.cpu.isa import detect
     amx = dataclasses.replace(detect(), amx_tile=True, amx_bf16=True)
     monkeypatch.setattr(platform_module, "detect", lambda: amx)
-    assert all(k.bf16_activations for k in run("auto")[0])
+    assert not any(k.bf16_activations for k in run("auto")[0])
+    assert all(k.bf16_activations for k in run("auto", dtype="auto")[0])
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rounded, plain):
         agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
                      len(tokens))
         assert agree >= 2
         assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.05)
+

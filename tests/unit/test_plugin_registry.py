@@ -226,7 +226,9 @@ def test_this_core_provides_api_1_5_and_keeps_plugins_built_for_1_0_to_1_4() -> 
     assert refused["next"] is not None
     assert "built for plugin API 1.6, but this Quire provides plugin API 1.5" in refused["next"]
     assert "built for plugin API 1.x (at most 1.5)" in refused["next"]
-    assert registry.resolve("last").bf16_activations() is False
+    last = registry.resolve("last")
+    assert last.bf16_activations(True) is False
+    assert last.settle_options({"x": 1}, dtype_auto=True) == {"x": 1}
     mid = registry.resolve("mid")
     assert mid.auto_dtype(torch.bfloat16) == mid.supported_dtypes[0]
     assert mid.auto_dtype(None) == mid.supported_dtypes[0]

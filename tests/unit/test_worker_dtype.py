@@ -1,5 +1,6 @@
 """``dtype="auto"`` is decided once, by the engine core: its workers, which may sit on
-hosts whose CPUs differ (Ray), get the decision as an explicit dtype."""
+hosts whose CPUs differ (Ray), get the decision as an explicit dtype, and the platform
+options that depend on the host or on ``dtype="auto"`` settled (``settle_options``)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ def test_the_engine_core_hands_its_executor_the_dtype_it_settled(
     (sent,) = given
     assert sent.dtype == "bfloat16"
     assert resolve_config(sent, _Fp32Host()).dtype == torch.bfloat16
-    assert sent == EngineConfig(**{**vars(config), "dtype": "bfloat16"})
+    # the cpu platform's activations=auto, settled on this host for a dtype left to auto
+    settled = CpuPlatform().settle_options({}, dtype_auto=True)
+    assert settled["activations"] in ("bfloat16", "dtype")
+    assert sent == EngineConfig(**{**vars(config), "dtype": "bfloat16",
+                                   "platform_options": settled})
 
 
 class _Asked(CpuPlatform):

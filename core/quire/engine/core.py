@@ -219,9 +219,12 @@ class EngineCore:
                              "run image-text models (the proposer never sees the images); "
                              "use method 'ngram'")
 
-        # the workers run at this core's dtype, not at what auto means on their hosts
-        self.executor: Executor = make_executor(worker_config(config, self.config.dtype),
-                                                registry)
+        # the workers run at this core's dtype and platform choices, not at what auto
+        # means on their hosts
+        settled = self.platform.settle_options(config.platform_options or {},
+                                               dtype_auto=config.dtype == "auto")
+        self.executor: Executor = make_executor(
+            worker_config(config, self.config.dtype, settled), registry)
         if not self.executor.runs_model_here:
             # The model runs in the workers; this process only samples, and OpenMP
             # threads spinning after each sampling op took the workers' cores (W2's

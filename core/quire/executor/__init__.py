@@ -22,11 +22,16 @@ if TYPE_CHECKING:  # the runner imports this package's messages; keep its import
 __all__ = ["check_parallel", "make_executor", "worker_config"]
 
 
-def worker_config(config: EngineConfig, dtype: torch.dtype) -> EngineConfig:
+def worker_config(config: EngineConfig, dtype: torch.dtype,
+                  platform_options: dict[str, Any] | None = None) -> EngineConfig:
     """``config`` with the dtype the engine core settled made explicit, for its workers:
     what ``dtype="auto"`` means depends on the host (the cpu platform's bfloat16 needs
-    the CPU's bfloat16 products), and ranks on different hosts must run at one dtype."""
-    return dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+    the CPU's bfloat16 products), and ranks on different hosts must run at one dtype;
+    likewise the platform options it settled (``Platform.settle_options``), when given."""
+    changes: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch.")}
+    if platform_options is not None:
+        changes["platform_options"] = platform_options
+    return dataclasses.replace(config, **changes)
 
 
 def make_executor(config: EngineConfig, registry: PlatformRegistry) -> Executor:

@@ -158,7 +158,7 @@ class Worker:
             aux_width)
         #: This rank's step replies carry the logits (the last stage's first rank).
         self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
-        if not config.compile and self.platform.bf16_activations():
+        if not config.compile and self.platform.bf16_activations(config.dtype == "auto"):
             use_bfloat16_activations(self.model)
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
@@ -226,7 +226,7 @@ class Worker:
                               extra_models=registry.model_specs(),
                               quantization=quantization, ops=self.ops)
         model.eval()
-        if self.platform.bf16_activations():
+        if self.platform.bf16_activations(self.config.engine.dtype == "auto"):
             use_bfloat16_activations(model)
         self.platform.prepare_model(model, compiled=False)
         layer_ids = tuple(getattr(model, "kv_layer_ids", range(model.num_layers)))

@@ -128,13 +128,21 @@ class Platform(ABC):
         API 1.2; must return one of :attr:`supported_dtypes`)."""
         return self.supported_dtypes[0]
 
-    def bf16_activations(self) -> bool:
+    def bf16_activations(self, dtype_auto: bool) -> bool:
         """Whether a model's weight-only quantised products take bfloat16 activations
         (the op set ``quantized_linear``'s ``bf16_activations``: float32 rows and weights
-        rounded to bfloat16, float32 sums and results), a precision apart from the
-        model's dtype, as PyTorch's ``float32_matmul_precision`` is. Only for a platform
-        whose op takes that keyword. Plugin API 1.5; default False."""
+        rounded to bfloat16, float32 sums and results), given whether the user left
+        ``dtype`` to ``auto`` (an explicit ``float32`` asks for float32 products). Only
+        for a platform whose op takes that keyword. Plugin API 1.5; default False."""
         return False
+
+    def settle_options(self, options: Mapping[str, Any], *,
+                       dtype_auto: bool) -> dict[str, Any]:
+        """``options`` (its ``platform_options``) with every choice that depends on the
+        host or on ``dtype="auto"`` made explicit: what the engine core hands its
+        workers, with the dtype it settled, so that ranks on other hosts run as it
+        decided. Called after :meth:`configure`. Plugin API 1.5; default: unchanged."""
+        return dict(options)
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing). Host platforms need nothing."""

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 #:      pages given back, for one memory budget shared by several models); a 1.3
 #:      backend gives nothing back, so its models split that budget evenly.
 #: 1.5: Platform.bf16_activations (weight-only quantised products on bfloat16-rounded
-#:      activations in a float32 model, the op's ``bf16_activations`` keyword); a 1.4
-#:      platform keeps its float products.
+#:      activations in a float32 model, the op's ``bf16_activations`` keyword) and
+#:      Platform.settle_options (host-dependent options made explicit for workers); a
+#:      1.4 platform keeps its float products and its options as given.
 PLUGIN_API_VERSION = "1.5"
 
 

@@ -217,31 +217,52 @@ class CpuPlatform(Platform):
             "cpu", quantized_linear=make_quantized_linear(
                 native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
 
-    def bf16_activations(self) -> bool:
-        """The ``activations`` option resolved for this CPU and build: ``bfloat16``, or
-        ``auto`` where the CPU has AMX bfloat16 tiles and the build the bfloat16 kernel
-        (whatever the dtype: ``activations=dtype`` keeps a float32 model's products
-        exact). Logged when it is taken, and when ``bfloat16`` cannot run here."""
-        native = self._native_kernels()
-        kernel = native is not None and native.has_quant_bf16
-        chosen = self.options.activations
-        if chosen == "bfloat16" and not kernel:
+    def bf16_activations(self, dtype_auto: bool) -> bool:
+        """The ``activations`` option resolved for this CPU, build and dtype:
+        ``bfloat16``, or ``auto`` where the CPU has AMX bfloat16 tiles, the build the
+        bfloat16 kernel, and the user left ``dtype`` to ``auto`` (an explicit
+        ``float32`` keeps float32 products). Logged when it is taken, and when
+        ``bfloat16`` cannot run here."""
+        chosen = self._resolved_activations(dtype_auto)
+        if chosen == "bfloat16" and not self._has_bf16_kernel():
             logger.warning("cpu platform: activations=bfloat16 needs bfloat16 products "
                            "(AVX512_BF16), which this build has not: products stay float32")
             return False
-        if chosen == "auto":
-            if not (kernel and detect().amx_bf16):
-                if kernel:
-                    logger.info("cpu platform: products on quantised weights keep the "
-                                "model's dtype; activations=bfloat16 runs batches and "
-                                "prompts faster on this CPU's bfloat16 products (speed and "
-                                "accuracy: docs/quantization.md, 'Activations')")
-                return False
-            logger.info("cpu platform: activations auto -> bfloat16 (AMX bfloat16 tiles): "
-                        "batched products on quantised weights take bfloat16 activations, "
-                        "the model float32; activations=dtype keeps them float32")
-            return True
+        if chosen == "bfloat16":
+            logger.info("cpu platform: batched products on quantised weights take bfloat16 "
+                        "activations, the model %s (activations=%s); activations=dtype "
+                        "keeps them exact", "float32 otherwise" if dtype_auto else
+                        "in its dtype otherwise", self.options.activations)
         return chosen == "bfloat16"
+
+    def settle_options(self, options: Mapping[str, Any], *,
+                       dtype_auto: bool) -> dict[str, Any]:
+        """``activations=auto`` made ``bfloat16`` or ``dtype`` as this host and the
+        user's dtype decide (:meth:`bf16_activations`)."""
+        settled = dict(options)
+        if self.options.activations == "auto":
+            settled["activations"] = self._resolved_activations(dtype_auto)
+        return settled
+
+    def _has_bf16_kernel(self) -> bool:
+        native = self._native_kernels()
+        return native is not None and native.has_quant_bf16
+
+    def _resolved_activations(self, dtype_auto: bool) -> str:
+        """The ``activations`` option with ``auto`` resolved: ``bfloat16`` for a dtype
+        left to auto on AMX bfloat16 tiles with the bfloat16 kernel, else ``dtype``
+        (with a hint where bfloat16 products would be faster)."""
+        chosen = self.options.activations
+        if chosen != "auto":
+            return chosen
+        if dtype_auto and self._has_bf16_kernel():
+            if detect().amx_bf16:
+                return "bfloat16"
+            logger.info("cpu platform: products on quantised weights keep the model's "
+                        "dtype; activations=bfloat16 runs batches and prompts faster on "
+                        "this CPU's bfloat16 products (speed and accuracy: "
+                        "docs/quantization.md, 'Activations')")
+        return "dtype"
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""
