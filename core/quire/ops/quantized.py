@@ -37,7 +37,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     ``float32_matmul_precision="medium"`` allows a float32 product), here exactly that;
     a platform may round fewer rows (a decode's) or none, so it is held to the bfloat16
     tolerance. The engine sets it on a model's layers (:class:`QuantizedLinearKernel`)
-    only where ``Platform.bf16_activations()`` says so, so an op that does not take it
+    only where ``Platform.bf16_activations`` says so, so an op that does not take it
     is never given it.
     ``int8_activations`` (``w8a8``; ``weight`` ``int8`` or ``q8_0``): with ``int8``
     weights, each row of ``x`` is quantised to int8 with ``scale = max |x| / 127``
@@ -131,7 +131,7 @@ class QuantizedLinearKernel:
     rows this rank holds none of (a tensor-parallel vocabulary's padding).
 
     ``bf16_activations`` (False until the engine sets it, where
-    ``Platform.bf16_activations()`` says so) passes the op's keyword of that name with
+    ``Platform.bf16_activations`` says so) passes the op's keyword of that name with
     weight-only products."""
 
     def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],

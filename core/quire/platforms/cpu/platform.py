@@ -230,9 +230,8 @@ class CpuPlatform(Platform):
             return False
         if chosen == "bfloat16":
             logger.info("cpu platform: batched products on quantised weights take bfloat16 "
-                        "activations, the model %s (activations=%s); activations=dtype "
-                        "keeps them exact", "float32 otherwise" if dtype_auto else
-                        "in its dtype otherwise", self.options.activations)
+                        "activations, the rest of the model its dtype; activations=dtype "
+                        "keeps them exact (docs/quantization.md, 'Activations')")
         return chosen == "bfloat16"
 
     def settle_options(self, options: Mapping[str, Any], *,

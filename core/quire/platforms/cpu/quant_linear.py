@@ -118,4 +118,3 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
 
     linear.__doc__ = quantized_linear.__doc__
     return linear
-
