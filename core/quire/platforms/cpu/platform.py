@@ -104,8 +104,8 @@ class CpuPlatform(Platform):
         and why are logged.
 
         A GGUF file keeps a float32 model even where bfloat16 would be faster: a
-        bfloat16 residual stream moves the next-token distribution five times as far
-        from float32 as bfloat16 products alone do, enough to change a greedy answer.
+        bfloat16 residual stream moves the next-token distribution far further from
+        float32 than bfloat16 products alone do, enough to change a greedy answer.
         Its products take bfloat16 where that is fast through the ``activations``
         option instead (figures: docs/quantization.md, "Activations").
         """
