@@ -237,9 +237,8 @@ def test_tiny_gguf_matches_transformers_loading_the_same_file(tmp_path, tiny_che
     _write_tiny_gemma3_gguf(path)
     reference = hf_model(tmp_path, gguf_file=path.name)
     # the file has no vocabulary; the tiny checkpoint's tokenizer has the same 384 ids
-    # float32 products, as the oracle's (activations=auto takes bfloat16 on AMX hosts)
     llm = LLM(str(path), tokenizer=str(tiny_checkpoint("gemma3")), device="cpu",
-              dtype="float32", platform_options={"activations": "dtype"})
+              dtype="float32")
     assert llm.engine.core.executor.worker.model.sliding_windows == (8,) * 5 + (None,)
     tok = llm.get_tokenizer()
     _check_greedy_and_logprobs(llm, reference, [tok.encode(t) for t in TEXTS], 16, 1e-4)
