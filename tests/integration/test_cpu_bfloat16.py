@@ -104,7 +104,7 @@ def test_bfloat16_decode_batches_in_c_agree_with_float32_on_the_top_token(
     assert layers and all(
         layer is not None and (layer._panels if whole else layer._products) is not None
         for layer in layers)
-    attend = _count(layers, "decode_batch_bf16" if whole else "bf16_attend")
+    attend = _count(layers, "decode_batch_bf16" if whole else "rows_attend")
     generated = {"c": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     assert attend.calls == 9 * len(layers)  # every decode step, every layer
     for layer in layers:

@@ -396,7 +396,7 @@ class _Bf16Proxy:
 
     def __init__(self, kernels: NativeKernels, attend: Counting, rotate: Counting,
                  batch: Counting) -> None:
-        self._kernels, self.bf16_attend, self.bf16_rotate = kernels, attend, rotate
+        self._kernels, self.rows_attend, self.rows_rotate = kernels, attend, rotate
         self.decode_batch_bf16 = batch
 
     def __getattr__(self, name):
@@ -438,7 +438,7 @@ def test_a_bfloat16_model_runs_batches_in_c(
     install_norm_kernels(fused, kernels)
     assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
     pack_linear_weights(plain)  # bfloat16 oneDNN products, torch for the rest
-    attend, rotate = Counting(kernels.bf16_attend), Counting(kernels.bf16_rotate)
+    attend, rotate = Counting(kernels.rows_attend), Counting(kernels.rows_rotate)
     batch = Counting(kernels.decode_batch_bf16)
     for layer in fused.model.layers:
         layer.kernel.native = _Bf16Proxy(kernels, attend, rotate, batch)
@@ -481,12 +481,12 @@ def test_a_bfloat16_model_runs_batches_in_c(
 
 def test_the_bfloat16_pieces_round_the_residual_stream_as_torch_does(
         kernels: NativeKernels) -> None:
-    """quire_bf16_front then quire_bf16_post_attn with a zero attention output: the
+    """quire_rows_front then quire_rows_post_attn with a zero attention output: the
     residual they return is x + residual summed in float32 and rounded to nearest even,
     bit for bit as torch rounds (ties, a width with an 8-lane tail, inf and NaN)."""
     import ctypes
 
-    from quire.platforms.cpu.native import Bf16RowsArgs, LayerDescArgs
+    from quire.platforms.cpu.native import LayerDescArgs, RowsArgs
 
     gen = torch.Generator().manual_seed(3)
     rows, hidden = 5, 67
@@ -501,13 +501,13 @@ def test_the_bfloat16_pieces_round_the_residual_stream_as_torch_does(
     stream = torch.empty(rows, hidden)
     normed, out = torch.empty_like(x), torch.empty_like(x)
     zeros = torch.zeros_like(x)
-    args = Bf16RowsArgs(rows=rows, hidden=hidden, hq=1, hkv=1, d=2,
-                        desc=ctypes.pointer(desc), x=x.data_ptr(),
-                        residual=residual.data_ptr(), stream=stream.data_ptr(),
-                        normed=normed.data_ptr(), o_out=zeros.data_ptr(),
-                        residual_out=out.data_ptr())
-    assert kernels.bf16_front(ctypes.byref(args)) == 0
-    assert kernels.bf16_post_attn(ctypes.byref(args)) == 0
+    args = RowsArgs(rows=rows, hidden=hidden, hq=1, hkv=1, d=2,
+                    desc=ctypes.pointer(desc), x=x.data_ptr(),
+                    residual=residual.data_ptr(), stream=stream.data_ptr(),
+                    normed=normed.data_ptr(), o_out=zeros.data_ptr(),
+                    residual_out=out.data_ptr())
+    assert kernels.rows_front(ctypes.byref(args)) == 0
+    assert kernels.rows_post_attn(ctypes.byref(args)) == 0
     want = (x.float() + residual.float()).bfloat16()
     assert torch.equal(out.view(torch.int16)[~want.isnan()],
                        want.view(torch.int16)[~want.isnan()])
@@ -527,7 +527,7 @@ def test_a_bfloat16_mixed_step_runs_the_c_pieces_around_the_backend(
     install_norm_kernels(fused, kernels)
     assert install_fused_decode(fused, kernels) == {"fused": config.num_hidden_layers}
     pack_linear_weights(plain)
-    attend, rotate = Counting(kernels.bf16_attend), Counting(kernels.bf16_rotate)
+    attend, rotate = Counting(kernels.rows_attend), Counting(kernels.rows_rotate)
     batch = Counting(kernels.decode_batch_bf16)
     for layer in fused.model.layers:
         layer.kernel.native = _Bf16Proxy(kernels, attend, rotate, batch)

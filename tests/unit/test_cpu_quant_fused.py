@@ -1,7 +1,8 @@
 """A GGUF model's blocks on the cpu platform's C kernels: every decoder layer runs whole
-in C for a lone sequence's decode steps (the fused layer reading the blocks), batches
-run op by op on the quantised products, and both give what the torch reference gives
-(``native=false``: the reference ``quantized_linear`` and torch attention)."""
+in C for a lone sequence's decode steps (the fused layer reading the blocks), other
+steps run the C pieces between the products on the blocks, and both give what the
+torch reference gives (``native=false``: the reference ``quantized_linear`` and torch
+attention)."""
 
 from __future__ import annotations
 
@@ -60,29 +61,59 @@ def test_int8_decode_activations_stay_close_to_float32(q4_k_m):
 
 def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkeypatch):
     """``--dtype bfloat16`` on the blocks: a batch of 6 decode rows runs the C steps
-    between the products (``_bf16_rows``), the products on the blocks. Against the torch
+    between the products (``_rows_step``), the products on the blocks. Against the torch
     reference in bfloat16 (the op-by-op path, float32 weights): the same first tokens,
     logprobs within bfloat16's noise (0.1; measured within 0.01)."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
 
     calls = []
-    original = FusedDecodeLayer._bf16_rows
+    original = FusedDecodeLayer._rows_step
 
     def counting(self, hidden, *args):
         calls.append(hidden.shape[0])
         return original(self, hidden, *args)
 
-    monkeypatch.setattr(FusedDecodeLayer, "_bf16_rows", counting)
+    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", counting)
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
     native = _run(q4_k_m, prompts, dtype="bfloat16")
     assert 6 in calls  # the decode batches took the C steps
-    monkeypatch.setattr(FusedDecodeLayer, "_bf16_rows", original)
+    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", original)
     reference = _run(q4_k_m, prompts, dtype="bfloat16", platform_options={"native": "false"})
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
         agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
                      len(tokens))
         assert agree >= 2
         assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cache_dtype,
+                                                                 monkeypatch):
+    """A float32 model on the blocks (no float32 panels: they would be a float copy of
+    the weights): prompt steps and batches of 6 decode rows run the C steps between the
+    products (``_rows_step``: norms, rotary, the decode rows' KV writes and attention,
+    the activation), the products on the blocks. Against the torch reference
+    (``native=false``): the same tokens, logprobs to float32 rounding (1e-4), with
+    float32 pages and with bfloat16 ones (which both round alike)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+
+    calls = []
+    original = FusedDecodeLayer._rows_step
+
+    def counting(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return original(self, hidden, *args)
+
+    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", counting)
+    prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
+    native = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
+    assert 6 in calls and 36 in calls  # decode batches and the prompts' step took it
+    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", original)
+    reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
+                     platform_options={"native": "false"})
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -266,6 +266,30 @@ def test_bfloat16_activations_round_a_float32_model_s_batches_only(
             assert torch.equal(y, wide)
 
 
+@pytest.mark.parametrize("name", ["q4_1", "q6_k", "f16", "int8"])
+def test_float32_rows_are_rounded_in_the_call_as_torch_rounds_them(kernels: NativeKernels,
+                                                                   name: str) -> None:
+    """``quant_linear_bf16`` on float32 rows (``quire_quant_gemm_bf16_f32``) rounds them
+    in the kernel's call: bit for bit the product of the rows torch rounds to bfloat16
+    first, ties to even included, for row counts that grow and shrink the call's buffer
+    (tiles, tails, fewer than a tile)."""
+    if not kernels.has_quant_bf16:
+        pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
+    gen = torch.Generator().manual_seed(12)
+    cols = 512
+    weight = make_weight(name, 40, cols, gen)
+    bias = torch.randn(40, generator=gen)
+    for m in (5, 64, 7, 300, 16):
+        x = torch.randn(m, cols, generator=gen)
+        # ties: 1 + 2^-8 rounds to 1, 1 + 3 * 2^-8 to 1 + 2^-6 (to even both)
+        x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130])
+        y = kernels.quant_linear_bf16(x, weight, bias if m % 2 else None)
+        want = kernels.quant_linear_bf16(x.to(torch.bfloat16), weight,
+                                         bias if m % 2 else None)
+        assert y is not None and y.dtype == torch.float32
+        assert torch.equal(y, want)
+
+
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "q4_k", "f16", "int8"])
 def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
                                                        name: str) -> None:

@@ -47,17 +47,20 @@ AVX512_BF16; :mod:`~quire.platforms.cpu.dispatch` may move a shape to oneDNN), r
 whole layer in one call too (``quire_decode_batch_bf16``: the float32 batch layer,
 each product's input rows rounded to bfloat16). Every other step (prompts, mixed
 steps, decode batches with a product on oneDNN) runs each product on its own kernel
-and what lies between them in C, one call per gap (``quire_bf16_*``): residual and
+and what lies between them in C, one call per gap (``quire_rows_*``): residual and
 norms, q/k norms and rotary, for decode steps the KV writes and paged attention too
 (other steps attend through the backend), the activation. Both keep the residual
 stream in float32 through a layer and round it once, where the op-by-op path rounds
 it after each add. Numbers differ from the op-by-op bfloat16 path by bfloat16
 rounding (the C layers round less often), not float32's.
 
-A bfloat16 model on quantised weights (a GGUF file's blocks with ``--dtype bfloat16``)
-runs its lone sequence's decode steps as the whole C layer on the blocks, and its other
-steps as the bfloat16 steps above, each product through the platform's
-``quantized_linear`` (bfloat16 pair panels made from the blocks, ``csrc/quant_gemm.c``).
+A model on quantised weights (a GGUF file's blocks) runs its lone sequence's decode
+steps as the whole C layer on the blocks, and its other steps as the bfloat16 steps
+above (``quire_rows_*``), each product through the platform's ``quantized_linear`` on
+the blocks (``csrc/quant_gemm.c``). In a float32 model the rows between the products
+stay float32 (the C pieces copy them where a bfloat16 model's round them), so results
+are the op-by-op path's to float32 rounding; the blocks have no float32 panels, which
+would be a float copy of the weights.
 """
 
 from __future__ import annotations
@@ -72,11 +75,11 @@ from torch import nn
 from quire.ops.layer_spec import DecoderLayerSpec, NormSpec
 from quire.ops.quantized import QuantizedLinearKernel
 from quire.platforms.cpu.native import (
-    Bf16RowsArgs,
     LayerDescArgs,
     LinearArgs,
     NativeKernels,
     PanelArgs,
+    RowsArgs,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
@@ -152,23 +155,24 @@ class FusedDecodeLayer:
             self._panels = _with_absent_mlp(
                 [ctypes.byref(args) for args in self._panel_args])
         self._biases = biases
-        # a bfloat16 layer's other steps: each product on its PackedLinear's own
-        # choice (pair panels or oneDNN's packed copy) or its quantised parts' op (the
-        # platform's quantized_linear: bfloat16 pair panels from the blocks), with the
-        # modules' own biases; the rest in C
+        # the steps the layers above do not take: each product on its PackedLinear's
+        # own choice (pair panels or oneDNN's packed copy) or its quantised parts' op
+        # (the platform's quantized_linear on the blocks), with the modules' own biases;
+        # the rest in C. A bfloat16 layer's other steps; a float32 layer's on quantised
+        # weights, which have no float32 panels (a float copy of the weights)
         self._products = None
-        if self.dtype == torch.bfloat16 and all(
-                isinstance(k, _QuantizedView)
-                or (k.dtype == torch.bfloat16 and (k.packed is not None or k.panels is not None))
-                for k in kernels):
+        if all(isinstance(k, _QuantizedView)
+               or (self.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+                   and (k.packed is not None or k.panels is not None))
+               for k in kernels):
             self._products = _with_absent_mlp(
                 [(k.compact if isinstance(k, _QuantizedView) else k, getattr(m, "bias", None))
                  for k, m in zip(kernels, modules)])
             inter = 0 if spec.gate_up is None else kernels[2].out_features // 2
-            self._rows = Bf16RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
-                                      desc=ctypes.pointer(self._desc), window=self.window,
-                                      scale=self.scale,
-                                      inter=inter)
+            self._rows = RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
+                                  desc=ctypes.pointer(self._desc), window=self.window,
+                                  scale=self.scale, inter=inter,
+                                  rows_f32=self.dtype == torch.float32)
             self.rows_args = ctypes.byref(self._rows)
             self._out_norm = spec.mlp_out_norm is not None
 
@@ -198,7 +202,7 @@ class FusedDecodeLayer:
             if self._panels is not None and self._pure_decode(rows, ctx):
                 done = self._decode(hidden, residual, cos.float(), sin.float(), ctx)
             if done is None and self._products is not None:
-                done = self._bf16_rows(hidden, residual, cos, sin, ctx)
+                done = self._rows_step(hidden, residual, cos, sin, ctx)
             if done is None:
                 return None
         if done is None or self.mlp is None:
@@ -227,6 +231,8 @@ class FusedDecodeLayer:
             done = self._decode(hidden, residual, cos, sin, ctx)
         if done is None and self._panels is not None:
             done = self._halves(hidden, residual, cos, sin, ctx)
+        if done is None and self._products is not None:
+            done = self._rows_step(hidden, residual, cos, sin, ctx)
         return done
 
     def _lone_bf16(self, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -353,14 +359,14 @@ class FusedDecodeLayer:
             raise RuntimeError("quire_layer_back_f32 refused shapes its front accepted")
         return out, new_residual
 
-    def _bf16_rows(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def _rows_step(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor,
                    ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A bfloat16 layer's step of several rows (or one without compact copies): each
-        product one call (oneDNN, pair panels or the quantised op), what lies between
-        them one C call
-        (``quire_bf16_*``); a decode step's attention in C too, any other step's by the
-        attention backend. None when the inputs do not fit (nothing written yet)."""
+        """A step of several rows (or one without compact copies) whose products run
+        outside C: each product one call (oneDNN, pair panels or the quantised op), what
+        lies between them one C call (``quire_rows_*``); a decode step's attention in C
+        too, any other step's by the attention backend. None when the inputs do not fit
+        (nothing written yet)."""
         rows, hq, hkv, d = hidden.shape[0], self.hq, self.hkv, self.d
         native, args, ref = self.native, self._rows, self.rows_args
         (qkv_w, qkv_b), (o_w, o_b), gate_up, down = self._products
@@ -369,45 +375,47 @@ class FusedDecodeLayer:
         args.rows, args.x, args.stream, args.normed = (rows, hidden.data_ptr(),
                                                        stream.data_ptr(), normed.data_ptr())
         args.residual = None if residual is None else residual.data_ptr()
-        if native.bf16_front(ref):
+        if native.rows_front(ref):
             return None
-        qkv = qkv_w(normed, qkv_b)
+        qkv = qkv_w(normed, qkv_b).contiguous()
+        if qkv.dtype != self.dtype:
+            return None
         args.qkv, args.cos, args.sin = qkv.data_ptr(), cos.data_ptr(), sin.data_ptr()
         args.rot_stride, args.rot_bf16 = cos.stride(0), cos.dtype == torch.bfloat16
-        attn = self._bf16_decode_attention(rows, ctx) if self._pure_decode(rows, ctx) else None
+        attn = self._decode_attention_rows(rows, ctx) if self._pure_decode(rows, ctx) else None
         if attn is None:  # the backend writes the cache and attends
-            if native.bf16_rotate(ref):
+            if native.rows_rotate(ref):
                 return None
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             attn = ctx.attention(self.layer_idx, q.view(rows, hq, d), k.view(rows, hkv, d),
                                  v.view(rows, hkv, d), scale=self.scale,
                                  sliding_window=self.window or None)
-            attn = attn.reshape(rows, hq * d).to(torch.bfloat16).contiguous()
+            attn = attn.reshape(rows, hq * d).to(self.dtype).contiguous()
         # the cache is written now: a refusal below is a bug, not a decline
-        o_out = o_w(attn, o_b)
+        o_out = o_w(attn, o_b).contiguous()
         new_residual = torch.empty_like(hidden)
         args.o_out, args.residual_out = o_out.data_ptr(), new_residual.data_ptr()
-        _check(native.bf16_post_attn(ref), "quire_bf16_post_attn")
+        _check(native.rows_post_attn(ref), "quire_rows_post_attn")
         if gate_up is None:  # the MLP runs outside, on normed
             return normed, new_residual
-        gu = gate_up[0](normed, gate_up[1])
+        gu = gate_up[0](normed, gate_up[1]).contiguous()
         act = hidden.new_empty(rows, self._rows.inter)
         args.gate_up, args.act = gu.data_ptr(), act.data_ptr()
-        _check(native.bf16_act(ref), "quire_bf16_act")
-        out = down[0](act, down[1])
+        _check(native.rows_act(ref), "quire_rows_act")
+        out = down[0](act, down[1]).contiguous()
         if self._out_norm:
             args.out = out.data_ptr()
-            _check(native.bf16_out_norm(ref), "quire_bf16_out_norm")
+            _check(native.rows_out_norm(ref), "quire_rows_out_norm")
         return out, new_residual
 
-    def _bf16_decode_attention(self, rows: int, ctx: ForwardContext) -> torch.Tensor | None:
+    def _decode_attention_rows(self, rows: int, ctx: ForwardContext) -> torch.Tensor | None:
         """A decode step's q/k norms, rotary, cache writes and attention in one C call:
-        the bfloat16 attention rows, or None when the cache or tables do not fit it
-        (nothing written then)."""
+        the attention rows in the model's dtype, or None when the cache (float32 or
+        bfloat16 pages) or tables do not fit it (nothing written then)."""
         group, slots = ctx.metadata.groups[0], ctx.metadata.slot_mapping
         kv_cache = ctx.kv_caches[self.layer_idx]
         tables, lens = group.decode_tables, group.lens
-        if not (kv_cache.dtype == self.dtype and kv_cache.is_contiguous()
+        if not (kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)
                 and tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
                 and lens.dtype == slots.dtype == tables.dtype == torch.int64):
@@ -417,11 +425,12 @@ class FusedDecodeLayer:
         base = kv_cache.data_ptr()
         args.k_cache = base
         args.v_cache = base + kv_cache[0].numel() * kv_cache.element_size()
+        args.kv_bf16 = kv_cache.dtype == torch.bfloat16
         args.slots, args.tables, args.seq_lens = (slots.data_ptr(), tables.data_ptr(),
                                                   lens.data_ptr())
         args.table_stride, args.block_size = tables.stride(0), kv_cache.shape[2]
         args.attn = attn.data_ptr()
-        return None if self.native.bf16_attend(self.rows_args) else attn
+        return None if self.native.rows_attend(self.rows_args) else attn
 
 
 class _QuantizedView:
@@ -460,7 +469,7 @@ def _f32_panels(kernel: PackedLinear) -> bool:
 
 def _check(failed: int, entry: str) -> None:
     if failed:
-        raise RuntimeError(f"{entry} refused shapes quire_bf16_front accepted")
+        raise RuntimeError(f"{entry} refused shapes quire_rows_front accepted")
 
 
 #: The description's norms, in ``struct quire_layer_desc`` order after norm_in.

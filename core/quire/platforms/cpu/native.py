@@ -145,11 +145,13 @@ class LayerDescArgs(ctypes.Structure):
     ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
-class Bf16RowsArgs(ctypes.Structure):
-    """``struct quire_bf16_rows`` of ``csrc/decode_layer.c``: one step of a bfloat16
-    layer whose products run on oneDNN, the shapes and the rows between the products
-    (bfloat16 but ``stream``, the float32 residual stream). Every ``quire_bf16_*`` entry
-    point takes it. Holds raw pointers, as :class:`LinearArgs` does."""
+class RowsArgs(ctypes.Structure):
+    """``struct quire_rows`` of ``csrc/decode_layer.c``: one step of a layer whose
+    products run outside the C pieces (oneDNN, pair panels or the quantised op), the
+    shapes and the rows between the products (the model's dtype, ``rows_f32`` saying
+    which, but ``stream``, the float32 residual stream) and the KV pages' dtype
+    (``kv_bf16``). Every ``quire_rows_*`` entry point takes it. Holds raw pointers, as
+    :class:`LinearArgs` does."""
 
     _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
                 ("desc", ctypes.POINTER(LayerDescArgs)), ("x", _ptr), ("residual", _ptr),
@@ -159,7 +161,8 @@ class Bf16RowsArgs(ctypes.Structure):
                 ("seq_lens", _ptr), ("table_stride", _i64), ("block_size", _i64),
                 ("window", _i64), ("scale", ctypes.c_float), ("attn", _ptr),
                 ("o_out", _ptr), ("gate_up", _ptr), ("inter", _i64), ("act", _ptr),
-                ("out", _ptr), ("residual_out", _ptr)]
+                ("out", _ptr), ("residual_out", _ptr), ("rows_f32", ctypes.c_int32),
+                ("kv_bf16", ctypes.c_int32)]
 
 
 def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
@@ -232,14 +235,14 @@ class NativeKernels:
         self.layer_back_f32.restype = ctypes.c_int
         self.layer_back_f32.argtypes = [
             _i64, _ptr, _i64, _ptr, desc, panel, panel, panel, _ptr]
-        # Raw as well: a bfloat16 layer's steps between its oneDNN products, each taking
-        # a pointer to one Bf16RowsArgs (fused_decode.py's FusedDecodeLayer._bf16_rows).
-        rows = ctypes.POINTER(Bf16RowsArgs)
+        # Raw as well: a layer's steps between its products, each taking a pointer to
+        # one RowsArgs (fused_decode.py's FusedDecodeLayer._rows_step).
+        rows = ctypes.POINTER(RowsArgs)
         for name in ("front", "attend", "rotate", "post_attn", "act", "out_norm"):
-            entry = getattr(library, f"quire_bf16_{name}")
+            entry = getattr(library, f"quire_rows_{name}")
             entry.restype = ctypes.c_int
             entry.argtypes = [rows]
-            setattr(self, f"bf16_{name}", entry)
+            setattr(self, f"rows_{name}", entry)
         self._panel = library.quire_panel_gemm_f32
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
@@ -268,6 +271,8 @@ class NativeKernels:
                                        _i64]
         # quant_gemm.c's bfloat16 path (levels with AVX512_BF16; absent from older builds)
         self._quant_bf16 = getattr(library, "quire_quant_gemm_bf16", None)
+        # the same for float32 rows, rounded in the call (absent from older builds)
+        self._quant_bf16_f32 = getattr(library, "quire_quant_gemm_bf16_f32", None)
         available = getattr(library, "quire_quant_gemm_bf16_available", None)
         #: whether this build multiplies bfloat16 rows by quantised weights (AVX512_BF16)
         self.has_quant_bf16 = (self._quant_bf16 is not None and available is not None
@@ -276,10 +281,11 @@ class NativeKernels:
         #: whether the bfloat16 products on quantised weights run on AMX tiles: the amx
         #: level's build, once Linux granted this process the tile state (amx_tiles.c)
         self.has_amx = ready is not None and bool(ready())
-        if self._quant_bf16 is not None:
-            self._quant_bf16.restype = ctypes.c_int
-            self._quant_bf16.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64,
-                                         _ptr, _ptr, _ptr, _i64]
+        for entry in (self._quant_bf16, self._quant_bf16_f32):
+            if entry is not None:
+                entry.restype = ctypes.c_int
+                entry.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
+                                  _ptr, _ptr, _i64]
         # quant_q8.c: the same products with the activations quantised to int8 per 32
         # values (integer dot products); absent from a library built before it
         self._quant_q8 = getattr(library, "quire_quant_gemm_q8", None)
@@ -454,7 +460,8 @@ class NativeKernels:
 
     def quant_linear_bf16(self, x: torch.Tensor, weight: QuantizedTensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """``x @ W.T + bias`` for bfloat16 ``x`` ``[m, cols]`` and a quantised ``W`` read in
+        """``x @ W.T + bias`` for bfloat16 ``x`` ``[m, cols]``, or float32 ``x`` rounded to
+        bfloat16 (nearest even, as torch) in the call, and a quantised ``W`` read in
         place: each weight dequantised as :mod:`quire.quantization.dequant` does, rounded
         to bfloat16, and summed in float32 (``csrc/quant_gemm.c``, AVX512_BF16 only; on
         AMX tiles where :attr:`has_amx`).
@@ -463,13 +470,15 @@ class NativeKernels:
             arguments do not fit it (odd ``cols``) or scratch could not be had.
         :raises ValueError: as :meth:`quant_linear`.
         """
-        if not (self.has_quant_bf16 and x.dtype == torch.bfloat16 and x.dim() == 2
+        entry = {torch.bfloat16: self._quant_bf16,
+                 torch.float32: self._quant_bf16_f32}.get(x.dtype)
+        if not (self.has_quant_bf16 and entry is not None and x.dim() == 2
                 and x.device.type == "cpu" and x.is_contiguous()):
             return None
-        y = self._quant_args(x, weight, bias, None, rows_dtype=torch.bfloat16)
+        y = self._quant_args(x, weight, bias, None, rows_dtype=x.dtype)
         if y is None:
             return None
-        return self._quant_call(self._quant_bf16, (weight.format.id,), x, weight, bias, y)
+        return self._quant_call(entry, (weight.format.id,), x, weight, bias, y)
 
     #: quire_quant_gemm_q8's code for a format it does not take (the caller falls back)
     QUANT_Q8_UNSUPPORTED = 4

@@ -81,8 +81,8 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
         if ((x.dtype == torch.bfloat16 or bf16_activations) and not int8_activations
                 and native.has_quant_bf16 and x.numel() > BF16_MIN_ROWS * weight.cols):
-            flat = x.reshape(-1, weight.cols).to(torch.bfloat16).contiguous()
-            y = native.quant_linear_bf16(flat, weight, b)
+            # float32 rows are rounded in the kernel's call, not by a torch pass first
+            y = native.quant_linear_bf16(x.reshape(-1, weight.cols).contiguous(), weight, b)
             if y is not None:
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
         rows = x.reshape(-1, weight.cols).to(torch.float32).contiguous()

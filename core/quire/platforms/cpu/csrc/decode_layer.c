@@ -741,38 +741,42 @@ int quire_decode_batch_bf16(
 }
 
 /*
- * A bfloat16 model's layer for a batch of rows, its products left to oneDNN's bfloat16
- * kernels (faster than float32 panels on a host with AVX512_BF16 or AMX): everything
- * between the products runs here, one call and one parallel region per gap, rows over
- * the team. quire/platforms/cpu/fused_decode.py calls them in this order, the
+ * A layer for a batch of rows whose products run outside (oneDNN's bfloat16 kernels,
+ * the pair panels, or the platform's quantized_linear on a GGUF file's blocks):
+ * everything between the products runs here, one call and one parallel region per gap,
+ * rows over the team. quire/platforms/cpu/fused_decode.py calls them in this order, the
  * products between:
  *
- *   quire_bf16_front       stream = residual + x (float32); normed = rms_norm(stream)
+ *   quire_rows_front       stream = residual + x (float32); normed = rms_norm(stream)
  *   [qkv = W_qkv normed]
- *   quire_bf16_attend      decode steps: q/k norms, rotary, this step's K/V into the
+ *   quire_rows_attend      decode steps: q/k norms, rotary, this step's K/V into the
  *                          pages, each row's attention over its sequence's pages -> attn
- *   quire_bf16_rotate      other steps: q/k norms and rotary on qkv in place; the
+ *   quire_rows_rotate      other steps: q/k norms and rotary on qkv in place; the
  *                          attention backend writes the cache and attends
  *   [o_out = W_o attn]
- *   quire_bf16_post_attn   stream += attn_out_norm(o_out); normed = pre_mlp_norm(stream);
+ *   quire_rows_post_attn   stream += attn_out_norm(o_out); normed = pre_mlp_norm(stream);
  *                          residual_out = stream
  *   [gate_up = W_gate_up normed]
- *   quire_bf16_act         act = act(gate) * up
+ *   quire_rows_act         act = act(gate) * up
  *   [out = W_down act]
- *   quire_bf16_out_norm    out = mlp_out_norm(out) in place (layers that have one)
+ *   quire_rows_out_norm    out = mlp_out_norm(out) in place (layers that have one)
  *
- * Every bfloat16 row is widened to float32 on the way in and rounded (to nearest even,
- * as torch) on the way out; the residual stream stays float32 through the layer and is
- * rounded once, into residual_out, where the op-by-op path rounds it after each add.
- * All take one struct quire_bf16_rows, whose pointers the caller sets for the step.
+ * The rows (every pointer but stream) hold the model's dtype: bfloat16 (rows_f32 0),
+ * widened to float32 on the way in and rounded (to nearest even, as torch) on the way
+ * out, the residual stream float32 through the layer and rounded once, into
+ * residual_out, where the op-by-op path rounds it after each add; or float32 (rows_f32
+ * 1: a float32 model on quantised weights), copied, so that the results are the op-by-op
+ * path's to float32 rounding. The KV pages hold float32 or bfloat16 (kv_bf16), whatever
+ * the rows hold. All take one struct quire_rows, whose pointers the caller sets for the
+ * step.
  */
-struct quire_bf16_rows {
+struct quire_rows {
     int64_t rows, hidden, hq, hkv, d;
     const struct quire_layer_desc *desc;
-    const uint16_t *x, *residual;  /* [rows, hidden]; residual NULL on the first layer */
+    const void *x, *residual;      /* [rows, hidden]; residual NULL on the first layer */
     float *stream;                 /* [rows, hidden]: the float32 residual stream */
-    uint16_t *normed;              /* [rows, hidden]: a product's input */
-    uint16_t *qkv;                 /* [rows, (hq + 2 hkv) d]: q, k, v heads */
+    void *normed;                  /* [rows, hidden]: a product's input */
+    void *qkv;                     /* [rows, (hq + 2 hkv) d]: q, k, v heads */
     const void *cos, *sin;         /* row r's rotary factors at r * rot_stride */
     int64_t rot_stride;
     int32_t rot_bf16;              /* cos and sin hold bfloat16 (else float32) */
@@ -780,12 +784,14 @@ struct quire_bf16_rows {
     const int64_t *slots, *tables, *seq_lens; /* [rows], [rows, table_stride], [rows] */
     int64_t table_stride, block_size, window;
     float scale;
-    uint16_t *attn;                /* [rows, hq d] */
-    const uint16_t *o_out;         /* [rows, hidden] */
-    const uint16_t *gate_up;       /* [rows, 2 inter]: gate then up */
+    void *attn;                    /* [rows, hq d] */
+    const void *o_out;             /* [rows, hidden] */
+    const void *gate_up;           /* [rows, 2 inter]: gate then up */
     int64_t inter;
-    uint16_t *act;                 /* [rows, inter] */
-    uint16_t *out, *residual_out;  /* [rows, hidden] */
+    void *act;                     /* [rows, inter] */
+    void *out, *residual_out;      /* [rows, hidden] */
+    int32_t rows_f32;              /* the rows hold float32 (else bfloat16) */
+    int32_t kv_bf16;               /* the KV pages hold bfloat16 (else float32) */
 };
 
 static void widen_row(const uint16_t *src, int64_t n, float *dst) {
@@ -798,7 +804,7 @@ static void widen_row(const uint16_t *src, int64_t n, float *dst) {
         dst[i] = bf16_to_f32(src[i]);
 }
 
-/* f32_to_bf16 eight lanes at a time (the scalar one took half of quire_bf16_act). */
+/* f32_to_bf16 eight lanes at a time (the scalar one took half of quire_rows_act). */
 static void round_row(const float *src, int64_t n, uint16_t *dst) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -814,17 +820,35 @@ static void round_row(const float *src, int64_t n, uint16_t *dst) {
         dst[i] = f32_to_bf16(src[i]);
 }
 
-static int bf16_rows_fit(const struct quire_bf16_rows *a) {
+/* n values of the rows at element offset off of base, as float32 into dst. */
+static void load_row(const struct quire_rows *a, const void *base, int64_t off, int64_t n,
+                     float *dst) {
+    if (a->rows_f32)
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    else
+        widen_row((const uint16_t *)base + off, n, dst);
+}
+
+/* n float32 values of src into the rows at element offset off of base. */
+static void store_row(const struct quire_rows *a, const float *src, int64_t n, void *base,
+                      int64_t off) {
+    if (a->rows_f32)
+        memcpy((float *)base + off, src, (size_t)n * sizeof(float));
+    else
+        round_row(src, n, (uint16_t *)base + off);
+}
+
+static int rows_fit(const struct quire_rows *a) {
     return a->rows > 0 && a->hidden > 0 && a->hq > 0 && a->hkv > 0 && a->hq % a->hkv == 0 &&
            a->d > 0 && a->d % 2 == 0 && desc_fits(a->desc);
 }
 
-/* Row r of qkv widened into q (qkv's width), its q and k heads normalised (with q/k
+/* Row r of qkv as float32 into q (qkv's width), its q and k heads normalised (with q/k
  * norms) and rotated. rot: 2 d floats of scratch for bfloat16 factors. */
-static void qk_row(const struct quire_bf16_rows *a, int64_t r, float *q, float *rot) {
+static void qk_row(const struct quire_rows *a, int64_t r, float *q, float *rot) {
     const int64_t d = a->d, hq = a->hq, hkv = a->hkv;
     const struct quire_layer_desc *desc = a->desc;
-    widen_row(a->qkv + r * (hq + 2 * hkv) * d, (hq + 2 * hkv) * d, q);
+    load_row(a, a->qkv, r * (hq + 2 * hkv) * d, (hq + 2 * hkv) * d, q);
     if (desc->q_norm) {
         norm_heads(q, hq, d, desc->q_norm, desc->eps);
         norm_heads(q + hq * d, hkv, d, desc->k_norm, desc->eps);
@@ -842,26 +866,28 @@ static void qk_row(const struct quire_bf16_rows *a, int64_t r, float *q, float *
 }
 
 /* Each returns 0; 1 when the shapes disagree; 2 when scratch memory is short. */
-int quire_bf16_front(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a))
+int quire_rows_front(const struct quire_rows *a) {
+    if (!rows_fit(a))
         return 1;
     const int64_t hidden = a->hidden;
     const struct quire_layer_desc *desc = a->desc;
-    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * 2 * hidden));
     if (scratch == NULL)
         return 2;
 #pragma omp parallel
     {
-        float *normed = scratch + omp_get_thread_num() * hidden;
+        float *normed = scratch + omp_get_thread_num() * 2 * hidden, *res = normed + hidden;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
             float *h = a->stream + r * hidden;
-            widen_row(a->x + r * hidden, hidden, h);
-            if (a->residual)
+            load_row(a, a->x, r * hidden, hidden, h);
+            if (a->residual) {
+                load_row(a, a->residual, r * hidden, hidden, res);
                 for (int64_t i = 0; i < hidden; i++)
-                    h[i] += bf16_to_f32(a->residual[r * hidden + i]);
+                    h[i] += res[i];
+            }
             quire_rms_norm_row(h, desc->norm_in, desc->eps, hidden, normed);
-            round_row(normed, hidden, a->normed + r * hidden);
+            store_row(a, normed, hidden, a->normed, r * hidden);
         }
     }
     return 0;
@@ -870,8 +896,8 @@ int quire_bf16_front(const struct quire_bf16_rows *a) {
 /* Decode rows (row r the one new token of sequence r): this step's keys and values into
  * the pages, then each row's attention over its sequence's pages. Returns 2 when
  * scratch memory is short. */
-int quire_bf16_attend(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a))
+int quire_rows_attend(const struct quire_rows *a) {
+    if (!rows_fit(a))
         return 1;
     const int64_t d = a->d, hq = a->hq, row = a->hkv * d, qkv_n = (a->hq + 2 * a->hkv) * d;
     int64_t longest = 0;
@@ -888,7 +914,7 @@ int quire_bf16_attend(const struct quire_bf16_rows *a) {
     float *scratch = quire_thread_scratch((size_t)(a->rows * qkv_n + threads * per_thread));
     if (scratch == NULL)
         return 2;
-    const int kv_bf16 = a->desc->kv_bf16;
+    const int kv_bf16 = a->kv_bf16;
 #pragma omp parallel
     {
         float *mine = scratch + a->rows * qkv_n + omp_get_thread_num() * per_thread;
@@ -911,7 +937,7 @@ int quire_bf16_attend(const struct quire_bf16_rows *a) {
                             a->tables + s * a->table_stride, start, len - start, h,
                             h + heads, hq / a->hkv, row, d, a->block_size, a->scale, scores,
                             attn);
-            round_row(attn + h * d, heads * d, a->attn + s * hq * d + h * d);
+            store_row(a, attn + h * d, heads * d, a->attn, s * hq * d + h * d);
         }
     }
     return 0;
@@ -919,8 +945,8 @@ int quire_bf16_attend(const struct quire_bf16_rows *a) {
 
 /* Any rows: qkv's q and k heads normalised and rotated in place (v untouched), for the
  * attention backend. */
-int quire_bf16_rotate(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a))
+int quire_rows_rotate(const struct quire_rows *a) {
+    if (!rows_fit(a))
         return 1;
     const int64_t d = a->d, qk_n = (a->hq + a->hkv) * d, qkv_n = qk_n + a->hkv * d;
     const int64_t per_thread = 2 * d + qkv_n;
@@ -933,14 +959,14 @@ int quire_bf16_rotate(const struct quire_bf16_rows *a) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
             qk_row(a, r, q, rot);
-            round_row(q, qk_n, a->qkv + r * qkv_n);
+            store_row(a, q, qk_n, a->qkv, r * qkv_n);
         }
     }
     return 0;
 }
 
-int quire_bf16_post_attn(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a))
+int quire_rows_post_attn(const struct quire_rows *a) {
+    if (!rows_fit(a))
         return 1;
     const int64_t hidden = a->hidden;
     const struct quire_layer_desc *desc = a->desc;
@@ -953,21 +979,21 @@ int quire_bf16_post_attn(const struct quire_bf16_rows *a) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
             float *h = a->stream + r * hidden;
-            widen_row(a->o_out + r * hidden, hidden, t);
+            load_row(a, a->o_out, r * hidden, hidden, t);
             if (desc->attn_out_norm)
                 quire_rms_norm_row(t, desc->attn_out_norm, desc->eps, hidden, t);
             for (int64_t i = 0; i < hidden; i++)
                 h[i] += t[i];
-            round_row(h, hidden, a->residual_out + r * hidden);
+            store_row(a, h, hidden, a->residual_out, r * hidden);
             quire_rms_norm_row(h, desc->norm_pre_mlp, desc->eps, hidden, t);
-            round_row(t, hidden, a->normed + r * hidden);
+            store_row(a, t, hidden, a->normed, r * hidden);
         }
     }
     return 0;
 }
 
-int quire_bf16_act(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a) || a->inter <= 0)
+int quire_rows_act(const struct quire_rows *a) {
+    if (!rows_fit(a) || a->inter <= 0)
         return 1;
     const int64_t inter = a->inter;
     float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * 3 * inter));
@@ -978,16 +1004,16 @@ int quire_bf16_act(const struct quire_bf16_rows *a) {
         float *gu = scratch + omp_get_thread_num() * 3 * inter, *act = gu + 2 * inter;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
-            widen_row(a->gate_up + r * 2 * inter, 2 * inter, gu);
+            load_row(a, a->gate_up, r * 2 * inter, 2 * inter, gu);
             act_mul(a->desc->activation, gu, gu + inter, inter, act);
-            round_row(act, inter, a->act + r * inter);
+            store_row(a, act, inter, a->act, r * inter);
         }
     }
     return 0;
 }
 
-int quire_bf16_out_norm(const struct quire_bf16_rows *a) {
-    if (!bf16_rows_fit(a) || !a->desc->mlp_out_norm)
+int quire_rows_out_norm(const struct quire_rows *a) {
+    if (!rows_fit(a) || !a->desc->mlp_out_norm)
         return 1;
     const int64_t hidden = a->hidden;
     float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
@@ -998,9 +1024,9 @@ int quire_bf16_out_norm(const struct quire_bf16_rows *a) {
         float *t = scratch + omp_get_thread_num() * hidden;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
-            widen_row(a->out + r * hidden, hidden, t);
+            load_row(a, a->out, r * hidden, hidden, t);
             quire_rms_norm_row(t, a->desc->mlp_out_norm, a->desc->eps, hidden, t);
-            round_row(t, hidden, a->out + r * hidden);
+            store_row(a, t, hidden, a->out, r * hidden);
         }
     }
     return 0;

@@ -32,7 +32,8 @@
  * layout) are multiplied on AMX tiles instead (amx_tiles.c): a group of 8 panels is
  * unpacked over the whole of K, then each 32 rows run every K block with the sums kept
  * in the tiles; row and K tails take vdpbf16ps. Returns 4 where the level has no
- * AVX512_BF16, or K is odd.
+ * AVX512_BF16, or K is odd. quire_quant_gemm_bf16_f32 takes float32 rows (a float32
+ * model's bfloat16 products) and rounds them to bfloat16 as torch does, in the call.
  *
  * Integer activations (quire_quant_gemm_i8, w8a8): each row of x is quantised to int8
  * as quire.ops.quantized.quantize_activations does (scale max|x| / 127, round half to
@@ -911,22 +912,27 @@ static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
 
 int quire_quant_gemm_bf16_available(void) { return 1; }
 
-int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
-                          const uint8_t *w, int64_t w_stride, int64_t n,
-                          const float *row_scales, const float *bias, float *y, int64_t ldy) {
-    if (blk_vals(fmt) == 0)
-        return 1;
-    if (k % true_block(fmt) || k < 0)
-        return 2;
-    if (k & 1)
-        return 4; /* pairs need an even K (every block format has one) */
-    if (m <= 0 || n <= 0)
-        return 0;
+/* The calling thread's buffer for float32 rows rounded to bfloat16 (shared with its
+ * team for one call of quire_quant_gemm_bf16_f32; quire_thread_scratch is the team
+ * members' own). */
+static __thread uint16_t *rounded_rows;
+static __thread size_t rounded_cap;
+
+/* Both entries: x holds bfloat16 rows, or with xf float32 ones, which the team first
+ * rounds into x (nearest even, as torch rounds), each thread some rows. */
+static int bf16_gemm(int32_t fmt, uint16_t *x, const float *xf, int64_t m, int64_t k,
+                     const uint8_t *w, int64_t w_stride, int64_t n, const float *row_scales,
+                     const float *bias, float *y, int64_t ldy) {
     const int64_t num_panels = (n + 15) / 16;
     const int amx = quire_amx_ready();
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
+        if (xf != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                round_to_pairs(xf + r * k, k, (uint32_t *)(x + r * k));
+        }
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t p0 = num_panels * t / team, p1 = num_panels * (t + 1) / team;
         failed |= amx ? bf16_amx_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
@@ -937,6 +943,46 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
     return failed ? 3 : 0;
 }
 
+static int bf16_gemm_fits(int32_t fmt, int64_t k) {
+    if (blk_vals(fmt) == 0)
+        return 1;
+    if (k % true_block(fmt) || k < 0)
+        return 2;
+    if (k & 1)
+        return 4; /* pairs need an even K (every block format has one) */
+    return 0;
+}
+
+int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
+                          const uint8_t *w, int64_t w_stride, int64_t n,
+                          const float *row_scales, const float *bias, float *y, int64_t ldy) {
+    const int bad = bf16_gemm_fits(fmt, k);
+    if (bad || m <= 0 || n <= 0)
+        return bad;
+    return bf16_gemm(fmt, (uint16_t *)x, NULL, m, k, w, w_stride, n, row_scales, bias, y, ldy);
+}
+
+/* The same product for float32 rows x, rounded to bfloat16 inside the call: one parallel
+ * region where rounding them first (torch's .to) took a second one a call. */
+int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
+                              const uint8_t *w, int64_t w_stride, int64_t n,
+                              const float *row_scales, const float *bias, float *y,
+                              int64_t ldy) {
+    const int bad = bf16_gemm_fits(fmt, k);
+    if (bad || m <= 0 || n <= 0)
+        return bad;
+    const size_t need = (size_t)m * (size_t)k;
+    if (need > rounded_cap) {
+        uint16_t *grown = malloc(need * sizeof *grown);
+        if (grown == NULL)
+            return 3;
+        free(rounded_rows);
+        rounded_rows = grown;
+        rounded_cap = need;
+    }
+    return bf16_gemm(fmt, rounded_rows, x, m, k, w, w_stride, n, row_scales, bias, y, ldy);
+}
+
 #else
 
 int quire_quant_gemm_bf16_available(void) { return 0; }
@@ -945,6 +991,15 @@ int quire_quant_gemm_bf16_available(void) { return 0; }
 int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                           const uint8_t *w, int64_t w_stride, int64_t n,
                           const float *row_scales, const float *bias, float *y, int64_t ldy) {
+    (void)fmt, (void)x, (void)m, (void)k, (void)w, (void)w_stride, (void)n;
+    (void)row_scales, (void)bias, (void)y, (void)ldy;
+    return 4;
+}
+
+int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
+                              const uint8_t *w, int64_t w_stride, int64_t n,
+                              const float *row_scales, const float *bias, float *y,
+                              int64_t ldy) {
     (void)fmt, (void)x, (void)m, (void)k, (void)w, (void)w_stride, (void)n;
     (void)row_scales, (void)bias, (void)y, (void)ldy;
     return 4;
