@@ -33,6 +33,23 @@ def _run(path: Path, prompts, **options):
                                                  o.outputs[0].token_ids)]) for o in outs]
 
 
+def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
+    """:func:`_run`, and the rows of every step a layer ran as the C pieces between its
+    products (``FusedDecodeLayer._rows_step``)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+
+    calls: list[int] = []
+    original = FusedDecodeLayer._rows_step
+
+    def counting(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return original(self, hidden, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FusedDecodeLayer, "_rows_step", counting)
+        return _run(path, prompts, **options), calls
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_c_kernels_give_the_reference_tokens_and_logprobs(q4_k_m, batched, caplog):
     prompts = PROMPTS if batched else PROMPTS[:1]
@@ -64,20 +81,9 @@ def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkey
     between the products (``_rows_step``), the products on the blocks. Against the torch
     reference in bfloat16 (the op-by-op path, float32 weights): the same first tokens,
     logprobs within bfloat16's noise (0.1; measured within 0.01)."""
-    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
-
-    calls = []
-    original = FusedDecodeLayer._rows_step
-
-    def counting(self, hidden, *args):
-        calls.append(hidden.shape[0])
-        return original(self, hidden, *args)
-
-    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", counting)
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
-    native = _run(q4_k_m, prompts, dtype="bfloat16")
+    native, calls = _run_counting_rows_steps(monkeypatch, q4_k_m, prompts, dtype="bfloat16")
     assert 6 in calls  # the decode batches took the C steps
-    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", original)
     reference = _run(q4_k_m, prompts, dtype="bfloat16", platform_options={"native": "false"})
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
         agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
@@ -95,20 +101,10 @@ def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cach
     the activation), the products on the blocks. Against the torch reference
     (``native=false``): the same tokens, logprobs to float32 rounding (1e-4), with
     float32 pages and with bfloat16 ones (which both round alike)."""
-    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
-
-    calls = []
-    original = FusedDecodeLayer._rows_step
-
-    def counting(self, hidden, *args):
-        calls.append(hidden.shape[0])
-        return original(self, hidden, *args)
-
-    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", counting)
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
-    native = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
+    native, calls = _run_counting_rows_steps(monkeypatch, q4_k_m, prompts,
+                                             kv_cache_dtype=kv_cache_dtype)
     assert 6 in calls and 36 in calls  # decode batches and the prompts' step took it
-    monkeypatch.setattr(FusedDecodeLayer, "_rows_step", original)
     reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
