@@ -290,6 +290,46 @@ def test_float32_rows_are_rounded_in_the_call_as_torch_rounds_them(kernels: Nati
         assert torch.equal(y, want)
 
 
+def test_a_layer_s_parts_in_one_call_are_the_op_s_part_by_part(
+        kernels: NativeKernels) -> None:
+    """``quant_parts_bf16`` (``quire_quant_gemm_bf16_parts``): a layer's parts in mixed
+    formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K; an int8 part with its row
+    scales), part sizes that split panels between threads at any boundary, float32 and
+    bfloat16 rows. Each part's columns equal ``quant_linear_bf16`` on that part alone,
+    bit for bit. Through the fused layer's product (``_QuantizedProduct``): the layer's
+    kernel's output, bit for bit, with and without ``bf16_activations``, a bias, and
+    rows the op keeps on float32 products (4 or fewer)."""
+    from quire.ops.quantized import QuantizedLinearKernel
+    from quire.platforms.cpu.fused_decode import _QuantizedProduct
+    from quire.platforms.cpu.native import QPartArgs
+
+    if not kernels.has_quant_bf16:
+        pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
+    gen = torch.Generator().manual_seed(13)
+    cols = 512
+    parts = [make_weight("q4_k", 72, cols, gen), make_weight("q4_k", 40, cols, gen),
+             make_weight("q6_k", 24, cols, gen), make_weight("int8", 9, cols, gen)]
+    array = (QPartArgs * len(parts))(*(QPartArgs.of(p) for p in parts))
+    total = sum(p.rows for p in parts)
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (5, 64, 33):
+            x = torch.randn(m, cols, generator=gen).to(dtype)
+            y = kernels.quant_parts_bf16(x, array, total)
+            assert y is not None and y.shape == (m, total)
+            want = torch.cat([kernels.quant_linear_bf16(x, p) for p in parts], dim=1)
+            assert torch.equal(y, want)
+    kernel = QuantizedLinearKernel(parts, make_quantized_linear(kernels), total)
+    product = _QuantizedProduct(kernels, kernel, int8_rows=False)
+    bias = torch.randn(total, generator=gen)
+    for bf16_activations in (False, True):
+        kernel.bf16_activations = bf16_activations
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (3, 5, 64):
+                x = torch.randn(m, cols, generator=gen).to(dtype)
+                b = bias.to(dtype) if m != 5 else None
+                assert torch.equal(product(x, b), kernel(x, b))
+
+
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "q4_k", "f16", "int8"])
 def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
                                                        name: str) -> None:

@@ -79,9 +79,11 @@ from quire.platforms.cpu.native import (
     LinearArgs,
     NativeKernels,
     PanelArgs,
+    QPartArgs,
     RowsArgs,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
+from quire.platforms.cpu.quant_linear import BF16_MIN_ROWS
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
 if TYPE_CHECKING:
@@ -100,9 +102,10 @@ class FusedDecodeLayer:
     C for decode steps, its halves in C around the attention backend for the rest."""
 
     def __init__(self, native: NativeKernels, spec: DecoderLayerSpec,
-                 int8_decode: bool = False) -> None:
+                 int8_decode: bool = False, int8_rows: bool = False) -> None:
         """:param int8_decode: quantised weights' one-row products take int8 activations
-            where the kernels have them (the ``decode_activations`` option)."""
+            where the kernels have them (the ``decode_activations`` option).
+        :param int8_rows: every row of those products does (``activations=int8``)."""
         self.native = native
         self.layer_idx = spec.layer_idx
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -166,7 +169,8 @@ class FusedDecodeLayer:
                    and (k.packed is not None or k.panels is not None))
                for k in kernels):
             self._products = _with_absent_mlp(
-                [(k.compact if isinstance(k, _QuantizedView) else k, getattr(m, "bias", None))
+                [(_QuantizedProduct(native, k.compact, int8_rows)
+                  if isinstance(k, _QuantizedView) else k, getattr(m, "bias", None))
                  for k, m in zip(kernels, modules)])
             inter = 0 if spec.gate_up is None else kernels[2].out_features // 2
             self._rows = RowsArgs(hidden=self.hidden, hq=self.hq, hkv=self.hkv, d=self.d,
@@ -450,6 +454,35 @@ class _QuantizedView:
         self.in_features = kernel.parts[0].cols
 
 
+class _QuantizedProduct:
+    """A quantised layer's product in :meth:`FusedDecodeLayer._rows_step`. Where the
+    platform's op would multiply every part on the bfloat16 kernel (more than
+    :data:`~quire.platforms.cpu.quant_linear.BF16_MIN_ROWS` bfloat16 rows, or float32
+    ones with ``bf16_activations``; no int8 rows), all the parts in one call
+    (:meth:`NativeKernels.quant_parts_bf16`: one parallel region, no ``cat``), the same
+    numbers as the op gives part by part; else the layer's kernel, part by part."""
+
+    def __init__(self, native: NativeKernels, kernel: QuantizedLinearKernel,
+                 int8_rows: bool) -> None:
+        self.native = native
+        self.kernel = kernel
+        # structs into the parts' blocks, which live as long as the model
+        self._parts = (QPartArgs * len(kernel.parts))(*(QPartArgs.of(p) for p in kernel.parts))
+        self._one_call = (len(kernel.parts) > 1 and not kernel.padding and not int8_rows
+                          and native.has_quant_bf16 and kernel.parts[0].cols % 2 == 0)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self._one_call and x.dim() == 2 and x.shape[0] > BF16_MIN_ROWS
+                and (x.dtype == torch.bfloat16
+                     or (x.dtype == torch.float32 and self.kernel.bf16_activations))):
+            y = self.native.quant_parts_bf16(x.contiguous(), self._parts,
+                                             self.kernel.out_features)
+            if y is not None:
+                y = y.to(x.dtype)  # as the op rounds each part's result
+                return y if bias is None else y + bias
+        return self.kernel(x, bias)
+
+
 def _view(kernel: object) -> object:
     return _QuantizedView(kernel) if isinstance(kernel, QuantizedLinearKernel) else kernel
 
@@ -532,7 +565,8 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
 
 
 def install_fused_decode(model: nn.Module, native: NativeKernels,
-                         int8_decode: bool = False) -> dict[str, int]:
+                         int8_decode: bool = False, int8_rows: bool = False
+                         ) -> dict[str, int]:
     """Give every decoder layer of ``model`` whose description the C layer runs a
     :class:`FusedDecodeLayer` (after
     :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
@@ -547,7 +581,7 @@ def install_fused_decode(model: nn.Module, native: NativeKernels,
         spec = describe()
         reason = decline_reason(spec)
         if reason is None:
-            module.kernel = FusedDecodeLayer(native, spec, int8_decode)
+            module.kernel = FusedDecodeLayer(native, spec, int8_decode, int8_rows)
         outcomes[reason or "fused"] = outcomes.get(reason or "fused", 0) + 1
     declined = {k: v for k, v in outcomes.items() if k != "fused"}
     logger.info("cpu platform: %d decoder layers run in C%s", outcomes.get("fused", 0),

@@ -286,6 +286,12 @@ class NativeKernels:
                 entry.restype = ctypes.c_int
                 entry.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,
                                   _ptr, _ptr, _i64]
+        # a layer's parts in one call (absent from older builds)
+        self._quant_bf16_parts = getattr(library, "quire_quant_gemm_bf16_parts", None)
+        if self._quant_bf16_parts is not None:
+            self._quant_bf16_parts.restype = ctypes.c_int
+            self._quant_bf16_parts.argtypes = [_i64, _ptr, _ptr, ctypes.c_int32, _i64, _i64,
+                                               _ptr, _ptr, _i64]
         # quant_q8.c: the same products with the activations quantised to int8 per 32
         # values (integer dot products); absent from a library built before it
         self._quant_q8 = getattr(library, "quire_quant_gemm_q8", None)
@@ -479,6 +485,28 @@ class NativeKernels:
         if y is None:
             return None
         return self._quant_call(entry, (weight.format.id,), x, weight, bias, y)
+
+    def quant_parts_bf16(self, x: torch.Tensor, parts: ctypes.Array,
+                         out_features: int) -> torch.Tensor | None:
+        """:meth:`quant_linear_bf16` for a layer's parts in one call (``parts``: its
+        :class:`QPartArgs` in output order, ``out_features`` their rows in all; the
+        caller keeps the parts alive): float32 ``[m, out_features]``, each part's
+        columns what :meth:`quant_linear_bf16` gives for it alone, no bias. None where
+        :meth:`quant_linear_bf16` would be (no such path, odd columns, no scratch).
+        """
+        if not (self.has_quant_bf16 and self._quant_bf16_parts is not None
+                and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+                and x.device.type == "cpu" and x.is_contiguous()):
+            return None
+        m = x.shape[0]
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        failed = self._quant_bf16_parts(len(parts), ctypes.addressof(parts), x.data_ptr(),
+                                        x.dtype == torch.float32, m, x.shape[1], None,
+                                        y.data_ptr(), out_features)
+        if failed in (1, 2):
+            raise ValueError(f"quant_gemm: a part does not fit {x.shape[1]} columns: "
+                             f"{self._QUANT_ERRORS[failed]}")
+        return None if failed else y
 
     #: quire_quant_gemm_q8's code for a format it does not take (the caller falls back)
     QUANT_Q8_UNSUPPORTED = 4

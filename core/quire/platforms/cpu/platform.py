@@ -203,7 +203,8 @@ class CpuPlatform(Platform):
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)),
                                  bfloat16=True)
             # needs the packed layers' panels or copies
-            install_fused_decode(model, native, int8_decode=options.int8_decode)
+            install_fused_decode(model, native, int8_decode=options.int8_decode,
+                                 int8_rows=options.activations == "int8")
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
 

@@ -315,6 +315,18 @@ void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const fl
  * 16 * np: stored, or added to what y holds when `accumulate`. One thread, no OpenMP:
  * for quant_gemm.c, which dequantises a strip of weights into panels and multiplies
  * them here (the same tiles as the panel GEMM). */
+/* One part of a quantised weight: rows rows of in_features weights in format fmt (a
+ * quant_gemm.c id), row r at w + r * w_stride; scales: a row-scaled format's, or NULL.
+ * A layer's parts (q, k and v; gate and up) are its outputs in order. */
+struct quire_qpart {
+    int32_t fmt;
+    int64_t rows;
+    const uint8_t *w;
+    int64_t w_stride;
+    const float *scales;
+    int32_t q8; /* the activations quantised to int8 per 32 values (quant_q8.c) */
+};
+
 /* quant_gemm.c: the one-row products of quantised weights inside a running team (the
  * fused decode layer's), and whether a format and width fit them. */
 void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,

@@ -67,17 +67,6 @@ struct quire_linear {
     int64_t num_parts;                    /* QUIRE_FORMAT_QUANT only */
 };
 
-/* One part of a quantised weight: rows rows of in_features weights in format fmt (a
- * quant_gemm.c id), row r at w + r * w_stride; scales: a row-scaled format's, or NULL. */
-struct quire_qpart {
-    int32_t fmt;
-    int64_t rows;
-    const uint8_t *w;
-    int64_t w_stride;
-    const float *scales;
-    int32_t q8; /* the activations quantised to int8 per 32 values (quant_q8.c) */
-};
-
 #define QUIRE_FORMAT_PANELS 3
 #define QUIRE_FORMAT_QUANT 4
 

@@ -33,7 +33,9 @@
  * unpacked over the whole of K, then each 32 rows run every K block with the sums kept
  * in the tiles; row and K tails take vdpbf16ps. Returns 4 where the level has no
  * AVX512_BF16, or K is odd. quire_quant_gemm_bf16_f32 takes float32 rows (a float32
- * model's bfloat16 products) and rounds them to bfloat16 as torch does, in the call.
+ * model's bfloat16 products) and rounds them to bfloat16 as torch does, in the call;
+ * quire_quant_gemm_bf16_parts takes a layer's parts (q, k and v) in one call, their
+ * panels shared out over the team as one run, outputs side by side.
  *
  * Integer activations (quire_quant_gemm_i8, w8a8): each row of x is quantised to int8
  * as quire.ops.quantized.quantize_activations does (scale max|x| / 127, round half to
@@ -918,12 +920,17 @@ int quire_quant_gemm_bf16_available(void) { return 1; }
 static __thread uint16_t *rounded_rows;
 static __thread size_t rounded_cap;
 
-/* Both entries: x holds bfloat16 rows, or with xf float32 ones, which the team first
- * rounds into x (nearest even, as torch rounds), each thread some rows. */
-static int bf16_gemm(int32_t fmt, uint16_t *x, const float *xf, int64_t m, int64_t k,
-                     const uint8_t *w, int64_t w_stride, int64_t n, const float *row_scales,
-                     const float *bias, float *y, int64_t ldy) {
-    const int64_t num_panels = (n + 15) / 16;
+/* Every entry: the parts' outputs side by side in y (part p's bias at bias + its first
+ * output), their 16-column panels shared out over the team as one run, so a layer's
+ * parts (q, k, v) take one parallel region. x holds bfloat16 rows, or with xf float32
+ * ones, which the team first rounds into x (nearest even, as torch rounds), each thread
+ * some rows. */
+static int bf16_gemm(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
+                     const float *xf, int64_t m, int64_t k, const float *bias, float *y,
+                     int64_t ldy) {
+    int64_t num_panels = 0;
+    for (int64_t p = 0; p < nparts; p++)
+        num_panels += (parts[p].rows + 15) / 16;
     const int amx = quire_amx_ready();
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -934,11 +941,22 @@ static int bf16_gemm(int32_t fmt, uint16_t *x, const float *xf, int64_t m, int64
                 round_to_pairs(xf + r * k, k, (uint32_t *)(x + r * k));
         }
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t p0 = num_panels * t / team, p1 = num_panels * (t + 1) / team;
-        failed |= amx ? bf16_amx_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y, ldy,
-                                       p0, p1)
-                      : bf16_panel_share(fmt, x, m, k, w, w_stride, n, row_scales, bias, y,
-                                         ldy, p0, p1);
+        const int64_t g0 = num_panels * t / team, g1 = num_panels * (t + 1) / team;
+        /* this thread's panels [g0, g1) of the run, part by part */
+        for (int64_t p = 0, first = 0, col = 0; p < nparts && first < g1;
+             col += parts[p].rows, first += (parts[p].rows + 15) / 16, p++) {
+            const struct quire_qpart *q = &parts[p];
+            const int64_t count = (q->rows + 15) / 16;
+            const int64_t p0 = g0 > first ? g0 - first : 0;
+            const int64_t p1 = g1 - first < count ? g1 - first : count;
+            if (p0 >= p1)
+                continue;
+            const float *b = bias ? bias + col : NULL;
+            failed |= amx ? bf16_amx_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows,
+                                           q->scales, b, y + col, ldy, p0, p1)
+                          : bf16_panel_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows,
+                                             q->scales, b, y + col, ldy, p0, p1);
+        }
     }
     return failed ? 3 : 0;
 }
@@ -959,7 +977,23 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
     const int bad = bf16_gemm_fits(fmt, k);
     if (bad || m <= 0 || n <= 0)
         return bad;
-    return bf16_gemm(fmt, (uint16_t *)x, NULL, m, k, w, w_stride, n, row_scales, bias, y, ldy);
+    const struct quire_qpart part = {fmt, n, w, w_stride, row_scales, 0};
+    return bf16_gemm(1, &part, (uint16_t *)x, NULL, m, k, bias, y, ldy);
+}
+
+/* Float32 rows for bf16_gemm: the calling thread's buffer grown to m * k (0, or 3 when
+ * memory is short). */
+static int rounded_room(int64_t m, int64_t k) {
+    const size_t need = (size_t)m * (size_t)k;
+    if (need > rounded_cap) {
+        uint16_t *grown = malloc(need * sizeof *grown);
+        if (grown == NULL)
+            return 3;
+        free(rounded_rows);
+        rounded_rows = grown;
+        rounded_cap = need;
+    }
+    return 0;
 }
 
 /* The same product for float32 rows x, rounded to bfloat16 inside the call: one parallel
@@ -971,16 +1005,30 @@ int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
     const int bad = bf16_gemm_fits(fmt, k);
     if (bad || m <= 0 || n <= 0)
         return bad;
-    const size_t need = (size_t)m * (size_t)k;
-    if (need > rounded_cap) {
-        uint16_t *grown = malloc(need * sizeof *grown);
-        if (grown == NULL)
-            return 3;
-        free(rounded_rows);
-        rounded_rows = grown;
-        rounded_cap = need;
+    if (rounded_room(m, k))
+        return 3;
+    const struct quire_qpart part = {fmt, n, w, w_stride, row_scales, 0};
+    return bf16_gemm(1, &part, rounded_rows, x, m, k, bias, y, ldy);
+}
+
+/* A layer's parts (all k wide) in one call: x float32 (x_f32, rounded in the call) or
+ * bfloat16 rows, y [m, sum of rows] (ldy apart), bias over all of it or NULL. Returns as
+ * quire_quant_gemm_bf16, for the first part that does not fit. */
+int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
+                                const void *x, int32_t x_f32, int64_t m, int64_t k,
+                                const float *bias, float *y, int64_t ldy) {
+    for (int64_t p = 0; p < nparts; p++) {
+        const int bad = bf16_gemm_fits(parts[p].fmt, k);
+        if (bad)
+            return bad;
     }
-    return bf16_gemm(fmt, rounded_rows, x, m, k, w, w_stride, n, row_scales, bias, y, ldy);
+    if (m <= 0 || nparts <= 0)
+        return 0;
+    if (!x_f32)
+        return bf16_gemm(nparts, parts, (uint16_t *)x, NULL, m, k, bias, y, ldy);
+    if (rounded_room(m, k))
+        return 3;
+    return bf16_gemm(nparts, parts, rounded_rows, x, m, k, bias, y, ldy);
 }
 
 #else
@@ -1002,6 +1050,14 @@ int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
                               int64_t ldy) {
     (void)fmt, (void)x, (void)m, (void)k, (void)w, (void)w_stride, (void)n;
     (void)row_scales, (void)bias, (void)y, (void)ldy;
+    return 4;
+}
+
+int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
+                                const void *x, int32_t x_f32, int64_t m, int64_t k,
+                                const float *bias, float *y, int64_t ldy) {
+    (void)nparts, (void)parts, (void)x, (void)x_f32, (void)m, (void)k, (void)bias, (void)y;
+    (void)ldy;
     return 4;
 }
 #endif
