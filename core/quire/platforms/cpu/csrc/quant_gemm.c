@@ -867,9 +867,10 @@ static int64_t amx_group(int64_t k) { return k <= 2048 ? 8 : 4; }
 
 /* The same on AMX tiles (amx_tiles.c): a group's panels are dequantised over the whole
  * of K first, then each 32 rows of x run every K block on tiles, the sums kept in the
- * tiles (no float sums written back between K chunks) and stored once into a [32][16 G]
- * buffer copied to y with the bias; what is left of K past whole 32-value blocks, and
- * rows past whole 16, with bf_tile. */
+ * tiles (no float sums written back between K chunks) and stored once: straight into y
+ * where the rows, K and the columns are whole tiles and there is no bias, else into a
+ * [32][16 G] buffer copied to y with the bias; what is left of K past whole 32-value
+ * blocks, and rows past whole 16, with bf_tile. */
 static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                           const uint8_t *w, int64_t ws, int64_t n, const float *rs,
                           const float *bias, float *y, int64_t ldy, int64_t p_begin,
@@ -895,6 +896,11 @@ static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
         for (int64_t r0 = 0; r0 < m; r0 += 32) {
             const int64_t mr = m - r0 < 32 ? m - r0 : 32, m16 = mr & ~(int64_t)15;
             const uint16_t *xr = x + r0 * k;
+            if (bias == NULL && m16 == mr && 32 * kt == k && cols == 16 * np) {
+                /* whole tiles, no bias: the tiles are stored straight into y */
+                quire_amx_pairs(xr, k, m16, pairs, pstride, np, kt, y + r0 * ldy + j0, ldy, 0);
+                continue;
+            }
             if (m16 > 0 && kt > 0)
                 quire_amx_pairs(xr, k, m16, pairs, pstride, np, kt, acc, ldc, 0);
             if (m16 > 0 && k > 32 * kt)
