@@ -208,6 +208,20 @@ def test_chunks_over_bfloat16_pages_match_float64_rounded(kernels: NativeKernels
                                    rtol=2 ** -7, atol=1e-6)
 
 
+def test_float32_chunks_over_bfloat16_pages_match_float64(kernels: NativeKernels) -> None:
+    """A float32 model with bfloat16 pages: float32 rows over the pages widened, float32
+    out, to float32 rounding of the rounded keys and values (what its decode steps read);
+    the same numbers as the bfloat16 entry before it rounds its output."""
+    q, cache, tables, lens, rows, keys, values = _paged(5, CHUNKS, 9, 3, 64, 16,
+                                                        torch.bfloat16)
+    q = q.float()
+    for window in (None, 20):
+        out = kernels.chunk_attention(q, cache, tables, rows, lens, 0.125, window)
+        assert out is not None and out.dtype == torch.float32
+        expected = _dense_chunks(q, rows, lens, keys, values, 0.125, window)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_fresh_prompt_over_pages_equals_it_over_its_rows(kernels: NativeKernels) -> None:
     """Prefix 0: the page walk and the projection-row walk are the same arithmetic."""
     q, cache, tables, lens, rows, keys, values = _paged(8, [(0, 45)], 6, 2, 32, 16,
@@ -224,6 +238,7 @@ def test_chunk_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> N
                                                 torch.float32)
     call = kernels.chunk_attention
     assert call(q.bfloat16(), cache, tables, rows, lens, 1.0, None) is None  # dtypes differ
+    assert call(q.half(), cache.bfloat16(), tables, rows, lens, 1.0, None) is None
     assert call(q.half(), cache.half(), tables, rows, lens, 1.0, None) is None
     assert call(q, cache, tables.int(), rows, lens, 1.0, None) is None
     assert call(q, cache, tables[:, :1], rows, lens, 1.0, None) is None  # too narrow

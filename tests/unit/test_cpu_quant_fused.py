@@ -99,17 +99,20 @@ def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cach
     the weights): prompt steps and batches of 6 decode rows run the C steps between the
     products (``_rows_step``: norms, rotary, the decode rows' KV writes and attention,
     the activation), the products on the blocks. Against the torch reference
-    (``native=false``): the same tokens, logprobs to float32 rounding (1e-4), with
-    float32 pages and with bfloat16 ones (which both round alike)."""
+    (``native=false``): the same tokens, logprobs to float32 rounding (1e-4; measured
+    1e-6) with float32 pages. With bfloat16 pages a key or value the two paths compute a
+    float32 ulp apart can round to neighbouring bfloat16 values, so 1e-3 (measured
+    1.3e-4; 6.7e-5 with the prompts' attention on the torch path over the pages too)."""
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
     native, calls = _run_counting_rows_steps(monkeypatch, q4_k_m, prompts,
                                              kv_cache_dtype=kv_cache_dtype)
     assert 6 in calls and 36 in calls  # decode batches and the prompts' step took it
     reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
+    tolerance = 1e-4 if kv_cache_dtype == "auto" else 1e-3
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
         assert tokens == ref_tokens
-        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(ref_logprobs, abs=tolerance)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

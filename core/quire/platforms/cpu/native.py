@@ -193,6 +193,11 @@ class NativeKernels:
         self._chunk = _twins(library, "quire_chunk_attention", [
             _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
             ctypes.c_float, _i64, _ptr])
+        # float32 rows over bfloat16 pages (absent from older builds)
+        self._chunk_mixed = getattr(library, "quire_chunk_attention_f32_bf16kv", None)
+        if self._chunk_mixed is not None:
+            self._chunk_mixed.restype = ctypes.c_int
+            self._chunk_mixed.argtypes = self._chunk[torch.float32].argtypes
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -708,8 +713,9 @@ class NativeKernels:
         """Causal attention of chunks after a cached prefix over their sequences' pages
         (the chunks' own keys and values already written there).
 
-        :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16); rows may
-            have any stride, each row's heads contiguous.
+        :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16), or float32
+            over a bfloat16 cache (its pages widened); rows may have any stride, each
+            row's heads contiguous.
         :param kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous.
         :param block_tables: int64 [B, width], contiguous rows; wide enough for
             ``seq_lens``.
@@ -722,9 +728,11 @@ class NativeKernels:
             query's dtype; None when the inputs are not what the kernel takes, so the
             caller uses the torch path.
         """
-        entry = self._chunk.get(kv_cache.dtype)
+        entry = (self._chunk.get(kv_cache.dtype) if query.dtype == kv_cache.dtype
+                 else self._chunk_mixed
+                 if (query.dtype, kv_cache.dtype) == (torch.float32, torch.bfloat16)
+                 else None)
         if not (entry is not None and chunks and query.dim() == kv_cache.dim() - 2 == 3
-                and query.dtype == kv_cache.dtype
                 and query.device.type == kv_cache.device.type == "cpu"
                 and kv_cache.is_contiguous() and block_tables.dtype == torch.int64
                 and block_tables.stride(1) == 1 and seq_lens.dtype == torch.int64

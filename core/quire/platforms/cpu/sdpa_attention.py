@@ -236,7 +236,8 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
         if kv_cache.dtype != query.dtype:
             # int8/fp8 (or float pages of another dtype): every group reads the pages
             # (dequantised as gathered), so a prompt sees what its decode steps will; the
-            # C kernels take only pages of the query's dtype and decline the rest
+            # C kernels take pages of the query's dtype, and float32 queries over
+            # bfloat16 pages, and decline the rest
             fresh = None
         if len(groups) == 1 and groups[0].token_idx is None:
             return _attend_group(query, kv_cache, groups[0], scale, window, cap, fresh,

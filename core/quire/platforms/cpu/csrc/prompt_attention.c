@@ -23,6 +23,9 @@
  * Sums run in another order than the reference's, so results agree with it to float32
  * rounding; bfloat16 outputs are rounded to nearest even, as torch rounds.
  *
+ * Chunks over bfloat16 pages may have float32 rows (quire_chunk_attention_f32_bf16kv, a
+ * float32 model with bfloat16 pages); every other entry's rows and keys share a type.
+ *
  * Layout: token t's query heads at q + t * q_stride ([Hq, D], contiguous); sequence p's
  * new tokens are rows starts[p] .. starts[p] + lens[p] - 1, at positions ctx[p] -
  * lens[p] .. ctx[p] - 1 of its ctx[p] (ctx = lens for a fresh prompt), and its rows of
@@ -53,16 +56,17 @@
 #define PA_NV 2
 #endif
 
-/* What an item reads and writes, with its element type. */
+/* What an item reads and writes, with its element types. */
 struct pa_args {
     const void *q, *k, *v;
     void *out;
     int64_t q_stride, kv_stride, hq, hkv, d, window;
     float scale;
-    int bf16;
+    int bf16;    /* q and out hold bfloat16 (else float32) */
     /* pages: [num_seqs, table_stride] block tables; NULL for rows of the projection */
     const int64_t *tables;
     int64_t table_stride, block_size;
+    int kv_bf16; /* k and v hold bfloat16 (else float32) */
 };
 
 /* Where position t of sequence p (its first token row `first`) keeps its keys and
@@ -190,7 +194,7 @@ static void pa_prepare_tile(const struct pa_args *a, int64_t p, int64_t first, i
                             int64_t j, float *dst, float *v_rows) {
     const int64_t d = a->d, width = a->hkv * d, k0 = j * PA_KT;
     const int64_t m = n - k0 < PA_KT ? n - k0 : PA_KT;
-    const int64_t elem = a->bf16 ? 2 : 4, ahead = 4;
+    const int64_t elem = a->kv_bf16 ? 2 : 4, ahead = 4;
     float row[width];
     for (int64_t t = 0; t < PA_KT; ++t) {
         if (t + ahead < m) {
@@ -203,13 +207,13 @@ static void pa_prepare_tile(const struct pa_args *a, int64_t p, int64_t first, i
         }
         const int64_t at = t < m ? pa_key_row(a, p, first, k0 + t) : 0;
         if (t < m)
-            pa_widen(a->k, a->bf16, at, width, row);
+            pa_widen(a->k, a->kv_bf16, at, width, row);
         else
             memset(row, 0, sizeof(float) * width);
         for (int64_t g = 0; g < a->hkv; ++g)
             for (int64_t i = 0; i < d; ++i) dst[(g * d + i) * PA_KT + t] = row[g * d + i];
         if (v_rows != NULL && t < m)
-            pa_widen(a->v, a->bf16, at, width, v_rows + (k0 + t) * width);
+            pa_widen(a->v, a->kv_bf16, at, width, v_rows + (k0 + t) * width);
     }
 }
 
@@ -313,7 +317,7 @@ static int chunk_attention(const struct pa_args *a, const int64_t *starts,
     const int64_t kt_floats = tiles * hkv * d * PA_KT;
     /* float32 rows of a projection are read where they are; bfloat16 ones and pages are
      * gathered into float32 rows of hkv * d */
-    const int gather = a->bf16 || a->tables != NULL;
+    const int gather = a->kv_bf16 || a->tables != NULL;
     const int64_t v_floats = gather ? v_base[num_seqs] * hkv * d : 0;
     float *scratch = quire_thread_scratch((size_t)(threads * per_thread + kt_floats + v_floats));
     if (scratch == NULL) {
@@ -359,7 +363,7 @@ int quire_prompt_attention_f32(const float *q, const float *k, const float *v,
                                int64_t hkv, int64_t d, float scale, int64_t window,
                                float *out) {
     const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
-                              0, NULL, 0, 1};
+                              0, NULL, 0, 1, 0};
     return chunk_attention(&a, starts, lens, NULL, num_prompts);
 }
 
@@ -370,7 +374,7 @@ int quire_prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint
                                 int64_t hkv, int64_t d, float scale, int64_t window,
                                 uint16_t *out) {
     const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
-                              1, NULL, 0, 1};
+                              1, NULL, 0, 1, 1};
     return chunk_attention(&a, starts, lens, NULL, num_prompts);
 }
 
@@ -383,7 +387,7 @@ int quire_chunk_attention_f32(const float *q, int64_t q_stride, const float *k_c
                               int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
                               float scale, int64_t window, float *out) {
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
-                              scale, 0, tables, table_stride, block_size};
+                              scale, 0, tables, table_stride, block_size, 0};
     return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
 
@@ -396,6 +400,21 @@ int quire_chunk_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16
                                int64_t hkv, int64_t d, float scale, int64_t window,
                                uint16_t *out) {
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
-                              scale, 1, tables, table_stride, block_size};
+                              scale, 1, tables, table_stride, block_size, 1};
+    return chunk_attention(&a, starts, lens, ctx, num_seqs);
+}
+
+/* Float32 rows and out over a bfloat16 cache (a float32 model with bfloat16 pages):
+ * the pages widened as the bfloat16 entry widens them, the rows read as the float32
+ * entry reads them. */
+int quire_chunk_attention_f32_bf16kv(const float *q, int64_t q_stride,
+                                     const uint16_t *k_cache, const uint16_t *v_cache,
+                                     const int64_t *tables, int64_t table_stride,
+                                     int64_t block_size, const int64_t *starts,
+                                     const int64_t *lens, const int64_t *ctx,
+                                     int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
+                                     float scale, int64_t window, float *out) {
+    const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
+                              scale, 0, tables, table_stride, block_size, 1};
     return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
