@@ -443,7 +443,8 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
     """``activations=bfloat16`` on a GGUF model: every weight-only quantised layer takes
     the op's ``bf16_activations``, the batched products run on the bfloat16 kernel, and
     greedy tokens and logprobs stay close to float32 products' (logprobs within 0.05
-    where the tokens agree); ``dtype`` marks none."""
+    where the tokens agree); ``dtype`` marks none. Where the products take bfloat16,
+    ``kv_cache_dtype=auto`` gives bfloat16 pages, an explicit ``float32`` float32 ones."""
     from quire import LLM, SamplingParams
     from quire.ops.quantized import QuantizedLinearKernel
     from quire.platforms.cpu.native import NativeKernels, load_native_kernels
@@ -461,10 +462,14 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
         calls.append(x.shape[0])
         return original(self, x, *args, **kwargs)
 
-    def run(activations, dtype="float32"):
+    kv_dtypes = []
+
+    def run(activations, dtype="float32", **options):
         with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, dtype=dtype,
-                 platform_options={"activations": activations}) as llm:
-            kernels = [m.kernel for m in llm.engine.core.executor.worker.model.modules()
+                 platform_options={"activations": activations}, **options) as llm:
+            worker = llm.engine.core.executor.worker
+            kv_dtypes.append(worker.kv_dtype)
+            kernels = [m.kernel for m in worker.model.modules()
                        if isinstance(getattr(m, "kernel", None), QuantizedLinearKernel)]
             outs = llm.generate(prompts, params)
         return kernels, [(o.outputs[0].token_ids,
@@ -479,6 +484,8 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
     kernels, rounded = run("bfloat16")
     assert kernels and all(k.bf16_activations for k in kernels)
     assert calls and min(calls) > 4
+    run("bfloat16", kv_cache_dtype="float32")
+    assert kv_dtypes == [torch.float32, torch.bfloat16, torch.float32]
     # auto on an AMX host: taken for dtype auto (float32 for a GGUF file), not for an
     # explicit float32
     import dataclasses

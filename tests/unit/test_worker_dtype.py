@@ -96,3 +96,25 @@ def test_a_worker_handed_a_dtype_does_not_decide_one_of_its_own(tiny_checkpoint)
     assert _Asked.asked == 0
     assert resolve_config(config, _Asked()).dtype == torch.float32
     assert _Asked.asked == 1
+
+
+def test_auto_kv_pages_follow_bfloat16_products_of_a_float32_model_only() -> None:
+    """``kv_cache_dtype=auto`` becomes ``bfloat16`` only for a float32 model whose
+    products take bfloat16 activations, on a backend with bfloat16 pages; any explicit
+    choice, another model dtype, float32 products or a backend without bfloat16 pages
+    leave it as it is."""
+    from quire.executor.worker import auto_kv_cache_dtype
+
+    class Backend:
+        kv_cache_dtypes = ("float32", "bfloat16")
+
+    class Int8Only:
+        kv_cache_dtypes = ("int8",)
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert auto_kv_cache_dtype("auto", f32, True, Backend()) == "bfloat16"
+    assert auto_kv_cache_dtype("auto", f32, False, Backend()) == "auto"
+    assert auto_kv_cache_dtype("auto", bf16, True, Backend()) == "auto"
+    assert auto_kv_cache_dtype("auto", f32, True, Int8Only()) == "auto"
+    for explicit in ("float32", "int8", "fp8", "bfloat16"):
+        assert auto_kv_cache_dtype(explicit, f32, True, Backend()) == explicit

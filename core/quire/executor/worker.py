@@ -104,6 +104,21 @@ def model_max_len(config: object) -> int:
     raise ValueError("the model config states no context length (max_position_embeddings)")
 
 
+def auto_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, bf16_products: bool,
+                        backend: AttentionBackend) -> str:
+    """``kv_cache_dtype`` with ``auto`` made ``bfloat16`` for a float32 model whose
+    quantised products take bfloat16 activations, where the backend holds bfloat16
+    pages: the keys and values then keep the precision the products already round to,
+    in half the bytes (accuracy and speed: docs/quantization.md, "Activations"). Logged
+    when taken; ``kv_cache_dtype=float32`` keeps float32 pages. Else unchanged."""
+    if not (kv_cache_dtype == "auto" and bf16_products and model_dtype == torch.float32
+            and "bfloat16" in backend.kv_cache_dtypes):
+        return kv_cache_dtype
+    logger.info("KV pages hold bfloat16: the quantised products take bfloat16 activations "
+                "(kv_cache_dtype=float32 keeps float32 pages)")
+    return "bfloat16"
+
+
 class Worker:
     """One rank: platform, model shard, KV cache, runner. Not thread-safe."""
 
@@ -158,8 +173,11 @@ class Worker:
             aux_width)
         #: This rank's step replies carry the logits (the last stage's first rank).
         self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
-        if not config.compile and self.platform.bf16_activations(config.dtype == "auto"):
-            use_bfloat16_activations(self.model)
+        #: whether the model's quantised products take bfloat16 activations
+        #: (``Platform.bf16_activations``; the worker's options were settled by the core)
+        bf16_products = (not config.compile
+                         and self.platform.bf16_activations(config.dtype == "auto")
+                         and use_bfloat16_activations(self.model) > 0)
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
@@ -178,8 +196,10 @@ class Worker:
         #: What the KV pages hold (``kv_cache_dtype``), refused here, at start, where this
         #: platform's backend does not take it.
         self.kv_dtype: torch.dtype = check_kv_cache_dtype(
-            self.backend, self.platform.name, config.kv_cache_dtype, self.config.dtype,
-            spec.head_size)
+            self.backend, self.platform.name,
+            auto_kv_cache_dtype(config.kv_cache_dtype, self.config.dtype, bf16_products,
+                                self.backend),
+            self.config.dtype, spec.head_size)
         #: An embedding model's pooling (its runner returns vectors, not logits).
         self.pooling: PoolingConfig | None = (
             pooling_config(model_path, model_config, config.pooling)
@@ -226,8 +246,8 @@ class Worker:
                               extra_models=registry.model_specs(),
                               quantization=quantization, ops=self.ops)
         model.eval()
-        if self.platform.bf16_activations(self.config.engine.dtype == "auto"):
-            use_bfloat16_activations(model)
+        bf16_products = (self.platform.bf16_activations(self.config.engine.dtype == "auto")
+                         and use_bfloat16_activations(model) > 0)
         self.platform.prepare_model(model, compiled=False)
         layer_ids = tuple(getattr(model, "kv_layer_ids", range(model.num_layers)))
         if len(layer_ids) != model.num_layers:
@@ -235,8 +255,10 @@ class Worker:
                              "is not supported")
         self.draft_model = model
         self.draft_kv_spec = KVCacheSpec.of(model)
-        self.draft_kv_dtype = check_kv_cache_dtype(self.backend, self.platform.name, "auto",
-                                                   dtype, model.head_dim)
+        self.draft_kv_dtype = check_kv_cache_dtype(
+            self.backend, self.platform.name,
+            auto_kv_cache_dtype("auto", dtype, bf16_products, self.backend), dtype,
+            model.head_dim)
 
     def _load_eagle(self, spec: SpeculativeConfig, comm: Communicator) -> None:
         """Load an EAGLE (EAGLE-3) head over the target (it shares the target's embedding,

@@ -90,7 +90,8 @@ class CpuOptions:
     #: four rows), the formats as ``decode_activations``'; or ``auto``: ``bfloat16``
     #: where the CPU has AMX bfloat16 tiles and ``dtype`` is left to ``auto``, ``dtype``
     #: otherwise (an explicit ``--dtype float32`` keeps float32 products; the accuracy
-    #: and speed of each: docs/quantization.md, "Activations").
+    #: and speed of each: docs/quantization.md, "Activations"). Where a float32 model's
+    #: products take bfloat16, ``kv_cache_dtype=auto`` gives it bfloat16 KV pages too.
     activations: str = "auto"
 
     @property
