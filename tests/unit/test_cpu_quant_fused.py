@@ -115,6 +115,34 @@ def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cach
         assert logprobs == pytest.approx(ref_logprobs, abs=tolerance)
 
 
+def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
+        q4_k_m, monkeypatch):
+    """A float32 model with bfloat16 pages (``kv_cache_dtype=bfloat16``, the default where
+    its products take bfloat16 activations): a lone sequence's decode steps still run
+    the whole layer in C on the blocks (``_decode``), the pages written rounded and read
+    widened. Against the torch reference: the same tokens, logprobs within 1e-3 (a key
+    computed a float32 ulp apart can round to a neighbouring bfloat16 value)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+
+    whole = []
+    original = FusedDecodeLayer._decode
+
+    def counting(self, hidden, *args):
+        done = original(self, hidden, *args)
+        whole.append(done is not None)
+        return done
+
+    monkeypatch.setattr(FusedDecodeLayer, "_decode", counting)
+    native = _run(q4_k_m, PROMPTS[:1], kv_cache_dtype="bfloat16")
+    assert whole and all(whole)  # every decode step of every layer, whole in C
+    monkeypatch.setattr(FusedDecodeLayer, "_decode", original)
+    reference = _run(q4_k_m, PROMPTS[:1], kv_cache_dtype="bfloat16",
+                     platform_options={"native": "false"})
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = native[0], reference[0]
+    assert tokens == ref_tokens
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_verification_step_runs_the_one_sequence_layer_on_the_blocks(q4_k_m, dtype,
                                                                        monkeypatch):

@@ -279,9 +279,11 @@ class FusedDecodeLayer:
         meta = ctx.metadata
         group = meta.groups[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
-        if not (kv_cache.dtype == self.dtype and kv_cache.is_contiguous()
+        if not (kv_cache.dtype in (self.dtype, torch.bfloat16) and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)):
             return None
+        # a float32 model's pages may hold bfloat16 (kv_cache_dtype), read widened
+        self._desc.kv_bf16 = kv_cache.dtype == torch.bfloat16
         # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
         one_sequence = group.num_seqs == 1 and (rows == 1 or group.decode_tables is None)
         use_compact = (one_sequence and self._compact is not None

@@ -25,7 +25,8 @@
  * A layer whose MLP is not a gated pair of products (mixture of experts) says
  * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
  *
- * KV pages may hold bfloat16 (desc->kv_bf16: a bfloat16 model's): this token's key and
+ * KV pages may hold bfloat16 (desc->kv_bf16: a bfloat16 model's, or a float32 model's
+ * with kv_cache_dtype bfloat16, set per call): this token's key and
  * value are rounded into them and the attention reads them widened; everything else
  * stays float32, the caller converting the layer's input and output rows.
  *
