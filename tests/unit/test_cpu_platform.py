@@ -502,3 +502,29 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
         assert agree >= 2
         assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.05)
 
+
+@pytest.mark.parametrize("activations", ["dtype", "bfloat16"])
+def test_a_draft_model_s_products_and_pages_follow_the_activations(random_gguf,
+                                                                   activations) -> None:
+    """A GGUF draft model (``speculative_config.model``) takes bfloat16 activations on its
+    quantised layers, and bfloat16 pages at ``kv_cache_dtype=auto``, exactly where the
+    target does; with ``activations=dtype`` neither."""
+    from quire import LLM
+    from quire.ops.quantized import QuantizedLinearKernel
+    from quire.platforms.cpu.native import load_native_kernels
+
+    native = load_native_kernels()
+    if native is None or not native.has_quant_bf16:
+        pytest.skip("no bfloat16 products (AVX512_BF16) on this host")
+    path = str(random_gguf("--preset", "tiny", "--seed", "7"))
+    with LLM(path, device="cpu", kv_cache_memory=16 << 20, dtype="float32",
+             platform_options={"activations": activations},
+             speculative_config={"model": path, "num_speculative_tokens": 2}) as llm:
+        worker = llm.engine.core.executor.worker
+        draft = [m.kernel for m in worker.draft_model.modules()
+                 if isinstance(getattr(m, "kernel", None), QuantizedLinearKernel)]
+        target_pages, draft_pages = worker.kv_dtype, worker.draft_kv_dtype
+    bf16 = activations == "bfloat16"
+    assert draft and all(k.bf16_activations == bf16 for k in draft)
+    assert target_pages == draft_pages == (torch.bfloat16 if bf16 else torch.float32)
+
