@@ -309,7 +309,7 @@ def test_a_layer_s_parts_in_one_call_are_the_op_s_part_by_part(
     cols = 512
     parts = [make_weight("q4_k", 72, cols, gen), make_weight("q4_k", 40, cols, gen),
              make_weight("q6_k", 24, cols, gen), make_weight("int8", 9, cols, gen)]
-    array = (QPartArgs * len(parts))(*(QPartArgs.of(p) for p in parts))
+    array = QPartArgs.array(parts)
     total = sum(p.rows for p in parts)
     for dtype in (torch.float32, torch.bfloat16):
         for m in (5, 64, 33):

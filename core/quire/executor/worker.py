@@ -173,11 +173,7 @@ class Worker:
             aux_width)
         #: This rank's step replies carry the logits (the last stage's first rank).
         self.returns_logits = tp_rank == 0 and (self.stage is None or self.stage.is_last)
-        #: whether the model's quantised products take bfloat16 activations
-        #: (``Platform.bf16_activations``; the worker's options were settled by the core)
-        bf16_products = (not config.compile
-                         and self.platform.bf16_activations(config.dtype == "auto")
-                         and use_bfloat16_activations(self.model) > 0)
+        bf16_products = not config.compile and self._use_bf16_products(self.model)
         self.platform.prepare_model(self.model, compiled=config.compile)
         if config.compile:
             compile_model(self.model)
@@ -246,8 +242,7 @@ class Worker:
                               extra_models=registry.model_specs(),
                               quantization=quantization, ops=self.ops)
         model.eval()
-        bf16_products = (self.platform.bf16_activations(self.config.engine.dtype == "auto")
-                         and use_bfloat16_activations(model) > 0)
+        bf16_products = self._use_bf16_products(model)
         self.platform.prepare_model(model, compiled=False)
         layer_ids = tuple(getattr(model, "kv_layer_ids", range(model.num_layers)))
         if len(layer_ids) != model.num_layers:
@@ -259,6 +254,13 @@ class Worker:
             self.backend, self.platform.name,
             auto_kv_cache_dtype("auto", dtype, bf16_products, self.backend), dtype,
             model.head_dim)
+
+    def _use_bf16_products(self, model: torch.nn.Module) -> bool:
+        """Give ``model``'s weight-only quantised layers bfloat16 activations where the
+        platform says so (``Platform.bf16_activations``; this worker's options were
+        settled by the core): whether any layer takes them."""
+        return (self.platform.bf16_activations(self.config.engine.dtype == "auto")
+                and use_bfloat16_activations(model) > 0)
 
     def _load_eagle(self, spec: SpeculativeConfig, comm: Communicator) -> None:
         """Load an EAGLE (EAGLE-3) head over the target (it shares the target's embedding,

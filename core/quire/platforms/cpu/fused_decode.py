@@ -83,7 +83,7 @@ from quire.platforms.cpu.native import (
     RowsArgs,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
-from quire.platforms.cpu.quant_linear import BF16_MIN_ROWS
+from quire.platforms.cpu.quant_linear import takes_bf16_kernel
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
 if TYPE_CHECKING:
@@ -269,6 +269,11 @@ class FusedDecodeLayer:
         return (1 < rows <= LAST_ROWS_MAX and group.num_seqs == 1 and group.max_q == rows
                 and group.token_idx is None and group.fresh_rows is None)
 
+    def _use_pages(self, kv_cache: torch.Tensor) -> None:
+        """Tell the C layer what this step's pages hold: a float32 model's may hold
+        bfloat16 (``kv_cache_dtype``), written rounded and read widened."""
+        self._desc.kv_bf16 = kv_cache.dtype == torch.bfloat16
+
     def _decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -282,8 +287,7 @@ class FusedDecodeLayer:
         if not (kv_cache.dtype in (self.dtype, torch.bfloat16) and kv_cache.is_contiguous()
                 and kv_cache.shape[3:] == (self.hkv, self.d)):
             return None
-        # a float32 model's pages may hold bfloat16 (kv_cache_dtype), read widened
-        self._desc.kv_bf16 = kv_cache.dtype == torch.bfloat16
+        self._use_pages(kv_cache)
         # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
         one_sequence = group.num_seqs == 1 and (rows == 1 or group.decode_tables is None)
         use_compact = (one_sequence and self._compact is not None
@@ -431,7 +435,7 @@ class FusedDecodeLayer:
         base = kv_cache.data_ptr()
         args.k_cache = base
         args.v_cache = base + kv_cache[0].numel() * kv_cache.element_size()
-        args.kv_bf16 = kv_cache.dtype == torch.bfloat16
+        self._use_pages(kv_cache)
         args.slots, args.tables, args.seq_lens = (slots.data_ptr(), tables.data_ptr(),
                                                   lens.data_ptr())
         args.table_stride, args.block_size = tables.stride(0), kv_cache.shape[2]
@@ -443,8 +447,8 @@ class _QuantizedView:
     """What :class:`FusedDecodeLayer` reads of a quantised layer's kernel
     (:class:`~quire.ops.quantized.QuantizedLinearKernel`, kept as ``compact``): its parts
     as the one-row weight (``struct quire_linear`` format QUANT), no panels. A lone
-    sequence's decode steps run the layer in C; other steps run op by op, or in a
-    bfloat16 model the C steps between products with the kernel as a product."""
+    sequence's decode steps run the layer in C; other steps run the C steps between
+    products, the kernel as a product (:class:`_QuantizedProduct`)."""
 
     panels = None
     packed = None
@@ -458,25 +462,25 @@ class _QuantizedView:
 
 class _QuantizedProduct:
     """A quantised layer's product in :meth:`FusedDecodeLayer._rows_step`. Where the
-    platform's op would multiply every part on the bfloat16 kernel (more than
-    :data:`~quire.platforms.cpu.quant_linear.BF16_MIN_ROWS` bfloat16 rows, or float32
-    ones with ``bf16_activations``; no int8 rows), all the parts in one call
-    (:meth:`NativeKernels.quant_parts_bf16`: one parallel region, no ``cat``), the same
-    numbers as the op gives part by part; else the layer's kernel, part by part."""
+    platform's op would multiply every part on the bfloat16 kernel (the op's rule,
+    :func:`~quire.platforms.cpu.quant_linear.takes_bf16_kernel`, and no int8 rows), all
+    the parts in one call (:meth:`NativeKernels.quant_parts_bf16`: one parallel region,
+    no ``cat``), the same numbers as the op gives part by part; else the layer's
+    kernel, part by part."""
 
     def __init__(self, native: NativeKernels, kernel: QuantizedLinearKernel,
                  int8_rows: bool) -> None:
         self.native = native
         self.kernel = kernel
         # structs into the parts' blocks, which live as long as the model
-        self._parts = (QPartArgs * len(kernel.parts))(*(QPartArgs.of(p) for p in kernel.parts))
+        self._parts = QPartArgs.array(kernel.parts)
         self._one_call = (len(kernel.parts) > 1 and not kernel.padding and not int8_rows
-                          and native.has_quant_bf16 and kernel.parts[0].cols % 2 == 0)
+                          and kernel.parts[0].cols % 2 == 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (self._one_call and x.dim() == 2 and x.shape[0] > BF16_MIN_ROWS
-                and (x.dtype == torch.bfloat16
-                     or (x.dtype == torch.float32 and self.kernel.bf16_activations))):
+        if (self._one_call and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+                and takes_bf16_kernel(self.native, x, x.shape[1],
+                                      self.kernel.bf16_activations)):
             y = self.native.quant_parts_bf16(x.contiguous(), self._parts,
                                              self.kernel.out_features)
             if y is not None:

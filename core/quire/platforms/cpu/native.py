@@ -74,8 +74,7 @@ class LinearArgs(ctypes.Structure):
                  q8: list[bool] | None = None) -> LinearArgs:
         """A quantised weight's parts (host tensors), ``q8`` saying which take int8
         activations; the struct keeps its part array alive, the caller the parts."""
-        q8 = q8 or [False] * len(parts)
-        array = (QPartArgs * len(parts))(*(QPartArgs.of(p, q) for p, q in zip(parts, q8)))
+        array = QPartArgs.array(parts, q8)
         args = cls(cls.QUANT, sum(p.rows for p in parts), parts[0].cols,
                    ctypes.cast(array, ctypes.c_void_p), None, None,
                    bias.data_ptr() if bias is not None else None, len(parts))
@@ -111,6 +110,14 @@ class QPartArgs(ctypes.Structure):
         return cls(part.format.id, part.rows, part.data.data_ptr(), part.data.stride(0),
                    None if part.scale is None else part.scale.data_ptr(), q8)
 
+    @classmethod
+    def array(cls, parts: list[QuantizedTensor], q8: list[bool] | None = None
+              ) -> ctypes.Array:
+        """A layer's parts in output order, ``q8`` saying which take int8 activations
+        (none by default); the caller keeps the array and the parts alive."""
+        q8 = q8 or [False] * len(parts)
+        return (cls * len(parts))(*(cls.of(p, q) for p, q in zip(parts, q8)))
+
 
 class PanelArgs(ctypes.Structure):
     """``struct quire_panels`` of ``csrc/decode_layer.c``: a float32 weight packed by
@@ -133,8 +140,8 @@ class LayerDescArgs(ctypes.Structure):
     """``struct quire_layer_desc`` of ``csrc/decode_layer.c``: which norms a decoder layer
     has (NULL: absent; offsets already added to the weights), its activation, and
     whether its MLP runs outside (mixture of experts), and whether its KV pages hold
-    bfloat16. Holds
-    raw pointers, as :class:`LinearArgs` does."""
+    bfloat16 (set for each step: the pages' dtype is the engine's ``kv_cache_dtype``).
+    Holds raw pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("eps", ctypes.c_float), ("activation", ctypes.c_int32),
                 ("norm_in", _ptr), ("norm_pre_mlp", _ptr), ("q_norm", _ptr),
@@ -149,9 +156,9 @@ class RowsArgs(ctypes.Structure):
     """``struct quire_rows`` of ``csrc/decode_layer.c``: one step of a layer whose
     products run outside the C pieces (oneDNN, pair panels or the quantised op), the
     shapes and the rows between the products (the model's dtype, ``rows_f32`` saying
-    which, but ``stream``, the float32 residual stream) and the KV pages' dtype
-    (``kv_bf16``). Every ``quire_rows_*`` entry point takes it. Holds raw pointers, as
-    :class:`LinearArgs` does."""
+    which, but ``stream``, the float32 residual stream); the KV pages' dtype is its
+    ``desc``'s ``kv_bf16``. Every ``quire_rows_*`` entry point takes it. Holds raw
+    pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
                 ("desc", ctypes.POINTER(LayerDescArgs)), ("x", _ptr), ("residual", _ptr),
@@ -161,8 +168,7 @@ class RowsArgs(ctypes.Structure):
                 ("seq_lens", _ptr), ("table_stride", _i64), ("block_size", _i64),
                 ("window", _i64), ("scale", ctypes.c_float), ("attn", _ptr),
                 ("o_out", _ptr), ("gate_up", _ptr), ("inter", _i64), ("act", _ptr),
-                ("out", _ptr), ("residual_out", _ptr), ("rows_f32", ctypes.c_int32),
-                ("kv_bf16", ctypes.c_int32)]
+                ("out", _ptr), ("residual_out", _ptr), ("rows_f32", ctypes.c_int32)]
 
 
 def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
@@ -296,7 +302,7 @@ class NativeKernels:
         if self._quant_bf16_parts is not None:
             self._quant_bf16_parts.restype = ctypes.c_int
             self._quant_bf16_parts.argtypes = [_i64, _ptr, _ptr, ctypes.c_int32, _i64, _i64,
-                                               _ptr, _ptr, _i64]
+                                               _ptr, _i64]
         # quant_q8.c: the same products with the activations quantised to int8 per 32
         # values (integer dot products); absent from a library built before it
         self._quant_q8 = getattr(library, "quire_quant_gemm_q8", None)
@@ -506,7 +512,7 @@ class NativeKernels:
         m = x.shape[0]
         y = torch.empty(m, out_features, dtype=torch.float32)
         failed = self._quant_bf16_parts(len(parts), ctypes.addressof(parts), x.data_ptr(),
-                                        x.dtype == torch.float32, m, x.shape[1], None,
+                                        x.dtype == torch.float32, m, x.shape[1],
                                         y.data_ptr(), out_features)
         if failed in (1, 2):
             raise ValueError(f"quant_gemm: a part does not fit {x.shape[1]} columns: "

@@ -31,6 +31,16 @@ Q8_MAX_ROWS = 4
 BF16_MIN_ROWS = 4
 
 
+def takes_bf16_kernel(native: NativeKernels, x: torch.Tensor, cols: int,
+                      bf16_activations: bool) -> bool:
+    """Whether weight-only products of host rows ``x`` (float32 or bfloat16, ``cols``
+    wide) run on the bfloat16 kernel: bfloat16 rows, or float32 ones with
+    ``bf16_activations``, more than :data:`BF16_MIN_ROWS` of them, on a build that has
+    it. The op's rule, and the fused layer's for a layer's parts in one call."""
+    return ((x.dtype == torch.bfloat16 or bf16_activations) and native.has_quant_bf16
+            and x.numel() > BF16_MIN_ROWS * cols)
+
+
 def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
                           int8_all: bool = False) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False,
@@ -79,8 +89,8 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
             y = _int8_rows(x.reshape(-1, weight.cols), weight, b)
             if y is not None:
                 return y.to(x.dtype).reshape(*x.shape[:-1], weight.rows)
-        if ((x.dtype == torch.bfloat16 or bf16_activations) and not int8_activations
-                and native.has_quant_bf16 and x.numel() > BF16_MIN_ROWS * weight.cols):
+        if not int8_activations and takes_bf16_kernel(native, x, weight.cols,
+                                                      bf16_activations):
             # float32 rows are rounded in the kernel's call, not by a torch pass first
             y = native.quant_linear_bf16(x.reshape(-1, weight.cols).contiguous(), weight, b)
             if y is not None:

@@ -310,11 +310,6 @@ void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *pa
 void quire_panel_gemm_packed_team(const float *x, int64_t m, int64_t k, const float *panels,
                                   int64_t n, const float *bias, float *y, float *packed);
 
-/* panel_gemm.c: rows [0, m) of x (ldx floats apart) times np panels ([k][16] floats each,
- * pstride floats apart) into y (ldy floats apart), output columns [0, cols) of the
- * 16 * np: stored, or added to what y holds when `accumulate`. One thread, no OpenMP:
- * for quant_gemm.c, which dequantises a strip of weights into panels and multiplies
- * them here (the same tiles as the panel GEMM). */
 /* One part of a quantised weight: rows rows of in_features weights in format fmt (a
  * quant_gemm.c id), row r at w + r * w_stride; scales: a row-scaled format's, or NULL.
  * A layer's parts (q, k and v; gate and up) are its outputs in order. */
@@ -354,6 +349,11 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
                               float *y, int64_t ldy);
 int quire_quant_q8_batch_available(void);
 
+/* panel_gemm.c: rows [0, m) of x (ldx floats apart) times np panels ([k][16] floats each,
+ * pstride floats apart) into y (ldy floats apart), output columns [0, cols) of the
+ * 16 * np: stored, or added to what y holds when `accumulate`. One thread, no OpenMP:
+ * for quant_gemm.c, which dequantises a strip of weights into panels and multiplies
+ * them here (the same tiles as the panel GEMM). */
 void quire_panel_block(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels,
                        int64_t pstride, int64_t np, int64_t cols, float *y, int64_t ldy,
                        int accumulate);

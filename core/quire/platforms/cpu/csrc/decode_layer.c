@@ -25,10 +25,10 @@
  * A layer whose MLP is not a gated pair of products (mixture of experts) says
  * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
  *
- * KV pages may hold bfloat16 (desc->kv_bf16: a bfloat16 model's, or a float32 model's
- * with kv_cache_dtype bfloat16, set per call): this token's key and
- * value are rounded into them and the attention reads them widened; everything else
- * stays float32, the caller converting the layer's input and output rows.
+ * KV pages may hold bfloat16 (desc->kv_bf16, which the caller sets for each step: a
+ * bfloat16 model's, or a float32 model's with kv_cache_dtype bfloat16): this token's
+ * key and value are rounded into them and the attention reads them widened; everything
+ * else stays float32, the caller converting the layer's input and output rows.
  *
  * The same operations as the model's op-by-op layer with the cpu platform's kernels
  * (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order; the products and
@@ -756,9 +756,9 @@ int quire_decode_batch_bf16(
  * out, the residual stream float32 through the layer and rounded once, into
  * residual_out, where the op-by-op path rounds it after each add; or float32 (rows_f32
  * 1: a float32 model on quantised weights), copied, so that the results are the op-by-op
- * path's to float32 rounding. The KV pages hold float32 or bfloat16 (kv_bf16), whatever
- * the rows hold. All take one struct quire_rows, whose pointers the caller sets for the
- * step.
+ * path's to float32 rounding. The KV pages hold float32 or bfloat16 (desc->kv_bf16),
+ * whatever the rows hold. All take one struct quire_rows, whose pointers the caller sets
+ * for the step.
  */
 struct quire_rows {
     int64_t rows, hidden, hq, hkv, d;
@@ -781,7 +781,6 @@ struct quire_rows {
     void *act;                     /* [rows, inter] */
     void *out, *residual_out;      /* [rows, hidden] */
     int32_t rows_f32;              /* the rows hold float32 (else bfloat16) */
-    int32_t kv_bf16;               /* the KV pages hold bfloat16 (else float32) */
 };
 
 static void widen_row(const uint16_t *src, int64_t n, float *dst) {
@@ -904,7 +903,7 @@ int quire_rows_attend(const struct quire_rows *a) {
     float *scratch = quire_thread_scratch((size_t)(a->rows * qkv_n + threads * per_thread));
     if (scratch == NULL)
         return 2;
-    const int kv_bf16 = a->kv_bf16;
+    const int kv_bf16 = a->desc->kv_bf16;
 #pragma omp parallel
     {
         float *mine = scratch + a->rows * qkv_n + omp_get_thread_num() * per_thread;

@@ -1018,11 +1018,12 @@ int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
 }
 
 /* A layer's parts (all k wide) in one call: x float32 (x_f32, rounded in the call) or
- * bfloat16 rows, y [m, sum of rows] (ldy apart), bias over all of it or NULL. Returns as
+ * bfloat16 rows, y [m, sum of rows] (ldy apart), no bias (the layer adds its own after
+ * rounding the result to the rows' dtype, as it does part by part). Returns as
  * quire_quant_gemm_bf16, for the first part that does not fit. */
 int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
-                                const void *x, int32_t x_f32, int64_t m, int64_t k,
-                                const float *bias, float *y, int64_t ldy) {
+                                const void *x, int32_t x_f32, int64_t m, int64_t k, float *y,
+                                int64_t ldy) {
     for (int64_t p = 0; p < nparts; p++) {
         const int bad = bf16_gemm_fits(parts[p].fmt, k);
         if (bad)
@@ -1031,10 +1032,10 @@ int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
     if (m <= 0 || nparts <= 0)
         return 0;
     if (!x_f32)
-        return bf16_gemm(nparts, parts, (uint16_t *)x, NULL, m, k, bias, y, ldy);
+        return bf16_gemm(nparts, parts, (uint16_t *)x, NULL, m, k, NULL, y, ldy);
     if (rounded_room(m, k))
         return 3;
-    return bf16_gemm(nparts, parts, rounded_rows, x, m, k, bias, y, ldy);
+    return bf16_gemm(nparts, parts, rounded_rows, x, m, k, NULL, y, ldy);
 }
 
 #else
@@ -1060,10 +1061,9 @@ int quire_quant_gemm_bf16_f32(int32_t fmt, const float *x, int64_t m, int64_t k,
 }
 
 int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
-                                const void *x, int32_t x_f32, int64_t m, int64_t k,
-                                const float *bias, float *y, int64_t ldy) {
-    (void)nparts, (void)parts, (void)x, (void)x_f32, (void)m, (void)k, (void)bias, (void)y;
-    (void)ldy;
+                                const void *x, int32_t x_f32, int64_t m, int64_t k, float *y,
+                                int64_t ldy) {
+    (void)nparts, (void)parts, (void)x, (void)x_f32, (void)m, (void)k, (void)y, (void)ldy;
     return 4;
 }
 #endif
