@@ -1,5 +1,5 @@
 """The cpu platform's native C kernels: building, loading, refusing, and the decode kernel
-against a float64 oracle on random inputs.
+(float32, bfloat16, int8 and fp8 pages) against a float64 oracle on random inputs.
 
 Tolerance: float32 ``rtol = atol = 1e-5`` against float64 (the kernel accumulates in
 float32 in another order than torch; the gap seen is ~5e-7).
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quire.ops import kv_quant
 from quire.platforms.cpu import native as native_module
 from quire.platforms.cpu.native import NATIVE_ENV, NativeKernels, load_native_kernels
 
@@ -130,6 +131,105 @@ def test_decode_covers_groups_head_dims_and_tails(kernels: NativeKernels,
                                    rtol=1e-5, atol=1e-5)
 
 
+def _quantised(cache: torch.Tensor, dtype: torch.dtype):
+    """A float cache's pages as int8 or fp8 pages (rows of D + 4 with their scales), and
+    the float32 values those pages hold."""
+    pages = kv_quant.quantize(cache, dtype).view(dtype)
+    return pages, kv_quant.dequantize(pages)
+
+
+def _held(pages: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, half: int):
+    """Each sequence's keys (half 0) or values (1) as ``pages`` hold them: [n, Hkv, D]."""
+    block = pages.shape[2]
+    return [torch.stack([pages[half, tables[i, j // block], j % block] for j in range(n)])
+            for i, n in enumerate(lens.tolist())]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("groups", [1, 3, 8])
+@pytest.mark.parametrize("d", [64, 72, 20])
+def test_decode_reads_quantised_pages(kernels: NativeKernels, kv_dtype: torch.dtype,
+                                      groups: int, d: int) -> None:
+    """int8 and fp8 pages (a scale per token and KV head after each row): each score is
+    its row's scale times the dot product, each value row weighs its weight times its
+    scale. Against float64 over the values the pages hold (kv_quant.dequantize),
+    float32's tolerance; contexts over the kernel's steps and tiles, windows."""
+    lens = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100]
+    hkv = 2
+    q, cache, tables, seq_lens, _, _ = _paged(d + groups, lens, groups * hkv, hkv, d, 16)
+    pages, held = _quantised(cache, kv_dtype)
+    keys, values = _held(held, tables, seq_lens, 0), _held(held, tables, seq_lens, 1)
+    for window in (None, 7, 33):
+        out = kernels.paged_decode(q, pages, tables, seq_lens, 0.125, window)
+        assert out is not None and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.125, window),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _every_fp8_byte_as_values(hkv: int = 1, d: int = 64):
+    """Pages whose value rows, scale 1, hold every e4m3fn byte but the two NaNs (four
+    sequences of one position each, a row of 64 bytes each), and what torch widens them
+    to."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7f) != 0x7f]  # the NaNs: never written (values are clamped)
+    codes = torch.cat([codes, codes[:256 - codes.numel()]]).to(torch.uint8).view(4, 1, d)
+    pages = torch.zeros(2, 4, 1, hkv, d + 4, dtype=torch.uint8)
+    pages[1, :, 0, :, :d] = codes
+    pages[..., d:] = torch.tensor([1.0]).view(torch.uint8)
+    widened = codes.view(torch.float8_e4m3fn).float()  # [4, 1, d]
+    return pages.view(torch.float8_e4m3fn), widened
+
+
+def test_every_fp8_byte_is_read_as_torch_widens_it(kernels: NativeKernels) -> None:
+    """One position per sequence: its softmax weight is 1, so the output is its value row
+    as the kernel widens it, which must be torch's e4m3fn -> float32 for every byte
+    (subnormals included), bit for bit (a sum starting at +0 cannot keep -0's sign,
+    so zeros compare as values)."""
+    pages, widened = _every_fp8_byte_as_values()
+    tables = torch.arange(4, dtype=torch.int64).view(4, 1)
+    lens = torch.ones(4, dtype=torch.int64)
+    q = torch.zeros(4, 2, 64)
+    out = kernels.paged_decode(q, pages, tables, lens, 1.0, None)
+    assert out is not None
+    expected = widened.expand(4, 2, 64)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantised_writes_are_torch_s_bytes(kernels: NativeKernels,
+                                            kv_dtype: torch.dtype) -> None:
+    """Keys and values quantised into int8 or fp8 pages in C (``write_kv_quant``, as the
+    fused layer's decode rows write them) are kv_quant.write_kv's bytes, bit for bit:
+    rows over 11 decades, all-zero rows (scale 1), a row whose one huge element sends
+    the others to fp8's subnormals and zero, int8's ties (x / s at k + 0.5), and strided
+    rows (a fused q/k/v projection's)."""
+    gen = torch.Generator().manual_seed(5)
+    t, hkv, d = 41, 3, 64
+    qkv = torch.randn(t, (2 + 2 * hkv) * d, generator=gen)
+    qkv *= torch.logspace(-8, 3, t)[:, None]
+    key = qkv[:, 2 * d:(2 + hkv) * d].view(t, hkv, d)
+    value = qkv[:, (2 + hkv) * d:].view(t, hkv, d)
+    key[0] = 0.0
+    value[1, 2] = 0.0
+    key[2, 1] = torch.randn(d, generator=gen)
+    key[2, 1, 7] = 1e6
+    key[3, 0] = torch.arange(d) - 31.5  # absmax 32.5: x / s lands on halves for int8
+    key[3, 0, 0] = 127.0 / 2
+    assert key.stride(0) == value.stride(0) == qkv.shape[1]
+    slots = torch.randperm(8 * 16, generator=gen)[:t]
+    expected = torch.zeros(2, 8, 16, hkv, d + 4, dtype=kv_dtype)
+    kv_quant.write_kv(expected, slots, key, value)
+    written = torch.zeros_like(expected)
+    assert kernels.write_kv_quant(written, slots, key, value)
+    assert torch.equal(written.view(torch.uint8), expected.view(torch.uint8))
+    # what it does not take: nothing written
+    untouched = torch.zeros_like(expected)
+    assert not kernels.write_kv_quant(untouched, slots, key.double(), value.double())
+    assert not kernels.write_kv_quant(untouched.float(), slots, key, value)
+    assert not kernels.write_kv_quant(untouched, slots.int(), key, value)
+    assert not untouched.view(torch.uint8).any()
+
+
 def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
     q, cache, tables, seq_lens, _, _ = _paged(4, [5, 9], 4, 2, 8, 4)
     assert kernels.paged_decode(q.half(), cache.half(), tables, seq_lens, 1.0, None) is None
@@ -139,6 +239,9 @@ def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
     assert kernels.paged_decode(q, cache.transpose(1, 2), tables, seq_lens, 1.0,
                                 None) is None
     assert kernels.paged_decode(q[:, :3], cache, tables, seq_lens, 1.0, None) is None
+    pages = kv_quant.quantize(cache, torch.int8).view(torch.int8)
+    assert kernels.paged_decode(q, pages[..., :-4], tables, seq_lens, 1.0, None) is None
+    assert kernels.paged_decode(q.bfloat16(), pages, tables, seq_lens, 1.0, None) is None
 
 
 def test_a_build_is_reused(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quire.ops import kv_quant
 from quire.platforms.cpu.native import NativeKernels
 
 LENS = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100]
@@ -220,6 +221,30 @@ def test_float32_chunks_over_bfloat16_pages_match_float64(kernels: NativeKernels
         assert out is not None and out.dtype == torch.float32
         expected = _dense_chunks(q, rows, lens, keys, values, 0.125, window)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_float32_chunks_over_quantised_pages_match_float64(kernels: NativeKernels,
+                                                           kv_dtype: torch.dtype) -> None:
+    """int8 and fp8 pages (``kv_cache_dtype``): each position's head rows dequantised with
+    their scales as they are gathered; to float32 rounding of what the pages hold."""
+    q, cache, tables, lens, rows, keys, values = _paged(6, CHUNKS, 9, 3, 64, 16,
+                                                        torch.float32)
+    pages = kv_quant.quantize(cache, kv_dtype).view(kv_dtype)
+
+    def held(x: torch.Tensor) -> torch.Tensor:  # quantisation is per head row
+        return kv_quant.dequantize(kv_quant.quantize(x, kv_dtype).view(kv_dtype))
+
+    keys, values = [held(k) for k in keys], [held(v) for v in values]
+    for window in (None, 20):
+        out = kernels.chunk_attention(q, pages, tables, rows, lens, 0.125, window)
+        assert out is not None and out.dtype == torch.float32
+        expected = _dense_chunks(q, rows, lens, keys, values, 0.125, window)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert kernels.chunk_attention(q.bfloat16(), pages, tables, rows, lens, 0.125,
+                                   None) is None  # float32 rows only
+    assert kernels.chunk_attention(q, pages[..., :64].contiguous(), tables, rows, lens,
+                                   0.125, None) is None  # rows without their scales
 
 
 def test_a_fresh_prompt_over_pages_equals_it_over_its_rows(kernels: NativeKernels) -> None:

@@ -75,12 +75,14 @@ from torch import nn
 from quire.ops.layer_spec import DecoderLayerSpec, NormSpec
 from quire.ops.quantized import QuantizedLinearKernel
 from quire.platforms.cpu.native import (
+    KV_TYPES,
     LayerDescArgs,
     LinearArgs,
     NativeKernels,
     PanelArgs,
     QPartArgs,
     RowsArgs,
+    pages_fit,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
 from quire.platforms.cpu.quant_linear import takes_bf16_kernel
@@ -270,9 +272,10 @@ class FusedDecodeLayer:
                 and group.token_idx is None and group.fresh_rows is None)
 
     def _use_pages(self, kv_cache: torch.Tensor) -> None:
-        """Tell the C layer what this step's pages hold: a float32 model's may hold
-        bfloat16 (``kv_cache_dtype``), written rounded and read widened."""
-        self._desc.kv_bf16 = kv_cache.dtype == torch.bfloat16
+        """Tell the C layer what this step's pages hold (``kv_cache_dtype``): the model's
+        dtype, or bfloat16 (rounded on write, widened on read), or int8 / fp8 rows with
+        a scale each (quantised on write, dequantised on read)."""
+        self._desc.kv_type = KV_TYPES[kv_cache.dtype]
 
     def _decode(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor,
@@ -284,8 +287,8 @@ class FusedDecodeLayer:
         meta = ctx.metadata
         group = meta.groups[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
-        if not (kv_cache.dtype in (self.dtype, torch.bfloat16) and kv_cache.is_contiguous()
-                and kv_cache.shape[3:] == (self.hkv, self.d)):
+        if not (pages_fit(kv_cache, self.hkv, self.d)
+                and (kv_cache.dtype != torch.float32 or self.dtype == torch.float32)):
             return None
         self._use_pages(kv_cache)
         # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
@@ -420,13 +423,13 @@ class FusedDecodeLayer:
 
     def _decode_attention_rows(self, rows: int, ctx: ForwardContext) -> torch.Tensor | None:
         """A decode step's q/k norms, rotary, cache writes and attention in one C call:
-        the attention rows in the model's dtype, or None when the cache (float32 or
-        bfloat16 pages) or tables do not fit it (nothing written then)."""
+        the attention rows in the model's dtype, or None when the cache (pages of
+        :data:`~quire.platforms.cpu.native.KV_TYPES`) or tables do not fit it (nothing
+        written then)."""
         group, slots = ctx.metadata.groups[0], ctx.metadata.slot_mapping
         kv_cache = ctx.kv_caches[self.layer_idx]
         tables, lens = group.decode_tables, group.lens
-        if not (kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
-                and kv_cache.shape[3:] == (self.hkv, self.d)
+        if not (pages_fit(kv_cache, self.hkv, self.d)
                 and tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
                 and lens.dtype == slots.dtype == tables.dtype == torch.int64):
             return None

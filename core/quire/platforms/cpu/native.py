@@ -27,6 +27,7 @@ decode steps, the warning says); results agree either way to float32 rounding.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from quire.ops import kv_quant
 from quire.platforms.cpu import kernel_build
 from quire.platforms.cpu.compact import CompactWeight
 from quire.platforms.cpu.isa import IsaLevel, best_level, detect, levels_for
@@ -139,14 +141,14 @@ class PanelArgs(ctypes.Structure):
 class LayerDescArgs(ctypes.Structure):
     """``struct quire_layer_desc`` of ``csrc/decode_layer.c``: which norms a decoder layer
     has (NULL: absent; offsets already added to the weights), its activation, and
-    whether its MLP runs outside (mixture of experts), and whether its KV pages hold
-    bfloat16 (set for each step: the pages' dtype is the engine's ``kv_cache_dtype``).
-    Holds raw pointers, as :class:`LinearArgs` does."""
+    whether its MLP runs outside (mixture of experts), and what its KV pages hold
+    (``kv_type``, :data:`KV_TYPES`, set for each step: the pages' dtype is the engine's
+    ``kv_cache_dtype``). Holds raw pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("eps", ctypes.c_float), ("activation", ctypes.c_int32),
                 ("norm_in", _ptr), ("norm_pre_mlp", _ptr), ("q_norm", _ptr),
                 ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
-                ("mlp_external", ctypes.c_int32), ("kv_bf16", ctypes.c_int32)]
+                ("mlp_external", ctypes.c_int32), ("kv_type", ctypes.c_int32)]
 
     #: ``activation`` values, by the name a layer description uses.
     ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -157,7 +159,7 @@ class RowsArgs(ctypes.Structure):
     products run outside the C pieces (oneDNN, pair panels or the quantised op), the
     shapes and the rows between the products (the model's dtype, ``rows_f32`` saying
     which, but ``stream``, the float32 residual stream); the KV pages' dtype is its
-    ``desc``'s ``kv_bf16``. Every ``quire_rows_*`` entry point takes it. Holds raw
+    ``desc``'s ``kv_type``. Every ``quire_rows_*`` entry point takes it. Holds raw
     pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("rows", _i64), ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64),
@@ -169,6 +171,23 @@ class RowsArgs(ctypes.Structure):
                 ("window", _i64), ("scale", ctypes.c_float), ("attn", _ptr),
                 ("o_out", _ptr), ("gate_up", _ptr), ("inter", _i64), ("act", _ptr),
                 ("out", _ptr), ("residual_out", _ptr), ("rows_f32", ctypes.c_int32)]
+
+
+#: What the C kernels call each KV page dtype (``QUIRE_KV_*`` of ``csrc/cpu_kernels.h``):
+#: float32 and bfloat16 pages, and int8 and fp8 ones with a scale per head row
+#: (:mod:`quire.ops.kv_quant`).
+KV_TYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2,
+                                    torch.float8_e4m3fn: 3}
+
+
+def pages_fit(kv_cache: torch.Tensor, hkv: int, d: int) -> bool:
+    """Whether a layer's KV tensor is one the C kernels read and write in place: a dtype
+    of :data:`KV_TYPES`, contiguous, on the host, with ``hkv`` heads of ``d`` (quantised:
+    rows of ``d + 4``)."""
+    return (kv_cache.dtype in KV_TYPES and kv_cache.device.type == "cpu"
+            and kv_cache.dim() == 5 and kv_cache.is_contiguous()
+            and kv_cache.shape[3:] == (hkv, kv_quant.row_size(d, kv_cache.dtype))
+            and (not kv_quant.is_quantized(kv_cache) or d % kv_quant.SCALE_BYTES == 0))
 
 
 def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
@@ -193,6 +212,10 @@ class NativeKernels:
         self._decode = _twins(library, "quire_paged_decode", [
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
             _i64, _ptr])
+        # int8 and fp8 pages, by their KV_TYPES number
+        self._decode_quant = library.quire_paged_decode_quant
+        self._decode_quant.restype = ctypes.c_int
+        self._decode_quant.argtypes = [ctypes.c_int32, *self._decode[torch.float32].argtypes]
         self._prompt = _twins(library, "quire_prompt_attention", [
             _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float,
             _i64, _ptr])
@@ -204,6 +227,15 @@ class NativeKernels:
         if self._chunk_mixed is not None:
             self._chunk_mixed.restype = ctypes.c_int
             self._chunk_mixed.argtypes = self._chunk[torch.float32].argtypes
+        # float32 keys and values quantised into int8 or fp8 pages
+        self._write_quant = library.quire_write_kv_quant
+        self._write_quant.restype = ctypes.c_int
+        self._write_quant.argtypes = [ctypes.c_int32, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                                      _ptr, _i64, _ptr, _i64]
+        # float32 rows over int8 or fp8 pages, by their KV_TYPES number
+        self._chunk_quant = library.quire_chunk_attention_quant
+        self._chunk_quant.restype = ctypes.c_int
+        self._chunk_quant.argtypes = [ctypes.c_int32, *self._chunk[torch.float32].argtypes]
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -636,8 +668,9 @@ class NativeKernels:
 
         :param query: [B, Hq, D], each sequence's newest token (float32, or the cache's
             dtype: computed in float32 and returned in the query's dtype).
-        :param kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D],
-            contiguous (bfloat16 pages are read widened to float32, exactly).
+        :param kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D], or
+            int8 or fp8 [..., D + 4] (:mod:`quire.ops.kv_quant`), contiguous: bfloat16
+            pages are read widened to float32 exactly, quantised ones with their scales.
         :param block_tables: int64 [B, max_blocks], contiguous rows.
         :param seq_lens: int64 [B]: the query sits at position ``seq_lens[i] - 1`` and
             reads positions ``0 .. seq_lens[i] - 1`` (the last ``window`` with a window).
@@ -645,26 +678,46 @@ class NativeKernels:
             (another dtype, device or layout) or it could not allocate scratch memory;
             the caller then uses the torch path.
         """
-        entry = self._decode.get(kv_cache.dtype)
-        if not (entry is not None and query.dtype in (torch.float32, kv_cache.dtype)
-                and query.device.type == kv_cache.device.type == "cpu"
-                and kv_cache.dim() == 5 and kv_cache.is_contiguous()
+        quantized = kv_quant.is_quantized(kv_cache)
+        b, hq, d = query.shape
+        if not (query.dtype in (torch.float32, kv_cache.dtype) and query.device.type == "cpu"
+                and kv_cache.dim() == 5 and pages_fit(kv_cache, kv_cache.shape[3], d)
                 and block_tables.dtype == seq_lens.dtype == torch.int64
-                and block_tables.stride(1) == 1 and seq_lens.is_contiguous()):
+                and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+                and hq % kv_cache.shape[3] == 0 and block_tables.shape[0] == b
+                and seq_lens.shape[0] == b):
             return None
         q = query.to(torch.float32).contiguous()
-        b, hq, d = q.shape
-        _, num_blocks, block_size, hkv, dk = kv_cache.shape
-        if dk != d or hq % hkv or block_tables.shape[0] != b or seq_lens.shape[0] != b:
-            return None
+        _, _, block_size, hkv, _ = kv_cache.shape
+        entry = (self._decode[kv_cache.dtype] if not quantized else
+                 functools.partial(self._decode_quant, KV_TYPES[kv_cache.dtype]))
         out = torch.empty_like(q)
-        half = num_blocks * block_size * hkv * d * kv_cache.element_size()
+        half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
         failed = entry(
             q.data_ptr(), base, base + half, block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), b, hq, hkv, d, block_size,
             scale, window or 0, out.data_ptr())
         return None if failed else out.to(query.dtype)
+
+    def write_kv_quant(self, kv_cache: torch.Tensor, slots: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Quantise float32 ``key`` and ``value`` ``[T, Hkv, D]`` (rows of any stride,
+        each row's heads contiguous) into their ``slots`` of int8 or fp8 pages, bit for
+        bit as :func:`quire.ops.kv_quant.write_kv`. False (nothing written) when the
+        inputs are not what the kernel takes."""
+        t, hkv, d = key.shape
+        if not (kv_quant.is_quantized(kv_cache) and pages_fit(kv_cache, hkv, d)
+                and key.dtype == value.dtype == torch.float32 and key.shape == value.shape
+                and key.device.type == value.device.type == "cpu"
+                and key.stride()[1:] == (d, 1) and value.stride()[1:] == (d, 1)
+                and slots.dtype == torch.int64 and slots.shape == (t,)
+                and slots.is_contiguous()):
+            return False
+        base = kv_cache.data_ptr()
+        return not self._write_quant(
+            KV_TYPES[kv_cache.dtype], base, base + kv_cache[0].numel(), slots.data_ptr(), t,
+            hkv, d, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0))
 
     def prompt_attention(
         self,
@@ -720,9 +773,10 @@ class NativeKernels:
         (the chunks' own keys and values already written there).
 
         :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16), or float32
-            over a bfloat16 cache (its pages widened); rows may have any stride, each
-            row's heads contiguous.
-        :param kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous.
+            over a bfloat16 cache (its pages widened) or an int8 or fp8 one (dequantised
+            with their scales); rows may have any stride, each row's heads contiguous.
+        :param kv_cache: [2, num_blocks, block_size, Hkv, D] (quantised: D + 4),
+            contiguous.
         :param block_tables: int64 [B, width], contiguous rows; wide enough for
             ``seq_lens``.
         :param chunks: (first row, rows) of each sequence's new tokens in ``query``.
@@ -734,9 +788,12 @@ class NativeKernels:
             query's dtype; None when the inputs are not what the kernel takes, so the
             caller uses the torch path.
         """
+        quantized = kv_quant.is_quantized(kv_cache)
         entry = (self._chunk.get(kv_cache.dtype) if query.dtype == kv_cache.dtype
                  else self._chunk_mixed
                  if (query.dtype, kv_cache.dtype) == (torch.float32, torch.bfloat16)
+                 else functools.partial(self._chunk_quant, KV_TYPES[kv_cache.dtype])
+                 if quantized and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
                  else None)
         if not (entry is not None and chunks and query.dim() == kv_cache.dim() - 2 == 3
                 and query.device.type == kv_cache.device.type == "cpu"
@@ -746,9 +803,11 @@ class NativeKernels:
                 == block_tables.shape[0]):
             return None
         t, hq, d = query.shape
-        _, num_blocks, block_size, hkv, dk = kv_cache.shape
+        _, _, block_size, hkv, dk = kv_cache.shape
         lens = seq_lens.tolist()
-        if not (dk == d and hq % hkv == 0 and query.stride()[1:] == (d, 1)
+        if not (dk == kv_quant.row_size(d, kv_cache.dtype) and hq % hkv == 0
+                and (not quantized or d % kv_quant.SCALE_BYTES == 0)
+                and query.stride()[1:] == (d, 1)
                 and max(lens) <= block_tables.shape[1] * block_size
                 and all(0 < n <= length and 0 <= start and start + n <= t
                         for (start, n), length in zip(chunks, lens))):
@@ -756,7 +815,7 @@ class NativeKernels:
         starts = torch.tensor([start for start, _ in chunks], dtype=torch.int64)
         rows = torch.tensor([n for _, n in chunks], dtype=torch.int64)
         out = query.new_empty(int(rows.sum()), hq, d)
-        half = num_blocks * block_size * hkv * d * kv_cache.element_size()
+        half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
         failed = entry(query.data_ptr(), query.stride(0), base, base + half,
                        block_tables.data_ptr(), block_tables.stride(0), block_size,

@@ -163,6 +163,15 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
         if self._background is not None:
             self._background.released(start)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
+                 kv_cache: torch.Tensor, metadata: CpuSdpaMetadata) -> None:
+        """As the reference's; float32 rows into int8 or fp8 pages are quantised in C
+        (the same bytes, one pass instead of a chain of torch ops)."""
+        if (self.native is not None and kv_quant.is_quantized(kv_cache)
+                and self.native.write_kv_quant(kv_cache, metadata.slot_mapping, key, value)):
+            return
+        super().write_kv(key, value, kv_cache, metadata)  # type: ignore[arg-type]
+
     def wait_for_prefault(self, timeout: float | None = None) -> bool:
         """Block until the background thread has caught up with the blocks steps have
         reached plus its margin (True), or ``timeout`` seconds pass (False); True at
@@ -204,7 +213,7 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write then attend; a fresh prompt attends over ``key``/``value`` directly."""
-        self.write_kv(key, value, kv_cache, metadata)  # type: ignore[arg-type]
+        self.write_kv(key, value, kv_cache, metadata)
         return self._attend(query, kv_cache, metadata, scale, sliding_window,
                             logits_soft_cap, fresh=(key, value))
 

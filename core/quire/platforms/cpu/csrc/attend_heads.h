@@ -1,21 +1,40 @@
 /*
  * The body of paged decode attention for one sequence's query heads, for one KV element
- * type: included by paged_decode.c once per type (float32, bfloat16), with
+ * type: included by paged_decode.c once per type (float32, bfloat16, int8, fp8), with
  *   KV_T          the cache's element type
  *   KV_LOADW(p)   VW elements at p as a vwf (cpu_kernels.h)
  *   KV_GET(p)     the element at p as a float
+ *   KV_QUANT      1 where each head row of d elements is followed by its float32 scale
+ *                 (quantised pages: a score is the scale times the dot product with the
+ *                 row, a value row weighs its weight times its scale), else 0
  *   ATTEND_NAME   the entry point's name; ATTEND_(x) names its helpers
  * defined (and paged_decode.c's ATTEND_TILE, slot_cursor, tile_offsets and prefetch_tile
  * before it), and undefines them at the end. Queries, scores and outputs are float32 for
- * every type: only the cache is read narrower. No include guard: it is included twice.
+ * every type: only the cache is read narrower. No include guard: it is included per type.
  *
  * The query heads go over the positions a tile at a time, so each tile's K (then V)
  * slices are read from memory once and from L1 by every head of their group (GQA);
  * passes: scores, softmax, weighted sum of V.
  */
 
+/* Elements of a head row in the pages (d, or d + 4 with its scale). */
+#define ATTEND_HEAD(d) ((d) + 4 * KV_QUANT)
+
+/* The scale of the head row at p (d elements long): 1 for unquantised pages. */
+static inline float ATTEND_(row_scale)(const KV_T *p, int64_t d) {
+#if KV_QUANT
+    float s;
+    memcpy(&s, p + d, sizeof s);
+    return s;
+#else
+    (void)p, (void)d;
+    return 1.0f;
+#endif
+}
+
 /* The scores of query head qh against the keys of one tile (m slots at offs, this KV
- * head's slice of each row at k): unscaled dot products into sc. */
+ * head's slice of each row at k): dot products (times the rows' scales) into sc, not yet
+ * times the softmax's scale. */
 static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const int64_t *offs,
                                         int64_t m, int64_t d, float *sc) {
     const int64_t dv = d - d % VW;
@@ -47,6 +66,9 @@ static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const in
         for (int64_t i = dv; i < d; ++i) total += qh[i] * KV_GET(kt + i);
         sc[t] = total;
     }
+#if KV_QUANT
+    for (t = 0; t < m; ++t) sc[t] *= ATTEND_(row_scale)(k + offs[t], d);
+#endif
 }
 
 /* o[0 .. nv * VW) = (first ? 0 : o) + the sum over the tile of p[t] times its V slice:
@@ -78,10 +100,15 @@ static inline __attribute__((always_inline)) void ATTEND_(tile_weigh)(
 }
 
 /* One query head's share of a V tile: its whole row of out, vector slabs then the
- * scalar rest. */
+ * scalar rest. Quantised rows weigh their weight times their scale. */
 static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int64_t *offs,
                                         int64_t m, int64_t d, int first, float *oh) {
     const int64_t dv = d - d % VW;
+#if KV_QUANT
+    float scaled[ATTEND_TILE];
+    for (int64_t t = 0; t < m; ++t) scaled[t] = p[t] * ATTEND_(row_scale)(v + offs[t], d);
+    p = scaled;
+#endif
     int64_t i = 0;
     for (; i + 4 * VW <= dv; i += 4 * VW)
         ATTEND_(tile_weigh)(p, v + i, offs, m, 4, first, oh + i);
@@ -110,9 +137,10 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
                  float scale, float *scores, float *out) {
     const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
-    const int64_t span = (kv_end - kv_begin) * d * (int64_t)sizeof(KV_T);
+    const int64_t hd = ATTEND_HEAD(d); /* elements from one head row to the next */
+    const int64_t span = (kv_end - kv_begin) * hd * (int64_t)sizeof(KV_T);
     const int64_t heads = h_end - h_begin;
-    const KV_T *k_span = k_cache + kv_begin * d, *v_span = v_cache + kv_begin * d;
+    const KV_T *k_span = k_cache + kv_begin * hd, *v_span = v_cache + kv_begin * hd;
     int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE];
     /* scores */
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
@@ -129,7 +157,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             const int64_t i = h - h_begin;
             prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
                           (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
-            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * d, offs, m, d,
+            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * hd, offs, m, d,
                                  scores + i * n + j);
         }
         if (m_next == 0)
@@ -148,7 +176,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             const int64_t i = h - h_begin;
             prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
                           (i + 1) * m_next / heads - i * m_next / heads, span);
-            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * d, offs, m, d,
+            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * hd, offs, m, d,
                                  j == 0, out + h * d);
         }
         if (m_next == 0)
@@ -161,5 +189,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #undef KV_T
 #undef KV_LOADW
 #undef KV_GET
+#undef KV_QUANT
+#undef ATTEND_HEAD
 #undef ATTEND_NAME
 #undef ATTEND_

@@ -79,12 +79,96 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* One slot's row of `row` elements into a cache half of float32 or bfloat16 (rounded). */
-static inline void store_kv_row(void *half, int kv_bf16, int64_t slot, int64_t row,
+/* What a layer's KV pages hold (quire/ops/kv_quant.py has the quantised layout): a head
+ * row of d elements, or for int8 and fp8 (e4m3fn) d bytes then the 4 bytes of its float32
+ * scale (value = element * scale); one scale per token and KV head. */
+#define QUIRE_KV_F32 0
+#define QUIRE_KV_BF16 1
+#define QUIRE_KV_I8 2
+#define QUIRE_KV_FP8 3
+
+static inline int kv_quantized(int kv_type) { return kv_type >= QUIRE_KV_I8; }
+
+/* Elements of one head row in the pages, and between consecutive slots. */
+static inline int64_t kv_head_elems(int kv_type, int64_t d) {
+    return kv_quantized(kv_type) ? d + 4 : d;
+}
+static inline int64_t kv_slot_elems(int kv_type, int64_t hkv, int64_t d) {
+    return hkv * kv_head_elems(kv_type, d);
+}
+
+/* e4m3fn's byte b exactly as a float32 (its NaN, never written, reads as 480). */
+static inline float fp8_to_f32(uint8_t b) {
+    const uint32_t mag = b & 0x7fu;
+    float f;
+    if (mag < 8) {
+        f = (float)mag * 0x1p-9f; /* subnormal: mag * 2^-9, no float32 subnormal on the way */
+    } else {
+        const uint32_t bits = (mag << 20) + (120u << 23);
+        memcpy(&f, &bits, sizeof f);
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+/* float32 to e4m3fn, rounding to nearest even as torch's .to(torch.float8_e4m3fn) does
+ * (c10's fp8e4m3fn_from_fp32_value): |f| >= 464 (beyond 448 and its rounding) to NaN. */
+static inline uint8_t f32_to_fp8(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t out;
+    if (bits >= (1087u << 20)) {
+        out = 0x7f;
+    } else if (bits < (121u << 23)) { /* below e4m3's normals: align by a float add */
+        const uint32_t denorm = 141u << 23;
+        float a, b;
+        memcpy(&a, &bits, sizeof a);
+        memcpy(&b, &denorm, sizeof b);
+        a += b;
+        memcpy(&bits, &a, sizeof bits);
+        out = (uint8_t)(bits - denorm);
+    } else {
+        const uint32_t odd = (bits >> 20) & 1u;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+        out = (uint8_t)(bits >> 20);
+    }
+    return out | (uint8_t)(sign >> 24);
+}
+
+/* One head's d floats quantised into a quantised head row at dst: s = absmax / qmax (1
+ * for a zero row), elements src / s clamped to +-qmax and rounded to nearest even (int8)
+ * or converted (fp8), then s's bytes: torch's quire.ops.kv_quant.quantize, bit for bit. */
+static inline void quantize_kv_head(int kv_type, const float *src, int64_t d, uint8_t *dst) {
+    const float qmax = kv_type == QUIRE_KV_I8 ? 127.0f : 448.0f;
+    float top = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        const float a = fabsf(src[i]);
+        top = a > top ? a : top;
+    }
+    float s = top / qmax;
+    if (!(s > 0.0f))
+        s = 1.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        float x = src[i] / s;
+        x = x < -qmax ? -qmax : (x > qmax ? qmax : x);
+        dst[i] = kv_type == QUIRE_KV_I8 ? (uint8_t)(int8_t)nearbyintf(x) : f32_to_fp8(x);
+    }
+    memcpy(dst + d, &s, sizeof s);
+}
+
+/* One slot's keys (or values), hkv heads of d floats at src, into a cache half of
+ * kv_type: copied, rounded to bfloat16, or quantised per head. */
+static inline void store_kv_row(void *half, int kv_type, int64_t slot, int64_t hkv, int64_t d,
                                 const float *src) {
-    if (kv_bf16) {
+    const int64_t row = hkv * d;
+    if (kv_type == QUIRE_KV_BF16) {
         uint16_t *dst = (uint16_t *)half + slot * row;
         for (int64_t i = 0; i < row; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else if (kv_quantized(kv_type)) {
+        uint8_t *dst = (uint8_t *)half + slot * kv_slot_elems(kv_type, hkv, d);
+        for (int64_t h = 0; h < hkv; ++h)
+            quantize_kv_head(kv_type, src + h * d, d, dst + h * (d + 4));
     } else {
         memcpy((float *)half + slot * row, src, sizeof(float) * row);
     }
@@ -191,6 +275,41 @@ static inline vwf loadw_bf16(const uint16_t *p) {
 #endif
 }
 
+/* VW int8 elements of a quantised page widened to float32 (exact). */
+static inline vwf loadw_i8(const int8_t *p) {
+#if VW == 16
+    return (vwf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+#else
+    typedef int8_t vwi8 __attribute__((vector_size(VW)));
+    vwi8 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, vwi), vwf);
+#endif
+}
+
+/* VW e4m3fn elements widened to float32 exactly, as fp8_to_f32 lane by lane. On avx512:
+ * an e4m3 byte's bits moved up 7 are the float16 of its value / 2^8 (subnormals too),
+ * which vcvtph2ps widens (sign extended to 16 bits, shifted, bit 14 cleared). Elsewhere:
+ * normals by moving the bits into place and rebiasing the exponent, subnormals
+ * (magnitude < 8) as magnitude * 2^-9, then the sign. */
+static inline vwf loadw_fp8(const uint8_t *p) {
+#if VW == 16
+    const __m256i h = _mm256_and_si256(
+        _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const void *)p)), 7),
+        _mm256_set1_epi16((short)0xbf80));
+    return (vwf)_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+#else
+    typedef uint8_t vwu8 __attribute__((vector_size(VW)));
+    vwu8 b;
+    memcpy(&b, p, sizeof b);
+    const vwi u = __builtin_convertvector(b, vwi);
+    const vwi mag = u & 0x7f, small = (vwi)(mag < 8);
+    const vwi normal = (mag << 20) + (120 << 23);
+    const vwi sub = (vwi)(__builtin_convertvector(mag, vwf) * 0x1p-9f);
+    return (vwf)(((normal & ~small) | (sub & small)) | ((u & 0x80) << 24));
+#endif
+}
+
 /* exp8 at the attention vector's width, its polynomial in fused multiply-adds (the
  * softmax's exponentials were a fifth of the kernel at 32 positions). */
 static inline vwf expw(vwf x) {
@@ -245,30 +364,35 @@ static inline void softmax_row(float *s, int64_t n, float scale) {
     for (int64_t i = j; i < n; ++i) s[i] *= inv;
 }
 
-/* paged_decode.c: attention of query heads [h_begin, h_end) of one sequence. */
-void quire_attend_heads(const float *q, const float *k_cache, const float *v_cache,
-                        const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
-                        int64_t h_end, int64_t groups, int64_t row, int64_t d,
-                        int64_t block_size, float scale, float *scores, float *out);
+/* paged_decode.c: attention of query heads [h_begin, h_end) of one sequence over pages
+ * of float32, bfloat16, int8 or fp8 (rows of `row` elements between slots: see
+ * kv_slot_elems), float32 arithmetic. */
+#define QUIRE_ATTEND_ARGS(KV_T)                                                            \
+    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,        \
+        int64_t start, int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,          \
+        int64_t row, int64_t d, int64_t block_size, float scale, float *scores, float *out
+void quire_attend_heads(QUIRE_ATTEND_ARGS(float));
+void quire_attend_heads_bf16(QUIRE_ATTEND_ARGS(uint16_t));
+void quire_attend_heads_i8(QUIRE_ATTEND_ARGS(int8_t));
+void quire_attend_heads_fp8(QUIRE_ATTEND_ARGS(uint8_t));
+#undef QUIRE_ATTEND_ARGS
 
-/* paged_decode.c: the same over bfloat16 pages. */
-void quire_attend_heads_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
-                             int64_t h_end, int64_t groups, int64_t row, int64_t d,
-                             int64_t block_size, float scale, float *scores, float *out);
-
-/* quire_attend_heads or its bfloat16 twin, by the cache's element type. */
-static inline void attend_heads_kv(int kv_bf16, const float *q, const void *k_cache,
+/* The one of those for the pages' kv_type (QUIRE_KV_*). */
+static inline void attend_heads_kv(int kv_type, const float *q, const void *k_cache,
                                    const void *v_cache, const int64_t *table, int64_t start,
                                    int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,
                                    int64_t row, int64_t d, int64_t block_size, float scale,
                                    float *scores, float *out) {
-    if (kv_bf16)
-        quire_attend_heads_bf16(q, k_cache, v_cache, table, start, n, h_begin, h_end, groups,
-                                row, d, block_size, scale, scores, out);
-    else
-        quire_attend_heads(q, k_cache, v_cache, table, start, n, h_begin, h_end, groups, row,
-                           d, block_size, scale, scores, out);
+#define QUIRE_ATTEND(name, KV_T)                                                           \
+    name(q, (const KV_T *)k_cache, (const KV_T *)v_cache, table, start, n, h_begin, h_end, \
+         groups, row, d, block_size, scale, scores, out)
+    switch (kv_type) {
+    case QUIRE_KV_BF16: QUIRE_ATTEND(quire_attend_heads_bf16, uint16_t); break;
+    case QUIRE_KV_I8: QUIRE_ATTEND(quire_attend_heads_i8, int8_t); break;
+    case QUIRE_KV_FP8: QUIRE_ATTEND(quire_attend_heads_fp8, uint8_t); break;
+    default: QUIRE_ATTEND(quire_attend_heads, float); break;
+    }
+#undef QUIRE_ATTEND
 }
 
 /* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */

@@ -25,10 +25,10 @@
  * A layer whose MLP is not a gated pair of products (mixture of experts) says
  * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
  *
- * KV pages may hold bfloat16 (desc->kv_bf16, which the caller sets for each step: a
- * bfloat16 model's, or a float32 model's with kv_cache_dtype bfloat16): this token's
- * key and value are rounded into them and the attention reads them widened; everything
- * else stays float32, the caller converting the layer's input and output rows.
+ * KV pages may hold bfloat16, int8 or fp8 (desc->kv_type, which the caller sets for each
+ * step: a bfloat16 model's, or kv_cache_dtype's): this token's key and value are rounded
+ * (or quantised, a scale per KV head) into them and the attention reads them widened;
+ * everything else stays float32, the caller converting the layer's input and output rows.
  *
  * The same operations as the model's op-by-op layer with the cpu platform's kernels
  * (compact_gemv.c, rms_norm.c, paged_decode.c), in the same order; the products and
@@ -49,7 +49,7 @@ struct quire_layer_desc {
     const float *q_norm, *k_norm;          /* [d], over each head; both or neither */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden] */
     int32_t mlp_external;  /* stop at the MLP's input; gate_up and down may be NULL */
-    int32_t kv_bf16;       /* the KV pages hold bfloat16 (written rounded, read widened) */
+    int32_t kv_type;       /* what the KV pages hold: QUIRE_KV_F32, _BF16, _I8 or _FP8 */
 };
 
 #define QUIRE_ACT_SILU 0
@@ -271,7 +271,8 @@ int quire_decode_rows_f32(
         (!external && (!linear_fits(gate_up) || !linear_fits(down))))
         return 1;
     const float eps = desc->eps;
-    const int64_t row = hkv * d; /* floats per cache slot */
+    const int kv_type = desc->kv_type;
+    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
     const int64_t nqkv = qkv->out_features;
     const int64_t longest = (window > 0 && seq_len > window) ? window : seq_len;
     float *scratch = malloc(sizeof(float) * rows * (hidden + nqkv + hq * d + hidden +
@@ -302,15 +303,15 @@ int quire_decode_rows_f32(
                 norm_heads(qr + hq * d, hkv, d, desc->k_norm, eps);
             }
             rotate(qr, hq + hkv, d, cos + r * cos_stride, sin + r * cos_stride);
-            store_kv_row(k_cache, desc->kv_bf16, slots[r], row, qr + hq * d);
-            store_kv_row(v_cache, desc->kv_bf16, slots[r], row, qr + (hq + hkv) * d);
+            store_kv_row(k_cache, kv_type, slots[r], hkv, d, qr + hq * d);
+            store_kv_row(v_cache, kv_type, slots[r], hkv, d, qr + (hq + hkv) * d);
         }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t h = 0; h < hq; h++) {
                 const int64_t len = seq_len - rows + 1 + r;
                 const int64_t start = (window > 0 && len > window) ? len - window : 0;
-                attend_heads_kv(desc->kv_bf16, qkv_out + r * nqkv, k_cache, v_cache, table,
+                attend_heads_kv(kv_type, qkv_out + r * nqkv, k_cache, v_cache, table,
                                 start, len - start, h, h + 1, hq / hkv, row, d, block_size,
                                 scale, scores + (r * hq + h) * longest, attn + r * hq * d);
             }
@@ -613,7 +614,8 @@ static void decode_batch_team(
     int64_t hq, int64_t hkv, int64_t d, float scale, int64_t longest, float *scratch,
     float *out, float *residual_out) {
     const int64_t inter = inter_of(desc, gate_up), qkv_n = qkv->out_features;
-    const int64_t row = hkv * d; /* floats per cache slot */
+    const int kv_type = desc->kv_type;
+    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
     const int64_t threads = omp_get_num_threads();
     const int64_t widest = widest_input(hidden, desc, o, down);
     float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
@@ -625,8 +627,8 @@ static void decode_batch_team(
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *kv = qkv_out + r * qkv_n + hq * d;
-        store_kv_row(k_cache, desc->kv_bf16, slots[r], row, kv);
-        store_kv_row(v_cache, desc->kv_bf16, slots[r], row, kv + row);
+        store_kv_row(k_cache, kv_type, slots[r], hkv, d, kv);
+        store_kv_row(v_cache, kv_type, slots[r], hkv, d, kv + hkv * d);
     }
     float *my_scores = scores + omp_get_thread_num() * hq * longest;
     /* (row, KV head) pairs when there are too few rows to share out alone */
@@ -635,7 +637,7 @@ static void decode_batch_team(
     for (int64_t i = 0; i < rows * split; i++) {
         const int64_t s = i / split, h = (i % split) * heads, len = seq_lens[s];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        attend_heads_kv(desc->kv_bf16, qkv_out + s * qkv_n, k_cache, v_cache,
+        attend_heads_kv(kv_type, qkv_out + s * qkv_n, k_cache, v_cache,
                         tables + s * table_stride, start, len - start, h, h + heads, hq / hkv,
                         row, d, block_size, scale, my_scores, attn + s * hq * d);
     }
@@ -756,8 +758,8 @@ int quire_decode_batch_bf16(
  * out, the residual stream float32 through the layer and rounded once, into
  * residual_out, where the op-by-op path rounds it after each add; or float32 (rows_f32
  * 1: a float32 model on quantised weights), copied, so that the results are the op-by-op
- * path's to float32 rounding. The KV pages hold float32 or bfloat16 (desc->kv_bf16),
- * whatever the rows hold. All take one struct quire_rows, whose pointers the caller sets
+ * path's to float32 rounding. The KV pages hold float32, bfloat16, int8 or fp8
+ * (desc->kv_type), whatever the rows hold. All take one struct quire_rows, whose pointers the caller sets
  * for the step.
  */
 struct quire_rows {
@@ -888,7 +890,9 @@ int quire_rows_front(const struct quire_rows *a) {
 int quire_rows_attend(const struct quire_rows *a) {
     if (!rows_fit(a))
         return 1;
-    const int64_t d = a->d, hq = a->hq, row = a->hkv * d, qkv_n = (a->hq + 2 * a->hkv) * d;
+    const int64_t d = a->d, hq = a->hq, hkv = a->hkv, qkv_n = (hq + 2 * hkv) * d;
+    const int kv_type = a->desc->kv_type;
+    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
     int64_t longest = 0;
     for (int64_t s = 0; s < a->rows; s++) {
         if (a->seq_lens[s] < 1)
@@ -903,7 +907,6 @@ int quire_rows_attend(const struct quire_rows *a) {
     float *scratch = quire_thread_scratch((size_t)(a->rows * qkv_n + threads * per_thread));
     if (scratch == NULL)
         return 2;
-    const int kv_bf16 = a->desc->kv_bf16;
 #pragma omp parallel
     {
         float *mine = scratch + a->rows * qkv_n + omp_get_thread_num() * per_thread;
@@ -912,8 +915,8 @@ int quire_rows_attend(const struct quire_rows *a) {
         for (int64_t r = 0; r < a->rows; r++) {
             float *q = scratch + r * qkv_n;
             qk_row(a, r, q, rot);
-            store_kv_row(a->k_cache, kv_bf16, a->slots[r], row, q + hq * d);
-            store_kv_row(a->v_cache, kv_bf16, a->slots[r], row, q + hq * d + row);
+            store_kv_row(a->k_cache, kv_type, a->slots[r], hkv, d, q + hq * d);
+            store_kv_row(a->v_cache, kv_type, a->slots[r], hkv, d, q + (hq + hkv) * d);
         }
         /* (row, KV head) pairs when there are too few rows to share out alone */
         const int64_t split = threads > 1 && a->rows < 4 * threads ? a->hkv : 1;
@@ -922,7 +925,7 @@ int quire_rows_attend(const struct quire_rows *a) {
         for (int64_t i = 0; i < a->rows * split; i++) {
             const int64_t s = i / split, h = (i % split) * heads, len = a->seq_lens[s];
             const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
-            attend_heads_kv(kv_bf16, scratch + s * qkv_n, a->k_cache, a->v_cache,
+            attend_heads_kv(kv_type, scratch + s * qkv_n, a->k_cache, a->v_cache,
                             a->tables + s * a->table_stride, start, len - start, h,
                             h + heads, hq / a->hkv, row, d, a->block_size, a->scale, scores,
                             attn);

@@ -1,6 +1,7 @@
 /*
- * Paged decode attention for the cpu platform: one query token per sequence, float32 or
- * bfloat16 pages, float32 arithmetic.
+ * Paged decode attention for the cpu platform: one query token per sequence, float32,
+ * bfloat16, int8 or fp8 pages (the quantised ones with a scale per token and KV head:
+ * quire/ops/kv_quant.py), float32 arithmetic.
  *
  * Reads each sequence's keys and values straight from their pages, once, instead of
  * gathering them into a padded copy first (what the torch path has to do). Work is
@@ -73,6 +74,7 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define KV_T float
 #define KV_LOADW loadw
 #define KV_GET(p) (*(p))
+#define KV_QUANT 0
 #define ATTEND_NAME quire_attend_heads
 #define ATTEND_(x) x##_f32
 #include "attend_heads.h"
@@ -82,20 +84,40 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define KV_T uint16_t
 #define KV_LOADW loadw_bf16
 #define KV_GET(p) bf16_to_f32(*(p))
+#define KV_QUANT 0
 #define ATTEND_NAME quire_attend_heads_bf16
 #define ATTEND_(x) x##_bf16
 #include "attend_heads.h"
 
-/* Both entry points: every sequence's query heads over its pages, (sequence, KV head)
- * pairs over the team. Returns 0 on success, 1 when scratch memory could not be
+/* int8 pages: a quarter of float32's bytes (plus a scale per head row), widened exactly;
+ * each row's scale is applied to its score and to its weight in the sum of V. */
+#define KV_T int8_t
+#define KV_LOADW loadw_i8
+#define KV_GET(p) ((float)*(p))
+#define KV_QUANT 1
+#define ATTEND_NAME quire_attend_heads_i8
+#define ATTEND_(x) x##_i8
+#include "attend_heads.h"
+
+/* fp8 (e4m3fn) pages, the same way. */
+#define KV_T uint8_t
+#define KV_LOADW loadw_fp8
+#define KV_GET(p) fp8_to_f32(*(p))
+#define KV_QUANT 1
+#define ATTEND_NAME quire_attend_heads_fp8
+#define ATTEND_(x) x##_fp8
+#include "attend_heads.h"
+
+/* Every entry point: every sequence's query heads over its pages of kv_type, (sequence,
+ * KV head) pairs over the team. Returns 0 on success, 1 when scratch memory could not be
  * allocated (the caller falls back to the torch path). */
-static int paged_decode(int kv_bf16, const float *q, const void *k_cache, const void *v_cache,
+static int paged_decode(int kv_type, const float *q, const void *k_cache, const void *v_cache,
                         const int64_t *block_tables, int64_t table_stride,
                         const int64_t *seq_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
                         int64_t d, int64_t block_size, float scale, int64_t window,
                         float *out) {
     const int64_t groups = hq / hkv; /* query heads per KV head (GQA) */
-    const int64_t row = hkv * d; /* elements between consecutive slots */
+    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* elements between slots */
     int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
@@ -119,7 +141,7 @@ static int paged_decode(int kv_bf16, const float *q, const void *k_cache, const 
             memset(os + h_begin * d, 0, sizeof(float) * (h_end - h_begin) * d);
             continue;
         }
-        attend_heads_kv(kv_bf16, q + s * hq * d, k_cache, v_cache,
+        attend_heads_kv(kv_type, q + s * hq * d, k_cache, v_cache,
                         block_tables + s * table_stride, start, len - start, h_begin, h_end,
                         groups, row, d, block_size, scale,
                         scratch + omp_get_thread_num() * per_item, os);
@@ -133,7 +155,7 @@ int quire_paged_decode_f32(
     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
     int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
     float scale, int64_t window, float *out) {
-    return paged_decode(0, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+    return paged_decode(QUIRE_KV_F32, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
                         num_seqs, hq, hkv, d, block_size, scale, window, out);
 }
 
@@ -143,6 +165,36 @@ int quire_paged_decode_bf16(
     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
     int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
     float scale, int64_t window, float *out) {
-    return paged_decode(1, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+    return paged_decode(QUIRE_KV_BF16, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
                         num_seqs, hq, hkv, d, block_size, scale, window, out);
+}
+
+/* int8 or fp8 pages (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8), [.., hkv, d + 4] bytes per
+ * slot; float32 query and output. */
+int quire_paged_decode_quant(
+    int32_t kv_type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+    int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
+    float scale, int64_t window, float *out) {
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+        return 1;
+    return paged_decode(kv_type, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                        num_seqs, hq, hkv, d, block_size, scale, window, out);
+}
+
+/* n tokens' keys and values (float32, hkv heads of d per row, rows k_stride and v_stride
+ * floats apart) written to their slots of int8 or fp8 pages, quantised per head as
+ * quire.ops.kv_quant.write_kv does (bit for bit), tokens over the team. Returns 1 for
+ * a kv_type that is not quantised or a d that is not a multiple of 4. */
+int quire_write_kv_quant(int32_t kv_type, uint8_t *k_cache, uint8_t *v_cache,
+                         const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
+                         const float *k, int64_t k_stride, const float *v, int64_t v_stride) {
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+        return 1;
+#pragma omp parallel for schedule(static) if (n * hkv * d > 16384)
+    for (int64_t t = 0; t < n; ++t) {
+        store_kv_row(k_cache, kv_type, slots[t], hkv, d, k + t * k_stride);
+        store_kv_row(v_cache, kv_type, slots[t], hkv, d, v + t * v_stride);
+    }
+    return 0;
 }

@@ -24,7 +24,9 @@
  * rounding; bfloat16 outputs are rounded to nearest even, as torch rounds.
  *
  * Chunks over bfloat16 pages may have float32 rows (quire_chunk_attention_f32_bf16kv, a
- * float32 model with bfloat16 pages); every other entry's rows and keys share a type.
+ * float32 model with bfloat16 pages), and chunks over int8 or fp8 pages have float32 rows
+ * (quire_chunk_attention_quant, each head row dequantised with its scale as it is
+ * gathered); every other entry's rows and keys share a type.
  *
  * Layout: token t's query heads at q + t * q_stride ([Hq, D], contiguous); sequence p's
  * new tokens are rows starts[p] .. starts[p] + lens[p] - 1, at positions ctx[p] -
@@ -66,7 +68,7 @@ struct pa_args {
     /* pages: [num_seqs, table_stride] block tables; NULL for rows of the projection */
     const int64_t *tables;
     int64_t table_stride, block_size;
-    int kv_bf16; /* k and v hold bfloat16 (else float32) */
+    int kv_type; /* what k and v hold: QUIRE_KV_F32, _BF16 (rows too), _I8 or _FP8 */
 };
 
 /* Where position t of sequence p (its first token row `first`) keeps its keys and
@@ -76,19 +78,41 @@ static inline int64_t pa_key_row(const struct pa_args *a, int64_t p, int64_t fir
     if (a->tables == NULL)
         return (first + t) * a->kv_stride;
     const int64_t *table = a->tables + p * a->table_stride, bs = a->block_size;
-    return (table[t / bs] * bs + t % bs) * a->hkv * a->d;
+    return (table[t / bs] * bs + t % bs) * kv_slot_elems(a->kv_type, a->hkv, a->d);
 }
 
-/* n elements from base + i, widened into dst. */
-static inline void pa_widen(const void *base, int bf16, int64_t i, int64_t n, float *dst) {
-    if (!bf16) {
+/* One position's hkv head rows of d (a query head's row: hkv 1), from base + i elements,
+ * widened (or dequantised) into dst as hkv * d floats. */
+static inline void pa_widen(const void *base, int kv_type, int64_t i, int64_t hkv, int64_t d,
+                            float *dst) {
+    const int64_t n = hkv * d;
+    if (kv_type == QUIRE_KV_F32) {
         memcpy(dst, (const float *)base + i, sizeof(float) * n);
-        return;
+    } else if (kv_type == QUIRE_KV_BF16) {
+        const uint16_t *src = (const uint16_t *)base + i;
+        int64_t j = 0;
+        for (; j + VW <= n; j += VW) storew(dst + j, loadw_bf16(src + j));
+        for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+    } else {
+        for (int64_t h = 0; h < hkv; ++h) {
+            const uint8_t *src = (const uint8_t *)base + i + h * (d + 4);
+            float s, *out = dst + h * d;
+            memcpy(&s, src + d, sizeof s);
+            int64_t j = 0;
+            if (kv_type == QUIRE_KV_I8) {
+                for (; j + VW <= d; j += VW) storew(out + j, loadw_i8((const int8_t *)src + j) * s);
+                for (; j < d; ++j) out[j] = (float)(int8_t)src[j] * s;
+            } else {
+                for (; j + VW <= d; j += VW) storew(out + j, loadw_fp8(src + j) * s);
+                for (; j < d; ++j) out[j] = fp8_to_f32(src[j]) * s;
+            }
+        }
     }
-    const uint16_t *src = (const uint16_t *)base + i;
-    int64_t j = 0;
-    for (; j + VW <= n; j += VW) storew(dst + j, loadw_bf16(src + j));
-    for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
+}
+
+/* Bytes of a KV element. */
+static inline int64_t pa_elem(int kv_type) {
+    return kv_type == QUIRE_KV_F32 ? 4 : kv_type == QUIRE_KV_BF16 ? 2 : 1;
 }
 
 /* The first key row r reads (its window's start). */
@@ -194,12 +218,13 @@ static void pa_prepare_tile(const struct pa_args *a, int64_t p, int64_t first, i
                             int64_t j, float *dst, float *v_rows) {
     const int64_t d = a->d, width = a->hkv * d, k0 = j * PA_KT;
     const int64_t m = n - k0 < PA_KT ? n - k0 : PA_KT;
-    const int64_t elem = a->kv_bf16 ? 2 : 4, ahead = 4;
+    const int64_t elem = pa_elem(a->kv_type), ahead = 4;
+    const int64_t bytes = kv_slot_elems(a->kv_type, a->hkv, d) * elem;
     float row[width];
     for (int64_t t = 0; t < PA_KT; ++t) {
         if (t + ahead < m) {
             const int64_t next = pa_key_row(a, p, first, k0 + t + ahead) * elem;
-            for (int64_t c = 0; c < width * elem; c += 64) {
+            for (int64_t c = 0; c < bytes; c += 64) {
                 __builtin_prefetch((const char *)a->k + next + c);
                 if (v_rows != NULL)
                     __builtin_prefetch((const char *)a->v + next + c);
@@ -207,13 +232,13 @@ static void pa_prepare_tile(const struct pa_args *a, int64_t p, int64_t first, i
         }
         const int64_t at = t < m ? pa_key_row(a, p, first, k0 + t) : 0;
         if (t < m)
-            pa_widen(a->k, a->kv_bf16, at, width, row);
+            pa_widen(a->k, a->kv_type, at, a->hkv, d, row);
         else
             memset(row, 0, sizeof(float) * width);
         for (int64_t g = 0; g < a->hkv; ++g)
             for (int64_t i = 0; i < d; ++i) dst[(g * d + i) * PA_KT + t] = row[g * d + i];
         if (v_rows != NULL && t < m)
-            pa_widen(a->v, a->kv_bf16, at, width, v_rows + (k0 + t) * width);
+            pa_widen(a->v, a->kv_type, at, a->hkv, d, v_rows + (k0 + t) * width);
     }
 }
 
@@ -233,7 +258,8 @@ static void pa_item(const struct pa_args *a, const struct pa_prepared *pre, int6
     /* query rows x = head-in-group * qb + position - r0, widened */
     for (int64_t x = 0; x < rows; ++x) {
         const int64_t h = g * groups + x / qb, r = r0 + x % qb;
-        pa_widen(a->q, a->bf16, (first + r - prefix) * a->q_stride + h * d, d, qs + x * d);
+        pa_widen(a->q, a->bf16 ? QUIRE_KV_BF16 : QUIRE_KV_F32,
+                 (first + r - prefix) * a->q_stride + h * d, 1, d, qs + x * d);
     }
     /* scores, a tile at a time */
     for (int64_t k0 = k_begin; k0 < r1; k0 += PA_KT) {
@@ -317,7 +343,7 @@ static int chunk_attention(const struct pa_args *a, const int64_t *starts,
     const int64_t kt_floats = tiles * hkv * d * PA_KT;
     /* float32 rows of a projection are read where they are; bfloat16 ones and pages are
      * gathered into float32 rows of hkv * d */
-    const int gather = a->kv_bf16 || a->tables != NULL;
+    const int gather = a->kv_type != QUIRE_KV_F32 || a->tables != NULL;
     const int64_t v_floats = gather ? v_base[num_seqs] * hkv * d : 0;
     float *scratch = quire_thread_scratch((size_t)(threads * per_thread + kt_floats + v_floats));
     if (scratch == NULL) {
@@ -363,7 +389,7 @@ int quire_prompt_attention_f32(const float *q, const float *k, const float *v,
                                int64_t hkv, int64_t d, float scale, int64_t window,
                                float *out) {
     const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
-                              0, NULL, 0, 1, 0};
+                              0, NULL, 0, 1, QUIRE_KV_F32};
     return chunk_attention(&a, starts, lens, NULL, num_prompts);
 }
 
@@ -374,7 +400,7 @@ int quire_prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint
                                 int64_t hkv, int64_t d, float scale, int64_t window,
                                 uint16_t *out) {
     const struct pa_args a = {q, k, v, out, q_stride, kv_stride, hq, hkv, d, window, scale,
-                              1, NULL, 0, 1, 1};
+                              1, NULL, 0, 1, QUIRE_KV_BF16};
     return chunk_attention(&a, starts, lens, NULL, num_prompts);
 }
 
@@ -387,7 +413,7 @@ int quire_chunk_attention_f32(const float *q, int64_t q_stride, const float *k_c
                               int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
                               float scale, int64_t window, float *out) {
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
-                              scale, 0, tables, table_stride, block_size, 0};
+                              scale, 0, tables, table_stride, block_size, QUIRE_KV_F32};
     return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
 
@@ -400,7 +426,7 @@ int quire_chunk_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16
                                int64_t hkv, int64_t d, float scale, int64_t window,
                                uint16_t *out) {
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
-                              scale, 1, tables, table_stride, block_size, 1};
+                              scale, 1, tables, table_stride, block_size, QUIRE_KV_BF16};
     return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
 
@@ -415,6 +441,23 @@ int quire_chunk_attention_f32_bf16kv(const float *q, int64_t q_stride,
                                      int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d,
                                      float scale, int64_t window, float *out) {
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
-                              scale, 0, tables, table_stride, block_size, 1};
+                              scale, 0, tables, table_stride, block_size, QUIRE_KV_BF16};
+    return chunk_attention(&a, starts, lens, ctx, num_seqs);
+}
+
+/* Float32 rows and out over int8 or fp8 pages (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8,
+ * [slots, hkv, d + 4] bytes): each position's head rows dequantised (element times its
+ * row's scale, in float32, as quire.ops.kv_quant.dequantize) as they are gathered. */
+int quire_chunk_attention_quant(int32_t kv_type, const float *q, int64_t q_stride,
+                                const uint8_t *k_cache, const uint8_t *v_cache,
+                                const int64_t *tables, int64_t table_stride,
+                                int64_t block_size, const int64_t *starts,
+                                const int64_t *lens, const int64_t *ctx, int64_t num_seqs,
+                                int64_t hq, int64_t hkv, int64_t d, float scale,
+                                int64_t window, float *out) {
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+        return 1;
+    const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
+                              scale, 0, tables, table_stride, block_size, kv_type};
     return chunk_attention(&a, starts, lens, ctx, num_seqs);
 }
