@@ -85,8 +85,8 @@ class EngineConfig:
         default="auto",
         metadata=_help("what the KV pages hold: auto (the model dtype; bfloat16 for a float32 "
                        "model whose quantised products take bfloat16 activations), float32, "
-                       "bfloat16, int8 or fp8 (e4m3; both with a float32 scale per token and "
-                       "KV head)"))
+                       "bfloat16, int8 or fp8 (e4m3; both with a float16 scale per 16 values "
+                       "of a token's KV head)"))
     quantization: str | None = field(
         default=None,
         metadata=_help("how weights are kept: gguf (a GGUF file's blocks as stored), int8 "

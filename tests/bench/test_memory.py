@@ -83,3 +83,5 @@ def test_kv_bytes_per_token_from_a_config():
     smollm2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9,
                               num_key_value_heads=3, head_dim=64, hidden_size=576)
     assert kv_bytes_per_token(smollm2, dtype_bytes=4) == 2 * 30 * 3 * 64 * 4
+    # int8/fp8 pages: a float16 scale per 16 values beside each row
+    assert kv_bytes_per_token(smollm2, dtype_bytes=1, quantized=True) == 2 * 30 * 3 * 72

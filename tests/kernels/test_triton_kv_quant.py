@@ -1,5 +1,5 @@
-"""The Triton attention kernels on int8 / fp8 KV pages (rows of D + 4: the values, then
-their float32 scale), in the interpreter, against the reference reading the same pages;
+"""The Triton attention kernels on int8 / fp8 KV pages (rows of D + D / 8: the values, then
+a float16 scale per 16 of them), in the interpreter, against the reference reading the same pages;
 and the fp8 e4m3 decode by bits against torch for every byte."""
 
 from __future__ import annotations

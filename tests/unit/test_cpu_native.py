@@ -132,8 +132,8 @@ def test_decode_covers_groups_head_dims_and_tails(kernels: NativeKernels,
 
 
 def _quantised(cache: torch.Tensor, dtype: torch.dtype):
-    """A float cache's pages as int8 or fp8 pages (rows of D + 4 with their scales), and
-    the float32 values those pages hold."""
+    """A float cache's pages as int8 or fp8 pages (rows of D + D / 8 with their scales),
+    and the float32 values those pages hold."""
     pages = kv_quant.quantize(cache, dtype).view(dtype)
     return pages, kv_quant.dequantize(pages)
 
@@ -147,13 +147,13 @@ def _held(pages: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, half: i
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("groups", [1, 3, 8])
-@pytest.mark.parametrize("d", [64, 72, 20])
+@pytest.mark.parametrize("d", [64, 80, 128])
 def test_decode_reads_quantised_pages(kernels: NativeKernels, kv_dtype: torch.dtype,
                                       groups: int, d: int) -> None:
-    """int8 and fp8 pages (a scale per token and KV head after each row): each score is
-    its row's scale times the dot product, each value row weighs its weight times its
-    scale. Against float64 over the values the pages hold (kv_quant.dequantize),
-    float32's tolerance; contexts over the kernel's steps and tiles, windows."""
+    """int8 and fp8 pages (a float16 scale per 16 values after each row): each group of a
+    key or value row is read times its scale. Against float64 over the values the pages
+    hold (kv_quant.dequantize), float32's tolerance; GQA groups, head sizes of 4, 5 and
+    8 scale groups, contexts over the kernel's steps and tiles, windows."""
     lens = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100]
     hkv = 2
     q, cache, tables, seq_lens, _, _ = _paged(d + groups, lens, groups * hkv, hkv, d, 16)
@@ -167,15 +167,15 @@ def test_decode_reads_quantised_pages(kernels: NativeKernels, kv_dtype: torch.dt
 
 
 def _every_fp8_byte_as_values(hkv: int = 1, d: int = 64):
-    """Pages whose value rows, scale 1, hold every e4m3fn byte but the two NaNs (four
+    """Pages whose value rows, scales 1, hold every e4m3fn byte but the two NaNs (four
     sequences of one position each, a row of 64 bytes each), and what torch widens them
     to."""
     codes = torch.arange(256, dtype=torch.int32)
     codes = codes[(codes & 0x7f) != 0x7f]  # the NaNs: never written (values are clamped)
     codes = torch.cat([codes, codes[:256 - codes.numel()]]).to(torch.uint8).view(4, 1, d)
-    pages = torch.zeros(2, 4, 1, hkv, d + 4, dtype=torch.uint8)
+    pages = torch.zeros(2, 4, 1, hkv, kv_quant.row_size(d, torch.int8), dtype=torch.uint8)
     pages[1, :, 0, :, :d] = codes
-    pages[..., d:] = torch.tensor([1.0]).view(torch.uint8)
+    pages[..., d:] = torch.ones(d // kv_quant.GROUP, dtype=torch.float16).view(torch.uint8)
     widened = codes.view(torch.float8_e4m3fn).float()  # [4, 1, d]
     return pages.view(torch.float8_e4m3fn), widened
 
@@ -200,24 +200,26 @@ def test_quantised_writes_are_torch_s_bytes(kernels: NativeKernels,
                                             kv_dtype: torch.dtype) -> None:
     """Keys and values quantised into int8 or fp8 pages in C (``write_kv_quant``, as the
     fused layer's decode rows write them) are kv_quant.write_kv's bytes, bit for bit:
-    rows over 11 decades, all-zero rows (scale 1), a row whose one huge element sends
+    rows over 11 decades (scales float16 subnormals at the low end, capped at 65504 at
+    the high), all-zero rows and groups (scale 1), a group whose one huge element sends
     the others to fp8's subnormals and zero, int8's ties (x / s at k + 0.5), and strided
     rows (a fused q/k/v projection's)."""
     gen = torch.Generator().manual_seed(5)
     t, hkv, d = 41, 3, 64
     qkv = torch.randn(t, (2 + 2 * hkv) * d, generator=gen)
-    qkv *= torch.logspace(-8, 3, t)[:, None]
+    qkv *= torch.logspace(-8, 8, t)[:, None]
     key = qkv[:, 2 * d:(2 + hkv) * d].view(t, hkv, d)
     value = qkv[:, (2 + hkv) * d:].view(t, hkv, d)
     key[0] = 0.0
     value[1, 2] = 0.0
     key[2, 1] = torch.randn(d, generator=gen)
     key[2, 1, 7] = 1e6
-    key[3, 0] = torch.arange(d) - 31.5  # absmax 32.5: x / s lands on halves for int8
-    key[3, 0, 0] = 127.0 / 2
+    value[4, 0, 16:32] = 0.0  # one zero group
+    key[3, 0] = (torch.arange(d) % 16 - 7.5) * 2  # groups of absmax 15: x / s on halves
+    key[3, 0, ::16] = 127.0 / 4
     assert key.stride(0) == value.stride(0) == qkv.shape[1]
     slots = torch.randperm(8 * 16, generator=gen)[:t]
-    expected = torch.zeros(2, 8, 16, hkv, d + 4, dtype=kv_dtype)
+    expected = torch.zeros(2, 8, 16, hkv, kv_quant.row_size(d, kv_dtype), dtype=kv_dtype)
     kv_quant.write_kv(expected, slots, key, value)
     written = torch.zeros_like(expected)
     assert kernels.write_kv_quant(written, slots, key, value)
@@ -239,8 +241,11 @@ def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
     assert kernels.paged_decode(q, cache.transpose(1, 2), tables, seq_lens, 1.0,
                                 None) is None
     assert kernels.paged_decode(q[:, :3], cache, tables, seq_lens, 1.0, None) is None
+    q, cache, tables, seq_lens, _, _ = _paged(4, [5, 9], 4, 2, 16, 4)
     pages = kv_quant.quantize(cache, torch.int8).view(torch.int8)
-    assert kernels.paged_decode(q, pages[..., :-4], tables, seq_lens, 1.0, None) is None
+    assert kernels.paged_decode(q, pages, tables, seq_lens, 1.0, None) is not None
+    assert kernels.paged_decode(q, pages[..., :-2].contiguous(), tables, seq_lens, 1.0,
+                                None) is None  # rows without their last scale
     assert kernels.paged_decode(q.bfloat16(), pages, tables, seq_lens, 1.0, None) is None
 
 

@@ -76,14 +76,18 @@ class KVBudget:
         return self.bytes // bytes_per_token  # type: ignore[operator]
 
 
-def kv_bytes_per_token(config: object, dtype_bytes: int, scale_bytes: int = 0) -> int:
-    """K and V of one token over all layers, from a Hugging Face model config;
-    ``scale_bytes`` per head row beside its values (int8/fp8 pages: 4, a float32 scale)."""
+def kv_bytes_per_token(config: object, dtype_bytes: int, quantized: bool = False) -> int:
+    """K and V of one token over all layers, from a Hugging Face model config; with
+    ``quantized`` (int8/fp8 pages, one byte a value) the float16 scales beside each head
+    row too (``quire.ops.kv_quant``)."""
+    from quire.ops.kv_quant import scale_bytes
+
     layers = config.num_hidden_layers  # type: ignore[attr-defined]
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore
-    return 2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)
+    extra = scale_bytes(head_dim) if quantized else 0
+    return 2 * layers * kv_heads * (head_dim * dtype_bytes + extra)
 
 
 @dataclass(frozen=True)

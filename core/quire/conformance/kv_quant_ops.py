@@ -125,8 +125,8 @@ def _page_error(cache: torch.Tensor, case, kv_dtype: torch.dtype) -> str:
     """Why the written rows do not read back within the quantisation bound; '' if they do
     (or the cache is not the reference layout, which only attention can then judge)."""
     d = case.head_size
-    if cache.dim() != 5 or cache.shape[3:] != (NUM_KV_HEADS, d + kv_quant.SCALE_BYTES) \
-            or cache.dtype != kv_dtype:
+    row = kv_quant.row_size(d, kv_dtype)
+    if cache.dim() != 5 or cache.shape[3:] != (NUM_KV_HEADS, row) or cache.dtype != kv_dtype:
         return ""
     slots = [case.batch.slot_mapping]
     keys, values = [case.key], [case.value]
@@ -135,11 +135,12 @@ def _page_error(cache: torch.Tensor, case, kv_dtype: torch.dtype) -> str:
         keys.append(case.prefix_key)
         values.append(case.prefix_value)
     slot = torch.cat(slots).long()
-    rows = cache.cpu().view(2, -1, NUM_KV_HEADS, d + kv_quant.SCALE_BYTES)[:, slot]
+    rows = cache.cpu().view(2, -1, NUM_KV_HEADS, row)[:, slot]
     for half, x in ((0, torch.cat(keys)), (1, torch.cat(values))):
         x = x.float()
         got = kv_quant.dequantize(rows[half])
-        absmax = x.abs().amax(-1, keepdim=True)
+        groups = x.unflatten(-1, (d // kv_quant.GROUP, kv_quant.GROUP))  # a scale each
+        absmax = groups.abs().amax(-1, keepdim=True).expand_as(groups).flatten(-2)
         if kv_dtype == torch.int8:
             bound = absmax / 254
         else:

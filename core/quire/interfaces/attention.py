@@ -27,14 +27,31 @@ from typing import Any
 
 import torch
 
-#: Quantised page dtypes (int8, fp8 e4m3) and the bytes of the scale after each head row.
+#: Quantised page dtypes (int8, fp8 e4m3). A quantised head row is its ``D`` one-byte
+#: elements, then one float16 scale per :data:`KV_SCALE_GROUP` of them (``D / 8`` bytes):
+#: ``D + D / 8`` bytes, ``D`` a multiple of the group (``quire.ops.kv_quant``).
 QUANTIZED_KV_TORCH_DTYPES = (torch.int8, torch.float8_e4m3fn)
-KV_SCALE_BYTES = 4
+KV_SCALE_GROUP = 16
+
+
+def kv_scale_bytes(head_size: int) -> int:
+    """Bytes of the scales after a quantised head row of ``head_size``."""
+    return 2 * head_size // KV_SCALE_GROUP
 
 
 def kv_row_size(head_size: int, dtype: torch.dtype) -> int:
-    """Elements of one head row in pages of ``dtype``: ``D``, or ``D + 4`` quantised."""
-    return head_size + KV_SCALE_BYTES if dtype in QUANTIZED_KV_TORCH_DTYPES else head_size
+    """Elements of one head row in pages of ``dtype``: ``D``, or ``D + D / 8`` quantised."""
+    if dtype in QUANTIZED_KV_TORCH_DTYPES:
+        return head_size + kv_scale_bytes(head_size)
+    return head_size
+
+
+def kv_head_size(row_size: int, dtype: torch.dtype) -> int:
+    """``D`` of a head row of ``row_size`` elements in pages of ``dtype``
+    (:func:`kv_row_size`'s inverse)."""
+    if dtype in QUANTIZED_KV_TORCH_DTYPES:
+        return row_size * KV_SCALE_GROUP // (KV_SCALE_GROUP + 2)
+    return row_size
 
 
 def check_kv_cache_dtype(backend: "AttentionBackend", platform: str, kv_cache_dtype: str,
@@ -53,9 +70,10 @@ def check_kv_cache_dtype(backend: "AttentionBackend", platform: str, kv_cache_dt
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not supported by the "
                          f"{platform!r} platform's attention backend ({backend.name}); "
                          f"supported: {supported}")
-    if dtype in QUANTIZED_KV_TORCH_DTYPES and head_size % KV_SCALE_BYTES:
+    if dtype in QUANTIZED_KV_TORCH_DTYPES and head_size % KV_SCALE_GROUP:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} needs a head size that is a "
-                         f"multiple of {KV_SCALE_BYTES}; this model's is {head_size}")
+                         f"multiple of {KV_SCALE_GROUP} (a scale per {KV_SCALE_GROUP} "
+                         f"values); this model's is {head_size}")
     return dtype
 
 
@@ -127,14 +145,15 @@ class AttentionBackend(ABC):
     #: Default: none, so a backend written before plugin API 1.3 gets ``auto`` only.
     #:
     #: Quantised pages (``quire.ops.kv_quant``): one layer's tensor is the backend's
-    #: :meth:`kv_cache_shape` at head size ``D + 4``, of dtype ``torch.int8`` (int8) or
+    #: :meth:`kv_cache_shape` at head size ``D + D / 8``, of dtype ``torch.int8`` (int8) or
     #: ``torch.float8_e4m3fn`` (fp8); each head row holds the ``D`` quantised elements
-    #: then the 4 bytes of their float32 scale (``x ~= q * scale``; ``scale = absmax(x) /
-    #: 127`` or ``/ 448``, 1 for a zero row), one per token and KV head, for keys and
-    #: values. :meth:`write_kv` (and the op set's ``rotary_write_kv`` where
-    #: :meth:`kv_slots` names slots) quantises the float K/V it is given;
-    #: :meth:`attend` dequantises what it reads, and must match the reference
-    #: (``quire.ops.attention``) reading the same pages. ``D % 4 == 0``. Plugin API 1.3.
+    #: then ``D / 16`` float16 scales, scale ``g`` for elements ``16 g .. 16 g + 15``
+    #: (``x ~= q * scale``; ``scale = absmax(x of the group) / 127`` or ``/ 448`` rounded
+    #: to float16, 1 where that is 0), per token and KV head, for keys and values.
+    #: :meth:`write_kv` (and the op set's ``rotary_write_kv`` where :meth:`kv_slots`
+    #: names slots) quantises the float K/V it is given; :meth:`attend` dequantises what
+    #: it reads, and must match the reference (``quire.ops.attention``) reading the same
+    #: pages. ``D % 16 == 0``. Plugin API 1.3.
     kv_cache_dtypes: tuple[str, ...] = ()
 
     @abstractmethod
@@ -154,7 +173,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Allocate one layer's KV cache. Contents are undefined until written.
 
-        ``dtype`` int8 or float8_e4m3fn: quantised pages, head rows of ``D + 4``
+        ``dtype`` int8 or float8_e4m3fn: quantised pages, head rows of ``D + D / 8``
         (:attr:`kv_cache_dtypes`).
 
         :raises RuntimeError: (from the allocator) when the memory is not there.
@@ -179,7 +198,7 @@ class AttentionBackend(ABC):
                        head_size: int, dtype: torch.dtype) -> int:
         """Bytes one layer's cache of ``num_blocks`` pages of ``dtype`` takes (quantised
         values and their scales): what the engine sizes the KV pool by. Pure. Default:
-        :meth:`kv_cache_shape` (at head size ``D + 4`` for int8/fp8 pages) times the
+        :meth:`kv_cache_shape` (at head size ``D + D / 8`` for int8/fp8 pages) times the
         element size. Plugin API 1.3."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads,
                                     kv_row_size(head_size, dtype))

@@ -7,9 +7,9 @@ must be set before triton is first imported, because ``@triton.jit`` reads it wh
 module defines the kernels).
 
 KV cache, per layer: ``[2, num_blocks, block_size, Hkv, D]`` (0 = keys, 1 = values), the
-cpu reference's layout; int8 / fp8 pages hold rows of ``D + 4`` (the values, then their
-float32 scale: ``quire.ops.kv_quant``), dequantised in the attention kernels as each tile
-is loaded. The launchers take the key and value halves as two views,
+cpu reference's layout; int8 / fp8 pages hold rows of ``D + D / 8`` (the values, then a
+float16 scale per 16 of them: ``quire.ops.kv_quant``), dequantised in the attention
+kernels as each tile is loaded. The launchers take the key and value halves as two views,
 ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, Hkv, D]`` with the head dim
 contiguous; every other stride is passed to the kernels.
 
@@ -116,9 +116,10 @@ def _attend_tile(
 ):
     """One online-softmax step of rows ``q`` [M, D_PAD] over keys ``j0 .. j0+TILE_N``.
 
-    ``QUANT`` 1 (int8) or 2 (fp8 e4m3, read as bytes): rows of ``head_size + 4`` bytes,
-    the values then their float32 scale, which ``ks_ptr``/``vs_ptr`` (the caches seen as
-    float32) read at ``(row + head_size) / 4``; the tiles are dequantised in registers.
+    ``QUANT`` 1 (int8) or 2 (fp8 e4m3, read as bytes): rows of ``head_size * 9 / 8``
+    bytes, the values then a float16 scale per 16 of them, which ``ks_ptr``/``vs_ptr``
+    (the caches seen as float16) read at ``(row + head_size) / 2 + d / 16``; the tiles
+    are dequantised in registers.
 
     Keys at ``j >= kv_end`` are never loaded: a slot past a sequence's end may hold
     anything, NaN included, and a masked score would not cancel a NaN value. Rows see keys
@@ -143,9 +144,12 @@ def _attend_tile(
         else:
             k_t = _fp8_e4m3_to_f32(k_t)
             v = _fp8_e4m3_to_f32(v)
-        srow = (base + head_size) // 4  # the scale after each row, as a float32 index
-        k_t = k_t * tl.load(ks_ptr + srow, mask=kv_ok, other=0.0)[None, :]
-        v = v * tl.load(vs_ptr + srow, mask=kv_ok, other=0.0)[:, None]
+        srow = (base + head_size) // 2  # the row's first scale, as a float16 index
+        group = d // 16  # each value's scale within them
+        k_t = k_t * tl.load(ks_ptr + srow[None, :] + group[:, None],
+                            mask=d_ok[:, None] & kv_ok[None, :], other=0.0).to(tl.float32)
+        v = v * tl.load(vs_ptr + srow[:, None] + group[None, :],
+                        mask=kv_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         if not DOT_FP32:
             k_t = k_t.to(q.dtype)
             v = v.to(q.dtype)
@@ -369,7 +373,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tenso
                            bool, str | None, torch.dtype]:
     """(k, v, k scales, v scales, QUANT, DOT_FP32, PRECISION, the tiles' dtype) for the
     attention launches. Quantised caches (int8; fp8 e4m3, passed as its bytes) come with
-    float32 views of the same memory for their scales; float caches pass themselves there
+    float16 views of the same memory for their scales; float caches pass themselves there
     (unread)."""
     if k_cache.dtype == torch.int8 or k_cache.dtype == torch.float8_e4m3fn:
         quant = 1 if k_cache.dtype == torch.int8 else 2
@@ -377,7 +381,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tenso
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         dot_fp32 = query.dtype == torch.float32 or INTERPRETED
         tiles = torch.float32 if dot_fp32 else query.dtype
-        return (k_cache, v_cache, k_cache.view(torch.float32), v_cache.view(torch.float32),
+        return (k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
                 quant, dot_fp32, "ieee" if dot_fp32 else None, tiles)
     dot_fp32, precision = _dot_options(k_cache.dtype)
     return k_cache, v_cache, k_cache, v_cache, 0, dot_fp32, precision, k_cache.dtype

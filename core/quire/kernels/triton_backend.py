@@ -27,11 +27,11 @@ from types import ModuleType
 import torch
 
 from quire.interfaces.attention import (
-    KV_SCALE_BYTES,
     QUANTIZED_KV_TORCH_DTYPES,
     AttentionBackend,
     AttentionBatch,
     check_attention_options,
+    kv_head_size,
     kv_row_size,
 )
 
@@ -140,11 +140,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         """:raises ValueError: for a block size < 1 or a head size outside 1..256."""
         _check_block_size(block_size)
-        # a quantised cache asks at D + 4 (its rows hold their scale; D a multiple of 4):
-        # D alone is checked
-        scaled = head_size - KV_SCALE_BYTES
-        _check_head_size(scaled if head_size > MAX_HEAD_SIZE and scaled % 4 == 0
-                         else head_size)
+        # a quantised cache asks at D + D / 8 (its rows hold their scales; D a multiple
+        # of 16): D alone is checked
+        scaled = kv_head_size(head_size, torch.int8)
+        _check_head_size(scaled if head_size > MAX_HEAD_SIZE
+                         and kv_row_size(scaled, torch.int8) == head_size else head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
@@ -337,7 +337,7 @@ def _check_cache(kv_cache: torch.Tensor, block_size: int) -> None:
         raise ValueError(f"the triton attention backend does not support cache dtype "
                          f"{kv_cache.dtype}; use float32, float16 or bfloat16 (or int8 / "
                          f"float8_e4m3fn pages with scales)")
-    _check_head_size(kv_cache.shape[4] - (KV_SCALE_BYTES if quantized else 0))
+    _check_head_size(kv_head_size(kv_cache.shape[4], kv_cache.dtype))
     if quantized and not kv_cache.is_contiguous():
         raise ValueError("quantised kv_cache pages must be contiguous")
     if kv_cache.stride(-1) != 1:

@@ -216,7 +216,7 @@ def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
         cache do not fit together, or the cache's dtype differs from the inputs'.
     """
     if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn):
-        # quantised pages (rows of D + 4 with their scale): the rotation and the
+        # quantised pages (rows of D + D / 8 with their scales): the rotation and the
         # quantising write in torch (quire.ops.kv_quant); every slot must be >= 0 (no
         # padding rows: the engine captures no decode graphs with quantised pages)
         from quire.ops.reference import rotary_write_kv as reference_rotary_write_kv

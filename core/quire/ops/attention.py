@@ -14,9 +14,9 @@ its length.
 
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, Hkv, D]``, where
 index 0 holds keys and 1 holds values. ``slot = block * block_size + offset`` addresses
-``kv_cache[:, block, offset]``. Quantised pages (int8, fp8) hold rows of ``D + 4``: the
-values, then their float32 scale (:mod:`quire.ops.kv_quant`); they are dequantised to
-float32 as they are gathered.
+``kv_cache[:, block, offset]``. Quantised pages (int8, fp8) hold rows of ``D + D / 8``:
+the values, then a float16 scale per 16 of them (:mod:`quire.ops.kv_quant`); they are
+dequantised to float32 as they are gathered.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _attend_group(
     # gather: [b, n_blocks, block_size, Hkv, D] -> [b, L, Hkv, D]
     keys = kv_cache[0][group.block_tables].flatten(1, 2)
     values = kv_cache[1][group.block_tables].flatten(1, 2)
-    if kv_quant.is_quantized(kv_cache):  # rows of D + 4: values, then their scale
+    if kv_quant.is_quantized(kv_cache):  # rows of D + D / 8: values, then their scales
         keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)
     else:
         keys, values = keys.float(), values.float()

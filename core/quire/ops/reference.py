@@ -83,15 +83,15 @@ def rotary_write_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
     :param cos: [T, 1, D] and :param sin: [T, 1, D]: ``RotaryEmbedding.forward``'s
         factors (``cos | cos`` and ``-sin | sin``), any strides.
     :param kv_cache: [2, num_blocks, block_size, Hkv, D]; changed in place at the slots
-        of ``slot_mapping`` and nowhere else. int8/fp8 pages (rows of ``D + 4``,
-        ``quire.ops.kv_quant``): keys and values quantised with a scale per row.
+        of ``slot_mapping`` and nowhere else. int8/fp8 pages (rows of ``D + D / 8``,
+        ``quire.ops.kv_quant``): keys and values quantised with a scale per 16 values.
     :param slot_mapping: int [T], each token's slot (``AttentionBatch.slot_mapping``).
     :returns: the rotated queries, [T, Hq, D] (new memory; ``qk`` is not changed).
     """
     num_kv_heads = value.shape[1]
     rotated = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
     q, k = rotated.split([qk.shape[1] - num_kv_heads, num_kv_heads], dim=1)
-    if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn):  # rows of D + 4: then scale
+    if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn):  # rows of D + D / 8 with scales
         from quire.ops.kv_quant import write_kv
 
         write_kv(kv_cache, slot_mapping, k, value)

@@ -1180,11 +1180,9 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     from quire.model_store import resolve_model
     from quire.models.loader import load_model_config
 
-    if args.dtype in ("int8", "fp8"):  # quantised pages: a float32 scale per head row
-        from quire.ops.kv_quant import SCALE_BYTES
-
+    if args.dtype in ("int8", "fp8"):  # quantised pages: float16 scales beside each row
         return kv_bytes_per_token(load_model_config(resolve_model(args.model)), 1,
-                                  SCALE_BYTES)
+                                  quantized=True)
     dtype = parse_dtype(args.dtype)
     if dtype is None:
         raise ValueError("--dtype: give a dtype name, not 'auto'")

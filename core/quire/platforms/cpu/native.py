@@ -183,11 +183,11 @@ KV_TYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.i
 def pages_fit(kv_cache: torch.Tensor, hkv: int, d: int) -> bool:
     """Whether a layer's KV tensor is one the C kernels read and write in place: a dtype
     of :data:`KV_TYPES`, contiguous, on the host, with ``hkv`` heads of ``d`` (quantised:
-    rows of ``d + 4``)."""
+    rows of ``d + d / 8``)."""
     return (kv_cache.dtype in KV_TYPES and kv_cache.device.type == "cpu"
             and kv_cache.dim() == 5 and kv_cache.is_contiguous()
             and kv_cache.shape[3:] == (hkv, kv_quant.row_size(d, kv_cache.dtype))
-            and (not kv_quant.is_quantized(kv_cache) or d % kv_quant.SCALE_BYTES == 0))
+            and (not kv_quant.is_quantized(kv_cache) or d % kv_quant.GROUP == 0))
 
 
 def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
@@ -669,7 +669,7 @@ class NativeKernels:
         :param query: [B, Hq, D], each sequence's newest token (float32, or the cache's
             dtype: computed in float32 and returned in the query's dtype).
         :param kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D], or
-            int8 or fp8 [..., D + 4] (:mod:`quire.ops.kv_quant`), contiguous: bfloat16
+            int8 or fp8 [..., D + D / 8] (:mod:`quire.ops.kv_quant`), contiguous: bfloat16
             pages are read widened to float32 exactly, quantised ones with their scales.
         :param block_tables: int64 [B, max_blocks], contiguous rows.
         :param seq_lens: int64 [B]: the query sits at position ``seq_lens[i] - 1`` and
@@ -775,7 +775,7 @@ class NativeKernels:
         :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16), or float32
             over a bfloat16 cache (its pages widened) or an int8 or fp8 one (dequantised
             with their scales); rows may have any stride, each row's heads contiguous.
-        :param kv_cache: [2, num_blocks, block_size, Hkv, D] (quantised: D + 4),
+        :param kv_cache: [2, num_blocks, block_size, Hkv, D] (quantised: D + D / 8),
             contiguous.
         :param block_tables: int64 [B, width], contiguous rows; wide enough for
             ``seq_lens``.
@@ -806,7 +806,7 @@ class NativeKernels:
         _, _, block_size, hkv, dk = kv_cache.shape
         lens = seq_lens.tolist()
         if not (dk == kv_quant.row_size(d, kv_cache.dtype) and hq % hkv == 0
-                and (not quantized or d % kv_quant.SCALE_BYTES == 0)
+                and (not quantized or d % kv_quant.GROUP == 0)
                 and query.stride()[1:] == (d, 1)
                 and max(lens) <= block_tables.shape[1] * block_size
                 and all(0 < n <= length and 0 <= start and start + n <= t

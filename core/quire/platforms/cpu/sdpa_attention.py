@@ -373,7 +373,7 @@ def _attend_group(
 
     q = _fold_queries(query, group, hkv)  # [b, Hkv, G * max_q, D]
     gathered = _gather(kv_cache, group)
-    if kv_quant.is_quantized(kv_cache):  # rows of D + 4: values, then their scale
+    if kv_quant.is_quantized(kv_cache):  # rows of D + D / 8: values, then scales
         gathered = kv_quant.dequantize(gathered, query.dtype)
     elif gathered.dtype != query.dtype:
         gathered = gathered.to(query.dtype)
@@ -388,7 +388,7 @@ def _attend_group(
 
 def _gather(kv_cache: torch.Tensor, group: _Group) -> torch.Tensor:
     """Keys and values per sequence, head, then position: ``[2, b * Hkv * L, D]`` (rows
-    of ``D + 4`` for quantised pages: still quantised)."""
+    of ``D + D / 8`` for quantised pages: still quantised)."""
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     rows = group.key_rows.get(hkv)
     if rows is None:  # first layer of the step

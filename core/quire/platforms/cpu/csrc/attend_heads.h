@@ -1,40 +1,30 @@
 /*
  * The body of paged decode attention for one sequence's query heads, for one KV element
- * type: included by paged_decode.c once per type (float32, bfloat16, int8, fp8), with
+ * type: included by paged_decode.c once per type (float32 first, bfloat16, int8, fp8),
+ * with
  *   KV_T          the cache's element type
  *   KV_LOADW(p)   VW elements at p as a vwf (cpu_kernels.h)
  *   KV_GET(p)     the element at p as a float
- *   KV_QUANT      1 where each head row of d elements is followed by its float32 scale
- *                 (quantised pages: a score is the scale times the dot product with the
- *                 row, a value row weighs its weight times its scale), else 0
+ *   KV_QUANT      1 where each head row of d elements is followed by a float16 scale
+ *                 per QUIRE_KV_GROUP of them (int8, fp8), else 0
  *   ATTEND_NAME   the entry point's name; ATTEND_(x) names its helpers
  * defined (and paged_decode.c's ATTEND_TILE, slot_cursor, tile_offsets and prefetch_tile
  * before it), and undefines them at the end. Queries, scores and outputs are float32 for
  * every type: only the cache is read narrower. No include guard: it is included per type.
+ *
+ * Quantised pages: each tile's rows of one KV head are dequantised once (every group
+ * widened and times its scale) into a float32 tile in L1, which the query heads of its
+ * group then read with the float32 instantiation's passes (tile_scores_f32,
+ * tile_values_f32): the widening and scaling is paid once per KV head, not per query
+ * head, and the scales need no table.
  *
  * The query heads go over the positions a tile at a time, so each tile's K (then V)
  * slices are read from memory once and from L1 by every head of their group (GQA);
  * passes: scores, softmax, weighted sum of V.
  */
 
-/* Elements of a head row in the pages (d, or d + 4 with its scale). */
-#define ATTEND_HEAD(d) ((d) + 4 * KV_QUANT)
-
-/* The scale of the head row at p (d elements long): 1 for unquantised pages. */
-static inline float ATTEND_(row_scale)(const KV_T *p, int64_t d) {
-#if KV_QUANT
-    float s;
-    memcpy(&s, p + d, sizeof s);
-    return s;
-#else
-    (void)p, (void)d;
-    return 1.0f;
-#endif
-}
-
 /* The scores of query head qh against the keys of one tile (m slots at offs, this KV
- * head's slice of each row at k): dot products (times the rows' scales) into sc, not yet
- * times the softmax's scale. */
+ * head's slice of each row at k): unscaled dot products into sc. */
 static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const int64_t *offs,
                                         int64_t m, int64_t d, float *sc) {
     const int64_t dv = d - d % VW;
@@ -66,9 +56,6 @@ static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const in
         for (int64_t i = dv; i < d; ++i) total += qh[i] * KV_GET(kt + i);
         sc[t] = total;
     }
-#if KV_QUANT
-    for (t = 0; t < m; ++t) sc[t] *= ATTEND_(row_scale)(k + offs[t], d);
-#endif
 }
 
 /* o[0 .. nv * VW) = (first ? 0 : o) + the sum over the tile of p[t] times its V slice:
@@ -100,15 +87,10 @@ static inline __attribute__((always_inline)) void ATTEND_(tile_weigh)(
 }
 
 /* One query head's share of a V tile: its whole row of out, vector slabs then the
- * scalar rest. Quantised rows weigh their weight times their scale. */
+ * scalar rest. */
 static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int64_t *offs,
                                         int64_t m, int64_t d, int first, float *oh) {
     const int64_t dv = d - d % VW;
-#if KV_QUANT
-    float scaled[ATTEND_TILE];
-    for (int64_t t = 0; t < m; ++t) scaled[t] = p[t] * ATTEND_(row_scale)(v + offs[t], d);
-    p = scaled;
-#endif
     int64_t i = 0;
     for (; i + 4 * VW <= dv; i += 4 * VW)
         ATTEND_(tile_weigh)(p, v + i, offs, m, 4, first, oh + i);
@@ -121,6 +103,7 @@ static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int
     }
 }
 
+#if !KV_QUANT
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
  * (h_end - h_begin) * n floats.
@@ -137,10 +120,9 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
                  float scale, float *scores, float *out) {
     const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
-    const int64_t hd = ATTEND_HEAD(d); /* elements from one head row to the next */
-    const int64_t span = (kv_end - kv_begin) * hd * (int64_t)sizeof(KV_T);
+    const int64_t span = (kv_end - kv_begin) * d * (int64_t)sizeof(KV_T);
     const int64_t heads = h_end - h_begin;
-    const KV_T *k_span = k_cache + kv_begin * hd, *v_span = v_cache + kv_begin * hd;
+    const KV_T *k_span = k_cache + kv_begin * d, *v_span = v_cache + kv_begin * d;
     int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE];
     /* scores */
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
@@ -157,7 +139,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             const int64_t i = h - h_begin;
             prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
                           (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
-            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * hd, offs, m, d,
+            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * d, offs, m, d,
                                  scores + i * n + j);
         }
         if (m_next == 0)
@@ -176,7 +158,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             const int64_t i = h - h_begin;
             prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
                           (i + 1) * m_next / heads - i * m_next / heads, span);
-            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * hd, offs, m, d,
+            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * d, offs, m, d,
                                  j == 0, out + h * d);
         }
         if (m_next == 0)
@@ -186,10 +168,107 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     }
 }
 
+#else
+/* The m rows of one KV head in a tile (at p + offs[t]: d elements, then their float16
+ * scales) as float32 rows of d at out, each group times its scale. */
+static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int64_t m,
+                                         int64_t d, float *out) {
+    const int64_t ng = d / QUIRE_KV_GROUP;
+    float scale[ng];
+    for (int64_t t = 0; t < m; ++t) {
+        const KV_T *row = p + offs[t];
+        const uint8_t *bits = (const uint8_t *)(row + d);
+#if VW == 16 /* every scale of the row at once (vcvtph2ps), 16 at a time */
+        for (int64_t g = 0; g < ng; g += 16) {
+            const int64_t left = ng - g < 16 ? ng - g : 16;
+            const __mmask16 mk = (__mmask16)((1u << left) - 1);
+            _mm512_mask_storeu_ps(scale + g, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                                                     mk, bits + 2 * g)));
+        }
+#else
+        for (int64_t g = 0; g < ng; ++g) {
+            uint16_t h;
+            memcpy(&h, bits + 2 * g, sizeof h);
+            scale[g] = f16_to_f32(h);
+        }
+#endif
+        float *o = out + t * d;
+        for (int64_t i = 0; i < d; i += VW) /* d: whole groups, whole vectors */
+            storew(o + i, KV_LOADW(row + i) * splatw(scale[i / QUIRE_KV_GROUP]));
+    }
+}
+
+/* ATTEND_NAME over quantised pages: as the float types' walk, each tile dequantised per
+ * KV head into tile (ATTEND_TILE rows of d, L1) and read there by that KV head's query
+ * heads through the float32 passes. */
+void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
+                 const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
+                 int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
+                 float scale, float *scores, float *out) {
+    const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
+    const int64_t hd = d + 2 * d / QUIRE_KV_GROUP; /* a head row with its scales */
+    const int64_t span = (kv_end - kv_begin) * hd * (int64_t)sizeof(KV_T);
+    const int64_t heads = h_end - h_begin;
+    const KV_T *k_span = k_cache + kv_begin * hd, *v_span = v_cache + kv_begin * hd;
+    int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE], rows[ATTEND_TILE];
+    float tile[ATTEND_TILE * d];
+    for (int64_t t = 0; t < ATTEND_TILE; ++t) rows[t] = t * d;
+    /* scores */
+    struct slot_cursor cur = slot_cursor_at(table, start, block_size);
+    int64_t *offs = tile_a, *next = tile_b;
+    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
+        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
+        const KV_T *ahead = k_span;
+        int64_t m_ahead = m_next;
+        if (m_next == 0) {
+            struct slot_cursor first = slot_cursor_at(table, start, block_size);
+            ahead = v_span, m_ahead = tile_offsets(&first, n, row, next);
+        }
+        for (int64_t g = kv_begin; g < kv_end; ++g) {
+            ATTEND_(dequant_tile)(k_cache + g * hd, offs, m, d, tile);
+            const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
+            const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+            for (int64_t h = h0; h < h1; ++h) {
+                const int64_t i = h - h_begin;
+                prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
+                              (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
+                tile_scores_f32(q + h * d, tile, rows, m, d, scores + i * n + j);
+            }
+        }
+        if (m_next == 0)
+            break;
+        int64_t *const done = offs;
+        offs = next, next = done, j += m, m = m_next;
+    }
+    for (int64_t h = h_begin; h < h_end; ++h)
+        softmax_row(scores + (h - h_begin) * n, n, scale);
+    /* the weighted sum of V, the same way */
+    cur = slot_cursor_at(table, start, block_size);
+    offs = tile_a, next = tile_b;
+    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
+        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
+        for (int64_t g = kv_begin; g < kv_end; ++g) {
+            ATTEND_(dequant_tile)(v_cache + g * hd, offs, m, d, tile);
+            const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
+            const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+            for (int64_t h = h0; h < h1; ++h) {
+                const int64_t i = h - h_begin;
+                prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
+                              (i + 1) * m_next / heads - i * m_next / heads, span);
+                tile_values_f32(scores + i * n + j, tile, rows, m, d, j == 0, out + h * d);
+            }
+        }
+        if (m_next == 0)
+            break;
+        int64_t *const done = offs;
+        offs = next, next = done, j += m, m = m_next;
+    }
+}
+#endif
+
 #undef KV_T
 #undef KV_LOADW
 #undef KV_GET
 #undef KV_QUANT
-#undef ATTEND_HEAD
 #undef ATTEND_NAME
 #undef ATTEND_

@@ -80,18 +80,21 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* What a layer's KV pages hold (quire/ops/kv_quant.py has the quantised layout): a head
- * row of d elements, or for int8 and fp8 (e4m3fn) d bytes then the 4 bytes of its float32
- * scale (value = element * scale); one scale per token and KV head. */
+ * row of d elements, or for int8 and fp8 (e4m3fn) d bytes then d / QUIRE_KV_GROUP float16
+ * scales, scale g for elements g * QUIRE_KV_GROUP on (value = element * scale); d a
+ * multiple of QUIRE_KV_GROUP. */
 #define QUIRE_KV_F32 0
 #define QUIRE_KV_BF16 1
 #define QUIRE_KV_I8 2
 #define QUIRE_KV_FP8 3
+#define QUIRE_KV_GROUP 16
 
 static inline int kv_quantized(int kv_type) { return kv_type >= QUIRE_KV_I8; }
 
-/* Elements of one head row in the pages, and between consecutive slots. */
+/* Elements of one head row in the pages (quantised: d bytes and d / 8 of scales), and
+ * between consecutive slots. */
 static inline int64_t kv_head_elems(int kv_type, int64_t d) {
-    return kv_quantized(kv_type) ? d + 4 : d;
+    return kv_quantized(kv_type) ? d + 2 * d / QUIRE_KV_GROUP : d;
 }
 static inline int64_t kv_slot_elems(int kv_type, int64_t hkv, int64_t d) {
     return hkv * kv_head_elems(kv_type, d);
@@ -136,25 +139,65 @@ static inline uint8_t f32_to_fp8(float f) {
     return out | (uint8_t)(sign >> 24);
 }
 
-/* One head's d floats quantised into a quantised head row at dst: s = absmax / qmax (1
- * for a zero row), elements src / s clamped to +-qmax and rounded to nearest even (int8)
- * or converted (fp8), then s's bytes: torch's quire.ops.kv_quant.quantize, bit for bit. */
+/* float16 (a KV scale's) exactly as a float32; infinities and NaNs are never written. */
+static inline float f16_to_f32(uint16_t h) {
+    float f;
+    if (h & 0x7c00u) {
+        const uint32_t bits = ((uint32_t)(h & 0x7fffu) << 13) + (112u << 23);
+        memcpy(&f, &bits, sizeof f);
+    } else {
+        f = (float)(h & 0x3ffu) * 0x1p-24f; /* subnormal */
+    }
+    return (h & 0x8000u) ? -f : f;
+}
+
+/* float32 to float16, rounding to nearest even as torch's .half() does (c10's
+ * fp16_ieee_from_fp32_value: the rounding done by float adds at the right exponent). */
+static inline uint16_t f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u)
+        bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float bias_f;
+    memcpy(&bias_f, &bias_bits, sizeof bias_f);
+    base = bias_f + base;
+    uint32_t bits;
+    memcpy(&bits, &base, sizeof bits);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+/* One head's d floats quantised into a quantised head row at dst, each group of
+ * QUIRE_KV_GROUP on its own: s = absmax / qmax capped at 65504 and rounded to float16 (1
+ * where that is 0), elements src / s clamped to +-qmax and rounded to nearest even (int8)
+ * or converted (fp8), then the groups' float16 scales: torch's
+ * quire.ops.kv_quant.quantize, bit for bit. */
 static inline void quantize_kv_head(int kv_type, const float *src, int64_t d, uint8_t *dst) {
     const float qmax = kv_type == QUIRE_KV_I8 ? 127.0f : 448.0f;
-    float top = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-        const float a = fabsf(src[i]);
-        top = a > top ? a : top;
+    for (int64_t g = 0; g < d / QUIRE_KV_GROUP; ++g) {
+        const float *x = src + g * QUIRE_KV_GROUP;
+        uint8_t *q = dst + g * QUIRE_KV_GROUP;
+        float top = 0.0f;
+        for (int i = 0; i < QUIRE_KV_GROUP; ++i) {
+            const float a = fabsf(x[i]);
+            top = a > top ? a : top;
+        }
+        float s = top / qmax;
+        uint16_t h = f32_to_f16(s < 65504.0f ? s : 65504.0f);
+        if (h == 0)
+            h = 0x3c00u; /* 1.0 */
+        s = f16_to_f32(h);
+        for (int i = 0; i < QUIRE_KV_GROUP; ++i) {
+            float v = x[i] / s;
+            v = v < -qmax ? -qmax : (v > qmax ? qmax : v);
+            q[i] = kv_type == QUIRE_KV_I8 ? (uint8_t)(int8_t)nearbyintf(v) : f32_to_fp8(v);
+        }
+        memcpy(dst + d + 2 * g, &h, sizeof h);
     }
-    float s = top / qmax;
-    if (!(s > 0.0f))
-        s = 1.0f;
-    for (int64_t i = 0; i < d; ++i) {
-        float x = src[i] / s;
-        x = x < -qmax ? -qmax : (x > qmax ? qmax : x);
-        dst[i] = kv_type == QUIRE_KV_I8 ? (uint8_t)(int8_t)nearbyintf(x) : f32_to_fp8(x);
-    }
-    memcpy(dst + d, &s, sizeof s);
 }
 
 /* One slot's keys (or values), hkv heads of d floats at src, into a cache half of
@@ -168,7 +211,7 @@ static inline void store_kv_row(void *half, int kv_type, int64_t slot, int64_t h
     } else if (kv_quantized(kv_type)) {
         uint8_t *dst = (uint8_t *)half + slot * kv_slot_elems(kv_type, hkv, d);
         for (int64_t h = 0; h < hkv; ++h)
-            quantize_kv_head(kv_type, src + h * d, d, dst + h * (d + 4));
+            quantize_kv_head(kv_type, src + h * d, d, dst + h * kv_head_elems(kv_type, d));
     } else {
         memcpy((float *)half + slot * row, src, sizeof(float) * row);
     }

@@ -89,8 +89,8 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define ATTEND_(x) x##_bf16
 #include "attend_heads.h"
 
-/* int8 pages: a quarter of float32's bytes (plus a scale per head row), widened exactly;
- * each row's scale is applied to its score and to its weight in the sum of V. */
+/* int8 pages: a quarter of float32's bytes (plus a float16 scale per 16), widened exactly
+ * and times their group's scale. */
 #define KV_T int8_t
 #define KV_LOADW loadw_i8
 #define KV_GET(p) ((float)*(p))
@@ -169,27 +169,27 @@ int quire_paged_decode_bf16(
                         num_seqs, hq, hkv, d, block_size, scale, window, out);
 }
 
-/* int8 or fp8 pages (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8), [.., hkv, d + 4] bytes per
- * slot; float32 query and output. */
+/* int8 or fp8 pages (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8), [.., hkv, d + d / 8] bytes
+ * per slot; float32 query and output. */
 int quire_paged_decode_quant(
     int32_t kv_type, const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
     int64_t num_seqs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
     float scale, int64_t window, float *out) {
-    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % QUIRE_KV_GROUP)
         return 1;
     return paged_decode(kv_type, q, k_cache, v_cache, block_tables, table_stride, seq_lens,
                         num_seqs, hq, hkv, d, block_size, scale, window, out);
 }
 
 /* n tokens' keys and values (float32, hkv heads of d per row, rows k_stride and v_stride
- * floats apart) written to their slots of int8 or fp8 pages, quantised per head as
- * quire.ops.kv_quant.write_kv does (bit for bit), tokens over the team. Returns 1 for
- * a kv_type that is not quantised or a d that is not a multiple of 4. */
+ * floats apart) written to their slots of int8 or fp8 pages, quantised per group of 16
+ * as quire.ops.kv_quant.write_kv does (bit for bit), tokens over the team. Returns 1 for
+ * a kv_type that is not quantised or a d that is not a multiple of 16. */
 int quire_write_kv_quant(int32_t kv_type, uint8_t *k_cache, uint8_t *v_cache,
                          const int64_t *slots, int64_t n, int64_t hkv, int64_t d,
                          const float *k, int64_t k_stride, const float *v, int64_t v_stride) {
-    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % QUIRE_KV_GROUP)
         return 1;
 #pragma omp parallel for schedule(static) if (n * hkv * d > 16384)
     for (int64_t t = 0; t < n; ++t) {

@@ -94,17 +94,15 @@ static inline void pa_widen(const void *base, int kv_type, int64_t i, int64_t hk
         for (; j + VW <= n; j += VW) storew(dst + j, loadw_bf16(src + j));
         for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
     } else {
-        for (int64_t h = 0; h < hkv; ++h) {
-            const uint8_t *src = (const uint8_t *)base + i + h * (d + 4);
-            float s, *out = dst + h * d;
-            memcpy(&s, src + d, sizeof s);
-            int64_t j = 0;
-            if (kv_type == QUIRE_KV_I8) {
-                for (; j + VW <= d; j += VW) storew(out + j, loadw_i8((const int8_t *)src + j) * s);
-                for (; j < d; ++j) out[j] = (float)(int8_t)src[j] * s;
-            } else {
-                for (; j + VW <= d; j += VW) storew(out + j, loadw_fp8(src + j) * s);
-                for (; j < d; ++j) out[j] = fp8_to_f32(src[j]) * s;
+        for (int64_t h = 0; h < hkv; ++h) { /* d is a whole number of groups and vectors */
+            const uint8_t *src = (const uint8_t *)base + i + h * kv_head_elems(kv_type, d);
+            float *out = dst + h * d;
+            for (int64_t j = 0; j < d; j += VW) {
+                uint16_t bits;
+                memcpy(&bits, src + d + 2 * (j / QUIRE_KV_GROUP), sizeof bits);
+                const vwf s = splatw(f16_to_f32(bits));
+                storew(out + j, (kv_type == QUIRE_KV_I8 ? loadw_i8((const int8_t *)src + j)
+                                                         : loadw_fp8(src + j)) * s);
             }
         }
     }
@@ -446,8 +444,8 @@ int quire_chunk_attention_f32_bf16kv(const float *q, int64_t q_stride,
 }
 
 /* Float32 rows and out over int8 or fp8 pages (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8,
- * [slots, hkv, d + 4] bytes): each position's head rows dequantised (element times its
- * row's scale, in float32, as quire.ops.kv_quant.dequantize) as they are gathered. */
+ * [slots, hkv, d + d / 8] bytes): each position's head rows dequantised (element times
+ * its group's scale, in float32, as quire.ops.kv_quant.dequantize) as they are gathered. */
 int quire_chunk_attention_quant(int32_t kv_type, const float *q, int64_t q_stride,
                                 const uint8_t *k_cache, const uint8_t *v_cache,
                                 const int64_t *tables, int64_t table_stride,
@@ -455,7 +453,7 @@ int quire_chunk_attention_quant(int32_t kv_type, const float *q, int64_t q_strid
                                 const int64_t *lens, const int64_t *ctx, int64_t num_seqs,
                                 int64_t hq, int64_t hkv, int64_t d, float scale,
                                 int64_t window, float *out) {
-    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % 4)
+    if (!kv_quantized(kv_type) || kv_type > QUIRE_KV_FP8 || d % QUIRE_KV_GROUP)
         return 1;
     const struct pa_args a = {q, k_cache, v_cache, out, q_stride, 0, hq, hkv, d, window,
                               scale, 0, tables, table_stride, block_size, kv_type};
