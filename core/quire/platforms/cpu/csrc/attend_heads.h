@@ -174,27 +174,32 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int64_t m,
                                          int64_t d, float *out) {
     const int64_t ng = d / QUIRE_KV_GROUP;
-    float scale[ng];
     for (int64_t t = 0; t < m; ++t) {
         const KV_T *row = p + offs[t];
         const uint8_t *bits = (const uint8_t *)(row + d);
-#if VW == 16 /* every scale of the row at once (vcvtph2ps), 16 at a time */
-        for (int64_t g = 0; g < ng; g += 16) {
-            const int64_t left = ng - g < 16 ? ng - g : 16;
-            const __mmask16 mk = (__mmask16)((1u << left) - 1);
-            _mm512_mask_storeu_ps(scale + g, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                                                     mk, bits + 2 * g)));
+        float *o = out + t * d;
+#if VW == 16 && QUIRE_KV_GROUP == 16
+        /* up to 16 scales widened at once (vcvtph2ps) and kept in a register, each group
+         * one vector, its scale taken from its lane (a masked store reloaded by
+         * broadcasts stalled every load on store forwarding) */
+        for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+            const int64_t left = ng - g0 < 16 ? ng - g0 : 16;
+            const __m512 scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                (__mmask16)((1u << left) - 1), bits + 2 * g0));
+            for (int64_t g = 0; g < left; ++g) {
+                const vwf s = (vwf)_mm512_permutexvar_ps(_mm512_set1_epi32((int)g), scales);
+                storew(o + (g0 + g) * 16, KV_LOADW(row + (g0 + g) * 16) * s);
+            }
         }
 #else
         for (int64_t g = 0; g < ng; ++g) {
             uint16_t h;
             memcpy(&h, bits + 2 * g, sizeof h);
-            scale[g] = f16_to_f32(h);
+            const vwf s = splatw(f16_to_f32(h));
+            for (int64_t i = g * QUIRE_KV_GROUP; i < (g + 1) * QUIRE_KV_GROUP; i += VW)
+                storew(o + i, KV_LOADW(row + i) * s); /* a group: whole vectors */
         }
 #endif
-        float *o = out + t * d;
-        for (int64_t i = 0; i < d; i += VW) /* d: whole groups, whole vectors */
-            storew(o + i, KV_LOADW(row + i) * splatw(scale[i / QUIRE_KV_GROUP]));
     }
 }
 
