@@ -103,72 +103,10 @@ static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int
     }
 }
 
-#if !KV_QUANT
-/* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
- * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
- * (h_end - h_begin) * n floats.
- *
- * Two walks over the positions a tile at a time, keys then values. A tile's slots are
- * read for every KV head the heads use at once (their slices are adjacent in a slot's
- * row: one contiguous span per slot), and each slice is read from memory once and from
- * L1 by every query head of its group. The next tile (after the last key tile, the
- * first value tile) is prefetched a share per head, between the heads' work: a burst of
- * prefetches would fill the core's miss buffers and stall it, where shares keep memory
- * busy while it computes. */
-void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
-                 const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
-                 int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
-                 float scale, float *scores, float *out) {
-    const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
-    const int64_t span = (kv_end - kv_begin) * d * (int64_t)sizeof(KV_T);
-    const int64_t heads = h_end - h_begin;
-    const KV_T *k_span = k_cache + kv_begin * d, *v_span = v_cache + kv_begin * d;
-    int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE];
-    /* scores */
-    struct slot_cursor cur = slot_cursor_at(table, start, block_size);
-    int64_t *offs = tile_a, *next = tile_b;
-    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
-        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
-        const KV_T *ahead = k_span;
-        int64_t m_ahead = m_next;
-        if (m_next == 0) {
-            struct slot_cursor first = slot_cursor_at(table, start, block_size);
-            ahead = v_span, m_ahead = tile_offsets(&first, n, row, next);
-        }
-        for (int64_t h = h_begin; h < h_end; ++h) {
-            const int64_t i = h - h_begin;
-            prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
-                          (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
-            ATTEND_(tile_scores)(q + h * d, k_cache + (h / groups) * d, offs, m, d,
-                                 scores + i * n + j);
-        }
-        if (m_next == 0)
-            break;
-        int64_t *const done = offs;
-        offs = next, next = done, j += m, m = m_next;
-    }
-    for (int64_t h = h_begin; h < h_end; ++h)
-        softmax_row(scores + (h - h_begin) * n, n, scale);
-    /* the weighted sum of V, the same way */
-    cur = slot_cursor_at(table, start, block_size);
-    offs = tile_a, next = tile_b;
-    for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
-        const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
-        for (int64_t h = h_begin; h < h_end; ++h) {
-            const int64_t i = h - h_begin;
-            prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
-                          (i + 1) * m_next / heads - i * m_next / heads, span);
-            ATTEND_(tile_values)(scores + i * n + j, v_cache + (h / groups) * d, offs, m, d,
-                                 j == 0, out + h * d);
-        }
-        if (m_next == 0)
-            break;
-        int64_t *const done = offs;
-        offs = next, next = done, j += m, m = m_next;
-    }
-}
+/* Elements of a head row in the pages (d, or d + d / 8 with its float16 scales). */
+#define ATTEND_HEAD(d) ((d) + KV_QUANT * 2 * (d) / QUIRE_KV_GROUP)
 
-#else
+#if KV_QUANT
 /* The m rows of one KV head in a tile (at p + offs[t]: d elements, then their float16
  * scales) as float32 rows of d at out, each group times its scale. */
 static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int64_t m,
@@ -202,22 +140,35 @@ static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int
 #endif
     }
 }
+#endif
 
-/* ATTEND_NAME over quantised pages: as the float types' walk, each tile dequantised per
- * KV head into tile (ATTEND_TILE rows of d, L1) and read there by that KV head's query
- * heads through the float32 passes. */
+/* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
+ * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
+ * (h_end - h_begin) * n floats.
+ *
+ * Two walks over the positions a tile at a time, keys then values. A tile's slots are
+ * read for every KV head the heads use at once (their slices are adjacent in a slot's
+ * row: one contiguous span per slot), and each slice is read from memory once and from
+ * L1 by every query head of its group (quantised pages: dequantised per KV head into a
+ * float32 tile first, which its query heads read through the float32 passes). The next
+ * tile (after the last key tile, the first value tile) is prefetched a share per head,
+ * between the heads' work: a burst of prefetches would fill the core's miss buffers and
+ * stall it, where shares keep memory busy while it computes. */
 void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
                  float scale, float *scores, float *out) {
     const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
-    const int64_t hd = d + 2 * d / QUIRE_KV_GROUP; /* a head row with its scales */
+    const int64_t hd = ATTEND_HEAD(d); /* elements from one head row to the next */
     const int64_t span = (kv_end - kv_begin) * hd * (int64_t)sizeof(KV_T);
     const int64_t heads = h_end - h_begin;
     const KV_T *k_span = k_cache + kv_begin * hd, *v_span = v_cache + kv_begin * hd;
-    int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE], rows[ATTEND_TILE];
+    int64_t tile_a[ATTEND_TILE], tile_b[ATTEND_TILE];
+#if KV_QUANT
+    int64_t rows[ATTEND_TILE]; /* the dequantised tile's rows of d */
     float tile[ATTEND_TILE * d];
     for (int64_t t = 0; t < ATTEND_TILE; ++t) rows[t] = t * d;
+#endif
     /* scores */
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
     int64_t *offs = tile_a, *next = tile_b;
@@ -230,14 +181,21 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             ahead = v_span, m_ahead = tile_offsets(&first, n, row, next);
         }
         for (int64_t g = kv_begin; g < kv_end; ++g) {
+#if KV_QUANT
             ATTEND_(dequant_tile)(k_cache + g * hd, offs, m, d, tile);
+#endif
             const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
             const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
                 prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
                               (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
+#if KV_QUANT
                 tile_scores_f32(q + h * d, tile, rows, m, d, scores + i * n + j);
+#else
+                ATTEND_(tile_scores)(q + h * d, k_cache + g * hd, offs, m, d,
+                                     scores + i * n + j);
+#endif
             }
         }
         if (m_next == 0)
@@ -253,14 +211,21 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
         const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
         for (int64_t g = kv_begin; g < kv_end; ++g) {
+#if KV_QUANT
             ATTEND_(dequant_tile)(v_cache + g * hd, offs, m, d, tile);
+#endif
             const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
             const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
                 prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
                               (i + 1) * m_next / heads - i * m_next / heads, span);
+#if KV_QUANT
                 tile_values_f32(scores + i * n + j, tile, rows, m, d, j == 0, out + h * d);
+#else
+                ATTEND_(tile_values)(scores + i * n + j, v_cache + g * hd, offs, m, d,
+                                     j == 0, out + h * d);
+#endif
             }
         }
         if (m_next == 0)
@@ -269,11 +234,11 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
         offs = next, next = done, j += m, m = m_next;
     }
 }
-#endif
 
 #undef KV_T
 #undef KV_LOADW
 #undef KV_GET
 #undef KV_QUANT
+#undef ATTEND_HEAD
 #undef ATTEND_NAME
 #undef ATTEND_
