@@ -174,7 +174,7 @@ class RowsArgs(ctypes.Structure):
 
 
 #: What the C kernels call each KV page dtype (``QUIRE_KV_*`` of ``csrc/cpu_kernels.h``):
-#: float32 and bfloat16 pages, and int8 and fp8 ones with a scale per head row
+#: float32 and bfloat16 pages, and int8 and fp8 ones with a float16 scale per 16 values
 #: (:mod:`quire.ops.kv_quant`).
 KV_TYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2,
                                     torch.float8_e4m3fn: 3}
@@ -680,7 +680,9 @@ class NativeKernels:
         """
         quantized = kv_quant.is_quantized(kv_cache)
         b, hq, d = query.shape
-        if not (query.dtype in (torch.float32, kv_cache.dtype) and query.device.type == "cpu"
+        if not ((query.dtype == torch.float32
+                 or (query.dtype == kv_cache.dtype and not quantized))
+                and query.device.type == "cpu"
                 and kv_cache.dim() == 5 and pages_fit(kv_cache, kv_cache.shape[3], d)
                 and block_tables.dtype == seq_lens.dtype == torch.int64
                 and block_tables.stride(1) == 1 and seq_lens.is_contiguous()
