@@ -114,7 +114,8 @@ static inline float fp8_to_f32(uint8_t b) {
 }
 
 /* float32 to e4m3fn, rounding to nearest even as torch's .to(torch.float8_e4m3fn) does
- * (c10's fp8e4m3fn_from_fp32_value): |f| >= 464 (beyond 448 and its rounding) to NaN. */
+ * (c10's fp8e4m3fn_from_fp32_value) for |f| <= 448, all it is given (values are clamped
+ * to +-448 first). */
 static inline uint8_t f32_to_fp8(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
