@@ -125,9 +125,16 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     int8, 2.6e-4 with fp8: a key the two paths compute a float32 ulp apart can land on
     the neighbouring quantisation step, 1/127 of its group's largest value for int8)."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+    from quire.platforms.cpu.native import NativeKernels
 
-    taken: dict[str, list[bool]] = {"rows": [], "whole": []}
+    taken: dict[str, list[bool]] = {"rows": [], "whole": [], "written": []}
     rows_attention, whole = FusedDecodeLayer._decode_attention_rows, FusedDecodeLayer._decode
+    write = NativeKernels.write_kv_quant
+
+    def counting_writes(self, *args):
+        done = write(self, *args)
+        taken["written"].append(done)
+        return done
 
     def counting_rows(self, rows, ctx):
         done = rows_attention(self, rows, ctx)
@@ -143,10 +150,12 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecodeLayer, "_decode_attention_rows", counting_rows)
         patch.setattr(FusedDecodeLayer, "_decode", counting_whole)
+        patch.setattr(NativeKernels, "write_kv_quant", counting_writes)
         batch = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
         lone = _run(q4_k_m, prompts[:1], kv_cache_dtype=kv_cache_dtype)
     assert taken["rows"] and all(taken["rows"])  # every decode batch's attention in C
     assert taken["whole"] and any(taken["whole"])  # the lone sequence's steps
+    assert taken["written"] and all(taken["written"])  # the prompts' pages, in C
     reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(batch + lone,

@@ -190,6 +190,13 @@ def pages_fit(kv_cache: torch.Tensor, hkv: int, d: int) -> bool:
             and (not kv_quant.is_quantized(kv_cache) or d % kv_quant.GROUP == 0))
 
 
+def _bound_per_quantized_dtype(entry: Any) -> dict[torch.dtype, Any]:
+    """An entry point that takes the pages' :data:`KV_TYPES` number first, bound to it for
+    each quantised page dtype (once, not per call)."""
+    return {dtype: functools.partial(entry, number) for dtype, number in KV_TYPES.items()
+            if kv_quant.is_quantized(dtype)}
+
+
 def _twins(library: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
     """An entry point's float32 and bfloat16 builds (``<stem>_f32``, ``<stem>_bf16``) by
     dtype, typed: each takes ``argtypes`` and returns 0 or an error code."""
@@ -212,10 +219,11 @@ class NativeKernels:
         self._decode = _twins(library, "quire_paged_decode", [
             _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float,
             _i64, _ptr])
-        # int8 and fp8 pages, by their KV_TYPES number
-        self._decode_quant = library.quire_paged_decode_quant
-        self._decode_quant.restype = ctypes.c_int
-        self._decode_quant.argtypes = [ctypes.c_int32, *self._decode[torch.float32].argtypes]
+        # int8 and fp8 pages: one entry taking their KV_TYPES number first, bound per dtype
+        decode_quant = library.quire_paged_decode_quant
+        decode_quant.restype = ctypes.c_int
+        decode_quant.argtypes = [ctypes.c_int32, *self._decode[torch.float32].argtypes]
+        self._decode.update(_bound_per_quantized_dtype(decode_quant))
         self._prompt = _twins(library, "quire_prompt_attention", [
             _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_float,
             _i64, _ptr])
@@ -232,10 +240,11 @@ class NativeKernels:
         self._write_quant.restype = ctypes.c_int
         self._write_quant.argtypes = [ctypes.c_int32, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                       _ptr, _i64, _ptr, _i64]
-        # float32 rows over int8 or fp8 pages, by their KV_TYPES number
-        self._chunk_quant = library.quire_chunk_attention_quant
-        self._chunk_quant.restype = ctypes.c_int
-        self._chunk_quant.argtypes = [ctypes.c_int32, *self._chunk[torch.float32].argtypes]
+        # float32 rows over int8 or fp8 pages, bound per dtype as the decode entry
+        chunk_quant = library.quire_chunk_attention_quant
+        chunk_quant.restype = ctypes.c_int
+        chunk_quant.argtypes = [ctypes.c_int32, *self._chunk[torch.float32].argtypes]
+        self._chunk_quant = _bound_per_quantized_dtype(chunk_quant)
         self._gemv = library.quire_compact_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
@@ -691,8 +700,7 @@ class NativeKernels:
             return None
         q = query.to(torch.float32).contiguous()
         _, _, block_size, hkv, _ = kv_cache.shape
-        entry = (self._decode[kv_cache.dtype] if not quantized else
-                 functools.partial(self._decode_quant, KV_TYPES[kv_cache.dtype]))
+        entry = self._decode[kv_cache.dtype]
         out = torch.empty_like(q)
         half = kv_cache[0].numel() * kv_cache.element_size()
         base = kv_cache.data_ptr()
@@ -794,9 +802,8 @@ class NativeKernels:
         entry = (self._chunk.get(kv_cache.dtype) if query.dtype == kv_cache.dtype
                  else self._chunk_mixed
                  if (query.dtype, kv_cache.dtype) == (torch.float32, torch.bfloat16)
-                 else functools.partial(self._chunk_quant, KV_TYPES[kv_cache.dtype])
-                 if quantized and query.dtype == torch.float32 and kv_cache.dtype in KV_TYPES
-                 else None)
+                 else self._chunk_quant.get(kv_cache.dtype)
+                 if query.dtype == torch.float32 else None)
         if not (entry is not None and chunks and query.dim() == kv_cache.dim() - 2 == 3
                 and query.device.type == kv_cache.device.type == "cpu"
                 and kv_cache.is_contiguous() and block_tables.dtype == torch.int64

@@ -3,10 +3,11 @@
  * type: included by paged_decode.c once per type (float32 first, bfloat16, int8, fp8),
  * with
  *   KV_T          the cache's element type
- *   KV_LOADW(p)   VW elements at p as a vwf (cpu_kernels.h)
- *   KV_GET(p)     the element at p as a float
- *   KV_QUANT      1 where each head row of d elements is followed by a float16 scale
- *                 per QUIRE_KV_GROUP of them (int8, fp8), else 0
+ *   KV_QUANT      0 for float pages; for quantised ones (each head row of d elements
+ *                 followed by a float16 scale per QUIRE_KV_GROUP of them) their
+ *                 QUIRE_KV_I8 or QUIRE_KV_FP8
+ *   KV_LOADW(p)   float pages: VW elements at p as a vwf (cpu_kernels.h)
+ *   KV_GET(p)     float pages: the element at p as a float
  *   ATTEND_NAME   the entry point's name; ATTEND_(x) names its helpers
  * defined (and paged_decode.c's ATTEND_TILE, slot_cursor, tile_offsets and prefetch_tile
  * before it), and undefines them at the end. Queries, scores and outputs are float32 for
@@ -23,6 +24,7 @@
  * passes: scores, softmax, weighted sum of V.
  */
 
+#if !KV_QUANT /* quantised tiles are read dequantised, by the float32 passes */
 /* The scores of query head qh against the keys of one tile (m slots at offs, this KV
  * head's slice of each row at k): unscaled dot products into sc. */
 static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const int64_t *offs,
@@ -103,44 +105,27 @@ static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int
     }
 }
 
+#endif
+
 /* Elements of a head row in the pages (d, or d + d / 8 with its float16 scales). */
-#define ATTEND_HEAD(d) ((d) + KV_QUANT * 2 * (d) / QUIRE_KV_GROUP)
+#define ATTEND_HEAD(d) ((d) + (KV_QUANT ? 2 * (d) / QUIRE_KV_GROUP : 0))
 
 #if KV_QUANT
 /* The m rows of one KV head in a tile (at p + offs[t]: d elements, then their float16
  * scales) as float32 rows of d at out, each group times its scale. */
 static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int64_t m,
                                          int64_t d, float *out) {
-    const int64_t ng = d / QUIRE_KV_GROUP;
-    for (int64_t t = 0; t < m; ++t) {
-        const KV_T *row = p + offs[t];
-        const uint8_t *bits = (const uint8_t *)(row + d);
-        float *o = out + t * d;
-#if VW == 16 && QUIRE_KV_GROUP == 16
-        /* up to 16 scales widened at once (vcvtph2ps) and kept in a register, each group
-         * one vector, its scale taken from its lane (a masked store reloaded by
-         * broadcasts stalled every load on store forwarding) */
-        for (int64_t g0 = 0; g0 < ng; g0 += 16) {
-            const int64_t left = ng - g0 < 16 ? ng - g0 : 16;
-            const __m512 scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                (__mmask16)((1u << left) - 1), bits + 2 * g0));
-            for (int64_t g = 0; g < left; ++g) {
-                const vwf s = (vwf)_mm512_permutexvar_ps(_mm512_set1_epi32((int)g), scales);
-                storew(o + (g0 + g) * 16, KV_LOADW(row + (g0 + g) * 16) * s);
-            }
-        }
-#else
-        for (int64_t g = 0; g < ng; ++g) {
-            uint16_t h;
-            memcpy(&h, bits + 2 * g, sizeof h);
-            const vwf s = splatw(f16_to_f32(h));
-            for (int64_t i = g * QUIRE_KV_GROUP; i < (g + 1) * QUIRE_KV_GROUP; i += VW)
-                storew(o + i, KV_LOADW(row + i) * s); /* a group: whole vectors */
-        }
-#endif
-    }
+    for (int64_t t = 0; t < m; ++t)
+        dequant_kv_row(KV_QUANT, (const uint8_t *)(p + offs[t]), d, out + t * d);
 }
 #endif
+
+/* The query heads of KV head g among [h_begin, h_end): [*h0, *h1). */
+static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_begin,
+                                        int64_t h_end, int64_t *h0, int64_t *h1) {
+    *h0 = g * groups > h_begin ? g * groups : h_begin;
+    *h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+}
 
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
@@ -184,8 +169,8 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #if KV_QUANT
             ATTEND_(dequant_tile)(k_cache + g * hd, offs, m, d, tile);
 #endif
-            const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
-            const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+            int64_t h0, h1;
+            ATTEND_(group_heads)(g, groups, h_begin, h_end, &h0, &h1);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
                 prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
@@ -214,8 +199,8 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #if KV_QUANT
             ATTEND_(dequant_tile)(v_cache + g * hd, offs, m, d, tile);
 #endif
-            const int64_t h0 = g * groups > h_begin ? g * groups : h_begin;
-            const int64_t h1 = (g + 1) * groups < h_end ? (g + 1) * groups : h_end;
+            int64_t h0, h1;
+            ATTEND_(group_heads)(g, groups, h_begin, h_end, &h0, &h1);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
                 prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
@@ -236,8 +221,10 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 }
 
 #undef KV_T
+#if !KV_QUANT
 #undef KV_LOADW
 #undef KV_GET
+#endif
 #undef KV_QUANT
 #undef ATTEND_HEAD
 #undef ATTEND_NAME

@@ -100,19 +100,6 @@ static inline int64_t kv_slot_elems(int kv_type, int64_t hkv, int64_t d) {
     return hkv * kv_head_elems(kv_type, d);
 }
 
-/* e4m3fn's byte b exactly as a float32 (its NaN, never written, reads as 480). */
-static inline float fp8_to_f32(uint8_t b) {
-    const uint32_t mag = b & 0x7fu;
-    float f;
-    if (mag < 8) {
-        f = (float)mag * 0x1p-9f; /* subnormal: mag * 2^-9, no float32 subnormal on the way */
-    } else {
-        const uint32_t bits = (mag << 20) + (120u << 23);
-        memcpy(&f, &bits, sizeof f);
-    }
-    return (b & 0x80u) ? -f : f;
-}
-
 /* float32 to e4m3fn, rounding to nearest even as torch's .to(torch.float8_e4m3fn) does
  * (c10's fp8e4m3fn_from_fp32_value) for |f| <= 448, all it is given (values are clamped
  * to +-448 first). */
@@ -331,7 +318,8 @@ static inline vwf loadw_i8(const int8_t *p) {
 #endif
 }
 
-/* VW e4m3fn elements widened to float32 exactly, as fp8_to_f32 lane by lane. On avx512:
+/* VW e4m3fn elements widened to float32 exactly, as torch widens them (its NaN, never
+ * written, reads as 480). On avx512:
  * an e4m3 byte's bits moved up 7 are the float16 of its value / 2^8 (subnormals too),
  * which vcvtph2ps widens (sign extended to 16 bits, shifted, bit 14 cleared). Elsewhere:
  * normals by moving the bits into place and rebiasing the exponent, subnormals
@@ -352,6 +340,39 @@ static inline vwf loadw_fp8(const uint8_t *p) {
     const vwi sub = (vwi)(__builtin_convertvector(mag, vwf) * 0x1p-9f);
     return (vwf)(((normal & ~small) | (sub & small)) | ((u & 0x80) << 24));
 #endif
+}
+
+/* One quantised head row (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8: d elements then their
+ * d / QUIRE_KV_GROUP float16 scales, d a whole number of groups) as d float32 values at
+ * out, each group widened and times its scale: what quire.ops.kv_quant.dequantize gives.
+ * On avx512 up to 16 scales are widened at once (vcvtph2ps) and kept in a register, each
+ * group (one vector) taking its lane: a masked store of them reloaded by broadcasts
+ * stalled every load on store forwarding. */
+static inline void dequant_kv_row(int kv_type, const uint8_t *row, int64_t d, float *out) {
+    const int64_t ng = d / QUIRE_KV_GROUP;
+    const uint8_t *bits = row + d;
+#define QUIRE_KV_LOADW(p) \
+    (kv_type == QUIRE_KV_I8 ? loadw_i8((const int8_t *)(p)) : loadw_fp8(p))
+#if VW == 16 && QUIRE_KV_GROUP == 16
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int64_t left = ng - g0 < 16 ? ng - g0 : 16;
+        const __m512 scales = _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16((__mmask16)((1u << left) - 1), bits + 2 * g0));
+        for (int64_t g = 0; g < left; ++g) {
+            const vwf s = (vwf)_mm512_permutexvar_ps(_mm512_set1_epi32((int)g), scales);
+            storew(out + (g0 + g) * 16, QUIRE_KV_LOADW(row + (g0 + g) * 16) * s);
+        }
+    }
+#else
+    for (int64_t g = 0; g < ng; ++g) {
+        uint16_t h;
+        memcpy(&h, bits + 2 * g, sizeof h);
+        const vwf s = splatw(f16_to_f32(h));
+        for (int64_t i = g * QUIRE_KV_GROUP; i < (g + 1) * QUIRE_KV_GROUP; i += VW)
+            storew(out + i, QUIRE_KV_LOADW(row + i) * s); /* a group: whole vectors */
+    }
+#endif
+#undef QUIRE_KV_LOADW
 }
 
 /* exp8 at the attention vector's width, its polynomial in fused multiply-adds (the

@@ -92,18 +92,14 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 /* int8 pages: a quarter of float32's bytes (plus a float16 scale per 16), widened exactly
  * and times their group's scale. */
 #define KV_T int8_t
-#define KV_LOADW loadw_i8
-#define KV_GET(p) ((float)*(p))
-#define KV_QUANT 1
+#define KV_QUANT QUIRE_KV_I8
 #define ATTEND_NAME quire_attend_heads_i8
 #define ATTEND_(x) x##_i8
 #include "attend_heads.h"
 
 /* fp8 (e4m3fn) pages, the same way. */
 #define KV_T uint8_t
-#define KV_LOADW loadw_fp8
-#define KV_GET(p) fp8_to_f32(*(p))
-#define KV_QUANT 1
+#define KV_QUANT QUIRE_KV_FP8
 #define ATTEND_NAME quire_attend_heads_fp8
 #define ATTEND_(x) x##_fp8
 #include "attend_heads.h"

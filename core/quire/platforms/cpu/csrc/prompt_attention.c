@@ -94,17 +94,9 @@ static inline void pa_widen(const void *base, int kv_type, int64_t i, int64_t hk
         for (; j + VW <= n; j += VW) storew(dst + j, loadw_bf16(src + j));
         for (; j < n; ++j) dst[j] = bf16_to_f32(src[j]);
     } else {
-        for (int64_t h = 0; h < hkv; ++h) { /* d is a whole number of groups and vectors */
-            const uint8_t *src = (const uint8_t *)base + i + h * kv_head_elems(kv_type, d);
-            float *out = dst + h * d;
-            for (int64_t j = 0; j < d; j += VW) {
-                uint16_t bits;
-                memcpy(&bits, src + d + 2 * (j / QUIRE_KV_GROUP), sizeof bits);
-                const vwf s = splatw(f16_to_f32(bits));
-                storew(out + j, (kv_type == QUIRE_KV_I8 ? loadw_i8((const int8_t *)src + j)
-                                                         : loadw_fp8(src + j)) * s);
-            }
-        }
+        for (int64_t h = 0; h < hkv; ++h)
+            dequant_kv_row(kv_type, (const uint8_t *)base + i + h * kv_head_elems(kv_type, d),
+                           d, dst + h * d);
     }
 }
 
