@@ -18,6 +18,9 @@
  * vdpbf16ps path. Each thread loads the one tile configuration before its tiles and
  * releases them after (torch's oneDNN, on the same threads, sets its own).
  */
+/* syscall() is a GNU/BSD extension that -std=c11 hides: without this it was declared
+ * implicitly, a warning here and an error from GCC 14 on. */
+#define _DEFAULT_SOURCE
 #include <stdint.h>
 
 #include "cpu_kernels.h"
