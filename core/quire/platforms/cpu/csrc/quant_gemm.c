@@ -3,12 +3,12 @@
  * weight kept in one of quire/quantization/formats.py's block formats (GGUF's types and
  * Quire's row-scaled int8 / fp8), with no float copy of the weight ever made.
  *
- * Float activations (quire_quant_gemm_f32). Every weight is turned back into float32
- * with exactly the float operations of the torch reference (quire/quantization/
- * dequant.py: an f16 scale times the integer value, plus or minus the block's minimum,
- * as separate roundings; -std=c11 keeps the compiler from contracting them into FMAs),
- * so the results differ from F.linear(x, dequantize(W)) only by summation order. Two
- * paths:
+ * Float activations (quire_quant_gemm_f32). Every weight is turned back into the float32
+ * the torch reference makes (quire/quantization/dequant.py: an f16 scale times the
+ * integer value, plus or minus the block's minimum, as separate roundings; -std=c11
+ * keeps the compiler from contracting other expressions into FMAs, and the FMAs written
+ * here round once where the reference's product is exact: see dq_q4_0), so the results
+ * differ from F.linear(x, dequantize(W)) only by summation order. Two paths:
  *   - up to DIRECT_MAX_ROWS rows (decode): each weight row is dequantised block by
  *     block into registers and multiplied into every activation row's accumulators at
  *     once; the quantised bytes are read once and nothing is written but y.
@@ -216,10 +216,24 @@ INL vf fmav(vf a, vf b, vf c) {
 #endif
 }
 
+/* The lanes' sum, halves added pairwise (log2 NL dependent adds, where lane after lane
+ * was NL: for a decode row's product of 576 columns that serial chain took as long as
+ * the row's 18 blocks). */
 INL float hsumv(vf a) {
-    float s = 0.0f;
-    for (int l = 0; l < NL; l++) s += a[l];
-    return s;
+#if NL == 16
+    const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)a),
+                                    _mm512_extractf32x8_ps((__m512)a, 1));
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+#elif NL == 8
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128((__m256)a),
+                           _mm256_extractf128_ps((__m256)a, 1));
+#endif
+#if NL >= 8
+    h4 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h4, _mm_shuffle_ps(h4, h4, 1)));
+#else
+    return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
 }
 
 /* IEEE half to float, NL at a time (as h2f). */
@@ -260,6 +274,11 @@ INL vf h2f_splat(const uint8_t *p) {
 
 /* ---- blocks to vectors: each writes block / NL vectors of consecutive weights ---- */
 
+/* Where a block adds a minimum to d * q, the product d * q is exact in float32 (an
+ * f16's 11 significant bits times a code of at most 5), so fmav(d, q, m) rounds once, as
+ * the reference's d * q + m does: the same float, in one instruction instead of two.
+ * The K formats below likewise: a sub-block's scale (d times a code of at most 6 bits,
+ * exact) times a code of at most 5 bits needs 22 of float32's 24. */
 INL void dq_q4_0(const uint8_t *b, vf *v) {
     const vf d = h2f_splat(b);
     for (int h = 0; h < U; h++) {
@@ -273,8 +292,8 @@ INL void dq_q4_1(const uint8_t *b, vf *v) {
     const vf d = h2f_splat(b), m = h2f_splat(b + 2);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 4 + NL * h);
-        v[h] = d * cvt(q & 15) + m;
-        v[U + h] = d * cvt(q >> 4) + m;
+        v[h] = fmav(d, cvt(q & 15), m);
+        v[U + h] = fmav(d, cvt(q >> 4), m);
     }
 }
 
@@ -298,8 +317,8 @@ INL void dq_q5_1(const uint8_t *b, vf *v) {
     const vf d = h2f_splat(b), m = h2f_splat(b + 2);
     for (int h = 0; h < U; h++) {
         const vi q = ld_u8(b + 8 + NL * h);
-        v[h] = d * cvt((q & 15) | (high_bits(b + 4, NL * h) << 4)) + m;
-        v[U + h] = d * cvt((q >> 4) | (high_bits(b + 4, 16 + NL * h) << 4)) + m;
+        v[h] = fmav(d, cvt((q & 15) | (high_bits(b + 4, NL * h) << 4)), m);
+        v[U + h] = fmav(d, cvt((q >> 4) | (high_bits(b + 4, 16 + NL * h) << 4)), m);
     }
 }
 
@@ -316,7 +335,7 @@ INL void dq_q2_k(const uint8_t *b, vf *v) {
         const vf dl = splat(d * (float)(b[s] & 15)), ml = splat(dmin * (float)(b[s] >> 4));
         for (int h = 0; h < U; h++) {
             const vi q = (ld_u8(b + 16 + g * 32 + half * 16 + NL * h) >> sh) & 3;
-            v[U * s + h] = dl * cvt(q) - ml;
+            v[U * s + h] = fmav(dl, cvt(q), -ml);
         }
     }
 }
@@ -338,8 +357,10 @@ INL void dq_q3_k(const uint8_t *b, vf *v) {
     }
 }
 
-/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum, times d and dmin. */
-INL void k_scale_min(const uint8_t *b, int j, vf *scale, vf *minimum) {
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum, times d and dmin (the block's
+ * f16 fields, converted once by the caller: stores to the vectors may alias the block's
+ * bytes, so the compiler would not hoist them). */
+INL void k_scale_min(const uint8_t *b, float d, float dmin, int j, vf *scale, vf *minimum) {
     const uint8_t *p = b + 4;
     int sc, mn;
     if (j < 4) {
@@ -348,32 +369,34 @@ INL void k_scale_min(const uint8_t *b, int j, vf *scale, vf *minimum) {
         sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
         mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
     }
-    *scale = splat(h2f_at(b) * (float)sc);
-    *minimum = splat(h2f_at(b + 2) * (float)mn);
+    *scale = splat(d * (float)sc);
+    *minimum = splat(dmin * (float)mn);
 }
 
 INL void dq_q4_k(const uint8_t *b, vf *v) {
+    const float d = h2f_at(b), dmin = h2f_at(b + 2);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         vf scale, minimum;
-        k_scale_min(b, j, &scale, &minimum);
+        k_scale_min(b, d, dmin, j, &scale, &minimum);
         const int r = j / 2, sh = 4 * (j % 2);
         for (int t = 0; t < 32 / NL; t++)
-            v[(32 / NL) * j + t] = scale * cvt((ld_u8(b + 16 + 32 * r + NL * t) >> sh) & 15)
-                                   - minimum;
+            v[(32 / NL) * j + t] =
+                fmav(scale, cvt((ld_u8(b + 16 + 32 * r + NL * t) >> sh) & 15), -minimum);
     }
 }
 
 INL void dq_q5_k(const uint8_t *b, vf *v) {
+    const float d = h2f_at(b), dmin = h2f_at(b + 2);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         vf scale, minimum;
-        k_scale_min(b, j, &scale, &minimum);
+        k_scale_min(b, d, dmin, j, &scale, &minimum);
         const int r = j / 2, sh = 4 * (j % 2);
         for (int t = 0; t < 32 / NL; t++) {
             const vi low = (ld_u8(b + 48 + 32 * r + NL * t) >> sh) & 15;
             const vi high = (ld_u8(b + 16 + NL * t) >> j) & 1;
-            v[(32 / NL) * j + t] = scale * cvt(low | (high << 4)) - minimum;
+            v[(32 / NL) * j + t] = fmav(scale, cvt(low | (high << 4)), -minimum);
         }
     }
 }
@@ -477,22 +500,36 @@ INL void direct_rows(int32_t fmt, int R, const float *x, int64_t k, const uint8_
                      int64_t ws, int64_t j0, int64_t j1, const float *rs, const float *bias,
                      float *y, int64_t ldy) {
     const int B = blk_vals(fmt), BB = blk_bytes(fmt), NV = B / NL;
+    /* Independent sums per row: four keep the FMA latency hidden; with more rows the
+     * rows' own sums do, and four each would spill. */
+    const int CH = R <= 2 ? 4 : 2;
+    /* Blocks a turn of the loop takes, so that each of its vectors has a sum of its own. */
+    const int UB = NV >= CH ? 1 : CH / NV;
     const int64_t nb = k / B;
+    const int64_t row_bytes = nb * BB;
+    const int64_t ahead = quire_prefetch_ahead(row_bytes);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
         const float s = rs ? rs[j] : 0.0f;
-        vf acc[DIRECT_MAX_ROWS][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vf){0};
-        for (int64_t blk = 0; blk < nb; blk++) {
-            vf v[256 / NL];
-            dq_block(fmt, row + blk * BB, s, v);
-            const float *xb = x + blk * B;
-            for (int t = 0; t < NV; t++)
-                for (int r = 0; r < R; r++)
-                    acc[r][t & 1] = fmav(v[t], ldf(xb + r * k + NL * t), acc[r][t & 1]);
-        }
+        quire_prefetch_row(row, j, j1, ahead, ws, row_bytes);
+        vf acc[DIRECT_MAX_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < CH; c++) acc[r][c] = (vf){0};
+        for (int64_t blk = 0; blk < nb; blk += UB)
+            for (int u = 0; u < UB && blk + u < nb; u++) {
+                vf v[256 / NL];
+                dq_block(fmt, row + (blk + u) * BB, s, v);
+                const float *xb = x + (blk + u) * B;
+                for (int t = 0; t < NV; t++) {
+                    const int c = (u * NV + t) % CH;
+                    for (int r = 0; r < R; r++)
+                        acc[r][c] = fmav(v[t], ldf(xb + r * k + NL * t), acc[r][c]);
+                }
+            }
         for (int r = 0; r < R; r++) {
-            float sum = hsumv(acc[r][0] + acc[r][1]);
+            vf total = acc[r][0];
+            for (int c = 1; c < CH; c++) total += acc[r][c];
+            float sum = hsumv(total);
             for (int64_t c = nb * B; c < k; c++) sum += dq_one(fmt, row, c, s) * x[r * k + c];
             y[r * ldy + j] = bias ? sum + bias[j] : sum;
         }

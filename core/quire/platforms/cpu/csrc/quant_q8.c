@@ -89,6 +89,21 @@ static int q8_block(int32_t fmt) {
     }
 }
 
+/* Bytes of a block of fmt (q8_block's formats). */
+static int q8_block_bytes(int32_t fmt) {
+    switch (fmt) {
+    case Q8F_Q4_0: return 18;
+    case Q8F_Q4_1: return 20;
+    case Q8F_Q5_0: return 22;
+    case Q8F_Q5_1: return 24;
+    case Q8F_Q8_0: return 34;
+    case Q8F_Q4_K: return 144;
+    case Q8F_Q5_K: return 176;
+    case Q8F_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
 /* ---- the activations ---- */
 
 /* One row of k values (k a multiple of 32): q [k], d [k/32], ds [k/32] = d_b * sum(q_b),
@@ -588,8 +603,11 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
         bsx[r] = a->bs + 2 * (r0 + r) * nb;
     }
     (void)bsx;
+    const int64_t row_bytes = k / q8_block(fmt) * q8_block_bytes(fmt);
+    const int64_t ahead = quire_prefetch_ahead(row_bytes);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
+        quire_prefetch_row(row, j, j1, ahead, ws, row_bytes);
         float mins[Q8_MAX_ROWS] = {0};
 #if defined(__AVX2__)
         __m256 acc[Q8_MAX_ROWS];
