@@ -79,25 +79,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* Weight rows read one after another (a decode step's products, which stream every
- * weight from memory once): before row j, ask for the bytes of the row at least
- * QUIRE_PREFETCH_BYTES ahead of it, in whole rows (quire_prefetch_ahead), so the row is
- * in cache when its turn comes. Without asking, a short row (576 columns of Q4_1 are 360
- * bytes) ended before the hardware prefetcher caught up, and streamed rows took twice as
- * long as rows in cache. 1 KiB was the best of 512 B to 4 KiB on SmolLM2's and
- * Llama-3.2-1B's shapes (scripts/bench_quant_rows.py's products, a decode step's worth). */
+/* A weight streamed once in order (a decode step's products read every weight from
+ * memory once): with the bytes at p about to be read, ask for those
+ * QUIRE_PREFETCH_BYTES further on. Without asking, short rows (576 columns of Q4_1 are
+ * 360 bytes) ended before the hardware prefetcher caught up, and streamed weights were
+ * multiplied at half their in-cache rate; asking a whole row ahead at once instead
+ * slowed long rows (8192 columns) by a third. 1 KiB was the best of 512 B to 4 KiB on
+ * SmolLM2's and Llama-3.2-1B's shapes (scripts/bench_quant_rows.py). Addresses past the
+ * weight's end are harmless: a prefetch does not fault. */
 #define QUIRE_PREFETCH_BYTES 1024
 
-static inline int64_t quire_prefetch_ahead(int64_t row_bytes) {
-    return row_bytes > 0 ? (QUIRE_PREFETCH_BYTES + row_bytes - 1) / row_bytes : 0;
-}
-
-/* Row j + ahead of rows [.., j1), row_bytes each, stride apart from row j at p. */
-static inline void quire_prefetch_row(const uint8_t *p, int64_t j, int64_t j1, int64_t ahead,
-                                      int64_t stride, int64_t row_bytes) {
-    if (j + ahead < j1)
-        for (int64_t at = 0; at < row_bytes; at += 64)
-            __builtin_prefetch(p + ahead * stride + at, 0, 3);
+static inline void quire_prefetch_span(const uint8_t *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64)
+        __builtin_prefetch(p + QUIRE_PREFETCH_BYTES + at, 0, 3);
 }
 
 /* What a layer's KV pages hold (quire/ops/kv_quant.py has the quantised layout): a head

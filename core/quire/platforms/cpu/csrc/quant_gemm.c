@@ -506,18 +506,16 @@ INL void direct_rows(int32_t fmt, int R, const float *x, int64_t k, const uint8_
     /* Blocks a turn of the loop takes, so that each of its vectors has a sum of its own. */
     const int UB = NV >= CH ? 1 : CH / NV;
     const int64_t nb = k / B;
-    const int64_t row_bytes = nb * BB;
-    const int64_t ahead = quire_prefetch_ahead(row_bytes);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
         const float s = rs ? rs[j] : 0.0f;
-        quire_prefetch_row(row, j, j1, ahead, ws, row_bytes);
         vf acc[DIRECT_MAX_ROWS][4];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < CH; c++) acc[r][c] = (vf){0};
         for (int64_t blk = 0; blk < nb; blk += UB)
             for (int u = 0; u < UB && blk + u < nb; u++) {
                 vf v[256 / NL];
+                quire_prefetch_span(row + (blk + u) * BB, BB);
                 dq_block(fmt, row + (blk + u) * BB, s, v);
                 const float *xb = x + (blk + u) * B;
                 for (int t = 0; t < NV; t++) {

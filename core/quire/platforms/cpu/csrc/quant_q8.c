@@ -603,11 +603,11 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
         bsx[r] = a->bs + 2 * (r0 + r) * nb;
     }
     (void)bsx;
-    const int64_t row_bytes = k / q8_block(fmt) * q8_block_bytes(fmt);
-    const int64_t ahead = quire_prefetch_ahead(row_bytes);
+    /* bytes of 8 activation blocks' weights (decode8's group), and of one's */
+    const int64_t group_bytes = q8_block(fmt) == 32 ? 8 * q8_block_bytes(fmt)
+                                                    : q8_block_bytes(fmt);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
-        quire_prefetch_row(row, j, j1, ahead, ws, row_bytes);
         float mins[Q8_MAX_ROWS] = {0};
 #if defined(__AVX2__)
         __m256 acc[Q8_MAX_ROWS];
@@ -621,6 +621,7 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
         for (int r = 0; r < R; r++) gacc[r] = gmin[r] = _mm256_setzero_ps();
         for (; b + 8 <= nb; b += 8) {
             wgrp o;
+            quire_prefetch_span(row + b / 8 * group_bytes, group_bytes);
             decode8(fmt, row, b / 8, &o);
             for (int r = 0; r < R; r++) {
                 const __m256i isum = group_dots(kind, &o, qx[r] + 32 * b, bsx[r] + 2 * b);
@@ -635,6 +636,7 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
 #endif
         for (; b < nb; b++) {
             wblk o;
+            quire_prefetch_span(row + b / 8 * group_bytes + b % 8 * group_bytes / 8, 1);
             decode(fmt, row, b, &o);
             for (int r = 0; r < R; r++) {
 #if defined(__AVX2__)
