@@ -69,7 +69,7 @@ def main() -> None:
                     call = (w.format.id, x.data_ptr(), rows, k, w.data.data_ptr(),
                             w.data.stride(0), n, None, None, y.data_ptr(), n)
                     for which, entry in libs.items():
-                        took = best_seconds(lambda e=entry: e(*call), args.budget)
+                        took = best_seconds(lambda e=entry, c=call: e(*c), args.budget)
                         key = (threads, fmt, name, rows, which)
                         best[key] = min(best.get(key, float("inf")), took)
     print(f"level {level.name}, baseline {args.baseline_rev}, best of {args.rounds} rounds")
