@@ -64,9 +64,8 @@ def compile_library(compiler: str, level: IsaLevel, target: Path,
     renamed, so a concurrent process sees all or nothing).
 
     Each source is compiled on its own, as many at once as this process has cores, the
-    largest first, then the objects are linked: one file at a time, the whole build took
-    the sum of its files' times (about 20 s a level on a 2-core host, a few minutes of
-    the test suite, which builds every level several times).
+    largest first, then the objects are linked: one compiler call for all of them took
+    the sum of the files' times, and the test suite builds every level several times.
 
     :raises OSError: the compiler failed (its last stderr lines) or could not run.
     :raises subprocess.TimeoutExpired: a step took more than :data:`BUILD_TIMEOUT_S`.

@@ -82,11 +82,10 @@ static inline uint16_t f32_to_bf16(float f) {
 /* A weight streamed once in order (a decode step's products read every weight from
  * memory once): with the bytes at p about to be read, ask for those
  * QUIRE_PREFETCH_BYTES further on. Without asking, short rows (576 columns of Q4_1 are
- * 360 bytes) ended before the hardware prefetcher caught up, and streamed weights were
- * multiplied at half their in-cache rate; asking a whole row ahead at once instead
- * slowed long rows (8192 columns) by a third. 1 KiB was the best of 512 B to 4 KiB on
- * SmolLM2's and Llama-3.2-1B's shapes (scripts/bench_quant_rows.py). Addresses past the
- * weight's end are harmless: a prefetch does not fault. */
+ * 360 bytes) end before the hardware prefetcher catches up; asking a whole row ahead at
+ * each row's start instead floods the fill buffers on long rows. The distance is the
+ * best one measured (docs/results/2026-12-06/direct-rows, scripts/bench_quant_rows.py).
+ * Addresses past the weight's end are harmless: a prefetch does not fault. */
 #define QUIRE_PREFETCH_BYTES 1024
 
 static inline void quire_prefetch_span(const uint8_t *p, int64_t bytes) {

@@ -216,9 +216,8 @@ INL vf fmav(vf a, vf b, vf c) {
 #endif
 }
 
-/* The lanes' sum, halves added pairwise (log2 NL dependent adds, where lane after lane
- * was NL: for a decode row's product of 576 columns that serial chain took as long as
- * the row's 18 blocks). */
+/* The lanes' sum, halves added pairwise: log2 NL dependent adds, where lane after lane
+ * (NL of them) took as long as a short row's blocks. */
 INL float hsumv(vf a) {
 #if NL == 16
     const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256((__m512)a),
