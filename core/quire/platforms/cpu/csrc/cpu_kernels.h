@@ -84,13 +84,31 @@ static inline uint16_t f32_to_bf16(float f) {
  * QUIRE_PREFETCH_BYTES further on. Without asking, short rows (576 columns of Q4_1 are
  * 360 bytes) end before the hardware prefetcher catches up; asking a whole row ahead at
  * each row's start instead floods the fill buffers on long rows. The distance is the
- * best one measured (docs/results/2026-12-06/direct-rows, scripts/bench_quant_rows.py).
+ * best one measured (scripts/bench_quant_rows.py; the figures are in docs/bench.md).
  * Addresses past the weight's end are harmless: a prefetch does not fault. */
 #define QUIRE_PREFETCH_BYTES 1024
 
 static inline void quire_prefetch_span(const uint8_t *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64)
         __builtin_prefetch(p + QUIRE_PREFETCH_BYTES + at, 0, 3);
+}
+
+/* Bytes of one block of a GGUF block type, by its ggml type id (the format ids of
+ * quant_gemm.c and quant_q8.c); 0 for any other id. */
+static inline int quire_gguf_block_bytes(int32_t ggml_type) {
+    switch (ggml_type) {
+    case 2: return 18;   /* Q4_0 */
+    case 3: return 20;   /* Q4_1 */
+    case 6: return 22;   /* Q5_0 */
+    case 7: return 24;   /* Q5_1 */
+    case 8: return 34;   /* Q8_0 */
+    case 10: return 84;  /* Q2_K */
+    case 11: return 110; /* Q3_K */
+    case 12: return 144; /* Q4_K */
+    case 13: return 176; /* Q5_K */
+    case 14: return 210; /* Q6_K */
+    default: return 0;
+    }
 }
 
 /* What a layer's KV pages hold (quire/ops/kv_quant.py has the quantised layout): a head

@@ -431,17 +431,7 @@ INL int blk_bytes(int32_t fmt) {
     case QF_F32: return 4 * NL;
     case QF_F16: case QF_BF16: return 2 * NL;
     case QF_INT8: case QF_FP8: return NL;
-    case QF_Q4_0: return 18;
-    case QF_Q4_1: return 20;
-    case QF_Q5_0: return 22;
-    case QF_Q5_1: return 24;
-    case QF_Q8_0: return 34;
-    case QF_Q2_K: return 84;
-    case QF_Q3_K: return 110;
-    case QF_Q4_K: return 144;
-    case QF_Q5_K: return 176;
-    case QF_Q6_K: return 210;
-    default: return 0;
+    default: return quire_gguf_block_bytes(fmt);
     }
 }
 

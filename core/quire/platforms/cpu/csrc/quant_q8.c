@@ -89,21 +89,6 @@ static int q8_block(int32_t fmt) {
     }
 }
 
-/* Bytes of a block of fmt (q8_block's formats). */
-static int q8_block_bytes(int32_t fmt) {
-    switch (fmt) {
-    case Q8F_Q4_0: return 18;
-    case Q8F_Q4_1: return 20;
-    case Q8F_Q5_0: return 22;
-    case Q8F_Q5_1: return 24;
-    case Q8F_Q8_0: return 34;
-    case Q8F_Q4_K: return 144;
-    case Q8F_Q5_K: return 176;
-    case Q8F_Q6_K: return 210;
-    default: return 0;
-    }
-}
-
 /* ---- the activations ---- */
 
 /* One row of k values (k a multiple of 32): q [k], d [k/32], ds [k/32] = d_b * sum(q_b),
@@ -604,8 +589,8 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
     }
     (void)bsx;
     /* bytes of 8 activation blocks' weights (decode8's group), and of one's */
-    const int64_t group_bytes = q8_block(fmt) == 32 ? 8 * q8_block_bytes(fmt)
-                                                    : q8_block_bytes(fmt);
+    const int64_t group_bytes = q8_block(fmt) == 32 ? 8 * quire_gguf_block_bytes(fmt)
+                                                    : quire_gguf_block_bytes(fmt);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
         float mins[Q8_MAX_ROWS] = {0};
@@ -636,7 +621,8 @@ INL void q8_rows(int32_t fmt, int R, const struct q8_act *a, int64_t r0, const u
 #endif
         for (; b < nb; b++) {
             wblk o;
-            quire_prefetch_span(row + b / 8 * group_bytes + b % 8 * group_bytes / 8, 1);
+            if (b % 8 == 0)
+                quire_prefetch_span(row + b / 8 * group_bytes, group_bytes);
             decode(fmt, row, b, &o);
             for (int r = 0; r < R; r++) {
 #if defined(__AVX2__)
