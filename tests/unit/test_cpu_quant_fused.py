@@ -50,6 +50,30 @@ def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
         return _run(path, prompts, **options), calls
 
 
+def _counting_whole_layers(patch, taken: list[bool]) -> None:
+    """Record in ``taken`` whether each step a lone sequence could run whole in C did:
+    through all its layers at once (``FusedDecodeStack``) or a layer at a time
+    (``FusedDecodeLayer._decode``)."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+    from quire.platforms.cpu.fused_stack import FusedDecodeStack
+
+    layer, stack = FusedDecodeLayer._decode, FusedDecodeStack.__call__
+
+    def counting_layer(self, hidden, *args):
+        done = layer(self, hidden, *args)
+        taken.append(done is not None)
+        return done
+
+    def counting_stack(self, start, end, hidden, *args):
+        done = stack(self, start, end, hidden, *args)
+        if done is not None:
+            taken.append(True)
+        return done
+
+    patch.setattr(FusedDecodeLayer, "_decode", counting_layer)
+    patch.setattr(FusedDecodeStack, "__call__", counting_stack)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_c_kernels_give_the_reference_tokens_and_logprobs(q4_k_m, batched, caplog):
     prompts = PROMPTS if batched else PROMPTS[:1]
@@ -128,7 +152,7 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     from quire.platforms.cpu.native import NativeKernels
 
     taken: dict[str, list[bool]] = {"rows": [], "whole": [], "written": []}
-    rows_attention, whole = FusedDecodeLayer._decode_attention_rows, FusedDecodeLayer._decode
+    rows_attention = FusedDecodeLayer._decode_attention_rows
     write = NativeKernels.write_kv_quant
 
     def counting_writes(self, *args):
@@ -141,15 +165,10 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
         taken["rows"].append(done is not None)
         return done
 
-    def counting_whole(self, hidden, *args):
-        done = whole(self, hidden, *args)
-        taken["whole"].append(done is not None)
-        return done
-
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecodeLayer, "_decode_attention_rows", counting_rows)
-        patch.setattr(FusedDecodeLayer, "_decode", counting_whole)
+        _counting_whole_layers(patch, taken["whole"])
         patch.setattr(NativeKernels, "write_kv_quant", counting_writes)
         batch = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
         lone = _run(q4_k_m, prompts[:1], kv_cache_dtype=kv_cache_dtype)
@@ -168,23 +187,14 @@ def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
         q4_k_m, monkeypatch):
     """A float32 model with bfloat16 pages (``kv_cache_dtype=bfloat16``, the default where
     its products take bfloat16 activations): a lone sequence's decode steps still run
-    the whole layer in C on the blocks (``_decode``), the pages written rounded and read
-    widened. Against the torch reference: the same tokens, logprobs within 1e-3 (a key
-    computed a float32 ulp apart can round to a neighbouring bfloat16 value)."""
-    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
-
-    whole = []
-    original = FusedDecodeLayer._decode
-
-    def counting(self, hidden, *args):
-        done = original(self, hidden, *args)
-        whole.append(done is not None)
-        return done
-
-    monkeypatch.setattr(FusedDecodeLayer, "_decode", counting)
-    native = _run(q4_k_m, PROMPTS[:1], kv_cache_dtype="bfloat16")
-    assert whole and all(whole)  # every decode step of every layer, whole in C
-    monkeypatch.setattr(FusedDecodeLayer, "_decode", original)
+    whole in C on the blocks (all the layers in one call), the pages written rounded and
+    read widened. Against the torch reference: the same tokens, logprobs within 1e-3 (a
+    key computed a float32 ulp apart can round to a neighbouring bfloat16 value)."""
+    whole: list[bool] = []
+    with monkeypatch.context() as patch:
+        _counting_whole_layers(patch, whole)
+        native = _run(q4_k_m, PROMPTS[:1], kv_cache_dtype="bfloat16")
+    assert whole and all(whole)  # every decode step, whole in C
     reference = _run(q4_k_m, PROMPTS[:1], kv_cache_dtype="bfloat16",
                      platform_options={"native": "false"})
     (tokens, logprobs), (ref_tokens, ref_logprobs) = native[0], reference[0]

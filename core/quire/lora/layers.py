@@ -129,6 +129,8 @@ class LoRAManager:
         for name, module in model.named_modules():
             if hasattr(module, "fusion_spec"):  # a whole-layer kernel would skip the hooks
                 module.kernel = None
+            if hasattr(module, "layers_kernel"):  # as would one for all the layers
+                module.layers_kernel = None
             site = self._site_of(name, module, device, dtype)
             if site is not None:
                 module.register_forward_hook(self._hook(site))

@@ -48,7 +48,12 @@ from quire.models.layers import (
 )
 from quire.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from quire.models.pipeline import LayerGap, PipelineStage
-from quire.ops.layer_spec import DecoderLayerKernel, DecoderLayerSpec, norm_spec
+from quire.ops.layer_spec import (
+    DecoderLayerKernel,
+    DecoderLayerSpec,
+    DecoderStackKernel,
+    norm_spec,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 #: Gemma's ``(1 + weight)`` norms.
@@ -253,6 +258,8 @@ class Gemma3Model(nn.Module):
         rope = gemma3_rope_parameters(config)
         self.rotary_emb = nn.ModuleDict(
             {kind: _rope_table(config, rope[kind]) for kind in sorted(set(self.layer_types))})
+        #: A platform's forward for consecutive layers (quire/ops/layer_spec.py), or None.
+        self.layers_kernel: DecoderStackKernel | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -272,8 +279,16 @@ class Gemma3Model(nn.Module):
                   for kind, table in self.rotary_emb.items()}
         start, end = ((0, len(self.layers)) if self.stage is None
                       else (self.stage.start, self.stage.end))
-        for layer in self.layers[start:end]:
-            hidden, residual = layer(hidden, residual, rotary[layer.layer_type], ctx)
+        done = None
+        if self.layers_kernel is not None:
+            done = self.layers_kernel(start, end, hidden, residual,
+                                      [rotary[kind] for kind in self.layer_types[start:end]],
+                                      ctx)
+        if done is not None:
+            hidden, residual = done
+        else:
+            for layer in self.layers[start:end]:
+                hidden, residual = layer(hidden, residual, rotary[layer.layer_type], ctx)
         if self.norm is None:
             assert residual is not None
             return hidden, residual

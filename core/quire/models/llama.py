@@ -50,7 +50,12 @@ from quire.models.layers import (
     get_rope,
 )
 from quire.models.pipeline import LayerGap, PipelineStage
-from quire.ops.layer_spec import DecoderLayerKernel, DecoderLayerSpec, norm_spec
+from quire.ops.layer_spec import (
+    DecoderLayerKernel,
+    DecoderLayerSpec,
+    DecoderStackKernel,
+    norm_spec,
+)
 
 #: Checkpoint tensor name fragment -> (our fused parameter's fragment, shard id).
 _FUSED: dict[str, tuple[str, Any]] = {
@@ -300,6 +305,8 @@ class LlamaModel(nn.Module):
         #: empty: none kept.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        #: A platform's forward for consecutive layers (quire/ops/layer_spec.py), or None.
+        self.layers_kernel: DecoderStackKernel | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -323,8 +330,14 @@ class LlamaModel(nn.Module):
             hidden, residual, aux = self._layers_keeping_aux(hidden, residual, rotary, ctx,
                                                              start, end, aux)
         else:
-            for layer in self.layers[start:end]:
-                hidden, residual = layer(hidden, residual, rotary, ctx)
+            done = (None if self.layers_kernel is None else
+                    self.layers_kernel(start, end, hidden, residual, (rotary,) * (end - start),
+                                       ctx))
+            if done is not None:
+                hidden, residual = done
+            else:
+                for layer in self.layers[start:end]:
+                    hidden, residual = layer(hidden, residual, rotary, ctx)
         if self.norm is None:
             assert residual is not None
             return (hidden, residual) if aux is None else (hidden, residual, aux)

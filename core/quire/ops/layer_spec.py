@@ -11,11 +11,14 @@ module says of itself.
 - ``module.fusion_spec()`` returning a :class:`DecoderLayerSpec`: the decoder layer's
   whole computation as data; a platform may set ``module.kernel`` to a
   :class:`DecoderLayerKernel` that computes it in one go.
+- ``module.layers_kernel`` (None until a platform sets it) on a module whose ``layers``
+  (an ``nn.ModuleList``) hold its decoder layers in order: a platform may set it to a
+  :class:`DecoderStackKernel` that runs consecutive layers in one go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -107,3 +110,26 @@ class DecoderLayerKernel(Protocol):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(layer output before the residual add, the residual stream), or None."""
+
+
+class DecoderStackKernel(Protocol):
+    """A platform's own forward for consecutive decoder layers, installed as
+    ``module.layers_kernel``: what calling layers ``start .. end - 1`` one after the
+    other computes, up to float rounding, for the steps it takes. One call instead of a
+    call per layer saves a small model's short steps (one sequence decoding) the
+    per-layer dispatch. Returns None for a step it does not take (the layers then run
+    one by one); a layer whose ``kernel`` was taken away (LoRA's hooks) makes it
+    decline.
+    """
+
+    def __call__(
+        self,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's output before the residual add, the residual stream), or
+        None; ``rotaries``: each layer's (cos, sin) for the step, in order."""

@@ -82,6 +82,7 @@ from quire.platforms.cpu.native import (
     PanelArgs,
     QPartArgs,
     RowsArgs,
+    StackLayerArgs,
     pages_fit,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
@@ -191,7 +192,7 @@ class FusedDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = hidden.shape[0]
         cos, sin = rotary
-        if hidden.dtype != self.dtype or not self._rotary_fits(rows, cos, sin):
+        if hidden.dtype != self.dtype or not self.rotary_fits(rows, cos, sin):
             return None
         # kept in variables: a temporary's pointer would dangle once it is collected
         hidden = hidden.contiguous()
@@ -215,7 +216,7 @@ class FusedDecodeLayer:
             return done
         return self.mlp(done[0], ctx), done[1]  # the C layer stopped at the MLP's input
 
-    def _rotary_fits(self, rows: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def rotary_fits(self, rows: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Whether the step's rotary factors are rows of ``d`` the C layer reads: the
         model's dtype or float32, row r at ``r * stride(0)``."""
         return (rows > 0 and cos.dtype == sin.dtype
@@ -250,6 +251,23 @@ class FusedDecodeLayer:
         done = self._decode(hidden.float(), residual, cos.float(), sin.float(), ctx)
         return None if done is None else (done[0].to(self.dtype), done[1].to(self.dtype))
 
+    def lone_step(self, rows: int, ctx: ForwardContext) -> bool:
+        """Whether the step is one the one-sequence C layer takes: one sequence's decode
+        step, or its last few rows (:meth:`_last_rows`)."""
+        return (self._compact is not None and self.mlp is None
+                and ((rows == 1 and self._pure_decode(1, ctx)) or self._last_rows(rows, ctx)))
+
+    def stack_args(self) -> StackLayerArgs | None:
+        """This layer's part of a ``quire_decode_stack_f32`` call (its pages unset), or
+        None where that call cannot take it: a bfloat16 layer, weights without the
+        one-sequence layer's encodings, an MLP of its own (mixture of experts)."""
+        if self._compact is None or self.mlp is not None or self.dtype != torch.float32:
+            return None
+        qkv, o, gate_up, down = self._compact_args
+        return StackLayerArgs(ctypes.pointer(self._desc), ctypes.pointer(qkv),
+                              ctypes.pointer(o), ctypes.pointer(gate_up),
+                              ctypes.pointer(down), None, None, self.window, self.scale)
+
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
         meta = ctx.metadata
@@ -271,7 +289,7 @@ class FusedDecodeLayer:
         return (1 < rows <= LAST_ROWS_MAX and group.num_seqs == 1 and group.max_q == rows
                 and group.token_idx is None and group.fresh_rows is None)
 
-    def _use_pages(self, kv_cache: torch.Tensor) -> None:
+    def use_pages(self, kv_cache: torch.Tensor) -> None:
         """Tell the C layer what this step's pages hold (``kv_cache_dtype``): the model's
         dtype, or bfloat16 (rounded on write, widened on read), or int8 / fp8 rows with
         a scale each (quantised on write, dequantised on read)."""
@@ -290,7 +308,7 @@ class FusedDecodeLayer:
         if not (pages_fit(kv_cache, self.hkv, self.d)
                 and (kv_cache.dtype != torch.float32 or self.dtype == torch.float32)):
             return None
-        self._use_pages(kv_cache)
+        self.use_pages(kv_cache)
         # float32 rows (a bfloat16 lone sequence's widened ones too) or bfloat16 ones
         one_sequence = group.num_seqs == 1 and (rows == 1 or group.decode_tables is None)
         use_compact = (one_sequence and self._compact is not None
@@ -438,7 +456,7 @@ class FusedDecodeLayer:
         base = kv_cache.data_ptr()
         args.k_cache = base
         args.v_cache = base + kv_cache[0].numel() * kv_cache.element_size()
-        self._use_pages(kv_cache)
+        self.use_pages(kv_cache)
         args.slots, args.tables, args.seq_lens = (slots.data_ptr(), tables.data_ptr(),
                                                   lens.data_ptr())
         args.table_stride, args.block_size = tables.stride(0), kv_cache.shape[2]

@@ -154,6 +154,19 @@ class LayerDescArgs(ctypes.Structure):
     ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+class StackLayerArgs(ctypes.Structure):
+    """``struct quire_stack_layer`` of ``csrc/decode_layer.c``: one layer of a
+    ``quire_decode_stack_f32`` call, its description, weights (:class:`LinearArgs`), KV
+    page halves, attention window and scale. Holds raw pointers, as :class:`LinearArgs`
+    does."""
+
+    _fields_ = [("desc", ctypes.POINTER(LayerDescArgs)),
+                ("qkv", ctypes.POINTER(LinearArgs)), ("o", ctypes.POINTER(LinearArgs)),
+                ("gate_up", ctypes.POINTER(LinearArgs)), ("down", ctypes.POINTER(LinearArgs)),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64),
+                ("scale", ctypes.c_float)]
+
+
 class RowsArgs(ctypes.Structure):
     """``struct quire_rows`` of ``csrc/decode_layer.c``: one step of a layer whose
     products run outside the C pieces (oneDNN, pair panels or the quantised op), the
@@ -266,6 +279,12 @@ class NativeKernels:
             _i64, _ptr, _ptr, _i64, desc, linear, linear, linear, linear,
             _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
             ctypes.c_float, _ptr, _ptr]
+        # consecutive layers of one sequence's step in one call (fused_stack.py), as raw
+        self.decode_stack_f32 = library.quire_decode_stack_f32
+        self.decode_stack_f32.restype = ctypes.c_int
+        self.decode_stack_f32.argtypes = [
+            _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+            _i64, _i64, _i64, _ptr, _ptr]
         # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
         self.decode_batch_f32 = library.quire_decode_batch_f32
         self.decode_batch_f32.restype = ctypes.c_int

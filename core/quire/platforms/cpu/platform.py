@@ -23,6 +23,7 @@ from quire.platforms.cpu.dispatch import (
     host_key,
 )
 from quire.platforms.cpu.fused_decode import install_fused_decode
+from quire.platforms.cpu.fused_stack import install_fused_stack
 from quire.platforms.cpu.isa import detect, has_bf16_products
 from quire.platforms.cpu.kernel_build import is_prebuilt
 from quire.platforms.cpu.memory import CpuMemoryProfiler
@@ -205,6 +206,7 @@ class CpuPlatform(Platform):
             # needs the packed layers' panels or copies
             install_fused_decode(model, native, int8_decode=options.int8_decode,
                                  int8_rows=options.activations == "int8")
+            install_fused_stack(model, native)  # after the layers it strings together
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
 

@@ -22,6 +22,13 @@
  *   out = W_down (act(W_gate a2) * W_up a2)   rows over threads; act SiLU or GELU-tanh
  *   out = rms_norm(out) * w_mlp_out   (when it has one)
  *
+ * Each thread computes the norms before the QKV and gate/up products itself, into its
+ * own copy of the rows (and keeps its own copy of the residual stream h), so that no
+ * thread waits for another there; a quantised gate/up pair gives each thread the same
+ * share of gate and up rows, so the activation follows without a barrier too.
+ * quire_decode_stack_f32 runs a lone sequence's step through consecutive layers in one
+ * call and one parallel region (quire/platforms/cpu/fused_stack.py).
+ *
  * A layer whose MLP is not a gated pair of products (mixture of experts) says
  * mlp_external: the layer then stops at a2, returned in out, and the caller runs the MLP.
  *
@@ -71,10 +78,30 @@ struct quire_linear {
 #define QUIRE_FORMAT_PANELS 3
 #define QUIRE_FORMAT_QUANT 4
 
+/* Each thread's share of y = W x (+ bias) for a quantised weight's parts, m rows of x
+ * (in_features apart) into m rows of y (out_features apart): of every part the rows
+ * [rows * t / team, rows * (t + 1) / team), each block read once for all m rows. No
+ * barrier: a caller that reads other threads' outputs places one. */
+static void quant_parts_share(const struct quire_linear *w, const float *x, int64_t m,
+                              float *y) {
+    const struct quire_qpart *part = w->codes;
+    for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
+        const float *bias = w->bias ? w->bias + at : NULL;
+        if (part[p].q8)
+            quire_quant_rows_q8_team(part[p].fmt, x, m, w->in_features, part[p].w,
+                                     part[p].w_stride, part[p].rows, bias, y + at,
+                                     w->out_features);
+        else
+            quire_quant_rows_team(part[p].fmt, x, m, w->in_features, part[p].w,
+                                  part[p].w_stride, part[p].rows, part[p].scales, bias,
+                                  y + at, w->out_features);
+    }
+}
+
 /* y = W x (+ bias) for m rows of x (in_features apart) into m rows of y (out_features
  * apart), weight rows split over the team: each weight row or block read once for all m
  * rows where the kernel takes several (the blocks' direct path, panels); call inside a
- * parallel region. */
+ * parallel region. x may be each thread's own copy of the rows. Ends in a barrier. */
 static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t m, float *y) {
     if (w->format == QUIRE_FORMAT_PANELS) {
         quire_panel_gemm_team(x, m, w->in_features, (const float *)w->codes, w->out_features,
@@ -82,18 +109,7 @@ static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t
         return;
     }
     if (w->format == QUIRE_FORMAT_QUANT) {
-        const struct quire_qpart *part = w->codes;
-        for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
-            const float *bias = w->bias ? w->bias + at : NULL;
-            if (part[p].q8)
-                quire_quant_rows_q8_team(part[p].fmt, x, m, w->in_features, part[p].w,
-                                         part[p].w_stride, part[p].rows, bias, y + at,
-                                         w->out_features);
-            else
-                quire_quant_rows_team(part[p].fmt, x, m, w->in_features, part[p].w,
-                                      part[p].w_stride, part[p].rows, part[p].scales, bias,
-                                      y + at, w->out_features);
-        }
+        quant_parts_share(w, x, m, y);
 #pragma omp barrier
         return;
     }
@@ -105,11 +121,6 @@ static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t
                                               w->offsets, j);
             y[r * w->out_features + j] = w->bias ? v + w->bias[j] : v;
         }
-}
-
-/* y = W x (+ bias) for one row. */
-static void gemv_team(const struct quire_linear *w, const float *x, float *y) {
-    gemm_rows_team(w, x, 1, y);
 }
 
 /* Whether a quantised weight's parts fit its shape and the kernels. */
@@ -200,21 +211,45 @@ static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const f
     }
 }
 
-/* out = W_down (act(W_gate a) * W_up a) for one row a (then its own norm, when the layer
- * has one), each product on the weight's compact encoding or on its panels. gu: 2 inter
- * floats of scratch, act: inter. Team function. */
-static void mlp_row_team(const struct quire_layer_desc *desc,
-                         const struct quire_linear *gate_up, const struct quire_linear *down,
-                         const float *a, int64_t hidden, int64_t inter, float *gu, float *act,
-                         float *out) {
-    if (gate_up->format == QUIRE_FORMAT_PANELS || gate_up->format == QUIRE_FORMAT_QUANT) {
-        gemv_team(gate_up, a, gu);
-#pragma omp for schedule(static)
-        for (int64_t i0 = 0; i0 < inter; i0 += 8)
-            act_mul(desc->activation, gu + i0, gu + inter + i0,
-                    inter - i0 < 8 ? inter - i0 : 8, act + i0);
+/* Whether a quantised gate_up's parts are its gate rows then its up rows, `inter` each:
+ * quant_parts_share then gives each thread the same share of both, so the thread can
+ * apply the activation to its share without waiting for the others. */
+static int pairs_split_alike(const struct quire_linear *gate_up, int64_t inter) {
+    if (gate_up->format != QUIRE_FORMAT_QUANT || gate_up->num_parts != 2)
+        return 0;
+    const struct quire_qpart *part = gate_up->codes;
+    return part[0].rows == inter && part[1].rows == inter;
+}
+
+/* out = W_down (act(W_gate a) * W_up a) for `rows` rows of a (then its own norm, when the
+ * layer has one), each product on the weight's compact encoding, its blocks or its
+ * panels. a may be each thread's own copy; gu: 2 inter floats a row of scratch, act:
+ * inter. Team function; ends in a barrier. */
+static void mlp_rows_team(const struct quire_layer_desc *desc,
+                          const struct quire_linear *gate_up, const struct quire_linear *down,
+                          const float *a, int64_t rows, int64_t hidden, int64_t inter,
+                          float *gu, float *act, float *out) {
+    if (pairs_split_alike(gate_up, inter)) {
+        /* this thread's gate and up rows, then their activation, one barrier for both */
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t lo = inter * t / team, hi = inter * (t + 1) / team;
+        quant_parts_share(gate_up, a, rows, gu);
+        for (int64_t r = 0; r < rows && lo < hi; r++)
+            act_mul(desc->activation, gu + r * 2 * inter + lo, gu + r * 2 * inter + inter + lo,
+                    hi - lo, act + r * inter + lo);
+#pragma omp barrier
+    } else if (gate_up->format == QUIRE_FORMAT_PANELS || gate_up->format == QUIRE_FORMAT_QUANT ||
+               rows > 1) {
+        gemm_rows_team(gate_up, a, rows, gu);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i0 = 0; i0 < inter; i0 += 8)
+                act_mul(desc->activation, gu + r * 2 * inter + i0,
+                        gu + r * 2 * inter + inter + i0, inter - i0 < 8 ? inter - i0 : 8,
+                        act + r * inter + i0);
     } else {
-        /* eight gate/up pairs at a time, so that the activation takes eight lanes */
+        /* one row on a compact encoding: eight gate/up pairs at a time, so that the
+         * activation takes eight lanes */
 #pragma omp for schedule(static)
         for (int64_t i0 = 0; i0 < inter; i0 += 8) {
             const int64_t n8 = inter - i0 < 8 ? inter - i0 : 8;
@@ -233,11 +268,178 @@ static void mlp_row_team(const struct quire_layer_desc *desc,
             act_mul(desc->activation, g, u, n8, act + i0);
         }
     }
-    gemv_team(down, act, out);
+    gemm_rows_team(down, act, rows, out);
     if (desc->mlp_out_norm) {
 #pragma omp single
-        quire_rms_norm_row(out, desc->mlp_out_norm, desc->eps, hidden, out);
+        for (int64_t r = 0; r < rows; r++)
+            quire_rms_norm_row(out + r * hidden, desc->mlp_out_norm, desc->eps, hidden,
+                               out + r * hidden);
     }
+}
+
+/* One decoder layer of the one-sequence path: what it computes (desc), its weights, its
+ * KV pages (the layer's two halves, [num_blocks * block_size, hkv, d]), its attention
+ * window (0: none) and scale. An element of quire_decode_stack_f32's array. */
+struct quire_stack_layer {
+    const struct quire_layer_desc *desc;
+    const struct quire_linear *qkv, *o, *gate_up, *down;
+    void *k_cache, *v_cache;
+    int64_t window;
+    float scale;
+};
+
+/* The step every layer of a call shares: its rows, the sequence's pages and the heads. */
+struct rows_step {
+    int64_t rows, hidden, hq, hkv, d, cos_stride, seq_len, block_size;
+    const int64_t *slots, *table;
+};
+
+/* Whether a layer fits the step: its description, shapes and kernels; its MLP's width
+ * (0 for an external MLP) in *inter. */
+static int layer_fits(const struct quire_stack_layer *l, const struct rows_step *s,
+                      int64_t *inter) {
+    const struct quire_layer_desc *desc = l->desc;
+    const struct quire_linear *qkv = l->qkv, *o = l->o, *gate_up = l->gate_up,
+                              *down = l->down;
+    const int external = desc->mlp_external;
+    const int64_t hidden = s->hidden, hq = s->hq, hkv = s->hkv, d = s->d;
+    *inter = external ? 0 : gate_up->out_features / 2;
+    return desc_fits(desc) && qkv->in_features == hidden &&
+           qkv->out_features == (hq + 2 * hkv) * d && o->in_features == hq * d &&
+           o->out_features == hidden &&
+           (external || (gate_up->in_features == hidden && gate_up->out_features % 2 == 0 &&
+                         down->in_features == *inter && down->out_features == hidden)) &&
+           linear_fits(qkv) && linear_fits(o) &&
+           (external || (linear_fits(gate_up) && linear_fits(down)));
+}
+
+/* Scratch the team shares: one layer's products and attention scores. */
+struct rows_scratch {
+    float *qkv_out, *attn, *o_out, *act, *gu, *scores;
+    int64_t longest; /* scores per (row, head) */
+};
+
+/*
+ * One layer for the step's rows, inside a parallel region (see quire_decode_rows_f32).
+ * x: the layer's input rows; res_in: the residual stream before it (NULL on the model's
+ * first layer), which may be h. Each thread keeps its own copy of the residual stream
+ * (h) and of the normed rows (normed), so that the norms before the QKV and gate/up
+ * products need no barrier; h holds the layer's residual stream on return, and the
+ * master thread writes it to residual_out when that is not NULL. out: the layer's
+ * output, written by the team. Ends in a barrier.
+ */
+static void rows_layer_team(const struct quire_stack_layer *l, const struct rows_step *s,
+                            const float *cos, const float *sin, const float *x,
+                            const float *res_in, const struct rows_scratch *sc, float *h,
+                            float *normed, float *out, float *residual_out) {
+    const struct quire_layer_desc *desc = l->desc;
+    const int64_t rows = s->rows, hidden = s->hidden, hq = s->hq, hkv = s->hkv, d = s->d;
+    const int64_t nqkv = l->qkv->out_features;
+    const int64_t inter = desc->mlp_external ? 0 : l->gate_up->out_features / 2;
+    const int64_t row = kv_slot_elems(desc->kv_type, hkv, d); /* page elements per slot */
+    const float eps = desc->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * hidden;
+        const float *xr = x + r * hidden;
+        if (res_in)
+            for (int64_t i = 0; i < hidden; i++)
+                hr[i] = res_in[r * hidden + i] + xr[i];
+        else
+            memcpy(hr, xr, sizeof(float) * hidden);
+        quire_rms_norm_row(hr, desc->norm_in, eps, hidden, normed + r * hidden);
+    }
+    gemm_rows_team(l->qkv, normed, rows, sc->qkv_out);
+#pragma omp single
+    for (int64_t r = 0; r < rows; r++) {
+        float *qr = sc->qkv_out + r * nqkv;
+        if (desc->q_norm) {
+            norm_heads(qr, hq, d, desc->q_norm, eps);
+            norm_heads(qr + hq * d, hkv, d, desc->k_norm, eps);
+        }
+        rotate(qr, hq + hkv, d, cos + r * s->cos_stride, sin + r * s->cos_stride);
+        store_kv_row(l->k_cache, desc->kv_type, s->slots[r], hkv, d, qr + hq * d);
+        store_kv_row(l->v_cache, desc->kv_type, s->slots[r], hkv, d, qr + (hq + hkv) * d);
+    }
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t hd = 0; hd < hq; hd++) {
+            const int64_t len = s->seq_len - rows + 1 + r;
+            const int64_t start = (l->window > 0 && len > l->window) ? len - l->window : 0;
+            attend_heads_kv(desc->kv_type, sc->qkv_out + r * nqkv, l->k_cache, l->v_cache,
+                            s->table, start, len - start, hd, hd + 1, hq / hkv, row, d,
+                            s->block_size, l->scale, sc->scores + (r * hq + hd) * sc->longest,
+                            sc->attn + r * hq * d);
+        }
+    gemm_rows_team(l->o, sc->attn, rows, sc->o_out);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *orow = sc->o_out + r * hidden;
+        float *hr = h + r * hidden, *nr = normed + r * hidden;
+        if (desc->attn_out_norm) {
+            quire_rms_norm_row(orow, desc->attn_out_norm, eps, hidden, nr);
+            orow = nr;
+        }
+        for (int64_t i = 0; i < hidden; i++)
+            hr[i] += orow[i];
+        quire_rms_norm_row(hr, desc->norm_pre_mlp, eps, hidden, nr);
+    }
+    if (residual_out) {
+#pragma omp master
+        memcpy(residual_out, h, sizeof(float) * rows * hidden);
+    }
+    if (desc->mlp_external) {
+#pragma omp master
+        memcpy(out, normed, sizeof(float) * rows * hidden);
+#pragma omp barrier
+        return;
+    }
+    mlp_rows_team(desc, l->gate_up, l->down, normed, rows, hidden, inter, sc->gu, sc->act,
+                  out);
+}
+
+/* Layers 0 .. n-1 of layers for one step (quire_decode_stack_f32 and _rows_f32). */
+static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
+                        const struct rows_step *s, const float *x, const float *residual,
+                        const float *const *cos, const float *const *sin, float *out,
+                        float *residual_out) {
+    const int64_t rows = s->rows, hidden = s->hidden, hq = s->hq, hkv = s->hkv, d = s->d;
+    if (n < 1 || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
+        d % 2 || s->seq_len < rows || s->cos_stride < d)
+        return 1;
+    int64_t nqkv = 0, inter = 0, longest = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t li;
+        /* an external MLP hands the layer back to the caller: the last layer only */
+        if (!layer_fits(&layers[i], s, &li) || (li == 0 && i + 1 < n))
+            return 1;
+        const int64_t window = layers[i].window;
+        const int64_t span = (window > 0 && s->seq_len > window) ? window : s->seq_len;
+        nqkv = layers[i].qkv->out_features > nqkv ? layers[i].qkv->out_features : nqkv;
+        inter = li > inter ? li : inter;
+        longest = span > longest ? span : longest;
+    }
+    const int64_t threads = omp_get_max_threads();
+    float *scratch = malloc(sizeof(float) * (rows * (nqkv + hq * d + hidden + 3 * inter +
+                                                     hq * longest) +
+                                             threads * 2 * rows * hidden));
+    if (scratch == NULL)
+        return 2;
+    struct rows_scratch sc = {.qkv_out = scratch, .longest = longest};
+    sc.attn = sc.qkv_out + rows * nqkv;
+    sc.o_out = sc.attn + rows * hq * d;
+    sc.act = sc.o_out + rows * hidden;
+    sc.gu = sc.act + rows * inter;
+    sc.scores = sc.gu + 2 * rows * inter;
+    float *own = sc.scores + rows * hq * longest;
+#pragma omp parallel
+    {
+        float *h = own + omp_get_thread_num() * 2 * rows * hidden, *normed = h + rows * hidden;
+        for (int64_t i = 0; i < n; i++)
+            rows_layer_team(&layers[i], s, cos[i], sin[i], i == 0 ? x : out,
+                            i == 0 ? residual : h, &sc, h, normed, out,
+                            i + 1 == n ? residual_out : NULL);
+    }
+    free(scratch);
+    return 0;
 }
 
 /*
@@ -259,96 +461,11 @@ int quire_decode_rows_f32(
     void *k_cache, void *v_cache, const int64_t *slots, const int64_t *table, int64_t seq_len,
     int64_t block_size, int64_t window, int64_t hq, int64_t hkv, int64_t d, float scale,
     float *out, float *residual_out) {
-    const int external = desc->mlp_external;
-    const int64_t inter = external ? 0 : gate_up->out_features / 2;
-    if (!desc_fits(desc) || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv ||
-        d <= 0 || d % 2 || seq_len < rows || cos_stride < d ||
-        qkv->in_features != hidden || qkv->out_features != (hq + 2 * hkv) * d ||
-        o->in_features != hq * d || o->out_features != hidden ||
-        (!external && (gate_up->in_features != hidden || gate_up->out_features % 2 ||
-                       down->in_features != inter || down->out_features != hidden)) ||
-        !linear_fits(qkv) || !linear_fits(o) ||
-        (!external && (!linear_fits(gate_up) || !linear_fits(down))))
-        return 1;
-    const float eps = desc->eps;
-    const int kv_type = desc->kv_type;
-    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
-    const int64_t nqkv = qkv->out_features;
-    const int64_t longest = (window > 0 && seq_len > window) ? window : seq_len;
-    float *scratch = malloc(sizeof(float) * rows * (hidden + nqkv + hq * d + hidden +
-                                                    3 * inter + hq * longest));
-    if (scratch == NULL)
-        return 2;
-    float *normed = scratch, *qkv_out = normed + rows * hidden;
-    float *attn = qkv_out + rows * nqkv, *o_out = attn + rows * hq * d;
-    float *act = o_out + rows * hidden, *gu = act + rows * inter;
-    float *scores = gu + 2 * rows * inter;
-
-#pragma omp parallel
-    {
-#pragma omp single
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xr = x + r * hidden;
-            float *res = residual_out + r * hidden;
-            for (int64_t i = 0; i < hidden; i++)
-                res[i] = residual ? residual[r * hidden + i] + xr[i] : xr[i];
-            quire_rms_norm_row(res, desc->norm_in, eps, hidden, normed + r * hidden);
-        }
-        gemm_rows_team(qkv, normed, rows, qkv_out);
-#pragma omp single
-        for (int64_t r = 0; r < rows; r++) {
-            float *qr = qkv_out + r * nqkv;
-            if (desc->q_norm) {
-                norm_heads(qr, hq, d, desc->q_norm, eps);
-                norm_heads(qr + hq * d, hkv, d, desc->k_norm, eps);
-            }
-            rotate(qr, hq + hkv, d, cos + r * cos_stride, sin + r * cos_stride);
-            store_kv_row(k_cache, kv_type, slots[r], hkv, d, qr + hq * d);
-            store_kv_row(v_cache, kv_type, slots[r], hkv, d, qr + (hq + hkv) * d);
-        }
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t h = 0; h < hq; h++) {
-                const int64_t len = seq_len - rows + 1 + r;
-                const int64_t start = (window > 0 && len > window) ? len - window : 0;
-                attend_heads_kv(kv_type, qkv_out + r * nqkv, k_cache, v_cache, table,
-                                start, len - start, h, h + 1, hq / hkv, row, d, block_size,
-                                scale, scores + (r * hq + h) * longest, attn + r * hq * d);
-            }
-        gemm_rows_team(o, attn, rows, o_out);
-#pragma omp single
-        for (int64_t r = 0; r < rows; r++) {
-            float *orow = o_out + r * hidden, *res = residual_out + r * hidden;
-            if (desc->attn_out_norm)
-                quire_rms_norm_row(orow, desc->attn_out_norm, eps, hidden, orow);
-            for (int64_t i = 0; i < hidden; i++)
-                res[i] += orow[i];
-            quire_rms_norm_row(res, desc->norm_pre_mlp, eps, hidden,
-                               external ? out + r * hidden : normed + r * hidden);
-        }
-        if (!external) {
-            if (rows == 1) {
-                mlp_row_team(desc, gate_up, down, normed, hidden, inter, gu, act, out);
-            } else {
-                gemm_rows_team(gate_up, normed, rows, gu);
-#pragma omp for schedule(static) collapse(2)
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t i0 = 0; i0 < inter; i0 += 8)
-                        act_mul(desc->activation, gu + r * 2 * inter + i0,
-                                gu + r * 2 * inter + inter + i0,
-                                inter - i0 < 8 ? inter - i0 : 8, act + r * inter + i0);
-                gemm_rows_team(down, act, rows, out);
-                if (desc->mlp_out_norm) {
-#pragma omp single
-                    for (int64_t r = 0; r < rows; r++)
-                        quire_rms_norm_row(out + r * hidden, desc->mlp_out_norm, eps, hidden,
-                                           out + r * hidden);
-                }
-            }
-        }
-    }
-    free(scratch);
-    return 0;
+    const struct quire_stack_layer layer = {desc, qkv, o, gate_up, down, k_cache, v_cache,
+                                            window, scale};
+    const struct rows_step s = {rows, hidden, hq, hkv, d, cos_stride, seq_len, block_size,
+                                slots, table};
+    return decode_stack(1, &layer, &s, x, residual, &cos, &sin, out, residual_out);
 }
 
 /* quire_decode_rows_f32 for one row: a decode step, this token's key and value at slot. */
@@ -363,6 +480,27 @@ int quire_decode_layer_f32(
     return quire_decode_rows_f32(1, x, residual, hidden, desc, qkv, o, gate_up, down, cos, sin,
                                  d, k_cache, v_cache, &slot, table, seq_len, block_size,
                                  window, hq, hkv, d, scale, out, residual_out);
+}
+
+/*
+ * quire_decode_rows_f32 for n consecutive layers in one call and one parallel region: a
+ * lone sequence's step through the whole model (or a pipeline stage's part of it). Layer
+ * i's input is layer i - 1's output (x and residual for the first); out and
+ * residual_out are the last layer's. cos[i], sin[i]: layer i's rotary rows (models whose
+ * layers differ in their rotary, as Gemma 3's local and global ones). Only the last
+ * layer may leave its MLP to the caller (mlp_external). Saves the step one call and one
+ * parallel region per layer, each a wait for the team, and carries the residual stream
+ * in each thread's own copy between layers. Returns as quire_decode_rows_f32.
+ */
+int quire_decode_stack_f32(int64_t n, const struct quire_stack_layer *layers, int64_t rows,
+                           const float *x, const float *residual, int64_t hidden,
+                           const float *const *cos, const float *const *sin,
+                           int64_t cos_stride, const int64_t *slots, const int64_t *table,
+                           int64_t seq_len, int64_t block_size, int64_t hq, int64_t hkv,
+                           int64_t d, float *out, float *residual_out) {
+    const struct rows_step s = {rows, hidden, hq, hkv, d, cos_stride, seq_len, block_size,
+                                slots, table};
+    return decode_stack(n, layers, &s, x, residual, cos, sin, out, residual_out);
 }
 
 /* A linear layer's weight in 16-column panels: float32 (NativeKernels.pack_panels), or

@@ -1,0 +1,118 @@
+"""A lone sequence's step through all the decoder layers in one C call
+(``quire.platforms.cpu.fused_stack``): the same tokens and logprobs as the layers run
+one call each, bit for bit (the same C per layer, the residual stream carried in each
+thread's copy instead of a tensor), on Llama's one rotary table and on Gemma 3's two
+(sliding layers with their own rope and window, a full one); transformers on the same
+Gemma file as the oracle; and the layers taking over when one layer's kernel is gone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quire import LLM, SamplingParams
+from tiny_gguf import write_tiny_gemma3_gguf
+from tiny_models import hf_model
+
+PROMPT = [1, 17, 45, 99, 23, 7, 31, 12, 5, 88, 64, 3]  # longer than Gemma's window of 8
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(random_gguf):
+    return random_gguf("--preset", "tiny", "--seed", "11")
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"
+    write_tiny_gemma3_gguf(path, seed=3)
+    return path
+
+
+def _generate(path, monkeypatch, stack: bool, prompts=(PROMPT,), max_tokens: int = 12,
+              before=None, **options):
+    """Tokens and logprobs of greedy runs, and how many steps the stack took; with
+    ``stack`` false the platform installs none. ``before(model)`` runs before generating."""
+    from quire.platforms.cpu import platform
+    from quire.platforms.cpu.fused_stack import FusedDecodeStack
+
+    taken: list[bool] = []
+    original = FusedDecodeStack.__call__
+
+    def counting(self, start, end, hidden, *args):
+        done = original(self, start, end, hidden, *args)
+        taken.append(done is not None)
+        return done
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(FusedDecodeStack, "__call__", counting)
+        if not stack:
+            patch.setattr(platform, "install_fused_stack", lambda model, native: 0)
+        with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=16 << 20,
+                 **options) as llm:
+            model = llm.engine.core.executor.worker.model
+            if before is not None:
+                before(model)
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+    runs = [(o.outputs[0].token_ids,
+             [step[t].logprob for step, t in zip(o.outputs[0].logprobs,
+                                                 o.outputs[0].token_ids)]) for o in outs]
+    return runs, taken
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_llama_stack_equals_the_layers_one_call_each(llama_gguf, monkeypatch, kv_cache_dtype):
+    stacked, taken = _generate(llama_gguf, monkeypatch, True, kv_cache_dtype=kv_cache_dtype)
+    # every decode step (the prompt's step is no lone decode step: it declines)
+    assert taken.count(True) == 11 and taken.count(False) == 1
+    layered, untouched = _generate(llama_gguf, monkeypatch, False,
+                                   kv_cache_dtype=kv_cache_dtype)
+    assert untouched == []
+    assert stacked == layered
+
+
+def test_gemma3_stack_matches_transformers_and_the_layers(gemma3_gguf, monkeypatch,
+                                                          tiny_checkpoint):
+    """Six layers, five sliding (window 8, local rope) and one full (global rope): each
+    layer's own rotary rows and window; the same logprobs as transformers reading the
+    file (within 1e-4, float32 rounding) and as the layers one call each (exactly)."""
+    tokenizer = str(tiny_checkpoint("gemma3"))  # the file has no vocabulary
+    stacked, taken = _generate(gemma3_gguf, monkeypatch, True, max_tokens=16,
+                               tokenizer=tokenizer)
+    assert taken.count(True) == 15
+    layered, _ = _generate(gemma3_gguf, monkeypatch, False, max_tokens=16,
+                           tokenizer=tokenizer)
+    assert stacked == layered
+    reference = hf_model(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    tokens, logprobs = stacked[0]
+    with torch.inference_mode():
+        ids = torch.tensor([PROMPT + tokens])
+        logits = reference(ids).logits[0, len(PROMPT) - 1:-1].float()
+    theirs = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == pytest.approx(theirs.tolist(), abs=1e-4)
+
+
+def test_a_layer_without_its_kernel_sends_the_step_back_to_the_layers(llama_gguf,
+                                                                      monkeypatch):
+    """LoRA takes the whole-layer kernels away (its hooks sit on the products): a range
+    holding such a layer declines, and the layers give the same result one by one."""
+    def drop_one(model):
+        model.model.layers[2].kernel = None
+
+    dropped, taken = _generate(llama_gguf, monkeypatch, True, before=drop_one)
+    assert taken and not any(taken)
+    layered, _ = _generate(llama_gguf, monkeypatch, False)
+    assert dropped[0][0] == layered[0][0]
+    assert dropped[0][1] == pytest.approx(layered[0][1], abs=1e-4)
+
+
+def test_batches_decline(llama_gguf, monkeypatch):
+    """Two sequences decoding together are no lone sequence: the layers take them."""
+    prompts = (PROMPT, PROMPT[:7])
+    stacked, taken = _generate(llama_gguf, monkeypatch, True, prompts=prompts, max_tokens=4)
+    assert taken and not any(taken)
+    layered, _ = _generate(llama_gguf, monkeypatch, False, prompts=prompts, max_tokens=4)
+    assert stacked == layered
