@@ -116,6 +116,31 @@ def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkey
         assert logprobs[:agree] == pytest.approx(ref_logprobs[:agree], abs=0.1)
 
 
+def test_a_step_s_mlp_runs_a_block_of_rows_at_a_time(q4_k_m, monkeypatch):
+    """The MLP of a step through the C pieces (``_rows_step``) takes
+    ``MLP_BLOCK_ROWS`` rows at a time (here 3, so that a prompt step of 14 rows runs
+    blocks of 3 and a last one of 2, and decode batches of 2 one block): the reference's
+    tokens, logprobs within float32 rounding."""
+    from quire.platforms.cpu import fused_decode
+
+    blocks: list[int] = []
+    original = fused_decode.FusedDecodeLayer._mlp_rows
+
+    def counting(self, normed, *args):
+        blocks.append(normed.shape[0])
+        return original(self, normed, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_decode, "MLP_BLOCK_ROWS", 3)
+        patch.setattr(fused_decode.FusedDecodeLayer, "_mlp_rows", counting)
+        native = _run(q4_k_m, PROMPTS)
+    assert 14 in blocks and 2 in blocks
+    reference = _run(q4_k_m, PROMPTS, platform_options={"native": "false"})
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(native, reference):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cache_dtype,
                                                                  monkeypatch):

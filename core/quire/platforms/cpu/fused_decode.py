@@ -95,6 +95,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: Rows of a step's MLP computed at a time outside the C layers (:meth:`FusedDecodeLayer.
+#: _mlp_rows`): bounds its temporaries; at 512 rows the blocks' products still take
+#: their weights' unpacking over enough rows to pay for it.
+MLP_BLOCK_ROWS = 512
+
 #: Most tokens of one sequence the one-sequence C layer takes in a step (a verification
 #: step's last token and drafts; speculative decoding allows 16 drafts).
 LAST_ROWS_MAX = 17
@@ -427,17 +432,36 @@ class FusedDecodeLayer:
         new_residual = torch.empty_like(hidden)
         args.o_out, args.residual_out = o_out.data_ptr(), new_residual.data_ptr()
         _check(native.rows_post_attn(ref), "quire_rows_post_attn")
+        del qkv, attn, o_out  # done with: the MLP's products take their place
         if gate_up is None:  # the MLP runs outside, on normed
             return normed, new_residual
-        gu = gate_up[0](normed, gate_up[1]).contiguous()
-        act = hidden.new_empty(rows, self._rows.inter)
-        args.gate_up, args.act = gu.data_ptr(), act.data_ptr()
-        _check(native.rows_act(ref), "quire_rows_act")
-        out = down[0](act, down[1]).contiguous()
+        out = self._mlp_rows(normed, gate_up, down)
+        args.rows = rows
         if self._out_norm:
             args.out = out.data_ptr()
             _check(native.rows_out_norm(ref), "quire_rows_out_norm")
         return out, new_residual
+
+    def _mlp_rows(self, normed: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
+        """``down(act(gate(normed)) * up(normed))``, :data:`MLP_BLOCK_ROWS` rows at a time:
+        a prompt chunk's gate/up products and activations are the step's largest
+        temporaries (2048 rows of SmolLM2: 38 MB), and only one block of them lives at
+        once. Leaves ``self._rows.rows`` at the last block's rows."""
+        rows, args = normed.shape[0], self._rows
+        out = None
+        for r0 in range(0, rows, MLP_BLOCK_ROWS):
+            block = normed[r0:r0 + MLP_BLOCK_ROWS]
+            gu = gate_up[0](block, gate_up[1]).contiguous()
+            act = normed.new_empty(block.shape[0], args.inter)
+            args.rows, args.gate_up, args.act = block.shape[0], gu.data_ptr(), act.data_ptr()
+            _check(self.native.rows_act(self.rows_args), "quire_rows_act")
+            part = down[0](act, down[1])
+            if block.shape[0] == rows:
+                return part.contiguous()
+            if out is None:
+                out = part.new_empty(rows, part.shape[-1])
+            out[r0:r0 + block.shape[0]] = part
+        return out
 
     def _decode_attention_rows(self, rows: int, ctx: ForwardContext) -> torch.Tensor | None:
         """A decode step's q/k norms, rotary, cache writes and attention in one C call:
