@@ -207,3 +207,24 @@ def test_the_platform_defaults_to_sdpa_and_can_pick_the_reference(
     monkeypatch.setenv("QUIRE_CPU_ATTENTION", "fast")
     with pytest.raises(ValueError, match="QUIRE_CPU_ATTENTION"):
         CpuPlatform().configure({})
+
+
+@pytest.mark.parametrize("seqs", [[(7, 1), (0, 1), (33, 1)], [(0, 1), (0, 1)], [(40, 1)]])
+def test_a_decode_step_s_group_is_the_general_one(seqs: list[tuple[int, int]]) -> None:
+    """A decode step's metadata takes a short path (``_decode_group``): every field the
+    general one (``_build_group``) gives, value for value, one-token prompts included."""
+    from quire.platforms.cpu.sdpa_attention import _build_group, _decode_group
+
+    batch = make_case(seqs, 16, 2, torch.float32, seed=5).batch
+    seq_lens = batch.seq_lens.tolist()
+    fast = _decode_group(batch, seq_lens)
+    general = _build_group(batch, list(range(len(seqs))), seq_lens)
+    for name in ("tables", "q_pos", "decode_tables", "lens"):
+        got, want = getattr(fast, name), getattr(general, name)
+        assert got.dtype == want.dtype and got.is_contiguous() == want.is_contiguous()
+        assert torch.equal(got, want), name
+    for name in ("token_idx", "padded_idx", "block_size", "num_seqs", "max_q", "key_len",
+                 "fresh_rows", "rows"):
+        assert getattr(fast, name) == getattr(general, name), name
+    metadata = CpuSdpaAttentionBackend().build_metadata(batch)
+    assert len(metadata.groups) == 1 and metadata.groups[0].rows == general.rows
