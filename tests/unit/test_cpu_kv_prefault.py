@@ -42,9 +42,14 @@ caches[0][0, 0].fill_(7.0)
 caches[1][1, -1].fill_(-3.0)
 assert backend.wait_for_prefault(120)
 share = min(resident(c) for c in caches)  # before the reads below map the zero page
+# the margin grows with use: once steps reach block 300 (of 512), the rest follows
+if backend._background is not None:  # the thread the build_metadata calls would tell
+    backend._background.reached(300)
+assert backend.wait_for_prefault(120)
+later = min(resident(c) for c in caches)
 kept = bool((caches[0][0, 0] == 7).all() and (caches[1][1, -1] == -3).all())
 rest = int(caches[0][0, 1:].count_nonzero() + caches[1][1, :-1].count_nonzero())
-print(share, int(kept), rest)
+print(share, int(kept), rest, later)
 """
 
 
@@ -64,20 +69,24 @@ def test_the_option_is_parsed_and_checked() -> None:
 @pytest.mark.parametrize("mode", ["off", "start", "background"])
 def test_the_pool_becomes_resident_as_the_option_says(mode: str) -> None:
     """Two 32 MiB pools in a fresh process: every page resident after allocation
-    (``start``) or once the thread is done (``background``), the blocks written before
-    it unchanged; without either, almost none (a fresh mapping faults in on first
-    write)."""
+    (``start``); with ``background``, the thread's least margin ahead (32 MiB of keys
+    and values over both pools: half of each) once it is done, the rest once steps
+    reach block 300; the blocks written before it unchanged. Without either, almost
+    none (a fresh mapping faults in on first write)."""
     if mode == "background" and not supported():
         pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
     out = subprocess.run([sys.executable, "-c", _PROBE, mode],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    share, kept, rest = out.stdout.split()
+    share, kept, rest, later = out.stdout.split()
     assert kept == "1" and rest == "0"
     if mode == "off":
-        assert float(share) < 0.25
+        assert float(share) < 0.25 and float(later) < 0.25
+    elif mode == "start":
+        assert float(share) == float(later) == 1.0
     else:
-        assert float(share) == 1.0
+        # (plus the block the probe wrote at each value half's end)
+        assert float(share) == pytest.approx(0.5, abs=0.01) and float(later) == 1.0
 
 
 @pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
@@ -219,3 +228,27 @@ def test_close_ends_the_thread_and_no_add_restarts_it() -> None:
     assert not thread.is_alive()
     prefault.add(torch.empty(2, 16, 16))
     assert prefault._thread is None
+
+
+@pytest.mark.skipif(not supported(), reason="this kernel lacks MADV_POPULATE_WRITE")
+def test_the_margin_grows_with_use_between_its_bounds() -> None:
+    """The margin is as much again as the steps have reached, at least
+    ``min_ahead_bytes`` (64 blocks here) and at most ``ahead_bytes`` (1000): 64 blocks
+    before any step, 300 more once steps reach block 299, and 1000 beyond block 2999."""
+    region = mmap.mmap(-1, 2 * 4096 * 16 * 4 * 64 * 4,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cache = torch.frombuffer(region, dtype=torch.float32).view(2, 4096, 16, 4, 64)
+    pair = 2 * 16 * 4 * 64 * 4  # a block of keys and its block of values
+    prefault = BackgroundPrefault(ahead_bytes=1000 * pair, min_ahead_bytes=64 * pair)
+    prefault.add(cache)
+    for frontier, resident in ((None, 64), (299, 600), (2999, 4000)):
+        if frontier is not None:
+            prefault.reached(frontier)
+        assert prefault.idle.wait(60)
+        for half in (0, 1):
+            blocks = _resident_blocks(cache, half)
+            # a page may straddle the last block's end: a few blocks' slack past it
+            assert all(blocks[:resident]) and not any(blocks[resident + 8:]), (frontier, half)
+    prefault.stop()
+    assert prefault.idle.wait(60)
+    del cache

@@ -7,7 +7,7 @@ never-used KV block pays it inside the step. vLLM and llama.cpp write the whole 
 start, which the start then waits for (the cpu option ``kv_prefault=start``).
 :class:`BackgroundPrefault` is the default: the engine starts at once, and a thread at
 idle priority (``SCHED_IDLE``) keeps a margin of blocks resident ahead of the highest
-block used, in the order the block manager hands out never-used blocks (ascending ids),
+block used (as much again as is used, within bounds), in the order the block manager hands out never-used blocks (ascending ids),
 paid for with CPU time nobody else wanted: a server between requests, a host with cores
 the engine leaves idle. An engine that keeps every
 core busy (an offline batch whose OpenMP threads spin between products) leaves it none,
@@ -52,9 +52,14 @@ MADV_DONTNEED = 4
 #: ``munmap`` by a fraction of a millisecond at most (16 pages).
 CHUNK_BYTES = 64 << 10
 #: How far ahead of the highest block used the pool is kept resident, all layers' keys
-#: and values together: a few seconds of new tokens at full speed for a small model,
-#: so the resident memory follows use (plus this) instead of becoming the whole pool.
+#: and values together, at most: a few seconds of new tokens at full speed for a small
+#: model, so the resident memory follows use (plus this) instead of becoming the whole
+#: pool.
 AHEAD_BYTES = 512 << 20
+#: ... and at least. Between the two the margin is as much again as the steps have
+#: used: a lone conversation (a few MiB of pages) keeps tens of MiB ahead of it, not the
+#: 512 MiB a batch filling the pool at full speed wants.
+MIN_AHEAD_BYTES = 32 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -135,16 +140,19 @@ class BackgroundPrefault:
     """Keeps the KV tensors given to :meth:`add` resident a margin ahead of use.
 
     Blocks are populated in ascending order, every layer's together, from one daemon
-    thread at idle priority, up to ``ahead_bytes`` (all layers' keys and values)
-    past the highest block a step has reached (:meth:`reached`), so the resident
-    memory follows use plus that margin rather than growing to the whole pool. The
+    thread at idle priority, up to a margin (all layers' keys and values) past the
+    highest block a step has reached (:meth:`reached`): as many bytes as the steps have
+    reached, but at least ``min_ahead_bytes`` and at most ``ahead_bytes``. So the
+    resident memory follows use plus that margin rather than growing to the whole pool. The
     thread holds the tensors weakly (a freed pool is not kept alive) and ends when
     every tensor is resident or gone.
     """
 
     def __init__(self, ahead_bytes: int = AHEAD_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES,
+                 min_ahead_bytes: int = MIN_AHEAD_BYTES) -> None:
         self.ahead_bytes = ahead_bytes
+        self.min_ahead_bytes = min_ahead_bytes
         self.chunk_bytes = chunk_bytes
         self._cond = threading.Condition()
         self._pending: list[_Pool] = []
@@ -227,7 +235,9 @@ class BackgroundPrefault:
                     return
                 work = list(self._pending)
                 per_block = sum(2 * p.block_bytes for p in work)
-                limit = min(self._frontier + 1 + max(1, self.ahead_bytes // per_block),
+                used = (self._frontier + 1) * per_block
+                margin = min(self.ahead_bytes, max(self.min_ahead_bytes, used))
+                limit = min(self._frontier + 1 + max(1, margin // per_block),
                             self._ceiling)
                 behind = [p for p in work if p.done < min(limit, p.num_blocks)]
                 if not behind:
