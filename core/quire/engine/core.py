@@ -50,6 +50,7 @@ from quire.executor import check_parallel, make_executor, worker_config
 from quire.executor.abstract import Executor
 from quire.executor.model_runner import StepResult
 from quire.executor.worker import model_max_len
+from quire.heap import release_freed_heap
 from quire.interfaces.platform import Platform, configure_platform
 from quire.model_store import model_path_of
 from quire.models.loader import checkpoint_dtype, load_model_config
@@ -302,6 +303,7 @@ class EngineCore:
             num_blocks * self.config.block_size, config.executor_backend,
             self.executor.world_size, "on" if self._async else "off",
         )
+        release_freed_heap()  # what loading freed (the tokenizer's parse, the profile step)
 
     def _join_kv_share(self, spec: KVShareSpec, measured: int
                        ) -> tuple[int, KVShare | None]:

@@ -22,6 +22,7 @@ from quire.executor.graphs import capture_sizes
 from quire.executor.messages import StepItem
 from quire.executor.model_runner import ModelRunner, StepLimits, StepResult
 from quire.executor.profile_cache import ProfileCache, profile_key
+from quire.heap import release_freed_heap
 from quire.interfaces.attention import (
     QUANTIZED_KV_TORCH_DTYPES,
     AttentionBackend,
@@ -394,6 +395,7 @@ class Worker:
                                   self.pooling, limits, self._drafter(num_blocks, limits),
                                   self.lora)
         self._capture_graphs(self.runner)
+        release_freed_heap()  # what loading freed (the GGUF metadata, the profile step)
 
     def _drafter(self, num_blocks: int, limits: StepLimits | None = None
                  ) -> Drafter | EagleDrafter | StageProposals | None:
