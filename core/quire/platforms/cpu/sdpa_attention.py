@@ -322,8 +322,8 @@ def _decode_group(batch: AttentionBatch, seq_lens: list[int]) -> _Group:
     key_len = max(seq_lens)
     n_blocks = -(-key_len // batch.block_size)
     # copies: the batch's tensors are the runner's buffers, refilled every step
-    tables = batch.block_tables[:, :n_blocks].to(torch.int64, copy=True).contiguous()
-    lens = batch.seq_lens.to(torch.int64, copy=True)
+    tables = batch.block_tables[:b, :n_blocks].to(torch.int64, copy=True).contiguous()
+    lens = batch.seq_lens[:b].to(torch.int64, copy=True)
     rows = tuple((i, 1) for i in range(b)) if all(n == 1 for n in seq_lens) else ()
     return _Group(token_idx=None, padded_idx=None, tables=tables,
                   block_size=batch.block_size, q_pos=(lens - 1)[:, None], num_seqs=b,
