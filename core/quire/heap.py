@@ -1,7 +1,7 @@
 """Giving the C heap's freed memory back to the OS.
 
 Loading a model frees much of what it allocated: a tokenizer's JSON parsed into a tree
-(Llama 3's 13 MB file takes over 100 MB so), a GGUF file's metadata, a profiling step's
+(several times the file's size), a GGUF file's metadata, a profiling step's
 activations. glibc's allocator keeps such memory for reuse, and it stays resident until
 reused, so a process that is done loading holds it for good. :func:`release_freed_heap`
 hands it back, once, when loading is over.

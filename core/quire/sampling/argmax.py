@@ -9,8 +9,8 @@ index as ``torch.argmax`` (the first occurrence of the maximum; a NaN counts as 
 maximum, as there). A few float32 rows (a lone sequence's decode step) go to numpy's
 ``argmax`` instead: vectorised, single-threaded and one call, where the chunked pass is
 several torch operators, each dispatched with caches the step's weights just flushed
-(~0.27 ms a step in a SmolLM2 decode, against ~0.03 ms warm). numpy picks the same
-index (its first maximum, a NaN first). Other devices keep ``torch.argmax``, which is
+(docs/bench.md, issue 29's W2 rows). numpy picks the same index (its first maximum, a
+NaN first). Other devices keep ``torch.argmax``, which is
 fast there.
 """
 
@@ -23,7 +23,7 @@ import torch
 #: than 1024: the same ``amax`` pass, half the chunk read again (measured in docs/bench.md).
 CHUNK = 512
 #: Rows up to which float32 input takes numpy's argmax; above, the chunked pass's
-#: threads win (measured as equal at 16 rows of 49152 logits, 0.9x at 64).
+#: threads win (they draw level at about 16 rows of a 49152-logit vocabulary).
 NUMPY_ROWS = 8
 
 

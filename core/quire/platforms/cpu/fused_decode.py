@@ -445,8 +445,8 @@ class FusedDecodeLayer:
     def _mlp_rows(self, normed: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
         """``down(act(gate(normed)) * up(normed))``, :data:`MLP_BLOCK_ROWS` rows at a time:
         a prompt chunk's gate/up products and activations are the step's largest
-        temporaries (2048 rows of SmolLM2: 38 MB), and only one block of them lives at
-        once. Leaves ``self._rows.rows`` at the last block's rows."""
+        temporaries (3 x intermediate floats a row), and only one block of them lives
+        at once. Leaves ``self._rows.rows`` at the last block's rows."""
         rows, args = normed.shape[0], self._rows
         out = None
         for r0 in range(0, rows, MLP_BLOCK_ROWS):

@@ -4,8 +4,8 @@
 Each :class:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer` already runs its layer
 in one call, but a call per layer still costs the step a Python dispatch (the layer's
 checks, its output tensors, the ctypes call) and an OpenMP parallel region, whose team
-waits while the dispatch runs. For SmolLM2-135M's 30 layers on a 2-core host that was
-about a sixth of a lone sequence's decode step. :class:`FusedDecodeStack` runs the
+waits while the dispatch runs: a sizeable share of a small model's lone decode step
+(docs/bench.md, issue 29's W2 rows). :class:`FusedDecodeStack` runs the
 layers of a model's forward (``model.layers_kernel``, :mod:`quire.ops.layer_spec`) as
 one call and one parallel region, for the steps the one-sequence C layer takes: a
 decode step of one sequence, or its last few tokens (speculative decoding's

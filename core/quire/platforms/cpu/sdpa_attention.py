@@ -315,9 +315,9 @@ def _build_group(batch: AttentionBatch, members: list[int], seq_lens: list[int])
 
 def _decode_group(batch: AttentionBatch, seq_lens: list[int]) -> _Group:
     """:func:`_build_group` for a batch whose every sequence has one new token, without
-    the index arithmetic that its general case needs: the same fields, in a handful of
-    operators instead of about fifteen (each dearer than its work in a small model's
-    decode step, whose weights have flushed the caches)."""
+    the index arithmetic that its general case needs: the same fields in a few
+    operators, each dearer than its work in a small model's decode step (its weights
+    have flushed the caches)."""
     b = batch.num_seqs
     key_len = max(seq_lens)
     n_blocks = -(-key_len // batch.block_size)
