@@ -34,6 +34,24 @@ def test_tp2_and_pp2_on_gguf_blocks_equal_one_process(q4_k_m):
     assert _greedy(q4_k_m, quantization="gguf", pipeline_parallel_size=2) == one
 
 
+def test_pp2_lone_sequence_on_gguf_blocks_equals_one_process(q4_k_m):
+    """One sequence alone: each stage runs its range of layers in one C call (the cpu
+    platform's FusedDecodeStack, the second from the residual stream the first sends),
+    and the tokens and logprobs are the single process's."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def lone(**options):
+        with LLM(str(q4_k_m), device="cpu", max_model_len=128, kv_cache_memory=16 << 20,
+                 quantization="gguf", **options) as llm:
+            out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0]
+        return out.token_ids, [step[t].logprob for step, t in zip(out.logprobs,
+                                                                   out.token_ids)]
+
+    (tokens, logprobs), (one_tokens, one_logprobs) = lone(pipeline_parallel_size=2), lone()
+    assert tokens == one_tokens
+    assert logprobs == pytest.approx(one_logprobs, abs=1e-5)
+
+
 def test_tp2_int8_equals_one_process(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     per_row = {"quantization": "int8", "quantization_config": {"group_size": -1}}
