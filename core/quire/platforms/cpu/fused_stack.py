@@ -58,7 +58,6 @@ class FusedDecodeStack:
         self._cos = (ctypes.c_void_p * len(self._layers))()
         self._sin = (ctypes.c_void_p * len(self._layers))()
         self._pages: tuple | None = None  # the KV tensors the array points into
-        self._ranges: dict[tuple[int, int], bool] = {}
 
     def __call__(
         self,
@@ -103,14 +102,9 @@ class FusedDecodeStack:
     def _takes(self, start: int, end: int) -> bool:
         """Whether every layer of the range is one the C call takes, its kernel still
         installed (LoRA's hooks take whole-layer kernels away)."""
-        if not all(self._layers[i].kernel is self._fused[i] for i in range(start, end)):
-            return False
-        known = self._ranges.get((start, end))
-        if known is None:
-            known = self._ranges[start, end] = (
-                0 <= start < end <= len(self._layers)
-                and all(k is not None for k in self._fused[start:end]))
-        return known
+        return 0 <= start < end <= len(self._layers) and all(
+            self._fused[i] is not None and self._layers[i].kernel is self._fused[i]
+            for i in range(start, end))
 
     def _use_pages(self, start: int, end: int, kv_caches: list[torch.Tensor]) -> bool:
         """Point the range's layers at their KV pages (the C kernels' dtype numbering in
