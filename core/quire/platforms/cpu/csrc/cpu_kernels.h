@@ -84,9 +84,10 @@ static inline uint16_t f32_to_bf16(float f) {
  * QUIRE_PREFETCH_BYTES further on. Without asking, short rows (576 columns of Q4_1 are
  * 360 bytes) end before the hardware prefetcher catches up; asking a whole row ahead at
  * each row's start instead floods the fill buffers on long rows. The distance is the
- * best one measured (scripts/bench_quant_rows.py; the figures are in docs/bench.md).
+ * best one measured on whole decode steps, whose weights come from memory (docs/bench.md);
+ * products timed back to back on one weight read it from cache and favour a shorter one.
  * Addresses past the weight's end are harmless: a prefetch does not fault. */
-#define QUIRE_PREFETCH_BYTES 1024
+#define QUIRE_PREFETCH_BYTES 4096
 
 static inline void quire_prefetch_span(const uint8_t *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64)
