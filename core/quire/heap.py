@@ -4,7 +4,8 @@ Loading a model frees much of what it allocated: a tokenizer's JSON parsed into 
 (several times the file's size), a GGUF file's metadata, a profiling step's
 activations. glibc's allocator keeps such memory for reuse, and it stays resident until
 reused, so a process that is done loading holds it for good. :func:`release_freed_heap`
-hands it back, once, when loading is over.
+hands it back once a tokenizer is loaded (before the weights, whose pages would add to
+it), and once when loading is over.
 """
 
 from __future__ import annotations

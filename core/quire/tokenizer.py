@@ -7,12 +7,22 @@ import os
 
 from transformers import PreTrainedTokenizerBase, PretrainedConfig
 
+from quire.heap import release_freed_heap
+
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer at ``path``: a checkpoint directory or a ``.gguf`` file.
 
     :raises ValueError: when no tokenizer can be built from it.
     """
+    tokenizer = _load(path)
+    # its parse (a 33 MB tokenizer.json becomes several hundred MB of Python objects)
+    # is freed by now: give it back before the weights load, or it adds to their peak
+    release_freed_heap()
+    return tokenizer
+
+
+def _load(path: str) -> PreTrainedTokenizerBase:
     try:
         if path.endswith(".gguf"):
             from quire.models.gguf_hf_cache import NO_TOKENIZER, cached_tokenizer, hf_dir_for_gguf
