@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from transformers import PreTrainedTokenizerBase, PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from quire.heap import release_freed_heap
 

@@ -12,7 +12,7 @@ TokenizersBackend = getattr(transformers, "TokenizersBackend", None)
 pytestmark = pytest.mark.skipif(TokenizersBackend is None,
                                 reason="transformers without TokenizersBackend (< 5)")
 
-from quire.models.gguf_hf_cache import _builds_pipeline_only, cached_tokenizer  # noqa: E402
+from quire.models.gguf_hf_cache import _builds_pipeline_only, cached_tokenizer
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 WORDS = ("the", "then", "there", "hello", "world")
