@@ -31,6 +31,8 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
+from quire.models.layers.rotary import RotaryEmbedding
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,6 +73,10 @@ def compile_model(model: nn.Module) -> nn.Module:
     Compilation itself happens at the first steps.
     """
     _disable_marked(model)
+    # a whole table: a traced step then never reads a position back to fill one
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cover(module.max_position)
     model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     logger.info("model forward will be compiled by torch.compile (Inductor)")
     return model

@@ -7,9 +7,11 @@ Two parts:
   Both config styles are read: transformers v5's ``config.rope_parameters`` dict, and the
   older ``config.rope_theta`` plus ``config.rope_scaling`` dict.
 - :class:`RotaryEmbedding`: a cos/sin table for every position up to its
-  ``max_position``, built once, and indexed by each step's positions. The rotation is the
-  "rotate half" (GPT-NeoX) style Llama, Mistral and Qwen use: dimension ``i`` pairs with
-  ``i + D/2``.
+  ``max_position``, indexed by each step's positions. The rotation is the "rotate half"
+  (GPT-NeoX) style Llama, Mistral and Qwen use: dimension ``i`` pairs with ``i + D/2``.
+  On the host the table is filled as positions reach it: a long context's table is
+  large (Gemma 3's 32k positions of 512 floats, 64 MB, twice), and untouched rows of an
+  empty tensor hold no memory. On a device it is filled whole when the module moves.
 
 Supported types and where they differ from Hugging Face:
 
@@ -43,6 +45,8 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+#: Rows a host table computes at its first step, at least (a short prompt's step).
+_FIRST_ROWS = 256
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,14 +82,55 @@ class RotaryEmbedding(nn.Module):
             )
         self.head_size = head_size
         self.max_position = max_position
-        positions = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, D/2]
-        if long_inv_freq is not None and long_from is not None and long_from < max_position:
-            freqs[long_from:] = positions[long_from:, None] * long_inv_freq.float()[None, :]
-        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+        self._inv_freq = inv_freq.float()
+        self._long_inv_freq = None if long_inv_freq is None else long_inv_freq.float()
+        self._long_from = max_position if long_from is None else long_from
+        self._scaling = attention_scaling
+        #: Rows of ``cos_sin_cache`` computed so far (:meth:`cover`); the rest is unset.
+        self.filled = 0
         # [P, 2D]: cos | cos | -sin | sin, the full-width factors of apply_rotary
-        cache = torch.cat((cos, cos, -sin, sin), -1)
+        cache = torch.empty(max_position, 2 * head_size, dtype=torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows ``start .. end - 1`` of the table, float32 ``[end - start, 2D]``."""
+        positions = torch.arange(start, end, dtype=torch.int64,
+                                 device=self._inv_freq.device).float()
+        freqs = positions[:, None] * self._inv_freq[None, :]  # [n, D/2]
+        if self._long_inv_freq is not None and self._long_from < end:
+            at = max(self._long_from - start, 0)
+            freqs[at:] = positions[at:, None] * self._long_inv_freq[None, :]
+        cos, sin = freqs.cos() * self._scaling, freqs.sin() * self._scaling
+        return torch.cat((cos, cos, -sin, sin), -1)
+
+    def cover(self, end: int) -> None:
+        """Make rows up to ``end`` (exclusive, capped at ``max_position``) hold their
+        values: at least twice the rows already there, so a growing context fills the
+        table in a few steps. Each row is computed on its own, as a whole-table build
+        computes it."""
+        if end <= self.filled:
+            return
+        end = min(self.max_position, max(end, 2 * self.filled, _FIRST_ROWS))
+        table = self.cos_sin_cache
+        self._inv_freq = self._inv_freq.to(table.device)
+        if self._long_inv_freq is not None:
+            self._long_inv_freq = self._long_inv_freq.to(table.device)
+        table[self.filled:end].copy_(self._rows(self.filled, end))
+        self.filled = end
+
+    def cover_positions(self, positions: torch.Tensor) -> None:
+        """:meth:`cover` the largest of ``positions`` (int64, any shape): a read of one
+        host tensor, and nothing once the table is whole (on a device it always is)."""
+        if self.filled < self.max_position and positions.numel():
+            self.cover(int(positions.max()) + 1)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        # rows moved or cast keep their values; off the host the table is filled whole,
+        # so a device step never reads a position back to the host
+        module = super()._apply(fn, recurse)
+        if self.cos_sin_cache.device.type != "cpu":
+            self.cover(self.max_position)
+        return module
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -96,6 +141,7 @@ class RotaryEmbedding(nn.Module):
         :param positions: int64 [T], each below ``max_position`` (not checked here: that
             would cost a device sync every step; the engine caps its context length).
         """
+        self.cover_positions(positions)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         cos, sin = cos_sin.chunk(2, dim=-1)
         return cos, sin
@@ -312,6 +358,7 @@ class MRotaryEmbedding(nn.Module):
         height, width rows), or [T] (three equal positions: plain RoPE)."""
         if positions.dim() == 1:
             return self.rope(positions, dtype)
+        self.rope.cover_positions(positions)
         table = self.rope.cos_sin_cache
         rows = table.index_select(0, positions.reshape(-1)).view(3, positions.shape[1], -1)
         axis = self.axis_of_column.expand(1, positions.shape[1], -1)
