@@ -1100,6 +1100,22 @@ int quire_rows_post_attn(const struct quire_rows *a) {
         return 1;
     const int64_t hidden = a->hidden;
     const struct quire_layer_desc *desc = a->desc;
+    if (a->rows_f32 && !desc->attn_out_norm) {
+        /* float32 rows: read and write them in place, the same operations without the
+         * copies through a thread's row */
+        const float *o_out = a->o_out;
+        float *normed = a->normed;
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++) {
+            float *h = a->stream + r * hidden;
+            const float *o = o_out + r * hidden;
+            for (int64_t i = 0; i < hidden; i++)
+                h[i] += o[i];
+            store_row(a, h, hidden, a->residual_out, r * hidden);
+            quire_rms_norm_row(h, desc->norm_pre_mlp, desc->eps, hidden, normed + r * hidden);
+        }
+        return 0;
+    }
     float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * hidden));
     if (scratch == NULL)
         return 2;
@@ -1126,6 +1142,15 @@ int quire_rows_act(const struct quire_rows *a) {
     if (!rows_fit(a) || a->inter <= 0)
         return 1;
     const int64_t inter = a->inter;
+    if (a->rows_f32) {  /* float32 rows: the activation reads and writes them in place */
+        const float *gate_up = a->gate_up;
+        float *act = a->act;
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++)
+            act_mul(a->desc->activation, gate_up + r * 2 * inter,
+                    gate_up + r * 2 * inter + inter, inter, act + r * inter);
+        return 0;
+    }
     float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * 3 * inter));
     if (scratch == NULL)
         return 2;
