@@ -97,3 +97,17 @@ def test_what_counts_as_building_the_pipeline_only():
     assert not _builds_pipeline_only(WithMethod, TokenizersBackend)
     assert not _builds_pipeline_only(WithProperty, TokenizersBackend)
     assert not _builds_pipeline_only(transformers.PreTrainedTokenizerBase, TokenizersBackend)
+
+
+def test_the_saved_settings_win_over_the_class_defaults(tmp_path):
+    """GemmaTokenizer pads on the left by default; a saved ``padding_side`` is kept."""
+    vocab, merges = _gemma_vocab()
+    transformers.GemmaTokenizer(vocab=vocab, merges=merges).save_pretrained(tmp_path)
+    assert cached_tokenizer(tmp_path).padding_side == \
+        transformers.GemmaTokenizer.padding_side == "left"
+    transformers.GemmaTokenizer(vocab=vocab, merges=merges,
+                                padding_side="right").save_pretrained(tmp_path)
+    loaded = cached_tokenizer(tmp_path)
+    assert type(loaded) is TokenizersBackend
+    assert loaded.padding_side == "right"
+    assert transformers.GemmaTokenizer.from_pretrained(tmp_path).padding_side == "right"

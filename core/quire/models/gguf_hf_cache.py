@@ -103,16 +103,19 @@ def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     """
     try:
         with open(directory / "tokenizer_config.json", encoding="utf-8") as f:
-            name = json.load(f).get("tokenizer_class")
+            settings = json.load(f)
     except (OSError, ValueError):
-        name = None
+        settings = {}
+    name = settings.get("tokenizer_class") if isinstance(settings, dict) else None
     saved = getattr(transformers, name, None) if isinstance(name, str) else None
     if isinstance(saved, type) and issubclass(saved, PreTrainedTokenizerBase):
         generic = _generic_fast_class()
         if (generic is not None and (directory / "tokenizer.json").is_file()
                 and _builds_pipeline_only(saved, generic)):
-            return generic.from_pretrained(directory, padding_side=saved.padding_side,
-                                           model_input_names=list(saved.model_input_names))
+            # the class's defaults, where the saved settings do not name their own
+            defaults = {key: getattr(saved, key) for key in _CLASS_DEFAULTS
+                        if key not in settings}
+            return generic.from_pretrained(directory, **defaults)
         return saved.from_pretrained(directory)
     from transformers import AutoTokenizer
 
@@ -126,6 +129,10 @@ _PIPELINE_ONLY_MEMBERS = frozenset({
     "__module__", "__doc__", "__qualname__", "__annotations__", "__init__", "model",
     "vocab_files_names", "padding_side", "model_input_names", "slow_tokenizer_class",
 })
+
+
+#: Class attributes a tokenizer class may set that the generic class takes as settings.
+_CLASS_DEFAULTS = ("padding_side", "model_input_names")
 
 
 def _generic_fast_class() -> type | None:
