@@ -16,8 +16,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     :raises ValueError: when no tokenizer can be built from it.
     """
     tokenizer = _load(path)
-    # its parse (a 33 MB tokenizer.json becomes several hundred MB of Python objects)
-    # is freed by now: give it back before the weights load, or it adds to their peak
+    # its parse (the JSON as Python objects, many times the file's size) is freed by
+    # now: give it back before the weights load, or it adds to their peak
     release_freed_heap()
     return tokenizer
 

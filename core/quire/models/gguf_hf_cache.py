@@ -98,8 +98,8 @@ def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     A class that only builds its pipeline (:func:`_builds_pipeline_only`) is loaded as the
     generic fast tokenizer over the saved ``tokenizer.json``, which that class wrote in
     this transformers version (it is in the cache key): the same tokenizer, without the
-    Python copy of the vocabulary and merges such a class keeps (Gemma 3's 262k tokens
-    and 515k merges: about 160 MB).
+    Python copy of the vocabulary and merges such a class keeps (for a large vocabulary,
+    more than the tokenizer itself: docs/bench.md, issue 29's memory rows).
     """
     try:
         with open(directory / "tokenizer_config.json", encoding="utf-8") as f:

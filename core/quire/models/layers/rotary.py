@@ -10,7 +10,7 @@ Two parts:
   ``max_position``, indexed by each step's positions. The rotation is the "rotate half"
   (GPT-NeoX) style Llama, Mistral and Qwen use: dimension ``i`` pairs with ``i + D/2``.
   On the host the table is filled as positions reach it: a long context's table is
-  large (Gemma 3's 32k positions of 512 floats, 64 MB, twice), and untouched rows of an
+  large (``max_position`` rows of ``2D`` floats, per table), and untouched rows of an
   empty tensor hold no memory. On a device it is filled whole when the module moves.
 
 Supported types and where they differ from Hugging Face:
