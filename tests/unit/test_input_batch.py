@@ -2,7 +2,9 @@
 building every step from whole page tables, across adds, chunked prefill, prefix hits,
 forks, finishes and preemptions; its buffers stay put at the configured limits."""
 
+import os
 import random
+import struct
 
 import msgspec
 import pytest
@@ -164,6 +166,30 @@ def test_buffers_keep_their_addresses_within_the_limits_and_grow_past_them():
     big = batch.prepare([StepItem(2, [0] * 40, 0, list(range(10)), True)])  # past 16 tokens
     assert big.input_ids.shape == (40,) and big.batch.block_tables.tolist() == [
         list(range(10))]
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s pages the process holds (Linux's pagemap, bit 63)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = tensor.data_ptr() // page
+    last = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first + 1) * 8)
+    return page * sum(e >> 63 for (e,) in struct.iter_unpack("<Q", entries))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's pagemap")
+def test_host_buffers_hold_memory_only_where_steps_write():
+    # Llama 3's 131,072 positions in pages of 16, for 256 sequences: 8 MiB of page
+    # tables, of which a step with one short sequence writes a few bytes
+    batch = InputBatch(BS, torch.device("cpu"), StepLimits(256, 2048, 8192))
+    step = batch.prepare([StepItem(0, [1, 2, 3], 0, [7], True)])
+    tables = step.batch.block_tables.untyped_storage()
+    whole = torch.empty(0, dtype=torch.int32).set_(tables)
+    assert whole.numel() == 256 * 8192
+    assert _resident_bytes(whole) <= 2 * os.sysconf("SC_PAGE_SIZE")  # before reading it
+    assert step.batch.block_tables.tolist() == [[7]] and not whole[1:].any()
 
 
 def test_a_continuation_the_batch_never_saw_is_refused():

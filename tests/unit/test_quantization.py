@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 from quire.config import EngineConfig
 from quire.distributed import TorchDistributedCommunicator
-from quire.models.gguf_file import iter_gguf_weights
+from quire.models.gguf_file import hf_tensor_name, iter_gguf_weights
+from quire.models.gguf_reader import read_gguf_index
 from quire.models.loader import load_model
 from quire.ops.quantized import QuantizedLinearKernel
 from quire.quantization.formats import FORMATS
 from quire.quantization.methods import Quantization, resolve_method
 from quire.quantization.random import random_quantized
+from quire.quantization.tensor import QuantizedTensor
 
 ALL = ("none", "gguf", "int8", "w8a8", "fp8")
 
@@ -92,6 +94,25 @@ def test_gguf_blocks_give_the_dequantised_model_s_outputs(tiny_gguf):
             torch.testing.assert_close(module(x), want, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([1, 7, 300])
     assert torch.equal(blocks.model.embed_tokens(ids), floats.model.embed_tokens(ids))
+
+
+def test_llama_q_and_k_rows_are_reordered_in_the_file_map_not_copied(tiny_gguf):
+    # a copy would hold the rows twice: the copy, and the file's pages it was read from
+    weights = dict(iter_gguf_weights(str(tiny_gguf), keep_blocks=True))
+    floats = dict(iter_gguf_weights(str(tiny_gguf)))
+    index = read_gguf_index(str(tiny_gguf))  # a map of its own: where each tensor lies
+    arch = index.metadata["general.architecture"]
+    in_file = {hf_tensor_name(t.name, arch): t.data.ctypes.data for t in index.tensors
+               if t.name != "rope_freqs.weight"}
+    blocks = {n: w for n, w in weights.items() if isinstance(w, QuantizedTensor)}
+    first = next(iter(blocks))
+    reordered = [n for n in blocks if ".q_proj." in n or ".k_proj." in n]
+    assert reordered
+    for name, w in blocks.items():  # every weight at its place in the map
+        assert (w.data.data_ptr() - blocks[first].data.data_ptr()
+                == in_file[name] - in_file[first]), name
+    for name in reordered:
+        assert torch.equal(blocks[name].dequantize(), floats[name])
 
 
 def test_int8_quantises_the_linears_on_load_and_keeps_the_vocabulary_float(

@@ -22,6 +22,7 @@ replayed graph, which copies ``input_ids`` into its own buffer, reads it too.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -61,12 +62,33 @@ class StepInputs:
     prompt_rows: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def untouched_zeros(shape: int | tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in fresh pages of their own (an anonymous map), which the OS makes resident
+    only when they are first written. ``np.zeros`` does not promise that: its calloc
+    may take reused heap memory and clear it, once the heap's threshold for mapping has
+    risen above the size (glibc raises it as large blocks are freed)."""
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, count * np.dtype(dtype).itemsize)
+    return np.frombuffer(pages, dtype=dtype, count=count).reshape(shape)
+
+
 class _Buffers:
-    """One step's inputs, made once at the largest sizes (int64 but the block tables)."""
+    """One step's inputs, made once at the largest sizes (int64 but the block tables).
+
+    On the host they are :func:`untouched_zeros`: a step writes only the front of each,
+    and the rest (most of the block tables, ``max_num_seqs`` rows of the longest
+    context's pages) holds no memory until a step reaches it."""
 
     def __init__(self, max_seqs: int, max_tokens: int, max_pages: int,
                  device: torch.device) -> None:
         def make(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            if device.type == "cpu":
+                return torch.from_numpy(untouched_zeros(n, _NUMPY_DTYPES[dtype]))
             return torch.zeros(n, dtype=dtype, device=device)
 
         self.input_ids = make(max_tokens)
@@ -122,7 +144,7 @@ class InputBatch:
         rows, cols = max(rows, old_rows), max(cols, old_cols)
         if (rows, cols) == (old_rows, old_cols):
             return
-        tables = np.zeros((rows, cols), dtype=np.int32)
+        tables = untouched_zeros((rows, cols), np.int32)
         tables[:old_rows, :old_cols] = self._tables
         self._tables = tables
         self._num_pages = np.concatenate(

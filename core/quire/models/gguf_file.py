@@ -113,7 +113,8 @@ def iter_gguf_weights(path: str, keep_blocks: bool = False
 
     :param keep_blocks: 2-D weights come as their blocks
         (:class:`~quire.quantization.tensor.QuantizedTensor`, views of a copy-on-write
-        map of the file; llama's q/k rows reordered, which copies those blocks); norms
+        map of the file; llama's q/k rows reordered in the map, so that those pages become
+        the process's own, one copy); norms
         and other 1-D tensors as float32 always. Otherwise every tensor is dequantised to
         float32; F32 tensors are views of the map, which the model's weight loaders copy
         into their parameters.
@@ -134,8 +135,7 @@ def iter_gguf_weights(path: str, keep_blocks: bool = False
         if tensor.name in blocks:
             data = blocks.pop(tensor.name)
             if heads:
-                order = unpermute_rows(torch.arange(data.rows), heads)
-                data = data.select_rows(order)
+                data.reorder_rows_(unpermute_rows(torch.arange(data.rows), heads))
             yield name, data
             continue
         data = dequantize(tensor)
