@@ -84,7 +84,7 @@ def test_matches_f_linear_on_the_dequantised_weight(kernels: NativeKernels, name
     for cols in widths(name):
         weight = make_weight(name, 37, cols, gen)
         w = weight.dequantize()
-        for m in (1, 3, 7, 64):
+        for m in (1, 2, 3, 4, 7, 64):  # each of the direct path's row counts, then panels
             x = torch.randn(m, cols, generator=gen)
             bias = torch.randn(37, generator=gen) if m % 2 else None
             y = kernels.quant_linear(x, weight, bias)

@@ -11,7 +11,12 @@
  * differ from F.linear(x, dequantize(W)) only by summation order. Two paths:
  *   - up to DIRECT_MAX_ROWS rows (decode): each weight row is dequantised block by
  *     block into registers and multiplied into every activation row's accumulators at
- *     once; the quantised bytes are read once and nothing is written but y.
+ *     once; the quantised bytes are read once and nothing is written but y. Q4_K, Q5_K
+ *     and Q6_K rows instead multiply x by the codes (exact integers in float) and apply
+ *     each sub-block's scale to the sub-block's sum, the minima times the sums of x
+ *     (direct_rows_kmin; direct_rows_spread at AVX-512): the exact weights' products in
+ *     another order, with fewer operations than dequantising every weight. A one-hot row
+ *     still reads the reference's weight exactly.
  *   - more rows (a prompt): each thread takes a share of 16-row panels; 4 at a time
  *     (64 weight rows), KC columns at a time, it dequantises them into a per-thread
  *     [KC][16] panel buffer (row-major first, then transposed in 16 x 16 tiles) that
@@ -359,17 +364,57 @@ INL void dq_q3_k(const uint8_t *b, vf *v) {
 /* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum, times d and dmin (the block's
  * f16 fields, converted once by the caller: stores to the vectors may alias the block's
  * bytes, so the compiler would not hoist them). */
-INL void k_scale_min(const uint8_t *b, float d, float dmin, int j, vf *scale, vf *minimum) {
+INL void k_sc_mn(const uint8_t *b, int j, int *sc, int *mn) {
     const uint8_t *p = b + 4;
-    int sc, mn;
     if (j < 4) {
-        sc = p[j] & 63, mn = p[j + 4] & 63;
+        *sc = p[j] & 63, *mn = p[j + 4] & 63;
     } else {
-        sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
-        mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
+        *sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
+        *mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
     }
+}
+
+INL void k_scale_min(const uint8_t *b, float d, float dmin, int j, vf *scale, vf *minimum) {
+    int sc, mn;
+    k_sc_mn(b, j, &sc, &mn);
     *scale = splat(d * (float)sc);
     *minimum = splat(dmin * (float)mn);
+}
+
+/* A Q4_K / Q5_K block's eight 6-bit scales and minima, times d and dmin, unpacked from
+ * its 12 bytes a 32-bit word at a time (as llama.cpp's kernels do): a few integer
+ * operations a block where k_sc_mn takes a dozen a sub-block. */
+typedef float v8f __attribute__((vector_size(32)));
+INL void k_scales_mins(const uint8_t *b, v8f *scale, v8f *minimum) {
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    uint32_t u[3], sc[2], mn[2];
+    memcpy(u, b + 4, 12);
+    sc[0] = u[0] & m6;
+    sc[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    mn[0] = u[1] & m6;
+    mn[1] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    uint8_t scb[8], mnb[8];
+    memcpy(scb, sc, 8);
+    memcpy(mnb, mn, 8);
+    const float d = h2f_at(b), dmin = h2f_at(b + 2);
+    for (int i = 0; i < 8; i++) {
+        (*scale)[i] = d * (float)scb[i];
+        (*minimum)[i] = dmin * (float)mnb[i];
+    }
+}
+
+/* Sub-block j's 32 codes of a Q4_K / Q5_K block as floats (0..15 / 0..31, exact); qh:
+ * a Q5_K block's 32 bytes of fifth bits, widened once for its eight sub-blocks. */
+INL void k_codes(int32_t fmt, const uint8_t *b, const vi *qh, int j, vf *q) {
+    const int r = j / 2, sh = 4 * (j % 2);
+    for (int t = 0; t < 32 / NL; t++) {
+        if (fmt == QF_Q4_K) {
+            q[t] = cvt((ld_u8(b + 16 + 32 * r + NL * t) >> sh) & 15);
+        } else {
+            const vi low = (ld_u8(b + 48 + 32 * r + NL * t) >> sh) & 15;
+            q[t] = cvt(low | (((qh[t] >> j) & 1) << 4));
+        }
+    }
 }
 
 INL void dq_q4_k(const uint8_t *b, vf *v) {
@@ -523,6 +568,265 @@ INL void direct_rows(int32_t fmt, int R, const float *x, int64_t k, const uint8_
     }
 }
 
+/* Q4_K / Q5_K rows with the minima taken out of the sum. In sub-block s (32 weights) a
+ * weight is a_s q - b_s (a_s = d sc_s, b_s = dmin mn_s), so a row's product is
+ * sum_s a_s (q . x)_s - sum_s b_s (sum x)_s: the codes (small integers, exact as floats)
+ * multiply x as they are, and the sums of x per sub-block are made once a call. That is
+ * one vector operation fewer per NL weights than dequantising each weight first (the
+ * FMA that subtracts the minimum), on the formats a Q4_K_M file mostly holds. The
+ * results equal F.linear(x, dequantize(W)) up to float rounding: the dot is taken with
+ * the weights' exact values a_s q - b_s, not their float32 roundings, in another order. */
+INL void direct_rows_kmin(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
+                          int64_t ws, int64_t j0, int64_t j1, const float *bias, float *y,
+                          int64_t ldy) {
+    enum { V = 32 / NL };
+    const int BB = blk_bytes(fmt);
+    const int64_t nb = k / 256, ns = k / 32;
+    v8f xs[DIRECT_MAX_ROWS][nb]; /* each block's eight sub-block sums of x, per row */
+    for (int r = 0; r < R; r++)
+        for (int64_t s = 0; s < ns; s++) {
+            vf t = ldf(x + r * k + 32 * s);
+            for (int u = 1; u < V; u++) t += ldf(x + r * k + 32 * s + NL * u);
+            xs[r][s / 8][s % 8] = hsumv(t);
+        }
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * ws;
+        vf acc[DIRECT_MAX_ROWS][2];
+        v8f mins[DIRECT_MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = acc[r][1] = (vf){0};
+            mins[r] = (v8f){0};
+        }
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * BB;
+            quire_prefetch_span(b, BB);
+            v8f scale, minimum;
+            k_scales_mins(b, &scale, &minimum);
+            for (int r = 0; r < R; r++) mins[r] += minimum * xs[r][blk];
+            const float *xb = x + blk * 256;
+            vi qh[V];
+            if (fmt == QF_Q5_K)
+                for (int t = 0; t < V; t++) qh[t] = ld_u8(b + 16 + NL * t);
+#pragma GCC unroll 8
+            for (int sb = 0; sb < 8; sb++) {
+                vf q[V];
+                k_codes(fmt, b, qh, sb, q);
+                const vf a = splat(scale[sb]);
+                for (int r = 0; r < R; r++) {
+                    const float *xr = xb + r * k + 32 * sb;
+                    /* two partial dots where a sub-block is more than two registers */
+                    vf dot0 = q[0] * ldf(xr), dot1 = q[1] * ldf(xr + NL);
+                    for (int t = 2; t < V; t++) {
+                        if (t % 2)
+                            dot1 = fmav(q[t], ldf(xr + NL * t), dot1);
+                        else
+                            dot0 = fmav(q[t], ldf(xr + NL * t), dot0);
+                    }
+                    if (V == 2)
+                        dot0 = fmav(q[1], ldf(xr + NL), q[0] * ldf(xr));
+                    else
+                        dot0 += dot1;
+                    acc[r][sb & 1] = fmav(a, dot0, acc[r][sb & 1]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const v8f m = mins[r];
+            const float sum = hsumv(acc[r][0] + acc[r][1]) -
+                              (((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7])));
+            y[r * ldy + j] = bias ? sum + bias[j] : sum;
+        }
+    }
+}
+
+#if NL == 16
+/* K-quant rows at AVX-512 (Q4_K, Q5_K, Q6_K), the codes never widened a byte a lane: a
+ * 64-byte load of a block's low code bits holds 4 bytes in each 32-bit lane, and the
+ * lane shifted right by 8m + 4n has the nibble n of its byte m in its low four bits,
+ * which index a permute of the values 0..15: one operation where widening, masking and
+ * converting took three or four. Q5_K's fifth and Q6_K's fifth and sixth bits come the
+ * same way from their bytes (broadcast to both halves of the register, shifted per half)
+ * through a second permute, of 16 * bits (minus Q6_K's 32), added. The codes are exact
+ * integers in float, so the sums are the exact weights' (the minima taken out as in
+ * direct_rows_kmin) up to float rounding.
+ *
+ * A lane's weights lie 4 apart in the row, so x is laid out once a call in that order
+ * (spread_x): per block, vector v = (h, m, n) holds in lane i the x of spread_pos(v, i).
+ * Each half of a vector (lanes 0-7, 8-15) lies in one sub-block of Q4_K / Q5_K; Q6_K's
+ * sub-blocks of 16 are quarters. A permute of the block's scales gives each lane its own. */
+INL int spread_pos(int32_t fmt, int v, int i) {
+    const int h = v / 8, m = (v / 2) % 4, n = v % 2;
+    if (fmt == QF_Q6_K) /* ql[64h + 4i + m]: weight 128h + 32c + l, c = i/8 + 2n */
+        return 128 * h + 32 * (i / 8 + 2 * n) + 4 * (i % 8) + m;
+    /* qs[64h + 4i + m]: sub-block 2 (2h + i / 8) + n, weight 4 (i % 8) + m */
+    return 32 * (2 * (2 * h + i / 8) + n) + 4 * (i % 8) + m;
+}
+
+static void spread_x(int32_t fmt, const float *x, int64_t k, float *xp) {
+    for (int64_t blk = 0; blk < k / 256; blk++)
+        for (int v = 0; v < 16; v++)
+            for (int i = 0; i < 16; i++)
+                xp[blk * 256 + v * 16 + i] = x[blk * 256 + spread_pos(fmt, v, i)];
+}
+
+/* k_scales_mins in one register: lanes 0-7 the scales times d, 8-15 the minima times
+ * dmin, converted 16 at a time (a lane at a time, they cost a Q4_K block as much as its
+ * codes). */
+INL __m512 k_scales_mins16(const uint8_t *b) {
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    uint32_t u[3], packed[4];
+    memcpy(u, b + 4, 12);
+    packed[0] = u[0] & m6;
+    packed[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    packed[2] = u[1] & m6;
+    packed[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    const __m512 codes = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)packed)));
+    const __m512 factor = _mm512_insertf32x8(_mm512_set1_ps(h2f_at(b)),
+                                             _mm256_set1_ps(h2f_at(b + 2)), 1);
+    return _mm512_mul_ps(codes, factor);
+}
+
+/* A lane's scale (index into the block's 8 or 16) in vector half h, nibble n. */
+INL int spread_scale(int32_t fmt, int h, int n, int i) {
+    if (fmt == QF_Q6_K)
+        return 8 * h + 2 * (i / 8 + 2 * n) + (i % 8) / 4;
+    return 4 * h + n + 2 * (i / 8);
+}
+
+INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums, int64_t k,
+                            const uint8_t *w, int64_t ws, int64_t j0, int64_t j1,
+                            const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = k / 256; /* sums: [R][nb], each block's eight sub-block sums */
+    const int BB = blk_bytes(fmt);
+    const int low_at = fmt == QF_Q4_K ? 16 : fmt == QF_Q5_K ? 48 : 0;
+    float lo_vals[16], hi_vals[16];
+    int32_t pick[2][2][16], shift[2][4][2][16];
+    for (int e = 0; e < 16; e++) {
+        lo_vals[e] = (float)e;
+        hi_vals[e] = fmt == QF_Q6_K ? (float)(16 * (e & 3) - 32) : (float)(16 * (e & 1));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int n = 0; n < 2; n++)
+            for (int i = 0; i < 16; i++) {
+                pick[h][n][i] = spread_scale(fmt, h, n, i);
+                for (int m = 0; m < 4; m++) /* to the high bits of byte m's code */
+                    shift[h][m][n][i] = fmt == QF_Q6_K ? 8 * m + 2 * (i / 8 + 2 * n)
+                                                       : 8 * m + 4 * h + n + 2 * (i / 8);
+            }
+    const __m512 lo_values = _mm512_loadu_ps(lo_vals), hi_values = _mm512_loadu_ps(hi_vals);
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * ws;
+        __m512 acc[DIRECT_MAX_ROWS][2];
+        v8f mins[DIRECT_MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            mins[r] = (v8f){0};
+        }
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * BB;
+            quire_prefetch_span(b, BB);
+            __m512 scales;
+            if (fmt == QF_Q6_K) {
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 192)));
+                scales = _mm512_mul_ps(_mm512_set1_ps(h2f_at(b + 208)), _mm512_cvtepi32_ps(sc));
+            } else {
+                scales = k_scales_mins16(b);
+                const v8f minimum = (v8f)_mm512_extractf32x8_ps(scales, 1);
+                for (int r = 0; r < R; r++) mins[r] += minimum * sums[r * nb + blk];
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m512i z = _mm512_loadu_si512((const void *)(b + low_at + 64 * h));
+                __m512i qh = _mm512_setzero_si512();
+                if (fmt == QF_Q5_K)
+                    qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 16)));
+                else if (fmt == QF_Q6_K)
+                    qh = _mm512_broadcast_i64x4(
+                        _mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
+#pragma GCC unroll 2
+                for (int n = 0; n < 2; n++) {
+                    const __m512 a = _mm512_permutexvar_ps(
+                        _mm512_loadu_si512((const void *)pick[h][n]), scales);
+                    __m512 dot[DIRECT_MAX_ROWS];
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) {
+                        __m512 q = _mm512_permutexvar_ps(_mm512_srli_epi32(z, 8 * m + 4 * n),
+                                                         lo_values);
+                        if (fmt != QF_Q4_K)
+                            q = _mm512_add_ps(q, _mm512_permutexvar_ps(
+                                _mm512_srlv_epi32(
+                                    qh, _mm512_loadu_si512((const void *)shift[h][m][n])),
+                                hi_values));
+                        for (int r = 0; r < R; r++) {
+                            const __m512 xv = _mm512_loadu_ps(
+                                xp + r * k + blk * 256 + ((h * 4 + m) * 2 + n) * 16);
+                            dot[r] = m ? _mm512_fmadd_ps(q, xv, dot[r]) : _mm512_mul_ps(q, xv);
+                        }
+                    }
+                    for (int r = 0; r < R; r++) acc[r][n] = _mm512_fmadd_ps(a, dot[r], acc[r][n]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const v8f m = mins[r];
+            float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
+            if (fmt != QF_Q6_K)
+                sum -= ((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7]));
+            y[r * ldy + j] = bias ? sum + bias[j] : sum;
+        }
+    }
+}
+
+#define SPREAD_ROWS(F)                                                                     \
+    case F:                                                                                \
+        switch (R) {                                                                       \
+        case 1: direct_rows_spread(F, 1, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
+        case 2: direct_rows_spread(F, 2, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
+        case 3: direct_rows_spread(F, 3, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
+        default: direct_rows_spread(F, 4, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break;\
+        }                                                                                  \
+        break;
+
+/* direct_rows_spread for R rows of x; false where the spread x could not be allocated. */
+static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
+                         int64_t ws, int64_t j0, int64_t j1, const float *bias, float *y,
+                         int64_t ldy) {
+    const int64_t nb = k / 256;
+    float *xp = aligned_alloc(64, (size_t)(R * k) * sizeof(float));
+    v8f *sums = aligned_alloc(64, (size_t)(R * nb) * sizeof(v8f));
+    if (!xp || !sums) {
+        free(xp);
+        free(sums);
+        return 0;
+    }
+    for (int r = 0; r < R; r++) {
+        spread_x(fmt, x + r * k, k, xp + r * k);
+        for (int64_t s = 0; s < k / 32; s++) {
+            const float *xr = x + r * k + 32 * s;
+            sums[r * nb + s / 8][s % 8] = hsumv(ldf(xr) + ldf(xr + 16));
+        }
+    }
+    switch (fmt) {
+        SPREAD_ROWS(QF_Q4_K) SPREAD_ROWS(QF_Q5_K) SPREAD_ROWS(QF_Q6_K)
+    default: break;
+    }
+    free(xp);
+    free(sums);
+    return 1;
+}
+#endif
+
+#define KMIN_FMT(F)                                                                        \
+    case F:                                                                                \
+        switch (R) {                                                                       \
+        case 1: direct_rows_kmin(F, 1, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
+        case 2: direct_rows_kmin(F, 2, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
+        case 3: direct_rows_kmin(F, 3, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
+        default: direct_rows_kmin(F, 4, x, k, w, ws, j0, j1, bias, y, ldy); break;        \
+        }                                                                                  \
+        break;
+
 #define DIRECT_FMT(F)                                                                      \
     case F:                                                                                \
         switch (R) {                                                                       \
@@ -540,7 +844,18 @@ static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t 
         DIRECT_FMT(QF_F32) DIRECT_FMT(QF_F16) DIRECT_FMT(QF_BF16) DIRECT_FMT(QF_INT8)
         DIRECT_FMT(QF_FP8) DIRECT_FMT(QF_Q4_0) DIRECT_FMT(QF_Q4_1) DIRECT_FMT(QF_Q5_0)
         DIRECT_FMT(QF_Q5_1) DIRECT_FMT(QF_Q8_0) DIRECT_FMT(QF_Q2_K) DIRECT_FMT(QF_Q3_K)
-        DIRECT_FMT(QF_Q4_K) DIRECT_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
+#if NL == 16
+    case QF_Q4_K: case QF_Q5_K: case QF_Q6_K:
+        if (direct_spread(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy))
+            break;
+        switch (fmt) {
+            KMIN_FMT(QF_Q4_K) KMIN_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
+        default: break;
+        }
+        break;
+#else
+        KMIN_FMT(QF_Q4_K) KMIN_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
+#endif
     default: break;
     }
 }
