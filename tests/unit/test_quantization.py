@@ -185,3 +185,31 @@ def test_views_of_rows_and_columns_dequantise_to_the_same_numbers(name):
     part = weight.narrow_rows(1, 4).narrow_cols(cols, cols)
     assert not part.data.is_contiguous() or part.rows == 1
     assert torch.equal(part.dequantize(), whole[1:5, cols:2 * cols])
+
+
+def test_a_gguf_rope_freqs_tensor_gives_llama3_scaling_without_warnings(tiny_gguf, caplog):
+    # the script writes rope_freqs as llama.cpp's converter computes it from Llama 3.1's
+    # scaling (factor 32, low 1, high 4, original 8192): the divisors must give back
+    # transformers' llama3 frequencies, and carrying them must not trip its key checks
+    from quire.models.gguf_file import load_gguf_config
+    from quire.models.layers.rotary import get_rope
+    from transformers import LlamaConfig
+
+    with caplog.at_level("WARNING"):
+        config = load_gguf_config(str(tiny_gguf))
+    assert not [r for r in caplog.records if "rope" in r.getMessage()]
+    assert "freq_factors" not in (config.rope_parameters or {})
+    head = config.hidden_size // config.num_attention_heads
+    theta = config.rope_parameters["rope_theta"]
+    llama3 = LlamaConfig(hidden_size=config.hidden_size,
+                         num_attention_heads=config.num_attention_heads,
+                         max_position_embeddings=config.max_position_embeddings,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": theta,
+                                          "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})
+    from_file, expected = get_rope(config, head), get_rope(llama3, head)
+    assert not torch.equal(from_file._inv_freq, get_rope(LlamaConfig(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": theta}), head)._inv_freq)
+    torch.testing.assert_close(from_file._inv_freq, expected._inv_freq, rtol=1e-6, atol=0)

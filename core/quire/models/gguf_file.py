@@ -21,7 +21,8 @@ What llama.cpp's converter changed, and what this module undoes:
   leaves out for these families: ``head_dim`` from ``attention.key_length``,
   ``attention_bias``/``mlp_bias`` from the bias tensors present, rope scaling from
   ``rope.scaling.*`` (linear, yarn), and the ``rope_freqs`` tensor (Llama 3.1's
-  frequency divisors) as ``freq_factors`` in the rope parameters.
+  frequency divisors) as ``config.rope_freq_factors`` (not in the rope parameters,
+  whose keys transformers checks and warns about, once per config it builds).
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     if "blk.0.ffn_up.bias" in names:
         config.mlp_bias = True
     updates = _rope_updates(reader, arch)
+    factors = updates.pop("freq_factors", None)
+    if factors is not None:  # beside the rope parameters, which transformers validates
+        config.rope_freq_factors = factors
     if updates:
         _update_rope(config, updates)
     return config

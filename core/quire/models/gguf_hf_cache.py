@@ -32,7 +32,7 @@ from quire.models.gguf_file import load_gguf_config
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever what is saved changes, so old entries are not reused.
-_FORMAT = "3"
+_FORMAT = "4"
 
 
 def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:

@@ -31,8 +31,8 @@ Supported types and where they differ from Hugging Face:
                here each position keeps one angle for good.
 =============  ===========================================================================
 
-A ``freq_factors`` list in the rope parameters (what a GGUF file's ``rope_freqs`` tensor
-holds: llama.cpp's per-frequency divisors, e.g. Llama 3.1 scaling) divides the inverse
+A ``config.rope_freq_factors`` list (what a GGUF file's ``rope_freqs`` tensor holds:
+llama.cpp's per-frequency divisors, e.g. Llama 3.1 scaling) divides the inverse
 frequencies of any type.
 """
 
@@ -199,7 +199,7 @@ def get_rope(config: Any, head_size: int) -> RotaryEmbedding:
         inv_freq, long_inv_freq, scaling = _longrope(base, head_size, params, original, max_pos)
         kwargs.update(attention_scaling=scaling, long_inv_freq=long_inv_freq, long_from=original)
 
-    factors = params.get("freq_factors")
+    factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         divisor = torch.as_tensor(factors, dtype=torch.float32)
         inv_freq = inv_freq / divisor
