@@ -73,7 +73,8 @@ def untouched_zeros(shape: int | tuple[int, ...], dtype: type) -> np.ndarray:
     count = int(np.prod(shape))
     if count == 0:
         return np.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, count * np.dtype(dtype).itemsize)
+    pages = mmap.mmap(-1, count * np.dtype(dtype).itemsize,
+                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dtype=dtype, count=count).reshape(shape)
 
 

@@ -662,11 +662,17 @@ INL int spread_pos(int32_t fmt, int v, int i) {
     return 32 * (2 * (2 * h + i / 8) + n) + 4 * (i % 8) + m;
 }
 
+/* A prompt's rows come here four at a time, once per weight: a gather through a table
+ * of the 256 positions, where computing each position took a tenth of a Q4_K product. */
 static void spread_x(int32_t fmt, const float *x, int64_t k, float *xp) {
-    for (int64_t blk = 0; blk < k / 256; blk++)
-        for (int v = 0; v < 16; v++)
-            for (int i = 0; i < 16; i++)
-                xp[blk * 256 + v * 16 + i] = x[blk * 256 + spread_pos(fmt, v, i)];
+    int32_t at[256];
+    for (int v = 0; v < 16; v++)
+        for (int i = 0; i < 16; i++) at[v * 16 + i] = spread_pos(fmt, v, i);
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        const float *xb = x + blk * 256;
+        float *out = xp + blk * 256;
+        for (int t = 0; t < 256; t++) out[t] = xb[at[t]];
+    }
 }
 
 /* k_scales_mins in one register: lanes 0-7 the scales times d, 8-15 the minima times
@@ -788,18 +794,33 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
         }                                                                                  \
         break;
 
+/* Each thread's spread rows of x and their sums, kept between calls (a prompt comes here
+ * four rows at a time for every weight: allocating each time put the allocator, and
+ * for the larger sizes mmap and munmap, into every call). Never freed: at most
+ * DIRECT_MAX_ROWS rows of the widest weight a thread has multiplied. */
+static __thread float *spread_rows;
+static __thread size_t spread_bytes;
+
+static float *spread_scratch(size_t bytes) {
+    if (bytes > spread_bytes) {
+        free(spread_rows);
+        spread_bytes = (bytes + 4095) / 4096 * 4096;
+        spread_rows = aligned_alloc(64, spread_bytes);
+        if (!spread_rows)
+            spread_bytes = 0;
+    }
+    return spread_rows;
+}
+
 /* direct_rows_spread for R rows of x; false where the spread x could not be allocated. */
 static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
                          int64_t ws, int64_t j0, int64_t j1, const float *bias, float *y,
                          int64_t ldy) {
     const int64_t nb = k / 256;
-    float *xp = aligned_alloc(64, (size_t)(R * k) * sizeof(float));
-    v8f *sums = aligned_alloc(64, (size_t)(R * nb) * sizeof(v8f));
-    if (!xp || !sums) {
-        free(xp);
-        free(sums);
+    float *xp = spread_scratch((size_t)(R * k) * sizeof(float) + (size_t)(R * nb) * sizeof(v8f));
+    if (!xp)
         return 0;
-    }
+    v8f *sums = (v8f *)(xp + R * k); /* k is a multiple of 256: 64-byte aligned */
     for (int r = 0; r < R; r++) {
         spread_x(fmt, x + r * k, k, xp + r * k);
         for (int64_t s = 0; s < k / 32; s++) {
@@ -811,8 +832,6 @@ static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const ui
         SPREAD_ROWS(QF_Q4_K) SPREAD_ROWS(QF_Q5_K) SPREAD_ROWS(QF_Q6_K)
     default: break;
     }
-    free(xp);
-    free(sums);
     return 1;
 }
 #endif
