@@ -74,9 +74,10 @@ def test_one_hot_rows_read_each_weight_exactly(kernels: NativeKernels, name: str
         # every column through the panel path (many rows), a few through the direct one
         y = kernels.quant_linear(eye, weight)
         assert torch.equal(y.t(), expected)
-        pick = torch.randperm(cols, generator=gen)[:3]
-        assert torch.equal(kernels.quant_linear(eye[pick].contiguous(), weight).t(),
-                           expected[:, pick])
+        for count in (1, 2, 3, 4):  # each of the direct path's row counts
+            pick = torch.randperm(cols, generator=gen)[:count]
+            assert torch.equal(kernels.quant_linear(eye[pick].contiguous(), weight).t(),
+                               expected[:, pick])
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_matches_f_linear_on_the_dequantised_weight(kernels: NativeKernels, name: str) -> None:

@@ -568,6 +568,16 @@ INL void direct_rows(int32_t fmt, int R, const float *x, int64_t k, const uint8_
     }
 }
 
+/* KERNEL(fmt, R, ...) with R (1..DIRECT_MAX_ROWS) a constant in each copy, so that the
+ * rows' loops unroll: the copy for the caller's R. */
+#define BY_ROWS(KERNEL, F, ...)                                                            \
+    switch (R) {                                                                           \
+    case 1: KERNEL(F, 1, __VA_ARGS__); break;                                              \
+    case 2: KERNEL(F, 2, __VA_ARGS__); break;                                              \
+    case 3: KERNEL(F, 3, __VA_ARGS__); break;                                              \
+    default: KERNEL(F, 4, __VA_ARGS__); break;                                             \
+    }
+
 /* Q4_K / Q5_K rows with the minima taken out of the sum. In sub-block s (32 weights) a
  * weight is a_s q - b_s (a_s = d sc_s, b_s = dmin mn_s), so a row's product is
  * sum_s a_s (q . x)_s - sum_s b_s (sum x)_s: the codes (small integers, exact as floats)
@@ -663,7 +673,7 @@ INL int spread_pos(int32_t fmt, int v, int i) {
 }
 
 /* A prompt's rows come here four at a time, once per weight: a gather through a table
- * of the 256 positions, where computing each position took a tenth of a Q4_K product. */
+ * of a block's 256 positions, made once a call. */
 static void spread_x(int32_t fmt, const float *x, int64_t k, float *xp) {
     int32_t at[256];
     for (int v = 0; v < 16; v++)
@@ -784,16 +794,6 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
     }
 }
 
-#define SPREAD_ROWS(F)                                                                     \
-    case F:                                                                                \
-        switch (R) {                                                                       \
-        case 1: direct_rows_spread(F, 1, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
-        case 2: direct_rows_spread(F, 2, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
-        case 3: direct_rows_spread(F, 3, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break; \
-        default: direct_rows_spread(F, 4, xp, sums, k, w, ws, j0, j1, bias, y, ldy); break;\
-        }                                                                                  \
-        break;
-
 /* Each thread's spread rows of x and their sums, kept between calls (a prompt comes here
  * four rows at a time for every weight: allocating each time put the allocator, and
  * for the larger sizes mmap and munmap, into every call). Never freed: at most
@@ -828,32 +828,27 @@ static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const ui
             sums[r * nb + s / 8][s % 8] = hsumv(ldf(xr) + ldf(xr + 16));
         }
     }
-    switch (fmt) {
-        SPREAD_ROWS(QF_Q4_K) SPREAD_ROWS(QF_Q5_K) SPREAD_ROWS(QF_Q6_K)
+#define SPREAD_FMT(F)                                                                      \
+    case F:                                                                                \
+        BY_ROWS(direct_rows_spread, F, xp, sums, k, w, ws, j0, j1, bias, y, ldy)           \
+        break;
+    switch (fmt) { /* each format a constant in its copies */
+        SPREAD_FMT(QF_Q4_K) SPREAD_FMT(QF_Q5_K) SPREAD_FMT(QF_Q6_K)
     default: break;
     }
+#undef SPREAD_FMT
     return 1;
 }
 #endif
 
 #define KMIN_FMT(F)                                                                        \
     case F:                                                                                \
-        switch (R) {                                                                       \
-        case 1: direct_rows_kmin(F, 1, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
-        case 2: direct_rows_kmin(F, 2, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
-        case 3: direct_rows_kmin(F, 3, x, k, w, ws, j0, j1, bias, y, ldy); break;         \
-        default: direct_rows_kmin(F, 4, x, k, w, ws, j0, j1, bias, y, ldy); break;        \
-        }                                                                                  \
+        BY_ROWS(direct_rows_kmin, F, x, k, w, ws, j0, j1, bias, y, ldy)                    \
         break;
 
 #define DIRECT_FMT(F)                                                                      \
     case F:                                                                                \
-        switch (R) {                                                                       \
-        case 1: direct_rows(F, 1, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
-        case 2: direct_rows(F, 2, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
-        case 3: direct_rows(F, 3, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;          \
-        default: direct_rows(F, 4, x, k, w, ws, j0, j1, rs, bias, y, ldy); break;         \
-        }                                                                                  \
+        BY_ROWS(direct_rows, F, x, k, w, ws, j0, j1, rs, bias, y, ldy)                     \
         break;
 
 static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w, int64_t ws,
