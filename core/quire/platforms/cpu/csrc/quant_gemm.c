@@ -686,8 +686,8 @@ static void spread_x(int32_t fmt, const float *x, int64_t k, float *xp) {
 }
 
 /* k_scales_mins in one register: lanes 0-7 the scales times d, 8-15 the minima times
- * dmin, converted 16 at a time (a lane at a time, they cost a Q4_K block as much as its
- * codes). */
+ * dmin, converted 16 at a time (a lane at a time, converting them was a large share of
+ * a Q4_K block's work). */
 INL __m512 k_scales_mins16(const uint8_t *b) {
     const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
     uint32_t u[3], packed[4];
