@@ -12,8 +12,8 @@ import torch
 from quire.engine.block_manager import BlockManager
 from quire.engine.scheduler import ScheduledSeq, Scheduler
 from quire.engine.sequence import Sequence
-from quire.executor.input_batch import InputBatch, StepLimits
 from quire.engine.step_items import ItemBuilder, step_item
+from quire.executor.input_batch import InputBatch, StepLimits
 from quire.executor.messages import Step, StepItem, StepPlan
 from quire.sampling_params import SamplingParams
 
