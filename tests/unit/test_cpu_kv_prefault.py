@@ -5,7 +5,6 @@ step already wrote."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import mmap
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from quire.platforms.cpu.kv_prefault import BackgroundPrefault, give_back, supported
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
+from residency import PAGE, resident_pages
 
 # Run in a fresh process: in a long one, the allocator may hand back memory an earlier
 # test already made resident, and the pool without the option would look prefaulted.
@@ -119,20 +119,13 @@ def test_a_freed_pool_ends_the_thread() -> None:
 
 def _resident_blocks(cache: torch.Tensor, half: int) -> list[bool]:
     """Whether each block of ``cache[half]`` is wholly resident (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = 4096
     part = cache[half]
     block_bytes = part[0].numel() * part.element_size()
-    start = part.data_ptr() // page * page
-    end = part.data_ptr() + part.numel() * part.element_size()
-    flags = ctypes.create_string_buffer((end - start + page - 1) // page)
-    assert libc.mincore(start, end - start, flags) == 0, ctypes.get_errno()
-    bits = [b & 1 for b in flags.raw]
+    start, bits = resident_pages(part)
     blocks = []
     for b in range(part.shape[0]):
-        lo = (part.data_ptr() + b * block_bytes - start) // page
-        hi = (part.data_ptr() + (b + 1) * block_bytes - 1 - start) // page
+        lo = (part.data_ptr() + b * block_bytes - start) // PAGE
+        hi = (part.data_ptr() + (b + 1) * block_bytes - 1 - start) // PAGE
         blocks.append(all(bits[lo:hi + 1]))
     return blocks
 

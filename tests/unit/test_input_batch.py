@@ -2,9 +2,8 @@
 building every step from whole page tables, across adds, chunked prefill, prefix hits,
 forks, finishes and preemptions; its buffers stay put at the configured limits."""
 
-import os
 import random
-import struct
+import sys
 
 import msgspec
 import pytest
@@ -16,6 +15,7 @@ from quire.engine.step_items import ItemBuilder, step_item
 from quire.executor.input_batch import InputBatch, StepLimits
 from quire.executor.messages import Step, StepItem, StepPlan
 from quire.sampling_params import SamplingParams
+from residency import resident_pages
 
 BS = 4
 
@@ -168,18 +168,7 @@ def test_buffers_keep_their_addresses_within_the_limits_and_grow_past_them():
         list(range(10))]
 
 
-def _resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s pages the process holds (Linux's pagemap, bit 63)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    first = tensor.data_ptr() // page
-    last = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - 1) // page
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(first * 8)
-        entries = f.read((last - first + 1) * 8)
-    return page * sum(e >> 63 for (e,) in struct.iter_unpack("<Q", entries))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's pagemap")
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore on an anonymous mapping")
 def test_host_buffers_hold_memory_only_where_steps_write():
     # Llama 3's 131,072 positions in pages of 16, for 256 sequences: 8 MiB of page
     # tables, of which a step with one short sequence writes a few bytes
@@ -188,8 +177,24 @@ def test_host_buffers_hold_memory_only_where_steps_write():
     tables = step.batch.block_tables.untyped_storage()
     whole = torch.empty(0, dtype=torch.int32).set_(tables)
     assert whole.numel() == 256 * 8192
-    assert _resident_bytes(whole) <= 2 * os.sysconf("SC_PAGE_SIZE")  # before reading it
+    assert sum(resident_pages(whole)[1]) <= 2  # pages, before reading it
     assert step.batch.block_tables.tolist() == [[7]] and not whole[1:].any()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps")
+def test_host_buffers_are_private_to_the_process():
+    # a shared mapping would be shared with a forked child, which then writes the same
+    # step inputs as its parent
+    batch = InputBatch(BS, torch.device("cpu"), StepLimits(256, 2048, 8192))
+    address = batch.prepare([StepItem(0, [1, 2, 3], 0, [7], True)]).batch.block_tables.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(v, 16) for v in span.split("-"))
+            if low <= address < high:
+                assert perms[3] == "p", line
+                return
+    raise AssertionError("the block tables lie in no mapping")
 
 
 def test_a_continuation_the_batch_never_saw_is_refused():

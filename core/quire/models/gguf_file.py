@@ -169,10 +169,10 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         config.attention_bias = True
     if "blk.0.ffn_up.bias" in names:
         config.mlp_bias = True
-    updates = _rope_updates(reader, arch)
-    factors = updates.pop("freq_factors", None)
+    factors = _rope_freq_factors(reader)
     if factors is not None:  # beside the rope parameters, which transformers validates
         config.rope_freq_factors = factors
+    updates = _rope_updates(reader, arch)
     if updates:
         _update_rope(config, updates)
     return config
@@ -189,10 +189,15 @@ def _rope_updates(reader: Any, arch: str) -> dict[str, Any]:
             updates["original_max_position_embeddings"] = int(original)
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (linear, yarn)")
+    return updates
+
+
+def _rope_freq_factors(reader: Any) -> list[float] | None:
+    """The ``rope_freqs`` tensor's divisors (Llama 3.1's scaling), if the file has one."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
-            updates["freq_factors"] = np.array(tensor.data, dtype=np.float32).tolist()
-    return updates
+            return np.array(tensor.data, dtype=np.float32).tolist()
+    return None
 
 
 def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:

@@ -364,43 +364,55 @@ INL void dq_q3_k(const uint8_t *b, vf *v) {
 /* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum, times d and dmin (the block's
  * f16 fields, converted once by the caller: stores to the vectors may alias the block's
  * bytes, so the compiler would not hoist them). */
-INL void k_sc_mn(const uint8_t *b, int j, int *sc, int *mn) {
-    const uint8_t *p = b + 4;
-    if (j < 4) {
-        *sc = p[j] & 63, *mn = p[j + 4] & 63;
-    } else {
-        *sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
-        *mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
-    }
-}
-
 INL void k_scale_min(const uint8_t *b, float d, float dmin, int j, vf *scale, vf *minimum) {
+    const uint8_t *p = b + 4;
     int sc, mn;
-    k_sc_mn(b, j, &sc, &mn);
+    if (j < 4) {
+        sc = p[j] & 63, mn = p[j + 4] & 63;
+    } else {
+        sc = (p[j + 4] & 15) | ((p[j - 4] >> 2) & 0x30);
+        mn = (p[j + 4] >> 4) | ((p[j] >> 2) & 0x30);
+    }
     *scale = splat(d * (float)sc);
     *minimum = splat(dmin * (float)mn);
 }
 
-/* A Q4_K / Q5_K block's eight 6-bit scales and minima, times d and dmin, unpacked from
- * its 12 bytes a 32-bit word at a time (as llama.cpp's kernels do): a few integer
- * operations a block where k_sc_mn takes a dozen a sub-block. */
+/* A Q4_K / Q5_K block's eight 6-bit scales (bytes 0-7 of packed) and minima (8-15),
+ * unpacked from its 12 bytes a 32-bit word at a time (as llama.cpp's kernels do): a few
+ * integer operations a block where k_scale_min takes a dozen a sub-block. */
+INL void k_unpack_scales(const uint8_t *b, uint32_t packed[4]) {
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    packed[0] = u[0] & m6;
+    packed[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    packed[2] = u[1] & m6;
+    packed[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+}
+
+/* The scales times d and the minima times dmin, eight lanes each. */
 typedef float v8f __attribute__((vector_size(32)));
 INL void k_scales_mins(const uint8_t *b, v8f *scale, v8f *minimum) {
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    uint32_t u[3], sc[2], mn[2];
-    memcpy(u, b + 4, 12);
-    sc[0] = u[0] & m6;
-    sc[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-    mn[0] = u[1] & m6;
-    mn[1] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-    uint8_t scb[8], mnb[8];
-    memcpy(scb, sc, 8);
-    memcpy(mnb, mn, 8);
+    uint32_t packed[4];
+    uint8_t bytes[16];
+    k_unpack_scales(b, packed);
+    memcpy(bytes, packed, 16);
     const float d = h2f_at(b), dmin = h2f_at(b + 2);
     for (int i = 0; i < 8; i++) {
-        (*scale)[i] = d * (float)scb[i];
-        (*minimum)[i] = dmin * (float)mnb[i];
+        (*scale)[i] = d * (float)bytes[i];
+        (*minimum)[i] = dmin * (float)bytes[8 + i];
     }
+}
+
+/* Each block's eight sub-block sums of x, for R rows of k: sums[r * (k / 256) + block]. */
+INL void subblock_sums(const float *x, int R, int64_t k, v8f *sums) {
+    for (int r = 0; r < R; r++)
+        for (int64_t s = 0; s < k / 32; s++) {
+            const float *xs = x + r * k + 32 * s;
+            vf t = ldf(xs);
+            for (int u = 1; u < 32 / NL; u++) t += ldf(xs + NL * u);
+            sums[r * (k / 256) + s / 8][s % 8] = hsumv(t);
+        }
 }
 
 /* Sub-block j's 32 codes of a Q4_K / Q5_K block as floats (0..15 / 0..31, exact); qh:
@@ -591,14 +603,9 @@ INL void direct_rows_kmin(int32_t fmt, int R, const float *x, int64_t k, const u
                           int64_t ldy) {
     enum { V = 32 / NL };
     const int BB = blk_bytes(fmt);
-    const int64_t nb = k / 256, ns = k / 32;
-    v8f xs[DIRECT_MAX_ROWS][nb]; /* each block's eight sub-block sums of x, per row */
-    for (int r = 0; r < R; r++)
-        for (int64_t s = 0; s < ns; s++) {
-            vf t = ldf(x + r * k + 32 * s);
-            for (int u = 1; u < V; u++) t += ldf(x + r * k + 32 * s + NL * u);
-            xs[r][s / 8][s % 8] = hsumv(t);
-        }
+    const int64_t nb = k / 256;
+    v8f xs[DIRECT_MAX_ROWS * nb];
+    subblock_sums(x, R, k, xs);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
         vf acc[DIRECT_MAX_ROWS][2];
@@ -612,7 +619,7 @@ INL void direct_rows_kmin(int32_t fmt, int R, const float *x, int64_t k, const u
             quire_prefetch_span(b, BB);
             v8f scale, minimum;
             k_scales_mins(b, &scale, &minimum);
-            for (int r = 0; r < R; r++) mins[r] += minimum * xs[r][blk];
+            for (int r = 0; r < R; r++) mins[r] += minimum * xs[r * nb + blk];
             const float *xb = x + blk * 256;
             vi qh[V];
             if (fmt == QF_Q5_K)
@@ -689,13 +696,8 @@ static void spread_x(int32_t fmt, const float *x, int64_t k, float *xp) {
  * dmin, converted 16 at a time (a lane at a time, converting them was a large share of
  * a Q4_K block's work). */
 INL __m512 k_scales_mins16(const uint8_t *b) {
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    uint32_t u[3], packed[4];
-    memcpy(u, b + 4, 12);
-    packed[0] = u[0] & m6;
-    packed[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-    packed[2] = u[1] & m6;
-    packed[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    uint32_t packed[4];
+    k_unpack_scales(b, packed);
     const __m512 codes = _mm512_cvtepi32_ps(
         _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)packed)));
     const __m512 factor = _mm512_insertf32x8(_mm512_set1_ps(h2f_at(b)),
@@ -703,11 +705,22 @@ INL __m512 k_scales_mins16(const uint8_t *b) {
     return _mm512_mul_ps(codes, factor);
 }
 
-/* A lane's scale (index into the block's 8 or 16) in vector half h, nibble n. */
-INL int spread_scale(int32_t fmt, int h, int n, int i) {
-    if (fmt == QF_Q6_K)
-        return 8 * h + 2 * (i / 8 + 2 * n) + (i % 8) / 4;
-    return 4 * h + n + 2 * (i / 8);
+/* Each lane's scale (an index into the block's 8 or 16) in vector half h, nibble n;
+ * lanes holds 0..15. */
+INL __m512i spread_scale(int32_t fmt, int h, int n, __m512i lanes) {
+    const __m512i halves = _mm512_slli_epi32(_mm512_srli_epi32(lanes, 3), 1); /* 2 (i/8) */
+    if (fmt == QF_Q6_K) /* 8h + 2 (i/8 + 2n) + (i % 8) / 4 */
+        return _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_set1_epi32(8 * h + 4 * n), halves),
+            _mm512_srli_epi32(_mm512_and_si512(lanes, _mm512_set1_epi32(7)), 2));
+    return _mm512_add_epi32(_mm512_set1_epi32(4 * h + n), halves); /* 4h + n + 2 (i/8) */
+}
+
+/* Each lane's right shift that brings byte m's high code bits (Q5_K, Q6_K) to bit 0. */
+INL __m512i spread_shift(int32_t fmt, int h, int m, int n, __m512i lanes) {
+    const __m512i halves = _mm512_slli_epi32(_mm512_srli_epi32(lanes, 3), 1);
+    return _mm512_add_epi32(
+        _mm512_set1_epi32(fmt == QF_Q6_K ? 8 * m + 4 * n : 8 * m + 4 * h + n), halves);
 }
 
 INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums, int64_t k,
@@ -716,21 +729,15 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
     const int64_t nb = k / 256; /* sums: [R][nb], each block's eight sub-block sums */
     const int BB = blk_bytes(fmt);
     const int low_at = fmt == QF_Q4_K ? 16 : fmt == QF_Q5_K ? 48 : 0;
-    float lo_vals[16], hi_vals[16];
-    int32_t pick[2][2][16], shift[2][4][2][16];
-    for (int e = 0; e < 16; e++) {
-        lo_vals[e] = (float)e;
-        hi_vals[e] = fmt == QF_Q6_K ? (float)(16 * (e & 3) - 32) : (float)(16 * (e & 1));
-    }
-    for (int h = 0; h < 2; h++)
-        for (int n = 0; n < 2; n++)
-            for (int i = 0; i < 16; i++) {
-                pick[h][n][i] = spread_scale(fmt, h, n, i);
-                for (int m = 0; m < 4; m++) /* to the high bits of byte m's code */
-                    shift[h][m][n][i] = fmt == QF_Q6_K ? 8 * m + 2 * (i / 8 + 2 * n)
-                                                       : 8 * m + 4 * h + n + 2 * (i / 8);
-            }
-    const __m512 lo_values = _mm512_loadu_ps(lo_vals), hi_values = _mm512_loadu_ps(hi_vals);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                            15);
+    /* a low code's value is its index; the high bits' value is 16 x bits (-32 for Q6_K) */
+    const __m512 lo_values = _mm512_cvtepi32_ps(lanes);
+    const __m512 hi_values = _mm512_cvtepi32_ps(
+        fmt == QF_Q6_K
+            ? _mm512_sub_epi32(_mm512_slli_epi32(_mm512_and_si512(lanes, _mm512_set1_epi32(3)), 4),
+                               _mm512_set1_epi32(32))
+            : _mm512_slli_epi32(_mm512_and_si512(lanes, _mm512_set1_epi32(1)), 4));
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
         __m512 acc[DIRECT_MAX_ROWS][2];
@@ -762,8 +769,8 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
                         _mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
 #pragma GCC unroll 2
                 for (int n = 0; n < 2; n++) {
-                    const __m512 a = _mm512_permutexvar_ps(
-                        _mm512_loadu_si512((const void *)pick[h][n]), scales);
+                    const __m512 a = _mm512_permutexvar_ps(spread_scale(fmt, h, n, lanes),
+                                                           scales);
                     __m512 dot[DIRECT_MAX_ROWS];
 #pragma GCC unroll 4
                     for (int m = 0; m < 4; m++) {
@@ -771,8 +778,7 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
                                                          lo_values);
                         if (fmt != QF_Q4_K)
                             q = _mm512_add_ps(q, _mm512_permutexvar_ps(
-                                _mm512_srlv_epi32(
-                                    qh, _mm512_loadu_si512((const void *)shift[h][m][n])),
+                                _mm512_srlv_epi32(qh, spread_shift(fmt, h, m, n, lanes)),
                                 hi_values));
                         for (int r = 0; r < R; r++) {
                             const __m512 xv = _mm512_loadu_ps(
@@ -821,13 +827,8 @@ static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const ui
     if (!xp)
         return 0;
     v8f *sums = (v8f *)(xp + R * k); /* k is a multiple of 256: 64-byte aligned */
-    for (int r = 0; r < R; r++) {
-        spread_x(fmt, x + r * k, k, xp + r * k);
-        for (int64_t s = 0; s < k / 32; s++) {
-            const float *xr = x + r * k + 32 * s;
-            sums[r * nb + s / 8][s % 8] = hsumv(ldf(xr) + ldf(xr + 16));
-        }
-    }
+    for (int r = 0; r < R; r++) spread_x(fmt, x + r * k, k, xp + r * k);
+    subblock_sums(x, R, k, sums);
 #define SPREAD_FMT(F)                                                                      \
     case F:                                                                                \
         BY_ROWS(direct_rows_spread, F, xp, sums, k, w, ws, j0, j1, bias, y, ldy)           \
@@ -858,18 +859,16 @@ static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t 
         DIRECT_FMT(QF_F32) DIRECT_FMT(QF_F16) DIRECT_FMT(QF_BF16) DIRECT_FMT(QF_INT8)
         DIRECT_FMT(QF_FP8) DIRECT_FMT(QF_Q4_0) DIRECT_FMT(QF_Q4_1) DIRECT_FMT(QF_Q5_0)
         DIRECT_FMT(QF_Q5_1) DIRECT_FMT(QF_Q8_0) DIRECT_FMT(QF_Q2_K) DIRECT_FMT(QF_Q3_K)
-#if NL == 16
     case QF_Q4_K: case QF_Q5_K: case QF_Q6_K:
+#if NL == 16
         if (direct_spread(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy))
             break;
+#endif
         switch (fmt) {
             KMIN_FMT(QF_Q4_K) KMIN_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
         default: break;
         }
         break;
-#else
-        KMIN_FMT(QF_Q4_K) KMIN_FMT(QF_Q5_K) DIRECT_FMT(QF_Q6_K)
-#endif
     default: break;
     }
 }
