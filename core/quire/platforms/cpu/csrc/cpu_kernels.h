@@ -516,6 +516,11 @@ void quire_amx_pairs(const uint16_t *a, int64_t lda, int64_t m, const uint32_t *
  * team has its own). */
 float *quire_thread_scratch(size_t floats);
 
+/* panel_gemm.c: malloc's memory, `bytes` rounded up, starting on a 64-byte cache line
+ * (free() releases it). malloc gives 16-byte alignment, so rows of 64 bytes (an AMX
+ * tile's, a 512-bit load's) read from its memory could each straddle two lines. */
+void *quire_aligned_alloc(size_t bytes);
+
 /* panel_gemm.c: y = x W^T (+ bias) for x [m, k] and W in 16-column panels, panels split
  * over the team; call inside a parallel region (it ends in the omp for's barrier). */
 void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,

@@ -34,13 +34,19 @@ static __thread size_t thread_scratch_floats;
 
 float *quire_thread_scratch(size_t floats) {
     if (floats > thread_scratch_floats) {
-        float *grown = realloc(thread_scratch, floats * sizeof(float));
+        float *grown = quire_aligned_alloc(floats * sizeof(float));
         if (grown == NULL)
             return NULL;
+        free(thread_scratch);
         thread_scratch = grown;
         thread_scratch_floats = floats;
     }
     return thread_scratch;
+}
+
+void *quire_aligned_alloc(size_t bytes) {
+    const size_t line = 64;
+    return aligned_alloc(line, (bytes + line - 1) / line * line);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

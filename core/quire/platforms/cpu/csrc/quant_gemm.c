@@ -1344,7 +1344,7 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
 static int rounded_room(int64_t m, int64_t k) {
     const size_t need = (size_t)m * (size_t)k;
     if (need > rounded_cap) {
-        uint16_t *grown = malloc(need * sizeof *grown);
+        uint16_t *grown = quire_aligned_alloc(need * sizeof *grown);
         if (grown == NULL)
             return 3;
         free(rounded_rows);
