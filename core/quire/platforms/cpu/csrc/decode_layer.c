@@ -418,7 +418,7 @@ static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
         longest = span > longest ? span : longest;
     }
     const int64_t threads = omp_get_max_threads();
-    float *scratch = malloc(sizeof(float) * (rows * (nqkv + hq * d + hidden + 3 * inter +
+    float *scratch = quire_aligned_alloc(sizeof(float) * (rows * (nqkv + hq * d + hidden + 3 * inter +
                                                      hq * longest) +
                                              threads * 2 * rows * hidden));
     if (scratch == NULL)

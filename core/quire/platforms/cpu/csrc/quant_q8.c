@@ -185,9 +185,10 @@ static __thread size_t q8_buf_bytes;
 
 static void *q8_scratch(size_t bytes) {
     if (bytes > q8_buf_bytes) {
-        void *grown = realloc(q8_buf, bytes);
+        void *grown = quire_aligned_alloc(bytes);
         if (grown == NULL)
             return NULL;
+        free(q8_buf);
         q8_buf = grown;
         q8_buf_bytes = bytes;
     }
