@@ -30,6 +30,8 @@ F16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0"
               "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
               "q6_k": (208,)}
 FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+#: rows the direct path takes in one pass (csrc/quant_gemm.c's DIRECT_MAX_ROWS)
+DIRECT_ROWS = 4
 
 def make_weight(name: str, rows: int, cols: int, gen: torch.Generator) -> QuantizedTensor:
     """Random valid weights: random block bytes with small finite f16 scales (negative
@@ -265,6 +267,43 @@ def test_bfloat16_activations_round_a_float32_model_s_batches_only(
             assert_close_to_reference(y.reshape(-1, 48), rounded_x, rounded_w, bias)
         else:
             assert torch.equal(y, wide)
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q4_k", "q6_k"])
+def test_up_to_eight_rows_of_a_long_weight_keep_the_direct_path(kernels: NativeKernels,
+                                                                 name: str) -> None:
+    """Products of 5 to 8 rows take the direct path four rows at a time (the float32
+    kernel's entry): bit for bit the products of their groups of four, each a direct
+    call, in chunks of weight rows longer than one (DIRECT_CHUNK); and through the op,
+    on a weight of at least LONG_ROW_COLS columns, bfloat16 activations keep it up to
+    BF16_MIN_ROWS_LONG rows, where a shorter weight takes the bfloat16 kernel after
+    BF16_MIN_ROWS."""
+    from quire.platforms.cpu.quant_linear import (
+        BF16_MIN_ROWS,
+        BF16_MIN_ROWS_LONG,
+        LONG_ROW_COLS,
+    )
+    gen = torch.Generator().manual_seed(23)
+    weight = make_weight(name, 600, LONG_ROW_COLS, gen)
+    bias = torch.randn(600, generator=gen)
+    for m in range(DIRECT_ROWS + 1, BF16_MIN_ROWS_LONG + 1):
+        x = torch.randn(m, LONG_ROW_COLS, generator=gen)
+        y = kernels.quant_linear(x, weight, bias)
+        groups = [kernels.quant_linear(x[r:r + DIRECT_ROWS], weight, bias)
+                  for r in range(0, m, DIRECT_ROWS)]
+        assert torch.equal(y, torch.cat(groups))
+        assert_close_to_reference(y, x, weight.dequantize(), bias)
+    linear = make_quantized_linear(kernels)
+    for cols, last_direct in ((LONG_ROW_COLS, BF16_MIN_ROWS_LONG), (512, BF16_MIN_ROWS)):
+        w = weight.narrow_cols(0, cols)
+        for m in (last_direct, last_direct + 1):
+            x = torch.randn(m, cols, generator=gen)
+            y = linear(x, w, None, bf16_activations=True)
+            narrow = kernels.quant_linear_bf16(x, w, None)
+            if m > last_direct and narrow is not None:
+                assert torch.equal(y, narrow)
+            else:
+                assert torch.equal(y, kernels.quant_linear(x.contiguous(), w, None))
 
 
 @pytest.mark.parametrize("name", ["q4_1", "q6_k", "f16", "int8"])

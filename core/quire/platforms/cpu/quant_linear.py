@@ -26,19 +26,30 @@ QuantizedLinear = Callable[..., torch.Tensor]
 #: take the batch kernel, which unpacks the weight once a call).
 Q8_MAX_ROWS = 4
 
-#: Rows above which bfloat16 activations take the bfloat16 panel kernel (the direct
-#: one-row path below, widened to float32, reads the blocks once and is faster there).
+#: Rows above which bfloat16 activations take the bfloat16 panel kernel, which unpacks
+#: the whole weight once a call; up to them the direct path (float32 products, the
+#: blocks read once for every four rows) is faster. Weights of at least
+#: :data:`LONG_ROW_COLS` columns keep the direct path up to :data:`BF16_MIN_ROWS_LONG`
+#: rows (measured: docs/results/2026-12-06/aligned-scratch).
 BF16_MIN_ROWS = 4
+BF16_MIN_ROWS_LONG = 8
+LONG_ROW_COLS = 1024
+
+
+def bf16_min_rows(cols: int) -> int:
+    """The rows up to which products on a weight ``cols`` wide keep the direct path
+    (:data:`BF16_MIN_ROWS`, or :data:`BF16_MIN_ROWS_LONG` for long rows)."""
+    return BF16_MIN_ROWS_LONG if cols >= LONG_ROW_COLS else BF16_MIN_ROWS
 
 
 def takes_bf16_kernel(native: NativeKernels, x: torch.Tensor, cols: int,
                       bf16_activations: bool) -> bool:
     """Whether weight-only products of host rows ``x`` (float32 or bfloat16, ``cols``
     wide) run on the bfloat16 kernel: bfloat16 rows, or float32 ones with
-    ``bf16_activations``, more than :data:`BF16_MIN_ROWS` of them, on a build that has
+    ``bf16_activations``, more than :func:`bf16_min_rows` of them, on a build that has
     it. The op's rule, and the fused layer's for a layer's parts in one call."""
     return ((x.dtype == torch.bfloat16 or bf16_activations) and native.has_quant_bf16
-            and x.numel() > BF16_MIN_ROWS * cols)
+            and x.numel() > bf16_min_rows(cols) * cols)
 
 
 def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
@@ -57,12 +68,12 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     ``w8a8`` on ``q8_0`` weights (``int8``'s groups) takes the same Q8 products, so its
     activations are int8 per 32 values of a token. Else,
     bfloat16 ``x`` of more than
-    :data:`BF16_MIN_ROWS` rows multiplies bfloat16-rounded weights in float32 sums where
+    :func:`bf16_min_rows` rows multiplies bfloat16-rounded weights in float32 sums where
     the build has AVX512_BF16 (what a bfloat16 model with the dequantised weights
     computes); fewer rows, or no such build, are widened to float32, and every result is
     rounded back to ``x``'s dtype. With ``bf16_activations`` (set on a model's layers
     where the platform's ``activations`` option resolves to ``bfloat16``), float32
-    ``x`` of more than :data:`BF16_MIN_ROWS` rows takes the same bfloat16 kernel,
+    ``x`` of more than :func:`bf16_min_rows` rows takes the same bfloat16 kernel,
     rounded to bfloat16 on the way in, and keeps its float32 sums as the result; fewer
     rows keep the float32 products. Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a

@@ -36,7 +36,8 @@
  * At the amx level, once Linux grants the tile state, the pair panels (AMX's B-tile
  * layout) are multiplied on AMX tiles instead (amx_tiles.c): a group of 8 panels is
  * unpacked over the whole of K, then each 32 rows run every K block with the sums kept
- * in the tiles; row and K tails take vdpbf16ps. Returns 4 where the level has no
+ * in the tiles; the rows past the last whole 16 run as a tile padded with zero rows, and
+ * a K tail takes vdpbf16ps. Returns 4 where the level has no
  * AVX512_BF16, or K is odd. quire_quant_gemm_bf16_f32 takes float32 rows (a float32
  * model's bfloat16 products) and rounds them to bfloat16 as torch does, in the call;
  * quire_quant_gemm_bf16_parts takes a layer's parts (q, k and v) in one call, their
@@ -70,8 +71,15 @@ enum {
     QF_Q6_K = 14, QF_INT8 = 256, QF_FP8 = 257
 };
 
-/* Rows at or below which the direct (dequantise-and-dot) path runs. */
+/* Rows the direct (dequantise-and-dot) path takes in one pass over the weights. */
 #define DIRECT_MAX_ROWS 4
+/* Weight rows a thread takes through every group of DIRECT_MAX_ROWS rows of x before the
+ * next ones: 256 rows of a 2048-wide Q4_K weight are 288 KB, so the groups after the
+ * first read them from L2, not memory. */
+#define DIRECT_CHUNK 256
+/* Rows up to which quire_quant_gemm_f32 takes the direct path (groups of
+ * DIRECT_MAX_ROWS), not the panel path. */
+#define QUIRE_QUANT_DIRECT_ROWS 8
 /* Columns of K dequantised into panels at a time (a multiple of every block). */
 #define KC 512
 /* Most K for int8 activations: |sum| <= K * 255 * 127 stays below 2^31. */
@@ -988,19 +996,37 @@ static int panel_share(int32_t fmt, const float *x, int64_t m, int64_t k, const 
     return 0;
 }
 
-/* The direct path for up to DIRECT_MAX_ROWS rows, called by every thread of a team that
- * is already running (the fused decode layer's): each thread a contiguous share of the
- * n outputs, no barrier (the caller places one). fmt and k were checked by the caller. */
+/* The direct path for any m rows over weight rows [j0, j1): DIRECT_MAX_ROWS rows of x
+ * at a time, DIRECT_CHUNK weight rows at a time, so each chunk is read from memory once
+ * and from cache by the other groups. */
+static void direct_groups(int32_t fmt, const float *x, int64_t m, int64_t k,
+                          const uint8_t *w, int64_t w_stride, int64_t j0, int64_t j1,
+                          const float *row_scales, const float *bias, float *y,
+                          int64_t ldy) {
+    if (m <= DIRECT_MAX_ROWS) {
+        direct(fmt, (int)m, x, k, w, w_stride, j0, j1, row_scales, bias, y, ldy);
+        return;
+    }
+    for (int64_t c = j0; c < j1; c += DIRECT_CHUNK) {
+        const int64_t c1 = j1 - c < DIRECT_CHUNK ? j1 : c + DIRECT_CHUNK;
+        for (int64_t r0 = 0; r0 < m; r0 += DIRECT_MAX_ROWS) {
+            const int64_t rows = m - r0 < DIRECT_MAX_ROWS ? m - r0 : DIRECT_MAX_ROWS;
+            direct(fmt, (int)rows, x + r0 * k, k, w, w_stride, c, c1, row_scales, bias,
+                   y + r0 * ldy, ldy);
+        }
+    }
+}
+
+/* The direct path for any rows, called by every thread of a team that is already
+ * running (the fused decode layer's): each thread a contiguous share of the n outputs,
+ * no barrier (the caller places one). fmt and k were checked by the caller. */
 void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            const uint8_t *w, int64_t w_stride, int64_t n,
                            const float *row_scales, const float *bias, float *y,
                            int64_t ldy) {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    for (int64_t r0 = 0; r0 < m; r0 += DIRECT_MAX_ROWS) {
-        const int64_t rows = m - r0 < DIRECT_MAX_ROWS ? m - r0 : DIRECT_MAX_ROWS;
-        direct(fmt, (int)rows, x + r0 * k, k, w, w_stride, n * t / team, n * (t + 1) / team,
-               row_scales, bias, y + r0 * ldy, ldy);
-    }
+    direct_groups(fmt, x, m, k, w, w_stride, n * t / team, n * (t + 1) / team, row_scales,
+                  bias, y, ldy);
 }
 
 /* Whether quire_quant_gemm_f32 takes fmt with rows of k weights. */
@@ -1018,12 +1044,12 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
     if (m <= 0 || n <= 0)
         return 0;
     int failed = 0;
-    if (m <= DIRECT_MAX_ROWS) {
+    if (m <= QUIRE_QUANT_DIRECT_ROWS) {
 #pragma omp parallel
         {
             const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-            direct(fmt, (int)m, x, k, w, w_stride, n * t / team, n * (t + 1) / team,
-                   row_scales, bias, y, ldy);
+            direct_groups(fmt, x, m, k, w, w_stride, n * t / team, n * (t + 1) / team,
+                          row_scales, bias, y, ldy);
         }
         return 0;
     }
@@ -1221,8 +1247,9 @@ static int64_t amx_group(int64_t k) { return k <= 2048 ? 8 : 4; }
  * of K first, then each 32 rows of x run every K block on tiles, the sums kept in the
  * tiles (no float sums written back between K chunks) and stored once: straight into y
  * where the rows, K and the columns are whole tiles and there is no bias, else into a
- * [32][16 G] buffer copied to y with the bias; what is left of K past whole 32-value
- * blocks, and rows past whole 16, with bf_tile. */
+ * [32][16 G] buffer copied to y with the bias; rows past the last whole 16 as one more
+ * tile, padded with zero rows; what is left of K past whole 32-value blocks with
+ * bf_tile. */
 static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                           const uint8_t *w, int64_t ws, int64_t n, const float *rs,
                           const float *bias, float *y, int64_t ldy, int64_t p_begin,
@@ -1230,12 +1257,22 @@ static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
     if (p_begin >= p_end)
         return 0;
     const int64_t G = amx_group(k), pstride = 8 * k, ldc = 16 * G, kt = k / 32;
-    /* one row's floats [KC], 16 rows of pairs [16][KC], G whole-K pair panels, the sums */
-    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)G * pstride + 32 * ldc);
+    /* rows past the last whole 16: padded with zeros to a tile of their own, since one
+     * AMX tile of 16 rows takes less time than vdpbf16ps takes for 8 (bf_rows) */
+    const int64_t t0 = m & ~(int64_t)15, tail = kt > 0 ? m - t0 : 0;
+    /* one row's floats [KC], 16 rows of pairs [16][KC], G whole-K pair panels, the sums,
+     * the padded tail rows [16][k] */
+    float *row = quire_thread_scratch((size_t)17 * KC + (size_t)G * pstride + 32 * ldc +
+                                      (tail ? 8 * (size_t)k : 0));
     if (row == NULL)
         return 3;
     uint32_t *rows = (uint32_t *)(row + KC), *pairs = rows + 16 * KC;
     float *acc = (float *)(pairs + G * pstride);
+    uint16_t *padded = (uint16_t *)(acc + 32 * ldc);
+    if (tail) {
+        memcpy(padded, x + t0 * k, sizeof(uint16_t) * (size_t)(tail * k));
+        memset(padded + tail * k, 0, sizeof(uint16_t) * (size_t)((16 - tail) * k));
+    }
     quire_amx_begin();
     int64_t np;
     for (int64_t p = p_begin; p < p_end; p += np) {
@@ -1258,9 +1295,16 @@ static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
             if (m16 > 0 && k > 32 * kt)
                 bf_rows(xr + 32 * kt, k, m16, pairs + 256 * kt, pstride, np, k / 2 - 16 * kt,
                         acc, ldc, ldc, kt > 0);
-            if (mr > m16)
+            if (mr > m16 && tail) { /* the last rows, as a padded tile */
+                quire_amx_pairs(padded, k, 16, pairs, pstride, np, kt, acc + m16 * ldc, ldc,
+                                0);
+                if (k > 32 * kt)
+                    bf_rows(xr + m16 * k + 32 * kt, k, mr - m16, pairs + 256 * kt, pstride,
+                            np, k / 2 - 16 * kt, acc + m16 * ldc, ldc, ldc, 1);
+            } else if (mr > m16) {
                 bf_rows(xr + m16 * k, k, mr - m16, pairs, pstride, np, k / 2, acc + m16 * ldc,
                         ldc, ldc, 0);
+            }
             for (int64_t i = 0; i < mr; i++)
                 for (int64_t c = 0; c < cols; c++)
                     y[(r0 + i) * ldy + j0 + c] = acc[i * ldc + c] + (bias ? bias[j0 + c] : 0);
