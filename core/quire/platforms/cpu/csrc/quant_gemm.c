@@ -79,7 +79,7 @@ enum {
 #define DIRECT_CHUNK 256
 /* Rows up to which quire_quant_gemm_f32 takes the direct path (groups of
  * DIRECT_MAX_ROWS), not the panel path. */
-#define QUIRE_QUANT_DIRECT_ROWS 8
+#define DIRECT_BATCH_ROWS 8
 /* Columns of K dequantised into panels at a time (a multiple of every block). */
 #define KC 512
 /* Most K for int8 activations: |sum| <= K * 255 * 127 stays below 2^31. */
@@ -1044,7 +1044,7 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
     if (m <= 0 || n <= 0)
         return 0;
     int failed = 0;
-    if (m <= QUIRE_QUANT_DIRECT_ROWS) {
+    if (m <= DIRECT_BATCH_ROWS) {
 #pragma omp parallel
         {
             const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
