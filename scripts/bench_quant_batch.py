@@ -16,27 +16,14 @@ after round; each cell keeps its best round. The weights are random blocks
 from __future__ import annotations
 
 import argparse
-import ctypes
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_quant_rows import SHAPES
+from bench_quant_rows import quant_entry, weights
 from kernel_ab import add_arguments, best_seconds, level_of, libraries
 from quire.platforms.cpu.threads import configure_threads
-from quire.quantization.random import random_quantized
-
-FORMATS_BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256}
-
-
-def _entry(library: ctypes.CDLL):
-    entry = library.quire_quant_gemm_bf16_f32
-    entry.restype = ctypes.c_int
-    entry.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    return entry
 
 
 def main() -> None:
@@ -50,18 +37,14 @@ def main() -> None:
     level = level_of(args)
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for fmt in args.formats:
-        for name, k, n in SHAPES:
-            if name not in args.shapes or k % FORMATS_BLOCK.get(fmt, 32):
-                continue
-            w = random_quantized(fmt, n, k, gen)
-            dense = w.dequantize().to(torch.bfloat16)
-            for rows in args.rows:
-                cases.append((fmt, name, k, n, rows, w, dense,
-                              torch.randn(rows, k, generator=gen), torch.empty(rows, n)))
+    for fmt, name, k, n, w in weights(args.formats, args.shapes, gen):
+        dense = w.dequantize().to(torch.bfloat16)
+        for rows in args.rows:
+            cases.append((fmt, name, k, n, rows, w, dense,
+                          torch.randn(rows, k, generator=gen), torch.empty(rows, n)))
     best: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {which: _entry(lib) for which, lib in
+        libs = {which: quant_entry(lib, "quire_quant_gemm_bf16_f32") for which, lib in
                 libraries(args.baseline_rev, ["quant_gemm.c", "amx_tiles.c"], level,
                           Path(tmp)).items()}
         for _ in range(args.rounds):

@@ -31,13 +31,25 @@ FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 FORMATS_BLOCK = {"q4_k": 256, "q5_k": 256, "q6_k": 256}
 
 
-def _entry(library: ctypes.CDLL):
-    entry = library.quire_quant_gemm_f32
+def quant_entry(library: ctypes.CDLL, name: str = "quire_quant_gemm_f32"):
+    """A product entry of quant_gemm.c taking float32 rows (``quire_quant_gemm_f32``,
+    ``quire_quant_gemm_bf16_f32``): (format, x, m, k, w, w_stride, n, row_scales, bias,
+    y, ldy)."""
+    entry = getattr(library, name)
     entry.restype = ctypes.c_int
     entry.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return entry
+
+
+def weights(formats: list[str], shapes: list[str], gen: torch.Generator):
+    """(format, shape name, K, N, random weight) for each format and named shape whose
+    K is whole blocks of it (SmolLM2's widths are not whole K-format blocks)."""
+    for fmt in formats:
+        for name, k, n in SHAPES:
+            if name in shapes and k % FORMATS_BLOCK.get(fmt, 32) == 0:
+                yield fmt, name, k, n, random_quantized(fmt, n, k, gen)
 
 
 def main() -> None:
@@ -50,17 +62,13 @@ def main() -> None:
     level = level_of(args)
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for fmt in args.formats:
-        for name, k, n in SHAPES:
-            if name not in args.shapes or k % FORMATS_BLOCK.get(fmt, 32):
-                continue  # SmolLM2's widths are not whole K-format blocks
-            w = random_quantized(fmt, n, k, gen)
-            for rows in args.rows:
-                cases.append((fmt, name, k, n, rows, w, torch.randn(rows, k, generator=gen),
-                              torch.empty(rows, n)))
+    for fmt, name, k, n, w in weights(args.formats, args.shapes, gen):
+        for rows in args.rows:
+            cases.append((fmt, name, k, n, rows, w, torch.randn(rows, k, generator=gen),
+                          torch.empty(rows, n)))
     best: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {which: _entry(lib) for which, lib in
+        libs = {which: quant_entry(lib) for which, lib in
                 libraries(args.baseline_rev, ["quant_gemm.c"], level, Path(tmp)).items()}
         for _ in range(args.rounds):
             for threads in args.threads:
