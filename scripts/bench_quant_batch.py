@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_quant_rows import quant_entry, weights
+from bench_quant_rows import quant_entry, time_ab, weights
 from kernel_ab import add_arguments, best_seconds, level_of, libraries
 from quire.platforms.cpu.threads import configure_threads
 
@@ -51,12 +51,7 @@ def main() -> None:
             for threads in args.threads:
                 configure_threads(threads)
                 for fmt, name, k, n, rows, w, dense, x, y in cases:
-                    call = (w.format.id, x.data_ptr(), rows, k, w.data.data_ptr(),
-                            w.data.stride(0), n, None, None, y.data_ptr(), n)
-                    for which, entry in libs.items():
-                        took = best_seconds(lambda e=entry, c=call: e(*c), args.budget)
-                        key = (threads, fmt, name, rows, which)
-                        best[key] = min(best.get(key, float("inf")), took)
+                    time_ab(libs, w, x, y, args.budget, best, (threads, fmt, name, rows))
                     xb = x.to(torch.bfloat16)
                     took = best_seconds(lambda a=xb, b=dense: F.linear(a, b), args.budget)
                     key = (threads, fmt, name, rows, "onednn")

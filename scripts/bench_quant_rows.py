@@ -43,6 +43,19 @@ def quant_entry(library: ctypes.CDLL, name: str = "quire_quant_gemm_f32"):
     return entry
 
 
+def time_ab(libs: dict, w, x: torch.Tensor, y: torch.Tensor, budget_s: float, best: dict,
+            key: tuple) -> None:
+    """Each library's entry (:func:`quant_entry`) on ``y = x W^T``, its best seconds kept
+    in ``best[(*key, which)]``."""
+    rows, k = x.shape
+    n = y.shape[1]
+    call = (w.format.id, x.data_ptr(), rows, k, w.data.data_ptr(), w.data.stride(0), n, None,
+            None, y.data_ptr(), n)
+    for which, entry in libs.items():
+        took = best_seconds(lambda e=entry: e(*call), budget_s)
+        best[(*key, which)] = min(best.get((*key, which), float("inf")), took)
+
+
 def weights(formats: list[str], shapes: list[str], gen: torch.Generator):
     """(format, shape name, K, N, random weight) for each format and named shape whose
     K is whole blocks of it (SmolLM2's widths are not whole K-format blocks)."""
@@ -74,12 +87,7 @@ def main() -> None:
             for threads in args.threads:
                 configure_threads(threads)
                 for fmt, name, k, n, rows, w, x, y in cases:
-                    call = (w.format.id, x.data_ptr(), rows, k, w.data.data_ptr(),
-                            w.data.stride(0), n, None, None, y.data_ptr(), n)
-                    for which, entry in libs.items():
-                        took = best_seconds(lambda e=entry, c=call: e(*c), args.budget)
-                        key = (threads, fmt, name, rows, which)
-                        best[key] = min(best.get(key, float("inf")), took)
+                    time_ab(libs, w, x, y, args.budget, best, (threads, fmt, name, rows))
     print(f"level {level.name}, baseline {args.baseline_rev}, best of {args.rounds} rounds")
     print("threads  format  product        K      N  rows  base Gw/s  new Gw/s  new/base")
     for threads in args.threads:
