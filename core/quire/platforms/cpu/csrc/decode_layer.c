@@ -418,9 +418,9 @@ static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
         longest = span > longest ? span : longest;
     }
     const int64_t threads = omp_get_max_threads();
-    float *scratch = quire_aligned_alloc(sizeof(float) * (rows * (nqkv + hq * d + hidden + 3 * inter +
-                                                     hq * longest) +
-                                             threads * 2 * rows * hidden));
+    const int64_t floats = rows * (nqkv + hq * d + hidden + 3 * inter + hq * longest) +
+                           threads * 2 * rows * hidden;
+    float *scratch = quire_aligned_alloc(sizeof(float) * (size_t)floats);
     if (scratch == NULL)
         return 2;
     struct rows_scratch sc = {.qkv_out = scratch, .longest = longest};
