@@ -33,6 +33,7 @@ FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 #: rows the direct path takes in one pass (csrc/quant_gemm.c's DIRECT_MAX_ROWS)
 DIRECT_ROWS = 4
 
+
 def make_weight(name: str, rows: int, cols: int, gen: torch.Generator) -> QuantizedTensor:
     """Random valid weights: random block bytes with small finite f16 scales (negative
     ones too); random int8 bytes (-128 included) and fp8 bytes but NaN; random floats."""
