@@ -1029,6 +1029,18 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                   bias, y, ldy);
 }
 
+/* Rows up to which quire_quant_gemm_f32 takes the direct path: DIRECT_BATCH_ROWS, but
+ * DIRECT_MAX_ROWS for Q6_K below AVX-512, where its direct rows dequantise every weight
+ * (no spread path) and lose to the panels from 5 rows on. */
+static int64_t direct_batch_rows(int32_t fmt) {
+#if NL == 16
+    (void)fmt;
+    return DIRECT_BATCH_ROWS;
+#else
+    return fmt == QF_Q6_K ? DIRECT_MAX_ROWS : DIRECT_BATCH_ROWS;
+#endif
+}
+
 /* Whether quire_quant_gemm_f32 takes fmt with rows of k weights. */
 int quire_quant_fits(int32_t fmt, int64_t k) {
     return blk_vals(fmt) != 0 && k > 0 && k % true_block(fmt) == 0;
@@ -1044,7 +1056,7 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
     if (m <= 0 || n <= 0)
         return 0;
     int failed = 0;
-    if (m <= DIRECT_BATCH_ROWS) {
+    if (m <= direct_batch_rows(fmt)) {
 #pragma omp parallel
         {
             const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
