@@ -16,7 +16,9 @@
  *     each sub-block's scale to the sub-block's sum, the minima times the sums of x
  *     (direct_rows_kmin; direct_rows_spread at AVX-512): the exact weights' products in
  *     another order, with fewer operations than dequantising every weight. A one-hot row
- *     still reads the reference's weight exactly.
+ *     still reads the reference's weight exactly. Up to DIRECT_BATCH_ROWS rows (a small
+ *     decode batch) take it DIRECT_MAX_ROWS at a time, over chunks of weight rows that
+ *     the later groups read from cache (direct_groups).
  *   - more rows (a prompt): each thread takes a share of 16-row panels; 4 at a time
  *     (64 weight rows), KC columns at a time, it dequantises them into a per-thread
  *     [KC][16] panel buffer (row-major first, then transposed in 16 x 16 tiles) that
