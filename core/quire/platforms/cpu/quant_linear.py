@@ -30,8 +30,9 @@ Q8_MAX_ROWS = 4
 #: the whole weight once a call; up to them the direct path (float32 products, the
 #: blocks read once for every four rows) is faster. Weights of at least
 #: :data:`LONG_ROW_COLS` columns keep the direct path up to :data:`BF16_MIN_ROWS_LONG`
-#: rows (measured: docs/results/2026-12-06/aligned-scratch). The float32 kernel takes
-#: the direct path up to csrc/quant_gemm.c's DIRECT_BATCH_ROWS, which must not be fewer.
+#: rows (measured per shape; the figures are in docs/quantization.md). The float32
+#: kernel takes the direct path up to csrc/quant_gemm.c's DIRECT_BATCH_ROWS, which must
+#: not be fewer.
 BF16_MIN_ROWS = 4
 BF16_MIN_ROWS_LONG = 8
 LONG_ROW_COLS = 1024
