@@ -31,21 +31,49 @@ def test_round_trip_within_half_a_step_and_the_scales_beside_the_row(dtype):
     assert scale.shape == (50, 3, 4)
     qmax = kv_quant.QMAX[dtype]
     groups = x.view(50, 3, 4, 16)
+    back = kv_quant.dequantize(rows).view(50, 3, 4, 16)
+    if dtype == torch.int8:  # int8 groups are quantised in the Hadamard basis
+        groups, back = kv_quant.hadamard16(groups), kv_quant.hadamard16(back)
     want = (groups.abs().amax(-1) / qmax).clamp(max=65504).half()
     want[want == 0] = 1.0
     assert torch.equal(scale, want)
     assert scale[7, 1].eq(1).all() and scale[8, 2, 1] == 1 and scale[9, 0, 2] == 65504
-    back = kv_quant.dequantize(rows)
-    assert torch.equal(back[7, 1], torch.zeros(64))
+    assert torch.equal(kv_quant.dequantize(rows)[7, 1], torch.zeros(64))
     s = scale.float()[..., None]  # per group
     if dtype == torch.int8:
         bound = (s / 2).expand(50, 3, 4, 16)
     else:  # 3 mantissa bits: half a step is 2**-4 of the value; subnormals step 2**-9
         bound = torch.maximum(groups.abs() * 2.0**-4, s * 2.0**-10)
-    err = (back.view(50, 3, 4, 16) - groups).abs()
+    err = (back - groups).abs()
     err[9, 0, 2] = 0.0  # the capped group saturates (1e9 / 65504 > qmax)
     assert (err <= bound * 1.0001 + 1e-30).all()
     assert rows[..., :64].float().abs().max() <= qmax
+
+
+def test_hadamard16_is_the_orthonormal_sylvester_matrix_and_its_own_inverse():
+    h = torch.ones(1, 1)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    x = torch.randn(5, 3, 16)
+    assert torch.allclose(kv_quant.hadamard16(x), x @ (h / 4), atol=1e-6)
+    assert torch.allclose(kv_quant.hadamard16(kv_quant.hadamard16(x)), x, atol=1e-6)
+
+
+def test_int8_groups_with_an_outlier_keep_a_fine_grid_for_the_rest():
+    """Keys carry outlier channels: in the plain basis one large value sets its group's
+    step for the other 15, while in the Hadamard basis (what int8 pages store) it is spread
+    over all 16 and the read-back error of the group is several times smaller (fp8's error
+    is relative to each value, so it keeps the plain basis)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 1, 16)
+    x[:, 0, 3] = 40.0 * torch.sign(torch.randn(4096))
+    got = kv_quant.dequantize(kv_quant.quantize(x, torch.int8).view(torch.int8))
+    plain = x.abs().amax(-1, keepdim=True) / 127
+    plain_back = (x / plain).round() * plain
+    others = [i for i in range(16) if i != 3]
+    rotated_mse = (got - x)[..., others].square().mean()
+    plain_mse = (plain_back - x)[..., others].square().mean()
+    assert rotated_mse < plain_mse / 4
 
 
 @pytest.mark.parametrize("dtype", QUANT)
@@ -139,3 +167,27 @@ def test_a_backend_refuses_what_it_does_not_declare_in_one_line():
     assert check_kv_cache_dtype(cpu, "cpu", "fp8", torch.float32, 64) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="multiple of 16"):
         check_kv_cache_dtype(cpu, "cpu", "int8", torch.float32, 72)
+
+class _PlainInt8Backend(_OldBackend):
+    """A backend of plugin API 1.3-1.5 that wrote and read int8 pages itself, in the plain
+    basis (one that takes the reference's write and read inherits the flag with them)."""
+
+    name = "plain-int8"
+    kv_cache_dtypes = ("int8", "fp8")
+    kv_int8_hadamard = False
+
+
+def test_int8_pages_of_the_layout_before_api_1_6_are_refused_at_start():
+    """Such a backend's pages would be read in the Hadamard basis by the op set's reference
+    (and written in it by its rotary_write_kv): refused int8 in one line; its fp8 stays."""
+    plain = _PlainInt8Backend()
+    assert check_kv_cache_dtype(plain, "vendor", "fp8", torch.float32, 64) \
+        == torch.float8_e4m3fn
+    with pytest.raises(ValueError) as err:
+        check_kv_cache_dtype(plain, "vendor", "int8", torch.float32, 64)
+    assert str(err.value).startswith("kv_cache_dtype: int8 pages of the 'vendor' platform's "
+                                     "attention backend (plain-int8) are of the layout "
+                                     "before plugin API 1.6")
+    assert "\n" not in str(err.value)
+    for backend in (ReferenceAttentionBackend(), CpuPlatform().make_attention_backend()):
+        assert check_kv_cache_dtype(backend, "cpu", "int8", torch.float32, 64) == torch.int8

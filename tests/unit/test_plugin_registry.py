@@ -207,25 +207,27 @@ def test_incompatible_platform_is_listed_refused_and_names_both_versions() -> No
     assert registry.auto_choice() == "cpu"
 
 
-def test_this_core_provides_api_1_5_and_keeps_plugins_built_for_1_0_to_1_4() -> None:
+def test_this_core_provides_api_1_6_and_keeps_plugins_built_for_1_0_to_1_5() -> None:
     """1.1 added Communicator.send/recv, 1.2 Platform.auto_dtype and details, 1.3 the
-    quantised ops, 1.4 KV pages given back, 1.5 bfloat16 activations; a MINOR bump must
-    not refuse older plugins, and an older platform gets the defaults (the reference
-    quantized_linear, no w8a8, a backend that gives no memory back, float products)."""
-    assert PLUGIN_API_VERSION == "1.5"
+    quantised ops, 1.4 KV pages given back, 1.5 bfloat16 activations, 1.6 int8 KV pages
+    in the Hadamard basis; a MINOR bump must not refuse older plugins, and an older
+    platform gets the defaults (the reference quantized_linear, no w8a8, a backend that
+    gives no memory back, float products, int8 pages refused at start)."""
+    assert PLUGIN_API_VERSION == "1.6"
     registry = PlatformRegistry(entry_points=[
         ep("old", platform("old", api="1.0"), dist="quire-old"),
         ep("mid", platform("mid", api="1.1"), dist="quire-mid"),
         ep("prev", platform("prev", api="1.2"), dist="quire-prev"),
         ep("new", platform("new", api="1.3"), dist="quire-new"),
         ep("last", platform("last", api="1.4"), dist="quire-last"),
-        ep("next", PlatformSpec("next", "1.6", never_built), dist="quire-next"),
+        ep("five", platform("five", api="1.5"), dist="quire-five"),
+        ep("next", PlatformSpec("next", "1.7", never_built), dist="quire-next"),
     ])
     refused = {e.name: e.refused for e in registry.entries()}
-    assert all(refused[name] is None for name in ("old", "mid", "prev", "new", "last"))
+    assert all(refused[name] is None for name in ("old", "mid", "prev", "new", "last", "five"))
     assert refused["next"] is not None
-    assert "built for plugin API 1.6, but this Quire provides plugin API 1.5" in refused["next"]
-    assert "built for plugin API 1.x (at most 1.5)" in refused["next"]
+    assert "built for plugin API 1.7, but this Quire provides plugin API 1.6" in refused["next"]
+    assert "built for plugin API 1.x (at most 1.6)" in refused["next"]
     last = registry.resolve("last")
     assert last.bf16_activations(True) is False
     assert last.settle_options({"x": 1}, dtype_auto=True) == {"x": 1}

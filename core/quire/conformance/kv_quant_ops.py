@@ -16,9 +16,10 @@ window and a soft cap, GQA groups 1 and 4, head sizes 64 and 128), each:
   least 2e-3 (a value rounding to the other side of a quantisation step, where the
   backend scales in another order, moves an output by well under that);
 - *pages*: where the backend's cache has the reference layout, the written rows read back
-  (values times scale) within the quantisation bound of the float K/V: half a step
-  (``absmax / 254`` for int8; ``2**-4`` of the value, or half the smallest subnormal
-  step, for fp8), plus 1%.
+  (:func:`~quire.ops.kv_quant.dequantize`) within the quantisation bound of the float
+  K/V: half a step (``absmax / 254`` for int8, in the Hadamard basis its groups are
+  stored in; ``2**-4`` of the value, or half the smallest subnormal step, for fp8), plus
+  1%.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def check_quantized_kv(ctx: CheckContext) -> list[CheckResult]:
                 KV_QUANT, Outcome.NOT_RUN, name,
                 f"the backend ({backend.name}) declares no {name} pages "
                 f"(kv_cache_dtypes: {', '.join(declared) or 'none'})"))
+            continue
+        if name == "int8" and not getattr(backend, "kv_int8_hadamard", False):
+            rows.append(CheckResult(
+                KV_QUANT, Outcome.NOT_RUN, name,
+                f"the backend ({backend.name}) declares int8 pages of the layout before "
+                f"plugin API 1.6 (kv_int8_hadamard not set), which the engine refuses"))
             continue
         rows.extend(_row(ctx, backend, name, kv_dtype, dtype) for dtype in ctx.dtypes)
     return rows
@@ -140,6 +147,10 @@ def _page_error(cache: torch.Tensor, case, kv_dtype: torch.dtype) -> str:
         x = x.float()
         got = kv_quant.dequantize(rows[half])
         groups = x.unflatten(-1, (d // kv_quant.GROUP, kv_quant.GROUP))  # a scale each
+        if kv_dtype == torch.int8:  # the grid is the Hadamard basis's: compared there
+            groups = kv_quant.hadamard16(groups)
+            x = groups.flatten(-2)
+            got = kv_quant.hadamard16(got.unflatten(-1, groups.shape[-2:])).flatten(-2)
         absmax = groups.abs().amax(-1, keepdim=True).expand_as(groups).flatten(-2)
         if kv_dtype == torch.int8:
             bound = absmax / 254

@@ -70,6 +70,11 @@ def check_kv_cache_dtype(backend: "AttentionBackend", platform: str, kv_cache_dt
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not supported by the "
                          f"{platform!r} platform's attention backend ({backend.name}); "
                          f"supported: {supported}")
+    if kv_cache_dtype == "int8" and not backend.kv_int8_hadamard:
+        raise ValueError(f"kv_cache_dtype: int8 pages of the {platform!r} platform's "
+                         f"attention backend ({backend.name}) are of the layout before "
+                         f"plugin API 1.6 (kv_int8_hadamard is not set); use fp8 or "
+                         f"a float dtype, or a plugin built for API 1.6")
     if dtype in QUANTIZED_KV_TORCH_DTYPES and head_size % KV_SCALE_GROUP:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} needs a head size that is a "
                          f"multiple of {KV_SCALE_GROUP} (a scale per {KV_SCALE_GROUP} "
@@ -148,13 +153,22 @@ class AttentionBackend(ABC):
     #: :meth:`kv_cache_shape` at head size ``D + D / 8``, of dtype ``torch.int8`` (int8) or
     #: ``torch.float8_e4m3fn`` (fp8); each head row holds the ``D`` quantised elements
     #: then ``D / 16`` float16 scales, scale ``g`` for elements ``16 g .. 16 g + 15``
-    #: (``x ~= q * scale``; ``scale = absmax(x of the group) / 127`` or ``/ 448`` rounded
-    #: to float16, 1 where that is 0), per token and KV head, for keys and values.
+    #: (fp8: ``x ~= q * scale``, ``scale = absmax(x of the group) / 448``; int8 since
+    #: plugin API 1.6: ``x ~= H (q * scale)``, ``scale = absmax(H x) / 127``, ``H`` the
+    #: orthonormal 16 x 16 Hadamard matrix; scales rounded to float16, 1 where that is 0),
+    #: per token and KV head, for keys and values.
     #: :meth:`write_kv` (and the op set's ``rotary_write_kv`` where :meth:`kv_slots`
     #: names slots) quantises the float K/V it is given; :meth:`attend` dequantises what
     #: it reads, and must match the reference (``quire.ops.attention``) reading the same
     #: pages. ``D % 16 == 0``. Plugin API 1.3.
     kv_cache_dtypes: tuple[str, ...] = ()
+
+    #: Whether this backend's int8 pages hold their groups in the Hadamard basis (the
+    #: int8 layout since plugin API 1.6, which the op set's reference writes and reads).
+    #: A backend that declares ``"int8"`` without it was written for the plain layout of
+    #: API 1.3-1.5 and is refused int8 at start (``check_kv_cache_dtype``), so that no
+    #: page is written in one basis and read in the other. Default: False. Plugin API 1.6.
+    kv_int8_hadamard: bool = False
 
     @abstractmethod
     def kv_cache_shape(

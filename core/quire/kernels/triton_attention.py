@@ -9,9 +9,11 @@ module defines the kernels).
 KV cache, per layer: ``[2, num_blocks, block_size, Hkv, D]`` (0 = keys, 1 = values), the
 cpu reference's layout; int8 / fp8 pages hold rows of ``D + D / 8`` (the values, then a
 float16 scale per 16 of them: ``quire.ops.kv_quant``), dequantised in the attention
-kernels as each tile is loaded. The launchers take the key and value halves as two views,
-``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, Hkv, D]`` with the head dim
-contiguous; every other stride is passed to the kernels.
+kernels as each tile is loaded; int8 groups are in the Hadamard basis, which the kernels
+meet by rotating the queries at load and the outputs before they are stored. The
+launchers take the key and value halves as two views, ``k_cache``/``v_cache`` of shape
+``[num_blocks, block_size, Hkv, D]`` with the head dim contiguous; every other stride is
+passed to the kernels.
 
 Kernels (one program = one Triton program instance):
 
@@ -100,6 +102,20 @@ def _softcap(s, cap):
     """``cap * tanh(s / cap)``; tanh from exp2, since tl has no portable tanh."""
     e = tl.exp2(s / cap * (2.0 * LOG2E))  # exp(2 s / cap); overflow to inf is fine
     return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _hadamard16(x, D_PAD: tl.constexpr):
+    """``x`` [M, D_PAD] (M >= 16) in float32 times the block-diagonal orthonormal
+    Hadamard matrix of 16 x 16 blocks (symmetric, its own inverse), whose basis int8 pages
+    store their groups in (``quire.ops.kv_quant``). Rotating each query and each output
+    once stands for rotating every key and value read: ``(H q) . k' = q . k``."""
+    i = tl.arange(0, D_PAD)[:, None]
+    j = tl.arange(0, D_PAD)[None, :]
+    both = i & j & 15
+    odd = (both ^ (both >> 1) ^ (both >> 2) ^ (both >> 3)) & 1  # parity: the sign
+    h = tl.where(i // 16 == j // 16, tl.where(odd == 1, -0.25, 0.25), 0.0)
+    return tl.dot(x.to(tl.float32), h, input_precision="ieee")
 
 
 @triton.jit
@@ -216,6 +232,8 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     elif QUANT == 0:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    if QUANT == 1:  # int8 keys and values are read in the Hadamard basis
+        q = _hadamard16(q, D_PAD).to(q.dtype)
 
     # Keys any row of this block may see: up to the last real row's position, and from the
     # first row's window start.
@@ -235,6 +253,8 @@ def _prefill_kernel(
             kv_head, block_size, head_size, scale, soft_cap, window, ks_ptr, vs_ptr,
             TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION, QUANT,
         )
+    if QUANT == 1:  # the values' sum back from the Hadamard basis
+        acc = _hadamard16(acc, D_PAD)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l = 0 only on padding rows
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -272,6 +292,8 @@ def _decode_kernel(
         q = q.to(tl.float32)
     elif QUANT == 0:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    if QUANT == 1:  # int8 keys and values are read in the Hadamard basis
+        q = _hadamard16(q, D_PAD).to(q.dtype)
 
     # This split's share of the tiles that hold visible keys.
     kv_start = 0
@@ -294,6 +316,8 @@ def _decode_kernel(
             kv_head, block_size, head_size, scale, soft_cap, window, ks_ptr, vs_ptr,
             TILE_N, D_PAD, USE_WINDOW, USE_SOFTCAP, DOT_FP32, PRECISION, QUANT,
         )
+    if QUANT == 1:  # the values' sum back from the Hadamard basis (partials too: linear)
+        acc = _hadamard16(acc, D_PAD)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

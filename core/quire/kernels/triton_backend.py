@@ -131,6 +131,7 @@ class TritonAttentionBackend(AttentionBackend):
     #: int8 / fp8 pages (``quire.ops.kv_quant``): written by torch ops, dequantised in
     #: the attention kernels.
     kv_cache_dtypes = ("int8", "fp8")
+    kv_int8_hadamard = True
 
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()

@@ -77,6 +77,7 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     name = "cpu-reference"
     kv_cache_dtypes = ("float32", "bfloat16", "int8", "fp8")
+    kv_int8_hadamard = True
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int

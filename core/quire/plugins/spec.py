@@ -40,7 +40,11 @@ if TYPE_CHECKING:
 #:      activations in a float32 model, the op's ``bf16_activations`` keyword) and
 #:      Platform.settle_options (host-dependent options made explicit for workers); a
 #:      1.4 platform keeps its float products and its options as given.
-PLUGIN_API_VERSION = "1.5"
+#: 1.6: int8 KV pages hold each group of 16 in the Hadamard basis (quire.ops.kv_quant),
+#:      which a backend says with AttentionBackend.kv_int8_hadamard; a 1.5 backend that
+#:      declares int8 pages wrote the plain layout and is refused int8 at start (its fp8
+#:      and float pages are unchanged).
+PLUGIN_API_VERSION = "1.6"
 
 
 @dataclass(frozen=True)

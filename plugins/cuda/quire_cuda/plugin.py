@@ -11,7 +11,7 @@ from quire.plugins.hookspecs import hookimpl
 from quire.plugins.spec import PlatformSpec
 
 # Written out, not imported: a plugin declares the API it was built for.
-API_VERSION = "1.5"
+API_VERSION = "1.6"
 
 
 def _cuda() -> Platform:

@@ -117,6 +117,7 @@ class CpuSdpaAttentionBackend(ReferenceAttentionBackend):
 
     name = "cpu-sdpa"
     kv_cache_dtypes = ("float32", "bfloat16", "int8", "fp8")
+    kv_int8_hadamard = True
 
     def __init__(self, native: NativeKernels | None = None,
                  prefault: str = "background") -> None:

@@ -112,11 +112,13 @@ static inline void ATTEND_(tile_values)(const float *p, const KV_T *v, const int
 
 #if KV_QUANT
 /* The m rows of one KV head in a tile (at p + offs[t]: d elements, then their float16
- * scales) as float32 rows of d at out, each group times its scale. */
+ * scales) as float32 rows of d at out, each group times its scale; int8 groups stay in
+ * the Hadamard basis (the queries and outputs are rotated instead: once a head, not once
+ * a row read). */
 static inline void ATTEND_(dequant_tile)(const KV_T *p, const int64_t *offs, int64_t m,
                                          int64_t d, float *out) {
     for (int64_t t = 0; t < m; ++t)
-        dequant_kv_row(KV_QUANT, (const uint8_t *)(p + offs[t]), d, out + t * d);
+        dequant_kv_row_basis(KV_QUANT, (const uint8_t *)(p + offs[t]), d, out + t * d, 0);
 }
 #endif
 
@@ -154,6 +156,15 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     float tile[ATTEND_TILE * d];
     for (int64_t t = 0; t < ATTEND_TILE; ++t) rows[t] = t * d;
 #endif
+    const float *q_rows = q + h_begin * d; /* head h_begin + i at q_rows + i * d */
+#if KV_QUANT == QUIRE_KV_I8
+    /* int8 keys and values are read in the Hadamard basis: so are the queries, (H q) .
+     * k' = q . k, and the outputs are taken back from it at the end */
+    float q_basis[heads * d];
+    memcpy(q_basis, q_rows, sizeof(float) * heads * d);
+    for (int64_t i = 0; i < heads; ++i) hadamard16_row(q_basis + i * d, d);
+    q_rows = q_basis;
+#endif
     /* scores */
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
     int64_t *offs = tile_a, *next = tile_b;
@@ -176,9 +187,9 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                 prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
                               (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
 #if KV_QUANT
-                tile_scores_f32(q + h * d, tile, rows, m, d, scores + i * n + j);
+                tile_scores_f32(q_rows + i * d, tile, rows, m, d, scores + i * n + j);
 #else
-                ATTEND_(tile_scores)(q + h * d, k_cache + g * hd, offs, m, d,
+                ATTEND_(tile_scores)(q_rows + i * d, k_cache + g * hd, offs, m, d,
                                      scores + i * n + j);
 #endif
             }
@@ -218,6 +229,9 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
         int64_t *const done = offs;
         offs = next, next = done, j += m, m = m_next;
     }
+#if KV_QUANT == QUIRE_KV_I8
+    for (int64_t h = h_begin; h < h_end; ++h) hadamard16_row(out + h * d, d);
+#endif
 }
 
 #undef KV_T

@@ -192,15 +192,36 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
 
+/* The orthonormal 16-point Hadamard transform of one group in place: butterflies
+ * (a + b, a - b) at distances 1, 2, 4 and 8 in that order, then times 1/4, as
+ * quire.ops.kv_quant.hadamard16 does them (the same bits). int8 KV groups are stored in
+ * this basis (see kv_quant.py); the transform is its own inverse. */
+static inline void hadamard16(float *g) {
+    for (int h = 1; h < QUIRE_KV_GROUP; h <<= 1)
+        for (int i = 0; i < QUIRE_KV_GROUP; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                const float a = g[j], b = g[j + h];
+                g[j] = a + b;
+                g[j + h] = a - b;
+            }
+    for (int i = 0; i < QUIRE_KV_GROUP; ++i) g[i] *= 0.25f;
+}
+
 /* One head's d floats quantised into a quantised head row at dst, each group of
- * QUIRE_KV_GROUP on its own: s = absmax / qmax capped at 65504 and rounded to float16 (1
- * where that is 0), elements src / s clamped to +-qmax and rounded to nearest even (int8)
- * or converted (fp8), then the groups' float16 scales: torch's
- * quire.ops.kv_quant.quantize, bit for bit. */
+ * QUIRE_KV_GROUP on its own (int8: the group's Hadamard transform): s = absmax / qmax
+ * capped at 65504 and rounded to float16 (1 where that is 0), elements / s clamped to
+ * +-qmax and rounded to nearest even (int8) or converted (fp8), then the groups' float16
+ * scales: torch's quire.ops.kv_quant.quantize, bit for bit. */
 static inline void quantize_kv_head(int kv_type, const float *src, int64_t d, uint8_t *dst) {
     const float qmax = kv_type == QUIRE_KV_I8 ? 127.0f : 448.0f;
+    float rotated[QUIRE_KV_GROUP];
     for (int64_t g = 0; g < d / QUIRE_KV_GROUP; ++g) {
         const float *x = src + g * QUIRE_KV_GROUP;
+        if (kv_type == QUIRE_KV_I8) { /* int8 groups are stored in the Hadamard basis */
+            memcpy(rotated, x, sizeof rotated);
+            hadamard16(rotated);
+            x = rotated;
+        }
         uint8_t *q = dst + g * QUIRE_KV_GROUP;
         float top = 0.0f;
         for (int i = 0; i < QUIRE_KV_GROUP; ++i) {
@@ -375,37 +396,106 @@ static inline vwf loadw_fp8(const uint8_t *p) {
 #endif
 }
 
+/* Butterflies of the 16-point Hadamard transform within one vector (distances below VW),
+ * as hadamard16 does them: lane i with bit h clear takes v[i] + v[i + h], with it set
+ * v[i - h] - v[i] (v[i] * -1 + v[i - h]: one rounding, the same bits). */
+static inline vwf hadamard16_in_vector(vwf v) {
+#if VW == 16
+    v = v * (vwf){1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1} +
+        __builtin_shuffle(v, (vwi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    v = v * (vwf){1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1} +
+        __builtin_shuffle(v, (vwi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v * (vwf){1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1} +
+        __builtin_shuffle(v, (vwi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v * (vwf){1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1} +
+        __builtin_shuffle(v, (vwi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#elif VW == 8
+    v = v * (vwf){1, -1, 1, -1, 1, -1, 1, -1} +
+        __builtin_shuffle(v, (vwi){1, 0, 3, 2, 5, 4, 7, 6});
+    v = v * (vwf){1, 1, -1, -1, 1, 1, -1, -1} +
+        __builtin_shuffle(v, (vwi){2, 3, 0, 1, 6, 7, 4, 5});
+    v = v * (vwf){1, 1, 1, 1, -1, -1, -1, -1} +
+        __builtin_shuffle(v, (vwi){4, 5, 6, 7, 0, 1, 2, 3});
+#else
+    v = v * (vwf){1, -1, 1, -1} + __builtin_shuffle(v, (vwi){1, 0, 3, 2});
+    v = v * (vwf){1, 1, -1, -1} + __builtin_shuffle(v, (vwi){2, 3, 0, 1});
+#endif
+    return v;
+}
+
+/* The Hadamard transform of one group held in 16 / VW vectors (each already times 1/4,
+ * which commutes exactly with the adds): the in-vector distances, then the ones across
+ * vectors, in hadamard16's order. */
+static inline void hadamard16_vectors(vwf *v) {
+    for (int i = 0; i < QUIRE_KV_GROUP / VW; ++i) v[i] = hadamard16_in_vector(v[i]);
+    for (int h = 1; h < QUIRE_KV_GROUP / VW; h <<= 1)
+        for (int i = 0; i < QUIRE_KV_GROUP / VW; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                const vwf a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+}
+
 /* One quantised head row (kv_type QUIRE_KV_I8 or QUIRE_KV_FP8: d elements then their
  * d / QUIRE_KV_GROUP float16 scales, d a whole number of groups) as d float32 values at
- * out, each group widened and times its scale: what quire.ops.kv_quant.dequantize gives.
- * On avx512 up to 16 scales are widened at once (vcvtph2ps) and kept in a register, each
- * group (one vector) taking its lane: a masked store of them reloaded by broadcasts
- * stalled every load on store forwarding. */
-static inline void dequant_kv_row(int kv_type, const uint8_t *row, int64_t d, float *out) {
+ * out, each group widened and times its scale, int8 groups then taken back from the
+ * Hadamard basis where `unrotate` (else left in it: a reader that rotates its queries and
+ * outputs instead, as attend_heads.h does). With `unrotate`, what
+ * quire.ops.kv_quant.dequantize gives, bit for bit (the transform's 1/4 is folded into
+ * the scale, exactly). On avx512 up to 16 scales are widened at once (vcvtph2ps) and
+ * kept in a register, each group (one vector) taking its lane: a masked store of them
+ * reloaded by broadcasts stalled every load on store forwarding. */
+static inline void dequant_kv_row_basis(int kv_type, const uint8_t *row, int64_t d, float *out,
+                                        int unrotate) {
     const int64_t ng = d / QUIRE_KV_GROUP;
     const uint8_t *bits = row + d;
-#define QUIRE_KV_LOADW(p) \
-    (kv_type == QUIRE_KV_I8 ? loadw_i8((const int8_t *)(p)) : loadw_fp8(p))
+    const int i8 = kv_type == QUIRE_KV_I8, rotate = i8 && unrotate;
+#define QUIRE_KV_LOADW(p) (i8 ? loadw_i8((const int8_t *)(p)) : loadw_fp8(p))
 #if VW == 16 && QUIRE_KV_GROUP == 16
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
         const int64_t left = ng - g0 < 16 ? ng - g0 : 16;
-        const __m512 scales = _mm512_cvtph_ps(
-            _mm256_maskz_loadu_epi16((__mmask16)((1u << left) - 1), bits + 2 * g0));
+        const __m512 scales = _mm512_mul_ps(
+            _mm512_cvtph_ps(
+                _mm256_maskz_loadu_epi16((__mmask16)((1u << left) - 1), bits + 2 * g0)),
+            _mm512_set1_ps(rotate ? 0.25f : 1.0f));
         for (int64_t g = 0; g < left; ++g) {
             const vwf s = (vwf)_mm512_permutexvar_ps(_mm512_set1_epi32((int)g), scales);
-            storew(out + (g0 + g) * 16, QUIRE_KV_LOADW(row + (g0 + g) * 16) * s);
+            const vwf v = QUIRE_KV_LOADW(row + (g0 + g) * 16) * s;
+            storew(out + (g0 + g) * 16, rotate ? hadamard16_in_vector(v) : v);
         }
     }
 #else
     for (int64_t g = 0; g < ng; ++g) {
         uint16_t h;
         memcpy(&h, bits + 2 * g, sizeof h);
-        const vwf s = splatw(f16_to_f32(h));
-        for (int64_t i = g * QUIRE_KV_GROUP; i < (g + 1) * QUIRE_KV_GROUP; i += VW)
-            storew(out + i, QUIRE_KV_LOADW(row + i) * s); /* a group: whole vectors */
+        const vwf s = splatw(f16_to_f32(h) * (rotate ? 0.25f : 1.0f));
+        vwf v[QUIRE_KV_GROUP / VW]; /* a group: whole vectors */
+        for (int i = 0; i < QUIRE_KV_GROUP / VW; ++i)
+            v[i] = QUIRE_KV_LOADW(row + g * QUIRE_KV_GROUP + i * VW) * s;
+        if (rotate)
+            hadamard16_vectors(v);
+        for (int i = 0; i < QUIRE_KV_GROUP / VW; ++i)
+            storew(out + g * QUIRE_KV_GROUP + i * VW, v[i]);
     }
 #endif
 #undef QUIRE_KV_LOADW
+}
+
+/* The row's values (int8 groups back from the Hadamard basis): kv_quant.dequantize. */
+static inline void dequant_kv_row(int kv_type, const uint8_t *row, int64_t d, float *out) {
+    dequant_kv_row_basis(kv_type, row, d, out, 1);
+}
+
+/* Every group of d floats at x taken into (or, the same, back from) the Hadamard basis:
+ * queries and outputs of attention over int8 pages left in that basis. */
+static inline void hadamard16_row(float *x, int64_t d) {
+    for (int64_t g = 0; g < d; g += QUIRE_KV_GROUP) {
+        vwf v[QUIRE_KV_GROUP / VW];
+        for (int i = 0; i < QUIRE_KV_GROUP / VW; ++i) v[i] = loadw(x + g + i * VW) * 0.25f;
+        hadamard16_vectors(v);
+        for (int i = 0; i < QUIRE_KV_GROUP / VW; ++i) storew(x + g + i * VW, v[i]);
+    }
 }
 
 /* exp8 at the attention vector's width, its polynomial in fused multiply-adds (the
