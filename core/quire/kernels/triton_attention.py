@@ -106,16 +106,19 @@ def _softcap(s, cap):
 
 @triton.jit
 def _hadamard16(x, D_PAD: tl.constexpr):
-    """``x`` [M, D_PAD] (M >= 16) in float32 times the block-diagonal orthonormal
-    Hadamard matrix of 16 x 16 blocks (symmetric, its own inverse), whose basis int8 pages
-    store their groups in (``quire.ops.kv_quant``). Rotating each query and each output
-    once stands for rotating every key and value read: ``(H q) . k' = q . k``."""
-    i = tl.arange(0, D_PAD)[:, None]
-    j = tl.arange(0, D_PAD)[None, :]
-    both = i & j & 15
+    """``x`` [M, D_PAD] in float32 with each group of 16 along D times the orthonormal
+    16 x 16 Hadamard matrix (symmetric, its own inverse), whose basis int8 pages store
+    their groups in (``quire.ops.kv_quant``): one ``tl.dot`` of the groups as rows,
+    [M * D_PAD / 16, 16] by [16, 16]. Rotating each query and each output once stands for
+    rotating every key and value read: ``(H q) . k' = q . k``."""
+    i = tl.arange(0, 16)[:, None]
+    j = tl.arange(0, 16)[None, :]
+    both = i & j
     odd = (both ^ (both >> 1) ^ (both >> 2) ^ (both >> 3)) & 1  # parity: the sign
-    h = tl.where(i // 16 == j // 16, tl.where(odd == 1, -0.25, 0.25), 0.0)
-    return tl.dot(x.to(tl.float32), h, input_precision="ieee")
+    h = tl.where(odd == 1, -0.25, 0.25)
+    rows: tl.constexpr = x.shape[0]
+    groups = tl.reshape(x.to(tl.float32), (rows * D_PAD // 16, 16))
+    return tl.reshape(tl.dot(groups, h, input_precision="ieee"), (rows, D_PAD))
 
 
 @triton.jit
