@@ -54,3 +54,16 @@ def test_a_backend_that_ignores_the_scales_fails():
     rows = run_conformance(_Declares(_ScaleIgnored()), ONLY).results
     assert rows[0].outcome is Outcome.FAIL and "attention off by" in rows[0].reason
     assert rows[1].outcome is Outcome.NOT_RUN
+
+
+class _PlainInt8(ReferenceAttentionBackend):
+    """Declares int8 pages of the layout before plugin API 1.6 (the plain basis)."""
+
+    kv_cache_dtypes = ("int8", "fp8")
+    kv_int8_hadamard = False
+
+
+def test_int8_pages_of_the_old_layout_are_not_run_and_fp8_still_is():
+    rows = run_conformance(_Declares(_PlainInt8()), ONLY).results
+    assert rows[0].outcome is Outcome.NOT_RUN and "before plugin API 1.6" in rows[0].reason
+    assert rows[1].outcome is Outcome.PASS, rows[1].reason
