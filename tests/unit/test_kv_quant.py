@@ -168,6 +168,7 @@ def test_a_backend_refuses_what_it_does_not_declare_in_one_line():
     with pytest.raises(ValueError, match="multiple of 16"):
         check_kv_cache_dtype(cpu, "cpu", "int8", torch.float32, 72)
 
+
 class _PlainInt8Backend(_OldBackend):
     """A backend of plugin API 1.3-1.5 that wrote and read int8 pages itself, in the plain
     basis (one that takes the reference's write and read inherits the flag with them)."""

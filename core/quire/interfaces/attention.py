@@ -70,7 +70,7 @@ def check_kv_cache_dtype(backend: "AttentionBackend", platform: str, kv_cache_dt
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not supported by the "
                          f"{platform!r} platform's attention backend ({backend.name}); "
                          f"supported: {supported}")
-    if kv_cache_dtype == "int8" and not backend.kv_int8_hadamard:
+    if kv_cache_dtype == "int8" and not getattr(backend, "kv_int8_hadamard", False):
         raise ValueError(f"kv_cache_dtype: int8 pages of the {platform!r} platform's "
                          f"attention backend ({backend.name}) are of the layout before "
                          f"plugin API 1.6 (kv_int8_hadamard is not set); use fp8 or "
