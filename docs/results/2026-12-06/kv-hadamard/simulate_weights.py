@@ -12,22 +12,11 @@ The figures are in README.md.
 
 from __future__ import annotations
 
-import math
 import sys
-from pathlib import Path
 
 import torch
+from simulate import TEXT, hadamard  # this folder's KV simulation
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-TEXT = Path(__file__).parents[4] / "core/quire/bench/data/accuracy_text.txt"
-
-
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / math.sqrt(n)
-
 
 H = hadamard(32)
 
