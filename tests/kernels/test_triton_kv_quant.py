@@ -54,6 +54,18 @@ def test_kernels_match_the_reference_on_the_same_pages(dtype, kind, model_dtype,
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("head_size", [80, 256])
+def test_int8_pages_at_padded_and_long_heads(kind, head_size):
+    """The queries and outputs taken into and back from the Hadamard basis group by group:
+    a head of 80 (five groups, padded to 128 lanes) and Gemma 3's 256."""
+    case = make_case(SHAPES[kind](4), 4, head_size, 2, torch.float32, 11)
+    want, ref_cache = _forward(ReferenceAttentionBackend(), case, torch.int8)
+    got, cache = _forward(TritonAttentionBackend(SMALL), case, torch.int8)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @triton.jit
 def _decode_bytes(x_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
