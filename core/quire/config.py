@@ -102,7 +102,9 @@ class EngineConfig:
                        "'{\"group_size\": 32}' (a scale per 32 weights of a row, GGUF's "
                        "Q8_0 blocks; w8a8's activations per 32 values of a token) or "
                        "'{\"group_size\": -1}' (a scale per output row; w8a8's "
-                       "activations per token) (default: group_size 32)"))
+                       "activations per token); w8a8 also takes \"hadamard\": false "
+                       "(weights and activations not turned by Hadamard groups of 32) "
+                       "(default: group_size 32, hadamard true)"))
     block_size: int | None = field(
         default=None, metadata=_help("tokens per KV page (default: the platform's)")
     )
@@ -253,6 +255,9 @@ class EngineConfig:
                                QuantizationConfig.parse(self.quantization_config))
             if self.quantization not in GROUPED_METHODS:
                 raise ValueError(f"quantization_config applies to quantization int8 or "
+                                 f"w8a8, got quantization={self.quantization!r}")
+            if not self.quantization_config.hadamard and self.quantization != "w8a8":
+                raise ValueError(f"quantization_config.hadamard applies to quantization "
                                  f"w8a8, got quantization={self.quantization!r}")
         _positive("block_size", self.block_size, optional=True)
         _positive("max_num_seqs", self.max_num_seqs)

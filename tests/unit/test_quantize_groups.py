@@ -190,3 +190,91 @@ def test_a_rank_s_columns_keep_the_single_rank_s_groups_or_fall_back_to_rows():
     odd = LayerQuant(Quantization("w8a8"), torch.device("cpu"), (8, 48))
     odd.store_cols(w[:, :96], 48, 48)
     assert odd.ordered_parts()[0].format.name == "int8"
+
+
+def _w8a8_layer(w: torch.Tensor, cols: tuple[int, int] | None = None, group_size: int = 32):
+    """A w8a8 layer's LayerQuant holding ``w`` (or this rank's columns of it) and its
+    kernel on the reference op."""
+    from quire.models.layers.quantized import LayerQuant
+    from quire.ops.quantized import QuantizedLinearKernel
+
+    shape = (w.shape[0], cols[1] if cols else w.shape[1])
+    quant = LayerQuant(Quantization("w8a8", group_size), torch.device("cpu"), shape)
+    if cols:
+        quant.store_cols(w, *cols)
+    else:
+        quant.store_rows(0, w, 0, w.shape[0])
+    kernel = QuantizedLinearKernel(quant.ordered_parts(), quantized_linear, shape[0],
+                                   int8_activations=True, rotated=bool(quant.rotated))
+    return quant, kernel
+
+
+def test_w8a8_turns_weights_and_rows_by_hadamard_groups_of_32():
+    """w8a8 from float weights stores W H and multiplies H x (H the orthonormal 32 x 32
+    Hadamard matrix, its own inverse): the product is still W x, and an activation
+    outlier channel, spread over its group, no longer sets the int8 step of the other 31
+    values: the activations' share of the error falls about 9x here, the whole error
+    (the weights' share is the same in both bases) more than 2x."""
+    from quire.quantization.hadamard import hadamard_matrix, rotate_groups
+
+    h = hadamard_matrix(32)
+    assert torch.allclose(h @ h, torch.eye(32), atol=1e-6) and torch.equal(h, h.T)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    x = torch.randn(16, 256, generator=g)
+    x[:, 7] = 30.0  # an outlier channel, as activations carry
+    quant, kernel = _w8a8_layer(w)
+    assert quant.rotated and kernel.rotated
+    part = quant.ordered_parts()[0]
+    assert part.format.name == "q8_0"
+    want = x @ w.T
+    torch.testing.assert_close(part.dequantize(), rotate_groups(w, 32), atol=2e-3, rtol=0)
+    rotated_err = (kernel(x, None) - want).square().mean()
+    plain_err = (quantized_linear(x, quantize_groups(w), None, int8_activations=True)
+                 - want).square().mean()
+    assert rotated_err < plain_err / 2
+    # a scale per row and per token (group_size -1) turns the same way
+    per_row, kernel = _w8a8_layer(w, group_size=-1)
+    assert per_row.rotated and per_row.ordered_parts()[0].format.name == "int8"
+    assert (kernel(x, None) - want).square().mean() < plain_err
+    # int8 weights alone keep the plain basis
+    from quire.models.layers.quantized import LayerQuant
+
+    plain = LayerQuant(Quantization("int8"), torch.device("cpu"), (64, 256))
+    plain.store_rows(0, w, 0, 64)
+    assert plain.rotated is False
+
+
+def test_w8a8_row_parallel_shards_turn_only_on_whole_groups():
+    """Two ranks' input shards of 128 each turn their own groups: their partial products
+    add up to the one-rank product. A shard that cuts a group cannot (the group's other
+    values are on the other rank): it keeps the plain basis, with a scale per row."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(32, 256, generator=g) * 0.05
+    x = torch.randn(4, 256, generator=g)
+    _, whole = _w8a8_layer(w)
+    parts = [_w8a8_layer(w, cols=(start, 128)) for start in (0, 128)]
+    assert all(q.rotated for q, _ in parts)
+    total = parts[0][1](x[:, :128], None) + parts[1][1](x[:, 128:], None)
+    torch.testing.assert_close(total, whole(x, None), atol=1e-4, rtol=1e-4)
+    odd, kernel = _w8a8_layer(w[:, :96], cols=(48, 48))
+    assert odd.rotated is False and not kernel.rotated
+
+
+def test_hadamard_can_be_turned_off_for_w8a8_only():
+    """``quantization_config.hadamard`` false keeps w8a8's plain basis (faster decode rows);
+    a non-boolean, or the key with another method, is refused naming the field."""
+    from quire.models.layers.quantized import LayerQuant
+
+    off = QuantizationConfig.parse('{"hadamard": false}')
+    method = resolve_method("w8a8", gguf_file=False, checkpoint_quantization=None,
+                            platform_name="p", platform_methods=("w8a8",), config=off)
+    assert not method.rotates and Quantization("w8a8").rotates
+    quant = LayerQuant(method, torch.device("cpu"), (8, 64))
+    quant.store_rows(0, float_weight(8, 64, seed=13), 0, 8)
+    assert quant.rotated is False
+    with pytest.raises(ValueError, match=r"quantization_config.hadamard must be true or false"):
+        QuantizationConfig.parse('{"hadamard": 1}')
+    with pytest.raises(ValueError, match=r"quantization_config.hadamard applies to quantization "
+                                         r"w8a8, got quantization='int8'"):
+        EngineConfig(model="m", quantization="int8", quantization_config={"hadamard": False})

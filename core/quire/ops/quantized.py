@@ -13,7 +13,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from quire.quantization.hadamard import rotate_groups
 from quire.quantization.tensor import QuantizedTensor
+
+#: The groups ``w8a8``'s rotated weights and rows turn by (a Q8_0 block's 32 values).
+HADAMARD_GROUP = 32
 
 #: Most bytes of float32 weights the reference dequantises at once.
 SLAB_BYTES = 64 << 20
@@ -135,11 +139,15 @@ class QuantizedLinearKernel:
     weight-only products."""
 
     def __init__(self, parts: list[QuantizedTensor], op: Callable[..., torch.Tensor],
-                 out_features: int, int8_activations: bool = False) -> None:
+                 out_features: int, int8_activations: bool = False,
+                 rotated: bool = False) -> None:
         self.parts = parts
         self.op = op
         self.out_features = out_features
         self.int8_activations = int8_activations
+        #: the parts hold ``W H`` (groups of 32 in the Hadamard basis: ``w8a8``), so each
+        #: product's rows are turned the same way first, ``(W H)(H x) = W x``
+        self.rotated = rotated
         self.bf16_activations = False
         self.padding = out_features - sum(p.rows for p in parts)
         if self.padding < 0:
@@ -153,6 +161,8 @@ class QuantizedLinearKernel:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kwargs = {"int8_activations": True} if self.int8_activations else \
             {"bf16_activations": True} if self.bf16_activations else {}
+        if self.rotated:
+            x = rotate_groups(x, HADAMARD_GROUP)
         if len(self.parts) == 1 and not self.padding:
             return self.op(x, self.parts[0], bias, **kwargs)
         ys = [self.op(x, part, None, **kwargs) for part in self.parts]

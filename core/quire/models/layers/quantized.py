@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quire.ops.quantized import QuantizedLinearKernel
+from quire.ops.quantized import HADAMARD_GROUP, QuantizedLinearKernel
 from quire.quantization.formats import FORMATS
+from quire.quantization.hadamard import rotate_groups
 from quire.quantization.methods import Quantization
 from quire.quantization.quantize import quantize_groups, quantize_rows
 from quire.quantization.tensor import QuantizedTensor
@@ -43,12 +44,17 @@ class LayerQuant:
     shape: tuple[int, int]
     #: this rank's parts by their first output row
     parts: dict[int, QuantizedTensor] = field(default_factory=dict)
+    #: whether the parts hold ``W H`` for ``w8a8`` (groups of 32 in the Hadamard basis,
+    #: :mod:`quire.quantization.hadamard`), so the products take ``H x``; None until the
+    #: first part is stored
+    rotated: bool | None = None
 
     def store_rows(self, offset: int, loaded: Any, start: int, size: int) -> None:
         """Rows ``start .. start + size`` of ``loaded`` (a whole checkpoint tensor) are
         this rank's output rows ``offset ..``."""
         if isinstance(loaded, QuantizedTensor):
             part = loaded.narrow_rows(start, size)
+            self._note_rotation(False)
         else:
             part = self._quantize(loaded.narrow(0, start, size))
         self._check_width(part)
@@ -60,6 +66,8 @@ class LayerQuant:
         if not isinstance(loaded, QuantizedTensor):
             # the whole rows first: a row's scale is then the one a single rank takes
             loaded = self._quantize(loaded, whole_groups=not (start % _GROUP or size % _GROUP))
+        else:
+            self._note_rotation(False)
         part = loaded.narrow_cols(start, size)
         self._check_width(part)
         self.parts[0] = part.to(self.device)
@@ -77,11 +85,30 @@ class LayerQuant:
             at += self.parts[offset].rows
         return parts
 
+    def _note_rotation(self, rotated: bool) -> None:
+        """Record whether a stored part is in the Hadamard basis; every part of a layer
+        must agree, since its products turn their rows once for all of them.
+
+        :raises ValueError: when a part disagrees with the ones stored before.
+        """
+        if self.rotated is None:
+            self.rotated = rotated
+        elif self.rotated != rotated:
+            raise ValueError("a layer's quantised parts must all be in the Hadamard basis "
+                             "or none (w8a8 from float weights, not a GGUF file's blocks)")
+
     def _quantize(self, weight: torch.Tensor, whole_groups: bool = True) -> QuantizedTensor:
         """``weight`` in the method's on-load format. ``int8``'s 32-weight groups take a
         scale per row instead where the width, or this rank's share of the columns
-        (``whole_groups`` False), is not a whole number of groups."""
+        (``whole_groups`` False), is not a whole number of groups. ``w8a8`` quantises
+        ``W H`` (:mod:`quire.quantization.hadamard`) where the groups of 32 are whole,
+        unless ``quantization_config.hadamard`` is off."""
         fmt = self.quantization.on_load_format
+        rotate = (self.quantization.rotates and whole_groups
+                  and weight.shape[1] % HADAMARD_GROUP == 0)
+        self._note_rotation(rotate)
+        if rotate:
+            weight = rotate_groups(weight.detach().float(), HADAMARD_GROUP)
         if fmt == "q8_0" and whole_groups and weight.shape[1] % _GROUP == 0:
             return quantize_groups(weight)
         if fmt == "q8_0":
@@ -154,7 +181,8 @@ def install_quantized_kernels(model: nn.Module, ops: Any) -> int:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         module.kernel = QuantizedLinearKernel(parts, ops.quantized_linear, quant.shape[0],
-                                              quant.quantization.int8_activations)
+                                              quant.quantization.int8_activations,
+                                              rotated=bool(quant.rotated))
         installed += 1
     return installed
 
