@@ -15,15 +15,14 @@ with ``D + D / 8`` elements per head row instead of ``D``::
 One scale per token, KV head and group of 16, for keys and values alike, written with
 the token's K/V (``x / s`` rounded to nearest, even on ties, and clamped to +-127 or
 +-448). Per group rather than per row because keys have outlier channels: one scale per
-row of 64 left the other channels a coarse grid (SmolLM2: top-1 98.7% against float32,
-Gemma 3: 96.5%; with groups of 16 99.0% and 99.2%, and 99.25% and 99.23% with the groups
-in the Hadamard basis below; ``quire bench accuracy``, docs/quantization.md).
+row of 64 left the other channels a coarse grid (``quire bench accuracy``'s figures, per
+row, per group and in the Hadamard basis below: docs/quantization.md).
 
 int8 groups are stored in the Hadamard basis: ``H`` is the orthonormal 16 x 16
 Sylvester-Hadamard matrix (symmetric, its own inverse; :func:`hadamard16`), applied to
 each group before it is quantised and after it is read. An outlier channel is spread over
-its 16 and no longer coarsens the grid of the others, which cuts the mean KL of int8
-pages against float32 1.3-1.8x on SmolLM2 and Gemma 3 (docs/quantization.md). Attention is unchanged by it:
+its 16 and no longer coarsens the grid of the others, which lowers the mean KL of int8
+pages against float32 on every real model measured (docs/quantization.md). Attention is unchanged by it:
 ``H`` is orthogonal, so a kernel may instead rotate each query and each output once
 (``(H q) . k' = q . k``). fp8 keeps the plain basis: e4m3's error is relative to each
 value, which the rotation does not reduce.

@@ -6,7 +6,7 @@ symmetric and its own inverse, so a product keeps its value when both sides turn
 ``(W H) (H x) = W x``. A weight row's quantised groups of 32 hold ``W H`` and the
 product's activations are ``H x``, quantised per 32 values in turn. An activation
 outlier channel is spread over its group instead of setting the int8 step of the other
-31 values, which halves w8a8's mean KL against float32 on SmolLM2 (docs/quantization.md).
+31 values (the accuracy it buys and what it costs: docs/quantization.md).
 """
 
 from __future__ import annotations

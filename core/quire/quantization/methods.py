@@ -51,9 +51,9 @@ class QuantizationConfig:
     #: float32 scale per output row, and per token for ``w8a8``'s activations).
     group_size: int = 32
     #: ``w8a8`` only: weights and rows turned by Hadamard groups of 32 before they are
-    #: quantised (:mod:`quire.quantization.hadamard`: half the mean KL on SmolLM2 for one
-    #: small float32 product per layer product, 6-12% of a decode step); False keeps the
-    #: plain basis.
+    #: quantised (:mod:`quire.quantization.hadamard`: a lower error for one small float32
+    #: product per layer product, figures in docs/quantization.md); False keeps the
+    #: plain basis and its speed.
     hadamard: bool = True
 
     def __post_init__(self) -> None:
