@@ -22,7 +22,7 @@ Bounds, (top-1 at least, mean KL at most):
   in the plain basis, which the KL bound refuses) and 90.2-96.1% / 5.2e-4 to 7.2e-3.
   The tiny MoE models' mean KL is a few expert flips, either way in either basis
   (mixtral, seeds 0-3: 2.8e-3 to 8.0e-3 plain, 1.2e-3 to 9.3e-3 turned;
-  docs/results/2026-12-06/kv-hadamard), hence their room.
+  docs/quantization.md, "Accuracy"), hence their room.
 - w8a8 per row and per token (``group_size: -1``), turned the same way: SmolLM2
   (0.95, 6e-3); measured 96.1% / 4.2e-3 (89.4% / 2.7e-2 in the plain basis).
 - fp8 weights (3 mantissa bits): (0.88, 3e-2), (0.70, 0.1); measured 93.0% / 1.5e-2 and
@@ -34,8 +34,7 @@ Bounds, (top-1 at least, mean KL at most):
   for the basis to spread, and a two-layer random MoE's mean KL is a few positions where
   an expert choice flips: mixtral went from 96.9% / 6.3e-4 (plain) to 94.1% / 2.4e-3 and
   qwen3_moe from 2.4e-4 to 5.4e-5, their median KL unchanged (1.2e-4 and 1.2e-4 on
-  mixtral), the standard error of mixtral's mean 40% of it
-  (docs/results/2026-12-06/kv-hadamard).
+  mixtral), the standard error of mixtral's mean 40% of it (docs/quantization.md).
 - fp8 KV pages, the same scales: (0.95, 5e-3), (0.85, 4e-2); measured 96.5% / 3.1e-3
   (4.7e-3 with one scale per row) and, with one scale per row, 88.2-94.9%.
 - ``gguf`` with bfloat16 activations for batched products (``activations=bfloat16``,

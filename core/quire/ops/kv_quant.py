@@ -40,6 +40,7 @@ import torch
 
 from quire.interfaces.attention import KV_SCALE_GROUP as GROUP
 from quire.interfaces.attention import kv_head_size, kv_row_size, kv_scale_bytes
+from quire.quantization.hadamard import butterflies
 
 #: The ``kv_cache_dtype`` values, as ``EngineConfig`` takes them.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
@@ -106,16 +107,10 @@ def check_head_size(head_size: int) -> None:
 
 
 def hadamard16(groups: torch.Tensor) -> torch.Tensor:
-    """``H g`` for every group ``g`` of the last dim (16, float32): the orthonormal
-    Sylvester-Hadamard transform, as butterflies ``(a + b, a - b)`` at distances 1, 2, 4
-    and 8 in that order, then times 1/4. The C kernels do the same adds in the same order,
-    so both give the same bits."""
-    shape = groups.shape
-    for h in (1, 2, 4, 8):
-        pairs = groups.reshape(*shape[:-1], GROUP // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        groups = torch.stack((a + b, a - b), dim=-2).reshape(shape)
-    return groups * 0.25
+    """``H g`` for every group ``g`` of 16 along the last dim (float32), by
+    :func:`~quire.quantization.hadamard.butterflies`: distances 1, 2, 4 and 8, then times
+    1/4, the order ``hadamard16`` in the C kernels repeats, so both give the same bits."""
+    return butterflies(groups)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

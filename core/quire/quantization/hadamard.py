@@ -1,5 +1,7 @@
 """Orthonormal Hadamard rotations of groups along a tensor's last dim: the basis ``w8a8``
-quantises its weights and activations in.
+quantises its weights and activations in (:func:`rotate_groups`, one product by ``H``),
+and int8 KV pages their groups of 16 (:func:`butterflies`, the adds the C kernels
+repeat bit for bit; ``quire.ops.kv_quant``).
 
 ``H`` (``n x n``, ``n`` a power of two) is Sylvester's Hadamard matrix over ``sqrt(n)``:
 symmetric and its own inverse, so a product keeps its value when both sides turn,
@@ -43,3 +45,18 @@ def rotate_groups(x: torch.Tensor, n: int) -> torch.Tensor:
     h = hadamard_matrix(n, torch.float32, x.device)
     groups = x.reshape(-1, n).float()  # one 2-D product: a third faster for a decode row
     return torch.mm(groups, h).view(x.shape).to(x.dtype)
+
+
+def butterflies(groups: torch.Tensor) -> torch.Tensor:
+    """``H g`` for every group ``g`` of the last dim (a power of two long, float32) as
+    butterflies ``(a + b, a - b)`` at distances 1, 2, 4, ... in that order, then times
+    ``1 / sqrt(n)``: an order of adds a C kernel can repeat for the same bits, which a
+    matrix product does not promise."""
+    shape, n = groups.shape, groups.shape[-1]
+    h = 1
+    while h < n:
+        pairs = groups.reshape(*shape[:-1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        groups = torch.stack((a + b, a - b), dim=-2).reshape(shape)
+        h *= 2
+    return groups * (1 / math.sqrt(n))

@@ -1,6 +1,6 @@
 """Fake-quantised KV in transformers' float32 models: int8 / fp8 groups of 16 (a float16
 scale each), in the plain basis or rotated by a Hadamard matrix, against the same model
-unquantised, on the accuracy tool's text (2,000 tokens, one forward: every query reads
+unquantised, on the accuracy tool's text (its first TOKENS, one forward: every query reads
 quantised keys and values, where the engine's first chunk reads its own unquantised).
 
     python simulate.py smollm2 DIR     # DIR: SmolLM2's float32 checkpoint
@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TEXT = Path(__file__).parents[4] / "core/quire/bench/data/accuracy_text.txt"
+#: Tokens of the text each forward reads.
+TOKENS = 2000
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(directory, **kw)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kw).eval()
     model.config._attn_implementation = "eager"
-    ids = torch.tensor([tok.encode(TEXT.read_text())[:2000]])
+    ids = torch.tensor([tok.encode(TEXT.read_text())[:TOKENS]])
     d = model.config.head_dim
     bases = {"plain": None, "groups of 16": torch.block_diag(*[hadamard(16)] * (d // 16)),
              f"whole head ({d})": hadamard(d)}

@@ -3,7 +3,7 @@ decoder linear fake-quantised per 32 input values (Q8_0's grid: a float16 scale 
 absmax / 127), in the plain basis or with each group of 32 times the orthonormal 32 x 32
 Hadamard matrix H (weights W H, activations H x: W x unchanged in exact arithmetic);
 ``w8a8`` also fake-quantises the activations per 32 values. Against the unquantised
-model on the accuracy tool's text (2,000 tokens).
+model on the accuracy tool's text (``simulate.TOKENS`` of it).
 
     python simulate_weights.py DIR    # DIR: SmolLM2's float32 checkpoint
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from simulate import TEXT, hadamard  # this folder's KV simulation
+from simulate import TEXT, TOKENS, hadamard  # this folder's KV simulation
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 H = hadamard(32)
@@ -37,7 +37,7 @@ def main() -> None:
     directory = sys.argv[1]
     tok = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    ids = torch.tensor([tok.encode(TEXT.read_text())[:2000]])
+    ids = torch.tensor([tok.encode(TEXT.read_text())[:TOKENS]])
     linears = [(n, m) for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     weights = {n: m.weight.data.clone() for n, m in linears}
