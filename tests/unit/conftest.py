@@ -34,8 +34,9 @@ def kernels(request: pytest.FixtureRequest) -> NativeKernels:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the ``amx`` level's kernels only in modules marked ``amx``: its build differs
     from ``avx512_bf16``'s only in the bfloat16 products on quantised weights
-    (csrc/amx_tiles.c, csrc/quant_gemm.c), so every other kernel test would run the same
-    code a second time."""
+    (csrc/amx_tiles.c, csrc/quant_gemm.c) and the int8 activations' batches
+    (csrc/quant_q8.c), so every other kernel test would run the same code a second
+    time."""
     skip = pytest.mark.skip(reason="the amx build runs avx512_bf16's code here; modules "
                                    "marked amx run it (tests/unit/conftest.py)")
     for item in items:

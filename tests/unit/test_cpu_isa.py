@@ -32,7 +32,7 @@ ARM = levels_for("aarch64")
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 #: gcc's -m names that differ from /proc/cpuinfo's
 GCC_NAMES = {"avx512bf16": "avx512_bf16", "avx512vnni": "avx512_vnni",
-             "amx-tile": "amx_tile", "amx-bf16": "amx_bf16"}
+             "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8"}
 CPUS = {
     "zen3": CpuFeatures.of("x86_64", {"avx2", "fma"}),
     "zen4": CpuFeatures.of("x86_64", {"avx2", "fma", *AVX512, "avx512_bf16",

@@ -19,11 +19,14 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
-from quire.platforms.cpu.native import NativeKernels
+from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.quant_linear import make_quantized_linear
 from quire.quantization.formats import FORMATS
 from quire.quantization.random import random_quantized
+
+#: the amx level's build differs in this file's kernels (tests/unit/conftest.py)
+pytestmark = pytest.mark.amx
 
 FORMATS_Q8 = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k")
 BLOCK32 = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -114,6 +117,32 @@ def test_strided_rows_and_out(kernels: NativeKernels, fmt: str) -> None:
     assert kernels.quant_linear_q8(x, weight, out=out[:, 5:26], batch=True) is not None
     check(out[:, 5:26], x, weight.dequantize())
     assert torch.isnan(out[:, :5]).all() and torch.isnan(out[:, 26:]).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS_Q8)
+def test_amx_tiles_give_the_vnni_kernel_s_products(kernels: NativeKernels, fmt: str) -> None:
+    """At the amx level, batches of 16 rows or more multiply whole 16 rows on AMX-INT8
+    tiles (the rest of the rows, and Q6_K's panels, on vpdpbusd). The tiles' integer
+    block sums are exact and scaled as vpdpbusd's are, so on unsigned codes the result
+    is the avx512_bf16 level's bit for bit; Q8_0's codes stay signed on the tiles (no
+    offset of 128, no minimum term), so its result is held to the reference's bound."""
+    if kernels.level != "amx" or not kernels.has_amx:
+        pytest.skip("AMX tiles run at the amx level only, once Linux grants them")
+    vnni = load_native_kernels(isa="avx512_bf16")
+    assert vnni is not None and vnni.level == "avx512_bf16"
+    g = torch.Generator().manual_seed(600 + FORMATS[fmt].id)
+    k = 320 if fmt in BLOCK32 else 768  # an odd number of 32-blocks in the 32-value formats
+    weight = random_quantized(fmt, 45, k, g)
+    bias = torch.randn(45, generator=g)
+    for m in (15, 16, 17, 40, 64):
+        x = torch.randn(m, k, generator=g) * 3
+        x[m - 1, 64:96] = 0.0  # an all-zero block in a tile's row
+        tiles = kernels.quant_linear_q8(x, weight, bias, batch=True)
+        if fmt == "q8_0" and m >= 16:
+            check(tiles, x, weight.dequantize(), bias)
+            assert not torch.equal(tiles, vnni.quant_linear_q8(x, weight, bias, batch=True))
+        else:
+            assert torch.equal(tiles, vnni.quant_linear_q8(x, weight, bias, batch=True))
 
 
 def test_formats_it_does_not_take(kernels: NativeKernels) -> None:

@@ -117,12 +117,14 @@ _LEVELS: dict[str, tuple[IsaLevel, ...]] = {
         # csrc/quant_gemm.c's w8a8 products
         IsaLevel("avx512_bf16", (*_X86_AVX2, *(f"-m{f}" for f in _AVX512_BF16)),
                  frozenset({"avx2", "fma", *_AVX512, "avx512_bf16", "avx512_vnni"})),
-        # AMX tiles (TDPBF16PS) for bfloat16 products on quantised weights' pair panels,
-        # csrc/amx_tiles.c; used only once Linux grants the tile state at run time
+        # AMX tiles, used only once Linux grants the tile state at run time: TDPBF16PS
+        # for bfloat16 products on quantised weights' pair panels (csrc/amx_tiles.c),
+        # TDPBSUD for int8 activations times their codes (csrc/quant_q8.c's batches);
+        # every CPU with AMX-BF16 has AMX-INT8
         IsaLevel("amx", (*_X86_AVX2, *(f"-m{f}" for f in (*_AVX512_BF16, "amx-tile",
-                                                          "amx-bf16"))),
+                                                          "amx-bf16", "amx-int8"))),
                  frozenset({"avx2", "fma", *_AVX512, "avx512_bf16", "avx512_vnni",
-                            "amx_tile", "amx_bf16"})),
+                            "amx_tile", "amx_bf16", "amx_int8"})),
     ),
     "aarch64": (
         IsaLevel("generic", ("-march=armv8-a",)),  # NEON is part of every AArch64 CPU

@@ -33,7 +33,8 @@
  *
  * Batches (quire_quant_gemm_q8_batch, AVX2 and AVX-512 levels): the tiles above unpack
  * each weight block once per 4 rows; the batch kernel unpacks the weight once a call into
- * column panels and multiplies every row from them (the section at the end).
+ * column panels and multiplies every row from them (the section at the end), 16 rows at
+ * a time on AMX-INT8 tiles at the amx level.
  *
  * Return codes (quire_quant_gemm_q8, quire_quant_gemm_q8_batch): 0; 4 a format these
  * products do not take, or no batch kernel at this level (the caller falls back); 2 k
@@ -769,8 +770,9 @@ int quire_quant_rows_q8_team_test(int32_t fmt, const float *x, int64_t m, int64_
  * scaled per row in float by the block's weight scales (a vector over the columns)
  * times the row's activation scale, and the minima times the row's block sums added.
  *
- * Codes: unsigned as above, but Q8_0's are offset by 128 at VNNI (a minimum of -128 d)
- * and taken by the sign trick below it (maddubs would saturate on offset codes); Q6_K's
+ * Codes: unsigned as above, but Q8_0's are offset by 128 at VNNI (a minimum of -128 d),
+ * kept signed on AMX tiles (TDPBSSD) and taken by the sign trick below VNNI (maddubs
+ * would saturate on offset codes); Q6_K's
  * offset by 32 with one scale and minimum (-32 d sc) per 16 weights, the activations'
  * sums per 16 in float. The results differ from the tiles' above only by float rounding.
  */
@@ -952,11 +954,11 @@ INL void qb_put(__m256i *stage, uint8_t *dst) {
 }
 
 /* The same for the 32-weight formats, their half scales converted 8 columns at once. */
-static void qb_pack32(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
-                      int64_t nb, qb_panel p) {
+static void qb_pack32(int32_t fmt, int kind, const uint8_t *w, int64_t ws, int64_t j0,
+                      int nc, int64_t nb, qb_panel p) {
     const int bb = fmt == Q8F_Q4_0 ? 18 : fmt == Q8F_Q4_1 ? 20 : fmt == Q8F_Q5_0 ? 22
                    : fmt == Q8F_Q5_1 ? 24 : 34;
-    const int offset8 = fmt == Q8F_Q8_0 && qb_kind(fmt) == QB_U1;
+    const int offset8 = fmt == Q8F_Q8_0 && kind == QB_U1;
     const float bias = fmt == Q8F_Q4_0 ? -8.0f : fmt == Q8F_Q5_0 ? -16.0f
                        : offset8 ? -128.0f : 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -987,13 +989,13 @@ static void qb_pack32(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int
 
 /* Columns [j0, j0 + nc) of the weight into the panel (lanes nc.. zero): a block of
  * every column decoded, then transposed into 4-byte lanes. */
-static void qb_pack(int32_t fmt, const uint8_t *w, int64_t ws, int64_t j0, int nc,
+static void qb_pack(int32_t fmt, int kind, const uint8_t *w, int64_t ws, int64_t j0, int nc,
                     int64_t nb, qb_panel p) {
     if (q8_block(fmt) == 32) {
-        qb_pack32(fmt, w, ws, j0, nc, nb, p);
+        qb_pack32(fmt, kind, w, ws, j0, nc, nb, p);
         return;
     }
-    const int kind = qb_kind(fmt), sub = kind == QB_U2 ? 2 : 1;
+    const int sub = kind == QB_U2 ? 2 : 1;
     for (int64_t b = 0; b < nb; b++) {
         __m256i stage[QB_NC];
         for (int c = 0; c < QB_NC; c++) {
@@ -1088,6 +1090,112 @@ QB_KIND(QB_U1)
 QB_KIND(QB_S1)
 QB_KIND(QB_U2)
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QB_NC == 16 && QB_VNNI
+#define QB_AMX 1
+/* AMX-INT8 for the 32-value blocks' panels (the amx level, once Linux grants the tile
+ * state): a panel's block is AMX's B-tile layout as it stands (8 rows of 64 bytes: row t
+ * holds codes 4t .. 4t + 3 of each of the 16 columns), so one TDPBSUD (unsigned codes,
+ * QB_U1) or TDPBSSD (Q8_0's signed codes, packed without the offset of 128 that
+ * vpdpbusd needs: QB_S1, no minimum) multiplies 16 rows' 32 signed activation bytes (an
+ * A tile read in place, rows k bytes apart) by it into the 16 x 16 exact integer block
+ * sums that vpdpbusd makes 8 instructions a row for. The sums are scaled as qb_tile
+ * scales them, so on QB_U1 panels the results are qb_tile's bit for bit. Two sets of
+ * tiles alternate so that one block's product runs while the other's sums are scaled:
+ * C tiles 0 and 1, A tiles 4 and 5, B tiles 6 and 7. */
+static const struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) QB_AMX_CONFIG = {
+    .palette = 1,
+    .colsb = {64, 64, 0, 0, 32, 32, 64, 64},
+    .rows = {16, 16, 0, 0, 16, 16, 8, 8},
+};
+
+/* Block b's sums (in buf, 16 rows of 16 int32) scaled into acc as qb_tile does. */
+INL void qb_amx_scale(int kind, const struct qb_act *a, int64_t r0, qb_panel p, int64_t b,
+                      const int32_t *buf, qbf acc[16]) {
+    const qbf sc = QB_LDF(p.s + QB_NC * b), mn = QB_LDF(p.m + QB_NC * b);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) {
+        const int64_t ib = (r0 + r) * a->nb + b;
+        const qbi is = _mm512_load_si512(buf + 16 * r);
+        acc[r] = QB_FMA(QB_CVT(is), QB_MUL(sc, QB_F32(a->d[ib])), acc[r]);
+        if (kind == QB_U1)
+            acc[r] = QB_FMA(mn, QB_F32(a->ds[ib]), acc[r]);
+    }
+}
+
+/* Tile c += tile a times tile b, b's bytes unsigned (QB_U1) or signed (QB_S1). */
+#define QB_AMX_DOT(kind, c, a, b)                                                          \
+    do {                                                                                   \
+        if ((kind) == QB_U1)                                                               \
+            _tile_dpbsud(c, a, b);                                                         \
+        else                                                                               \
+            _tile_dpbssd(c, a, b);                                                         \
+    } while (0)
+
+/* Rows [r0, r0 + 16) times a QB_U1 or QB_S1 panel on AMX tiles; the tile configuration
+ * loaded. */
+INL void qb_amx_tile(int kind, const struct qb_act *a, int64_t r0, qb_panel p, int nc,
+                     int64_t j0, const float *bias, float *y, int64_t ldy, int stream) {
+    const int64_t nb = a->nb, k = a->k;
+    const int8_t *x = a->q + r0 * k;
+    int32_t buf[256] __attribute__((aligned(64)));
+    qbf acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = QB_ZF();
+    _tile_loadd(4, x, k);
+    _tile_loadd(6, p.q, 64);
+    _tile_zero(0);
+    QB_AMX_DOT(kind, 0, 4, 6);
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (b + 1 < nb) {
+            _tile_loadd(5, x + 32 * (b + 1), k);
+            _tile_loadd(7, p.q + 8 * (b + 1), 64);
+            _tile_zero(1);
+            QB_AMX_DOT(kind, 1, 5, 7);
+        }
+        _tile_stored(0, buf, 64);
+        qb_amx_scale(kind, a, r0, p, b, buf, acc);
+        if (b + 1 < nb) {
+            if (b + 2 < nb) {
+                _tile_loadd(4, x + 32 * (b + 2), k);
+                _tile_loadd(6, p.q + 8 * (b + 2), 64);
+                _tile_zero(0);
+                QB_AMX_DOT(kind, 0, 4, 6);
+            }
+            _tile_stored(1, buf, 64);
+            qb_amx_scale(kind, a, r0, p, b + 1, buf, acc);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+        qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc, stream);
+}
+
+/* Rows [r0, r1) of a QB_U1 or QB_S1 panel: whole 16 rows on AMX tiles, the rest on
+ * qb_tile (a QB_S1 panel's there by the sign trick, as below VNNI). */
+static void qb_amx_rows(int kind, int64_t r0, int64_t r1, const struct qb_act *a, qb_panel p,
+                        int nc, int64_t j0, const float *bias, float *y, int64_t ldy,
+                        int stream) {
+    int64_t r = r0;
+    if (kind == QB_U1) {
+        for (; r + 16 <= r1; r += 16) qb_amx_tile(QB_U1, a, r, p, nc, j0, bias, y, ldy, stream);
+        if (r < r1)
+            qb_rows_QB_U1(r, r1, a, p, nc, j0, bias, y, ldy, stream);
+    } else {
+        for (; r + 16 <= r1; r += 16) qb_amx_tile(QB_S1, a, r, p, nc, j0, bias, y, ldy, stream);
+        if (r < r1)
+            qb_rows_QB_S1(r, r1, a, p, nc, j0, bias, y, ldy, stream);
+    }
+}
+#else
+#define QB_AMX 0
+#endif
+
 #endif /* __AVX2__ */
 
 /* Whether this build has the batch kernel (the AVX2 and AVX-512 levels). */
@@ -1119,7 +1227,9 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
     float *ds = d + m * nb, *ds16 = ds + m * nb;
     int16_t *bs = (int16_t *)(ds16 + 2 * m * nb);
     const struct qb_act a = {q, d, ds, ds16, k, nb};
-    const int kind = qb_kind(fmt);
+    const int amx = QB_AMX && quire_amx_ready();
+    /* Q8_0's codes stay signed on AMX tiles (TDPBSSD), where vpdpbusd wants them offset */
+    const int kind = amx && m >= 16 && fmt == Q8F_Q8_0 ? QB_S1 : qb_kind(fmt);
     const int64_t tiles = (n + QB_NC - 1) / QB_NC;
     /* an output larger than the caches is streamed (QB_STREAM_BYTES) */
     const int stream = (double)m * (double)n * sizeof(float) > QB_STREAM_BYTES;
@@ -1133,11 +1243,14 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
             for (int64_t h = 0; h < 2 * nb; h++)
                 ds16[2 * i * nb + h] = d[i * nb + h / 2] * (float)bs[2 * i * nb + h];
         }
+        /* rows go to AMX tiles 16 at a time, else to qb_tile QB_RM at a time */
+        const int tiles_on = amx && kind != QB_U2 && m >= 16;
+        const int64_t rm = tiles_on ? 16 : QB_RM;
         /* work items: column panels, each cut into row chunks when panels are few */
         int64_t chunks = 1;
         if (tiles < 4 * team) {
             chunks = (4 * team + tiles - 1) / tiles;
-            const int64_t most = (m + QB_RM - 1) / QB_RM;
+            const int64_t most = (m + rm - 1) / rm;
             chunks = chunks < most ? chunks : most;
         }
         const int64_t items = tiles * chunks, i0 = items * t / team, i1 = items * (t + 1) / team;
@@ -1149,26 +1262,38 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
                 failed = 1;
             }
         }
+#if QB_AMX
+        if (tiles_on)
+            _tile_loadconfig(&QB_AMX_CONFIG);
+#endif
         int64_t packed = -1;
         for (int64_t it = i0; it < i1 && p.q != NULL; it++) {
             const int64_t tile = it / chunks, chunk = it % chunks, j0 = tile * QB_NC;
             const int nc = (int)(n - j0 < QB_NC ? n - j0 : QB_NC);
             if (tile != packed) {
-                qb_pack(fmt, w, w_stride, j0, nc, nb, p);
+                qb_pack(fmt, kind, w, w_stride, j0, nc, nb, p);
                 packed = tile;
             }
-            /* row chunks of whole tiles of QB_RM rows */
-            const int64_t rt = (m + QB_RM - 1) / QB_RM;
-            const int64_t r0 = QB_RM * (rt * chunk / chunks);
-            int64_t r1 = QB_RM * (rt * (chunk + 1) / chunks);
+            /* row chunks of whole tiles of rm rows */
+            const int64_t rt = (m + rm - 1) / rm;
+            const int64_t r0 = rm * (rt * chunk / chunks);
+            int64_t r1 = rm * (rt * (chunk + 1) / chunks);
             r1 = r1 < m ? r1 : m;
-            if (kind == QB_U1)
+            if (tiles_on) {
+#if QB_AMX
+                qb_amx_rows(kind, r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
+#endif
+            } else if (kind == QB_U1)
                 qb_rows_QB_U1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
             else if (kind == QB_S1)
                 qb_rows_QB_S1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
             else
                 qb_rows_QB_U2(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
         }
+#if QB_AMX
+        if (tiles_on)
+            _tile_release();
+#endif
         if (stream)
             _mm_sfence(); /* the streamed stores visible before the team's barrier */
     }
