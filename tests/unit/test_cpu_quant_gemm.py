@@ -131,10 +131,14 @@ def test_bad_formats_and_widths_are_refused(kernels: NativeKernels) -> None:
     assert kernels.quant_linear(torch.ones(1, 64, dtype=torch.float64), weight) is None
 
 def test_w8a8_equals_the_reference_exactly(kernels: NativeKernels) -> None:
+    """Exact int32 sums scaled as the reference scales them, at every level: at the amx
+    level whole 16 rows take AMX-INT8 tiles (16, 33 and 64 rows: tiles of 32 and of 16
+    rows, and a row left over for the vector kernel), 37 weight rows a pair of 16-row
+    panels and a partial one."""
     gen = torch.Generator().manual_seed(4)
     for cols in (256, 100, 1000):
         weight = make_weight("int8", 37, cols, gen)
-        for m in (1, 3, 7, 64):
+        for m in (1, 3, 7, 16, 33, 64):
             x = torch.randn(m, cols, generator=gen) * 3
             x[0, : cols // 2] = 0
             if m > 1:
@@ -145,12 +149,13 @@ def test_w8a8_equals_the_reference_exactly(kernels: NativeKernels) -> None:
             assert torch.equal(y, ref), (y - ref).abs().max()
     # rows further apart than their bytes, into a slice of a wider output
     weight = make_weight("int8", 37, 300, gen).narrow_cols(8, 280)
-    x = torch.randn(5, 280, generator=gen)
-    wide = torch.full((5, 40), 7.0)
-    out = wide[:, 2:39]
-    assert kernels.quant_linear_i8(x, weight, out=out) is out
-    assert torch.equal(out, quantized_linear(x, weight, int8_activations=True))
-    assert (wide[:, :2] == 7).all() and (wide[:, 39:] == 7).all()
+    for m in (5, 40):
+        x = torch.randn(m, 280, generator=gen)
+        wide = torch.full((m, 40), 7.0)
+        out = wide[:, 2:39]
+        assert kernels.quant_linear_i8(x, weight, out=out) is out
+        assert torch.equal(out, quantized_linear(x, weight, int8_activations=True))
+        assert (wide[:, :2] == 7).all() and (wide[:, 39:] == 7).all()
     assert kernels.quant_linear_i8(x, make_weight("q8_0", 4, 64, gen)) is None
 
 def test_quantized_linear_keeps_the_reference_contract(kernels: NativeKernels) -> None:

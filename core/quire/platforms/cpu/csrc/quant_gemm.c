@@ -51,6 +51,8 @@
  * as the reference does (in double: acc * sx * sw, then float, then + bias). AVX512-VNNI
  * (vpdpbusd) takes the weights +128 as unsigned bytes and subtracts 128 * sum(x) per
  * row; AVX-512BW and AVX2 use maddubs on |w| and x carrying w's sign; plain C otherwise.
+ * At the amx level, whole 16 rows of a product of 16 or more take AMX-INT8 tiles
+ * (TDPBSSD, the same exact sums).
  *
  * Return codes: 0; 1 unknown format; 2 k not a whole number of blocks (or, for int8
  * activations, above I8_MAX_K, where int32 sums could overflow); 3 out of memory; 4 the
@@ -1484,13 +1486,33 @@ int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
 static void quantize_row(const float *x, int64_t k, int64_t kp, int8_t *q, float *scale,
                          int32_t *sum) {
     float amax = 0.0f;
-    for (int64_t c = 0; c < k; c++) {
+    int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same IEEE operations 16 at a time: max |x|, x / s rounded half to even */
+    __m512 mx = _mm512_setzero_ps();
+    for (; c + 16 <= k; c += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c)), mx);
+    amax = _mm512_reduce_max_ps(mx);
+#endif
+    for (; c < k; c++) {
         const float a = fabsf(x[c]);
         amax = a > amax ? a : amax;
     }
     const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     int32_t total = 0;
-    for (int64_t c = 0; c < k; c++) {
+    c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 sv = _mm512_set1_ps(s), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    __m512i tv = _mm512_setzero_si512();
+    for (; c + 16 <= k; c += 16) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + c), sv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i iv = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, hi), lo));
+        _mm_storeu_si128((__m128i *)(q + c), _mm512_cvtepi32_epi8(iv));
+        tv = _mm512_add_epi32(tv, iv);
+    }
+    total = _mm512_reduce_add_epi32(tv);
+#endif
+    for (; c < k; c++) {
         float t = nearbyintf(x[c] / s);
         t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
         q[c] = (int8_t)t;
@@ -1606,6 +1628,110 @@ static void i8_block(int mr, int nr, const int8_t *qx, int64_t kp, const uint8_t
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define I8_AMX 1
+/* w8a8 per row on AMX-INT8 tiles (the amx level, once Linux grants the tile state):
+ * every product of a row's int8 values with a weight row is an int32 sum over the whole
+ * of k, so whole 16 rows times 16 weight rows are one C tile that TDPBSSD (signed by
+ * signed bytes) adds 64 values of k into at a time, with nothing to scale in between:
+ * the sums are exact and scaled at the end as below, so the results are the other
+ * levels' bit for bit. The weight's rows are laid out a pair of 16-row panels at a time
+ * in AMX's B-tile layout (for each 64 bytes of k, 16 rows of 64 bytes: row t holds bytes
+ * 4t .. 4t + 3 of each of the 16 weight rows; zero past k and past n), in each thread's
+ * scratch; 32 rows of x by two panels use all 8 tiles (C 0-3, A 4-5, B 6-7, as
+ * amx_tiles.c's configuration has them). Rows short of 16 go to i8_block. */
+
+/* Each thread's two panels, kept between calls (grown, never shrunk, as the other
+ * kernels' scratch: a fresh allocation of a long weight's panels is an mmap a call). */
+static __thread uint8_t *i8_panels;
+static __thread size_t i8_panel_bytes;
+
+static uint8_t *i8_amx_scratch(size_t bytes) {
+    if (bytes > i8_panel_bytes) {
+        uint8_t *grown = quire_aligned_alloc(bytes);
+        if (grown == NULL)
+            return NULL;
+        free(i8_panels);
+        i8_panels = grown;
+        i8_panel_bytes = bytes;
+    }
+    return i8_panels;
+}
+
+/* Weight rows [j0, j0 + nr) (nr <= 32) into two panels of kp / 64 blocks of 1024 bytes. */
+static void i8_amx_pack(const uint8_t *w, int64_t w_stride, int64_t k, int64_t kp, int64_t j0,
+                        int nr, uint8_t *panels) {
+    const int64_t blocks = kp / 64;
+    for (int half = 0; half < 2; half++) {
+        uint8_t *panel = panels + half * blocks * 1024;
+        for (int64_t b = 0; b < blocks; b++) {
+            __m512i col[16];
+            for (int q = 0; q < 16; q++) {
+                const int j = 16 * half + q;
+                const int64_t c0 = 64 * b, left = k - c0;
+                const __mmask64 keep = left >= 64 ? ~(__mmask64)0
+                                       : ((__mmask64)1 << left) - 1;
+                col[q] = j < nr ? _mm512_maskz_loadu_epi8(keep, w + (j0 + j) * w_stride + c0)
+                                : _mm512_setzero_si512();
+            }
+            /* dword t of column q to lane q of row t: a 16 x 16 dword transpose */
+            int32_t tmp[16][16] __attribute__((aligned(64)));
+            for (int q = 0; q < 16; q++) _mm512_store_si512(tmp[q], col[q]);
+            const __m512i lanes = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144,
+                                                    160, 176, 192, 208, 224, 240);
+            for (int t = 0; t < 16; t++)
+                _mm512_store_si512(panel + b * 1024 + 64 * t,
+                                   _mm512_i32gather_epi32(lanes, &tmp[0][t], 4));
+        }
+    }
+}
+
+/* Rows [i0, i0 + 16 * R2) (R2 = 1 or 2) of qx times the two panels: y's columns
+ * [j0, j0 + nr). */
+static void i8_amx_rows(int R2, const int8_t *qx, int64_t kp, const uint8_t *panels,
+                        int64_t i0, int64_t j0, int nr, const float *sx,
+                        const float *row_scales, const float *bias, float *y, int64_t ldy) {
+    const int64_t blocks = kp / 64;
+    const uint8_t *p0 = panels, *p1 = panels + blocks * 1024;
+    const int8_t *a = qx + i0 * kp;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (R2 == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        _tile_loadd(4, a + 64 * b, kp);
+        _tile_loadd(6, p0 + 1024 * b, 64);
+        _tile_loadd(7, p1 + 1024 * b, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (R2 == 2) {
+            _tile_loadd(5, a + 16 * kp + 64 * b, kp);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    int32_t acc[32][32] __attribute__((aligned(64)));
+    _tile_stored(0, &acc[0][0], 128);
+    _tile_stored(1, &acc[0][16], 128);
+    if (R2 == 2) {
+        _tile_stored(2, &acc[16][0], 128);
+        _tile_stored(3, &acc[16][16], 128);
+    }
+    for (int r = 0; r < 16 * R2; r++) {
+        const int64_t i = i0 + r;
+        for (int q = 0; q < nr; q++) {
+            const int64_t j = j0 + q;
+            float v = (float)((double)acc[r][q] * (double)sx[i] * (double)row_scales[j]);
+            y[i * ldy + j] = bias ? v + bias[j] : v;
+        }
+    }
+}
+#else
+#define I8_AMX 0
+#endif
+
 int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
                         int64_t w_stride, int64_t n, const float *row_scales,
                         const float *bias, float *y, int64_t ldy) {
@@ -1623,12 +1749,62 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
     float *sx = scratch + ((size_t)m * kp + 3) / 4;
     int32_t *sumx = (int32_t *)(sx + m);
     const int64_t groups = (n + I8_NR - 1) / I8_NR;
+    const int amx = I8_AMX && m >= 16 && quire_amx_ready();
+    int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m; i++) quantize_row(x + i * k, k, kp, qx + i * kp, sx + i,
                                                    sumx + i);
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+#if I8_AMX
+        if (amx) {
+            /* pairs of 16-row panels of the weight shared out; whole 16 rows of x on the
+             * tiles, the rest (m mod 16) on i8_block */
+            const int64_t pairs = (n + 31) / 32, m16 = m / 16 * 16;
+            uint8_t *panels = NULL;
+            if (pairs * t / team < pairs * (t + 1) / team) {
+                panels = i8_amx_scratch((size_t)kp * 32);
+                if (panels == NULL) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+            }
+            if (panels != NULL)
+                quire_amx_begin();
+            for (int64_t g = pairs * t / team; g < pairs * (t + 1) / team && panels; g++) {
+                const int64_t j0 = 32 * g;
+                const int nr = n - j0 < 32 ? (int)(n - j0) : 32;
+                i8_amx_pack(w, w_stride, k, kp, j0, nr, panels);
+                int64_t i0 = 0;
+                for (; i0 + 32 <= m16; i0 += 32)
+                    i8_amx_rows(2, qx, kp, panels, i0, j0, nr, sx, row_scales, bias, y, ldy);
+                if (i0 < m16)
+                    i8_amx_rows(1, qx, kp, panels, i0, j0, nr, sx, row_scales, bias, y, ldy);
+                for (int64_t c0 = j0; c0 < j0 + nr && m16 < m; c0 += I8_NR) {
+                    const int nc = j0 + nr - c0 < I8_NR ? (int)(j0 + nr - c0) : I8_NR;
+                    const uint8_t *wr[I8_NR];
+                    for (int q = 0; q < I8_NR; q++) wr[q] = w + (c0 + (q < nc ? q : 0)) * w_stride;
+                    for (int64_t r0 = m16; r0 < m; r0 += I8_MR) {
+                        const int rr = m - r0 < I8_MR ? (int)(m - r0) : I8_MR;
+                        int32_t out[I8_MR][I8_NR];
+                        i8_block(rr, nc, qx + r0 * kp, kp, wr, k, out);
+                        for (int r = 0; r < rr; r++)
+                            for (int q = 0; q < nc; q++) {
+                                const int64_t i = r0 + r, j = c0 + q;
+                                const int32_t acc = out[r][q] - (I8_OFFSET ? 128 * sumx[i] : 0);
+                                float v = (float)((double)acc * (double)sx[i]
+                                                  * (double)row_scales[j]);
+                                y[i * ldy + j] = bias ? v + bias[j] : v;
+                            }
+                    }
+                }
+            }
+            if (panels != NULL)
+                quire_amx_end();
+        } else
+#endif
+        {
         for (int64_t g = groups * t / team; g < groups * (t + 1) / team; g++) {
             const int64_t j0 = g * I8_NR;
             const int nr = n - j0 < I8_NR ? (int)(n - j0) : I8_NR;
@@ -1647,6 +1823,7 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
                     }
             }
         }
+        }
     }
-    return 0;
+    return failed ? 3 : 0;
 }
