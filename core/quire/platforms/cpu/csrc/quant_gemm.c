@@ -1658,6 +1658,35 @@ static uint8_t *i8_amx_scratch(size_t bytes) {
     return i8_panels;
 }
 
+/* r[i] (16 dwords each) transposed in registers: afterwards lane i of r[t] is dword t
+ * of the input r[i]. */
+INL void i8_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each 128-bit lane now holds a 4 x 4 block transposed: move the blocks */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
 /* Weight rows [j0, j0 + nr) (nr <= 32) into two panels of kp / 64 blocks of 1024 bytes. */
 static void i8_amx_pack(const uint8_t *w, int64_t w_stride, int64_t k, int64_t kp, int64_t j0,
                         int nr, uint8_t *panels) {
@@ -1675,13 +1704,8 @@ static void i8_amx_pack(const uint8_t *w, int64_t w_stride, int64_t k, int64_t k
                                 : _mm512_setzero_si512();
             }
             /* dword t of column q to lane q of row t: a 16 x 16 dword transpose */
-            int32_t tmp[16][16] __attribute__((aligned(64)));
-            for (int q = 0; q < 16; q++) _mm512_store_si512(tmp[q], col[q]);
-            const __m512i lanes = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144,
-                                                    160, 176, 192, 208, 224, 240);
-            for (int t = 0; t < 16; t++)
-                _mm512_store_si512(panel + b * 1024 + 64 * t,
-                                   _mm512_i32gather_epi32(lanes, &tmp[0][t], 4));
+            i8_transpose16(col);
+            for (int t = 0; t < 16; t++) _mm512_store_si512(panel + b * 1024 + 64 * t, col[t]);
         }
     }
 }
