@@ -30,6 +30,8 @@ pytestmark = pytest.mark.amx
 
 FORMATS_Q8 = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k")
 BLOCK32 = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+#: the fewest rows that take AMX tiles at the amx level (quant_q8.c's QB_AMX_MIN_ROWS)
+AMX_MIN_ROWS = 32
 ROWS = (1, 5, 17, 64, 200)
 TOL_ULPS = 8
 EPS = torch.finfo(torch.float32).eps
@@ -121,8 +123,9 @@ def test_strided_rows_and_out(kernels: NativeKernels, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS_Q8)
 def test_amx_tiles_give_the_vnni_kernel_s_products(kernels: NativeKernels, fmt: str) -> None:
-    """At the amx level, batches of 16 rows or more multiply whole 16 rows on AMX-INT8
-    tiles (the rest of the rows, and Q6_K's panels, on vpdpbusd). The tiles' integer
+    """At the amx level, batches of 32 rows or more multiply whole 16 rows on AMX-INT8
+    tiles (the rest of the rows, smaller batches, and Q6_K's panels, on vpdpbusd). The
+    tiles' integer
     block sums are exact and scaled as vpdpbusd's are, so on unsigned codes the result
     is the avx512_bf16 level's bit for bit; Q8_0's codes stay signed on the tiles (no
     offset of 128, no minimum term), so its result is held to the reference's bound."""
@@ -134,11 +137,11 @@ def test_amx_tiles_give_the_vnni_kernel_s_products(kernels: NativeKernels, fmt: 
     k = 320 if fmt in BLOCK32 else 768  # an odd number of 32-blocks in the 32-value formats
     weight = random_quantized(fmt, 45, k, g)
     bias = torch.randn(45, generator=g)
-    for m in (15, 16, 17, 40, 64):
+    for m in (16, 31, 32, 33, 40, 64):
         x = torch.randn(m, k, generator=g) * 3
         x[m - 1, 64:96] = 0.0  # an all-zero block in a tile's row
         tiles = kernels.quant_linear_q8(x, weight, bias, batch=True)
-        if fmt == "q8_0" and m >= 16:
+        if fmt == "q8_0" and m >= AMX_MIN_ROWS:
             check(tiles, x, weight.dequantize(), bias)
             assert not torch.equal(tiles, vnni.quant_linear_q8(x, weight, bias, batch=True))
         else:

@@ -1092,6 +1092,9 @@ QB_KIND(QB_U2)
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QB_NC == 16 && QB_VNNI
 #define QB_AMX 1
+/* Products of fewer rows keep vpdpbusd: at 16 rows the tiles' set-up and the sums'
+ * round trip through memory took 0.87-1.10x its time, at 64 1.0-1.3x. */
+#define QB_AMX_MIN_ROWS 32
 /* AMX-INT8 for the 32-value blocks' panels (the amx level, once Linux grants the tile
  * state): a panel's block is AMX's B-tile layout as it stands (8 rows of 64 bytes: row t
  * holds codes 4t .. 4t + 3 of each of the 16 columns), so one TDPBSUD (unsigned codes,
@@ -1194,6 +1197,7 @@ static void qb_amx_rows(int kind, int64_t r0, int64_t r1, const struct qb_act *a
 }
 #else
 #define QB_AMX 0
+#define QB_AMX_MIN_ROWS 0
 #endif
 
 #endif /* __AVX2__ */
@@ -1229,7 +1233,7 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
     const struct qb_act a = {q, d, ds, ds16, k, nb};
     const int amx = QB_AMX && quire_amx_ready();
     /* Q8_0's codes stay signed on AMX tiles (TDPBSSD), where vpdpbusd wants them offset */
-    const int kind = amx && m >= 16 && fmt == Q8F_Q8_0 ? QB_S1 : qb_kind(fmt);
+    const int kind = amx && m >= QB_AMX_MIN_ROWS && fmt == Q8F_Q8_0 ? QB_S1 : qb_kind(fmt);
     const int64_t tiles = (n + QB_NC - 1) / QB_NC;
     /* an output larger than the caches is streamed (QB_STREAM_BYTES) */
     const int stream = (double)m * (double)n * sizeof(float) > QB_STREAM_BYTES;
@@ -1244,7 +1248,7 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
                 ds16[2 * i * nb + h] = d[i * nb + h / 2] * (float)bs[2 * i * nb + h];
         }
         /* rows go to AMX tiles 16 at a time, else to qb_tile QB_RM at a time */
-        const int tiles_on = amx && kind != QB_U2 && m >= 16;
+        const int tiles_on = amx && kind != QB_U2 && m >= QB_AMX_MIN_ROWS;
         const int64_t rm = tiles_on ? 16 : QB_RM;
         /* work items: column panels, each cut into row chunks when panels are few */
         int64_t chunks = 1;
