@@ -45,16 +45,8 @@ int quire_amx_ready(void) {
     return state > 0;
 }
 
-/* palette 1, every tile 16 rows of 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7.
- * Static: GCC's _tile_loadconfig tells the compiler it reads 8 bytes of its operand, so
- * a configuration built on the stack just before may not be there yet. */
-static const struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) TILE_CONFIG = {
+/* palette 1, every tile 16 rows of 64 bytes: C tiles 0-3, A tiles 4-5, B tiles 6-7 */
+static const struct quire_amx_config __attribute__((aligned(64))) TILE_CONFIG = {
     .palette = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},

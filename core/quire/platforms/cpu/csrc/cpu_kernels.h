@@ -587,6 +587,18 @@ static inline void attend_heads_kv(int kv_type, const float *q, const void *k_ca
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,
                         const float *scales, const float *offsets, int64_t j);
 
+/* A tile configuration as LDTILECFG reads it (palette 1: per tile, its bytes a row and
+ * its rows). Keep one static and 64-byte aligned: GCC's _tile_loadconfig tells the
+ * compiler it reads 8 bytes of its operand, so one built on the stack just before may
+ * not be there yet. */
+struct quire_amx_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
 /* amx_tiles.c: whether this process may use AMX tiles (asked of Linux once; 0 at levels
  * built without AMX, or when refused). Only where it is 1: quire_amx_begin loads the
  * calling thread's tile configuration, quire_amx_end releases the tiles, and between

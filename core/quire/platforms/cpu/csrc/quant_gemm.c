@@ -1628,6 +1628,13 @@ static void i8_block(int mr, int nr, const int8_t *qx, int64_t kp, const uint8_t
 }
 #endif
 
+/* y[i][j] from row i's and weight row j's exact int32 sum, as the reference scales it. */
+INL void i8_put(float *y, int64_t ldy, int64_t i, int64_t j, int32_t acc, const float *sx,
+                const float *row_scales, const float *bias) {
+    const float v = (float)((double)acc * (double)sx[i] * (double)row_scales[j]);
+    y[i * ldy + j] = bias ? v + bias[j] : v;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define I8_AMX 1
 /* w8a8 per row on AMX-INT8 tiles (the amx level, once Linux grants the tile state):
@@ -1743,14 +1750,8 @@ static void i8_amx_rows(int R2, const int8_t *qx, int64_t kp, const uint8_t *pan
         _tile_stored(2, &acc[16][0], 128);
         _tile_stored(3, &acc[16][16], 128);
     }
-    for (int r = 0; r < 16 * R2; r++) {
-        const int64_t i = i0 + r;
-        for (int q = 0; q < nr; q++) {
-            const int64_t j = j0 + q;
-            float v = (float)((double)acc[r][q] * (double)sx[i] * (double)row_scales[j]);
-            y[i * ldy + j] = bias ? v + bias[j] : v;
-        }
-    }
+    for (int r = 0; r < 16 * R2; r++)
+        for (int q = 0; q < nr; q++) i8_put(y, ldy, i0 + r, j0 + q, acc[r][q], sx, row_scales, bias);
 }
 #else
 #define I8_AMX 0
@@ -1814,13 +1815,10 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
                         int32_t out[I8_MR][I8_NR];
                         i8_block(rr, nc, qx + r0 * kp, kp, wr, k, out);
                         for (int r = 0; r < rr; r++)
-                            for (int q = 0; q < nc; q++) {
-                                const int64_t i = r0 + r, j = c0 + q;
-                                const int32_t acc = out[r][q] - (I8_OFFSET ? 128 * sumx[i] : 0);
-                                float v = (float)((double)acc * (double)sx[i]
-                                                  * (double)row_scales[j]);
-                                y[i * ldy + j] = bias ? v + bias[j] : v;
-                            }
+                            for (int q = 0; q < nc; q++)
+                                i8_put(y, ldy, r0 + r, c0 + q,
+                                       out[r][q] - (I8_OFFSET ? 128 * sumx[r0 + r] : 0), sx,
+                                       row_scales, bias);
                     }
                 }
             }
@@ -1839,12 +1837,10 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
                 int32_t out[I8_MR][I8_NR];
                 i8_block(mr, nr, qx + i0 * kp, kp, wr, k, out);
                 for (int r = 0; r < mr; r++)
-                    for (int q = 0; q < nr; q++) {
-                        const int64_t i = i0 + r, j = j0 + q;
-                        const int32_t acc = out[r][q] - (I8_OFFSET ? 128 * sumx[i] : 0);
-                        float v = (float)((double)acc * (double)sx[i] * (double)row_scales[j]);
-                        y[i * ldy + j] = bias ? v + bias[j] : v;
-                    }
+                    for (int q = 0; q < nr; q++)
+                        i8_put(y, ldy, i0 + r, j0 + q,
+                               out[r][q] - (I8_OFFSET ? 128 * sumx[i0 + r] : 0), sx,
+                               row_scales, bias);
             }
         }
         }

@@ -1105,13 +1105,7 @@ QB_KIND(QB_U2)
  * scales them, so on QB_U1 panels the results are qb_tile's bit for bit. Two sets of
  * tiles alternate so that one block's product runs while the other's sums are scaled:
  * C tiles 0 and 1, A tiles 4 and 5, B tiles 6 and 7. */
-static const struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) QB_AMX_CONFIG = {
+static const struct quire_amx_config __attribute__((aligned(64))) QB_AMX_CONFIG = {
     .palette = 1,
     .colsb = {64, 64, 0, 0, 32, 32, 64, 64},
     .rows = {16, 16, 0, 0, 16, 16, 8, 8},
