@@ -1635,6 +1635,25 @@ INL void i8_put(float *y, int64_t ldy, int64_t i, int64_t j, int32_t acc, const 
     y[i * ldy + j] = bias ? v + bias[j] : v;
 }
 
+/* Rows [r0, r1) of qx times weight rows [j0, j0 + I8_NR) (fewer at n) into y. */
+static void i8_group(const int8_t *qx, int64_t kp, int64_t r0, int64_t r1, const uint8_t *w,
+                     int64_t w_stride, int64_t k, int64_t j0, int64_t n, const float *sx,
+                     const int32_t *sumx, const float *row_scales, const float *bias,
+                     float *y, int64_t ldy) {
+    const int nr = n - j0 < I8_NR ? (int)(n - j0) : I8_NR;
+    const uint8_t *wr[I8_NR];
+    for (int q = 0; q < I8_NR; q++) wr[q] = w + (j0 + (q < nr ? q : 0)) * w_stride;
+    for (int64_t i0 = r0; i0 < r1; i0 += I8_MR) {
+        const int mr = r1 - i0 < I8_MR ? (int)(r1 - i0) : I8_MR;
+        int32_t out[I8_MR][I8_NR];
+        i8_block(mr, nr, qx + i0 * kp, kp, wr, k, out);
+        for (int r = 0; r < mr; r++)
+            for (int q = 0; q < nr; q++)
+                i8_put(y, ldy, i0 + r, j0 + q, out[r][q] - (I8_OFFSET ? 128 * sumx[i0 + r] : 0),
+                       sx, row_scales, bias);
+    }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define I8_AMX 1
 /* w8a8 per row on AMX-INT8 tiles (the amx level, once Linux grants the tile state):
@@ -1806,43 +1825,18 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
                     i8_amx_rows(2, qx, kp, panels, i0, j0, nr, sx, row_scales, bias, y, ldy);
                 if (i0 < m16)
                     i8_amx_rows(1, qx, kp, panels, i0, j0, nr, sx, row_scales, bias, y, ldy);
-                for (int64_t c0 = j0; c0 < j0 + nr && m16 < m; c0 += I8_NR) {
-                    const int nc = j0 + nr - c0 < I8_NR ? (int)(j0 + nr - c0) : I8_NR;
-                    const uint8_t *wr[I8_NR];
-                    for (int q = 0; q < I8_NR; q++) wr[q] = w + (c0 + (q < nc ? q : 0)) * w_stride;
-                    for (int64_t r0 = m16; r0 < m; r0 += I8_MR) {
-                        const int rr = m - r0 < I8_MR ? (int)(m - r0) : I8_MR;
-                        int32_t out[I8_MR][I8_NR];
-                        i8_block(rr, nc, qx + r0 * kp, kp, wr, k, out);
-                        for (int r = 0; r < rr; r++)
-                            for (int q = 0; q < nc; q++)
-                                i8_put(y, ldy, r0 + r, c0 + q,
-                                       out[r][q] - (I8_OFFSET ? 128 * sumx[r0 + r] : 0), sx,
-                                       row_scales, bias);
-                    }
-                }
+                for (int64_t c0 = j0; c0 < j0 + nr && m16 < m; c0 += I8_NR)
+                    i8_group(qx, kp, m16, m, w, w_stride, k, c0, n, sx, sumx, row_scales, bias,
+                             y, ldy);
             }
             if (panels != NULL)
                 quire_amx_end();
         } else
 #endif
         {
-        for (int64_t g = groups * t / team; g < groups * (t + 1) / team; g++) {
-            const int64_t j0 = g * I8_NR;
-            const int nr = n - j0 < I8_NR ? (int)(n - j0) : I8_NR;
-            const uint8_t *wr[I8_NR];
-            for (int q = 0; q < I8_NR; q++) wr[q] = w + (j0 + (q < nr ? q : 0)) * w_stride;
-            for (int64_t i0 = 0; i0 < m; i0 += I8_MR) {
-                const int mr = m - i0 < I8_MR ? (int)(m - i0) : I8_MR;
-                int32_t out[I8_MR][I8_NR];
-                i8_block(mr, nr, qx + i0 * kp, kp, wr, k, out);
-                for (int r = 0; r < mr; r++)
-                    for (int q = 0; q < nr; q++)
-                        i8_put(y, ldy, i0 + r, j0 + q,
-                               out[r][q] - (I8_OFFSET ? 128 * sumx[i0 + r] : 0), sx,
-                               row_scales, bias);
-            }
-        }
+            for (int64_t g = groups * t / team; g < groups * (t + 1) / team; g++)
+                i8_group(qx, kp, 0, m, w, w_stride, k, g * I8_NR, n, sx, sumx, row_scales,
+                         bias, y, ldy);
         }
     }
     return failed ? 3 : 0;
