@@ -1092,8 +1092,8 @@ QB_KIND(QB_U2)
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QB_NC == 16 && QB_VNNI
 #define QB_AMX 1
-/* Products of fewer rows keep vpdpbusd: at 16 rows the tiles' set-up and the sums'
- * round trip through memory took 0.87-1.10x its time, at 64 1.0-1.3x. */
+/* Products of fewer rows keep vpdpbusd: there the tiles' set-up and the sums' round
+ * trip through memory cost about what they save (docs/quantization.md, Platforms). */
 #define QB_AMX_MIN_ROWS 32
 /* AMX-INT8 for the 32-value blocks' panels (the amx level, once Linux grants the tile
  * state): a panel's block is AMX's B-tile layout as it stands (8 rows of 64 bytes: row t
