@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from quire.quantization.hadamard import rotate_groups
 from quire.quantization.tensor import QuantizedTensor
 
-#: The groups ``w8a8``'s rotated weights and rows turn by (a Q8_0 block's 32 values).
-HADAMARD_GROUP = 32
-
 #: Most bytes of float32 weights the reference dequantises at once.
 SLAB_BYTES = 64 << 20
 #: Values of a row that share one activation scale in ``w8a8`` products on ``q8_0``.
 ACTIVATION_BLOCK = 32
+#: The groups ``w8a8``'s rotated weights and rows turn by: the blocks that share a scale,
+#: so that an outlier is spread over exactly the values whose step it sets.
+HADAMARD_GROUP = ACTIVATION_BLOCK
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,

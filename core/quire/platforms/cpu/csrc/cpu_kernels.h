@@ -623,6 +623,12 @@ float *quire_thread_scratch(size_t floats);
  * tile's, a 512-bit load's) read from its memory could each straddle two lines. */
 void *quire_aligned_alloc(size_t bytes);
 
+/* panel_gemm.c: *buf grown to at least `bytes` (quire_aligned_alloc'd, the old buffer
+ * freed; never shrunk), *held its size: a per-thread buffer kept between calls, since a
+ * fresh allocation of a few MB is an mmap and its page faults every call. NULL, *buf
+ * kept, when memory is short. */
+void *quire_grown(void **buf, size_t *held, size_t bytes);
+
 /* panel_gemm.c: y = x W^T (+ bias) for x [m, k] and W in 16-column panels, panels split
  * over the team; call inside a parallel region (it ends in the omp for's barrier). */
 void quire_panel_gemm_team(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,

@@ -29,24 +29,28 @@
 /* One buffer per calling thread, kept between calls (grown, never shrunk): a fresh
  * allocation of a few MB is an mmap and its page faults every call, which made a
  * 2048-row prompt step slower than oneDNN where the kept buffer is 9% faster. */
-static __thread float *thread_scratch;
-static __thread size_t thread_scratch_floats;
+static __thread void *thread_scratch;
+static __thread size_t thread_scratch_bytes;
 
 float *quire_thread_scratch(size_t floats) {
-    if (floats > thread_scratch_floats) {
-        float *grown = quire_aligned_alloc(floats * sizeof(float));
-        if (grown == NULL)
-            return NULL;
-        free(thread_scratch);
-        thread_scratch = grown;
-        thread_scratch_floats = floats;
-    }
-    return thread_scratch;
+    return quire_grown(&thread_scratch, &thread_scratch_bytes, floats * sizeof(float));
 }
 
 void *quire_aligned_alloc(size_t bytes) {
     const size_t line = 64;
     return aligned_alloc(line, (bytes + line - 1) / line * line);
+}
+
+void *quire_grown(void **buf, size_t *held, size_t bytes) {
+    if (bytes > *held) {
+        void *grown = quire_aligned_alloc(bytes);
+        if (grown == NULL)
+            return NULL;
+        free(*buf);
+        *buf = grown;
+        *held = bytes;
+    }
+    return *buf;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -1335,8 +1335,8 @@ int quire_quant_gemm_bf16_available(void) { return 1; }
 /* The calling thread's buffer for float32 rows rounded to bfloat16 (shared with its
  * team for one call of quire_quant_gemm_bf16_f32; quire_thread_scratch is the team
  * members' own). */
-static __thread uint16_t *rounded_rows;
-static __thread size_t rounded_cap;
+static __thread void *rounded_rows; /* uint16_t (bfloat16) rows */
+static __thread size_t rounded_bytes;
 
 /* Every entry: the parts' outputs side by side in y (part p's bias at bias + its first
  * output), their 16-column panels shared out over the team as one run, so a layer's
@@ -1402,16 +1402,8 @@ int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
 /* Float32 rows for bf16_gemm: the calling thread's buffer grown to m * k (0, or 3 when
  * memory is short). */
 static int rounded_room(int64_t m, int64_t k) {
-    const size_t need = (size_t)m * (size_t)k;
-    if (need > rounded_cap) {
-        uint16_t *grown = quire_aligned_alloc(need * sizeof *grown);
-        if (grown == NULL)
-            return 3;
-        free(rounded_rows);
-        rounded_rows = grown;
-        rounded_cap = need;
-    }
-    return 0;
+    const size_t bytes = (size_t)m * (size_t)k * sizeof(uint16_t);
+    return quire_grown(&rounded_rows, &rounded_bytes, bytes) == NULL ? 3 : 0;
 }
 
 /* The same product for float32 rows x, rounded to bfloat16 inside the call: one parallel
@@ -1667,22 +1659,9 @@ static void i8_group(const int8_t *qx, int64_t kp, int64_t r0, int64_t r1, const
  * scratch; 32 rows of x by two panels use all 8 tiles (C 0-3, A 4-5, B 6-7, as
  * amx_tiles.c's configuration has them). Rows short of 16 go to i8_block. */
 
-/* Each thread's two panels, kept between calls (grown, never shrunk, as the other
- * kernels' scratch: a fresh allocation of a long weight's panels is an mmap a call). */
-static __thread uint8_t *i8_panels;
+/* Each thread's two panels, kept between calls (quire_grown). */
+static __thread void *i8_panels;
 static __thread size_t i8_panel_bytes;
-
-static uint8_t *i8_amx_scratch(size_t bytes) {
-    if (bytes > i8_panel_bytes) {
-        uint8_t *grown = quire_aligned_alloc(bytes);
-        if (grown == NULL)
-            return NULL;
-        free(i8_panels);
-        i8_panels = grown;
-        i8_panel_bytes = bytes;
-    }
-    return i8_panels;
-}
 
 /* r[i] (16 dwords each) transposed in registers: afterwards lane i of r[t] is dword t
  * of the input r[i]. */
@@ -1808,7 +1787,7 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
             const int64_t pairs = (n + 31) / 32, m16 = m / 16 * 16;
             uint8_t *panels = NULL;
             if (pairs * t / team < pairs * (t + 1) / team) {
-                panels = i8_amx_scratch((size_t)kp * 32);
+                panels = quire_grown(&i8_panels, &i8_panel_bytes, (size_t)kp * 32);
                 if (panels == NULL) {
 #pragma omp atomic write
                     failed = 1;

@@ -184,17 +184,7 @@ static size_t q8_act_bytes(int64_t m, int64_t k) {
 static __thread void *q8_buf;
 static __thread size_t q8_buf_bytes;
 
-static void *q8_scratch(size_t bytes) {
-    if (bytes > q8_buf_bytes) {
-        void *grown = quire_aligned_alloc(bytes);
-        if (grown == NULL)
-            return NULL;
-        free(q8_buf);
-        q8_buf = grown;
-        q8_buf_bytes = bytes;
-    }
-    return q8_buf;
-}
+static void *q8_scratch(size_t bytes) { return quire_grown(&q8_buf, &q8_buf_bytes, bytes); }
 
 static struct q8_act q8_quantize(const float *x, int64_t m, int64_t k, void *buf) {
     struct q8_act a;
@@ -1173,21 +1163,19 @@ INL void qb_amx_tile(int kind, const struct qb_act *a, int64_t r0, qb_panel p, i
         qb_store(y + (r0 + r) * ldy + j0, acc[r], bias ? bias + j0 : NULL, nc, stream);
 }
 
-/* Rows [r0, r1) of a QB_U1 or QB_S1 panel: whole 16 rows on AMX tiles, the rest on
- * qb_tile (a QB_S1 panel's there by the sign trick, as below VNNI). */
-static void qb_amx_rows(int kind, int64_t r0, int64_t r1, const struct qb_act *a, qb_panel p,
-                        int nc, int64_t j0, const float *bias, float *y, int64_t ldy,
-                        int stream) {
+/* The whole 16s of rows [r0, r1) times a QB_U1 or QB_S1 panel on AMX tiles; returns
+ * the first row left (for qb_tile). */
+static int64_t qb_amx_rows(int kind, int64_t r0, int64_t r1, const struct qb_act *a,
+                           qb_panel p, int nc, int64_t j0, const float *bias, float *y,
+                           int64_t ldy, int stream) {
     int64_t r = r0;
-    if (kind == QB_U1) {
-        for (; r + 16 <= r1; r += 16) qb_amx_tile(QB_U1, a, r, p, nc, j0, bias, y, ldy, stream);
-        if (r < r1)
-            qb_rows_QB_U1(r, r1, a, p, nc, j0, bias, y, ldy, stream);
-    } else {
-        for (; r + 16 <= r1; r += 16) qb_amx_tile(QB_S1, a, r, p, nc, j0, bias, y, ldy, stream);
-        if (r < r1)
-            qb_rows_QB_S1(r, r1, a, p, nc, j0, bias, y, ldy, stream);
+    for (; r + 16 <= r1; r += 16) {
+        if (kind == QB_U1)
+            qb_amx_tile(QB_U1, a, r, p, nc, j0, bias, y, ldy, stream);
+        else
+            qb_amx_tile(QB_S1, a, r, p, nc, j0, bias, y, ldy, stream);
     }
+    return r;
 }
 #else
 #define QB_AMX 0
@@ -1274,14 +1262,16 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
             }
             /* row chunks of whole tiles of rm rows */
             const int64_t rt = (m + rm - 1) / rm;
-            const int64_t r0 = rm * (rt * chunk / chunks);
+            int64_t r0 = rm * (rt * chunk / chunks);
             int64_t r1 = rm * (rt * (chunk + 1) / chunks);
             r1 = r1 < m ? r1 : m;
-            if (tiles_on) {
 #if QB_AMX
-                qb_amx_rows(kind, r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
+            if (tiles_on)
+                r0 = qb_amx_rows(kind, r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
 #endif
-            } else if (kind == QB_U1)
+            if (r0 >= r1)
+                continue;
+            if (kind == QB_U1)
                 qb_rows_QB_U1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
             else if (kind == QB_S1)
                 qb_rows_QB_S1(r0, r1, &a, p, nc, j0, bias, y, ldy, stream);
