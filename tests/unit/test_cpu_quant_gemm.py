@@ -158,6 +158,21 @@ def test_w8a8_equals_the_reference_exactly(kernels: NativeKernels) -> None:
         assert (wide[:, :2] == 7).all() and (wide[:, 39:] == 7).all()
     assert kernels.quant_linear_i8(x, make_weight("q8_0", 4, 64, gen)) is None
 
+def test_w8a8_rows_take_the_amx_tiles_from_16_rows(kernels: NativeKernels) -> None:
+    """The tiles' sums are the vector kernel's exactly, so only the count of tile
+    sections tells which ran: at the amx level a product of 16 rows or more begins one,
+    fewer rows never do; levels without AMX never begin one."""
+    gen = torch.Generator().manual_seed(9)
+    weight = make_weight("int8", 70, 320, gen)
+    for m, tiles in ((1, False), (15, False), (16, True), (33, True), (64, True)):
+        before = kernels.amx_sections()
+        kernels.quant_linear_i8(torch.randn(m, 320, generator=gen), weight)
+        ran = kernels.amx_sections() > before
+        assert ran == (tiles and kernels.has_amx), (kernels.level, m)
+    if kernels.level != "amx":
+        assert kernels.amx_sections() == 0
+
+
 def test_quantized_linear_keeps_the_reference_contract(kernels: NativeKernels) -> None:
     linear = make_quantized_linear(kernels)
     gen = torch.Generator().manual_seed(5)
@@ -403,7 +418,10 @@ def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
             bias = torch.randn(out, generator=gen)
             for m in (16, 21, 48, 64, 7):
                 x = torch.randn(m, cols, generator=gen).to(torch.bfloat16)
+                sections = kernels.amx_sections()
                 y = kernels.quant_linear_bf16(x, weight, bias if m % 2 else None)
+                # tiles at the amx level, and only there (none at all at a level without)
+                assert (kernels.amx_sections() > sections) == (kernels.level == "amx")
                 assert y is not None and y.shape == (m, out)
                 assert_close_to_reference(y, x.float(), w, bias if m % 2 else None)
             # oneDNN's bfloat16 product (AMX tiles of its own configuration, on this

@@ -140,7 +140,11 @@ def test_amx_tiles_give_the_vnni_kernel_s_products(kernels: NativeKernels, fmt: 
     for m in (16, 31, 32, 33, 40, 64):
         x = torch.randn(m, k, generator=g) * 3
         x[m - 1, 64:96] = 0.0  # an all-zero block in a tile's row
+        sections = kernels.amx_sections()
         tiles = kernels.quant_linear_q8(x, weight, bias, batch=True)
+        # Q6_K's panels and batches under AMX_MIN_ROWS keep vpdpbusd
+        on_tiles = fmt != "q6_k" and m >= AMX_MIN_ROWS
+        assert (kernels.amx_sections() > sections) == on_tiles, m
         if fmt == "q8_0" and m >= AMX_MIN_ROWS:
             check(tiles, x, weight.dequantize(), bias)
             assert not torch.equal(tiles, vnni.quant_linear_q8(x, weight, bias, batch=True))

@@ -352,6 +352,10 @@ class NativeKernels:
         #: whether the bfloat16 products on quantised weights run on AMX tiles: the amx
         #: level's build, once Linux granted this process the tile state (amx_tiles.c)
         self.has_amx = ready is not None and bool(ready())
+        self._amx_sections = getattr(library, "quire_amx_sections", None)
+        if self._amx_sections is not None:
+            self._amx_sections.restype = ctypes.c_uint64
+            self._amx_sections.argtypes = []
         for entry in (self._quant_bf16, self._quant_bf16_f32):
             if entry is not None:
                 entry.restype = ctypes.c_int
@@ -388,6 +392,12 @@ class NativeKernels:
             self._quant_q8_team_test.restype = ctypes.c_int
             self._quant_q8_team_test.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64,
                                                  _i64, _ptr, _ptr, _i64, ctypes.c_int32]
+
+    def amx_sections(self) -> int:
+        """How many threads' AMX tile sections the products have begun in this process
+        (0 at levels without AMX): the tiles' results equal the vector paths' bit for bit
+        where they are exact, so this is how a caller tells which of the two ran."""
+        return int(self._amx_sections()) if self._amx_sections is not None else 0
 
     @staticmethod
     def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -52,9 +52,18 @@ static const struct quire_amx_config __attribute__((aligned(64))) TILE_CONFIG = 
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-void quire_amx_begin(void) { _tile_loadconfig(&TILE_CONFIG); }
+static uint64_t sections;
+
+void quire_amx_begin_with(const struct quire_amx_config *config) {
+    __atomic_fetch_add(&sections, 1, __ATOMIC_RELAXED);
+    _tile_loadconfig(config);
+}
+
+void quire_amx_begin(void) { quire_amx_begin_with(&TILE_CONFIG); }
 
 void quire_amx_end(void) { _tile_release(); }
+
+uint64_t quire_amx_sections(void) { return __atomic_load_n(&sections, __ATOMIC_RELAXED); }
 
 #define INL static inline __attribute__((always_inline))
 
@@ -124,7 +133,11 @@ int quire_amx_ready(void) { return 0; }
 
 void quire_amx_begin(void) {}
 
+void quire_amx_begin_with(const struct quire_amx_config *config) { (void)config; }
+
 void quire_amx_end(void) {}
+
+uint64_t quire_amx_sections(void) { return 0; }
 
 void quire_amx_pairs(const uint16_t *a, int64_t lda, int64_t m, const uint32_t *b,
                      int64_t pstride, int64_t np, int64_t kt, float *c, int64_t ldc,

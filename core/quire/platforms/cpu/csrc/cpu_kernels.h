@@ -601,13 +601,18 @@ struct quire_amx_config {
 
 /* amx_tiles.c: whether this process may use AMX tiles (asked of Linux once; 0 at levels
  * built without AMX, or when refused). Only where it is 1: quire_amx_begin loads the
- * calling thread's tile configuration, quire_amx_end releases the tiles, and between
- * them quire_amx_pairs adds (or, without accumulate, stores) a [m][lda] bfloat16 times
- * np pair panels (pstride pairs apart) over kt blocks of 32 K values into c's columns
- * [0, 16 np) (rows ldc floats apart); m a multiple of 16. */
+ * calling thread's tile configuration (quire_amx_begin_with: another one), quire_amx_end
+ * releases the tiles, and between them quire_amx_pairs adds (or, without accumulate,
+ * stores) a [m][lda] bfloat16 times np pair panels (pstride pairs apart) over kt blocks
+ * of 32 K values into c's columns [0, 16 np) (rows ldc floats apart); m a multiple of
+ * 16. quire_amx_sections: how many threads' tile sections have begun in this process,
+ * so that a caller (the tests) can tell a product took the tiles, whose results are
+ * those of the vector paths bit for bit. */
 int quire_amx_ready(void);
 void quire_amx_begin(void);
+void quire_amx_begin_with(const struct quire_amx_config *config);
 void quire_amx_end(void);
+uint64_t quire_amx_sections(void);
 void quire_amx_pairs(const uint16_t *a, int64_t lda, int64_t m, const uint32_t *b,
                      int64_t pstride, int64_t np, int64_t kt, float *c, int64_t ldc,
                      int accumulate);

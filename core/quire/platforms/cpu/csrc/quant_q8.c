@@ -1250,7 +1250,7 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
         }
 #if QB_AMX
         if (tiles_on)
-            _tile_loadconfig(&QB_AMX_CONFIG);
+            quire_amx_begin_with(&QB_AMX_CONFIG);
 #endif
         int64_t packed = -1;
         for (int64_t it = i0; it < i1 && p.q != NULL; it++) {
@@ -1280,7 +1280,7 @@ int quire_quant_gemm_q8_batch(int32_t fmt, const float *x, int64_t m, int64_t k,
         }
 #if QB_AMX
         if (tiles_on)
-            _tile_release();
+            quire_amx_end();
 #endif
         if (stream)
             _mm_sfence(); /* the streamed stores visible before the team's barrier */
