@@ -111,3 +111,42 @@ def test_the_saved_settings_win_over_the_class_defaults(tmp_path):
     assert type(loaded) is TokenizersBackend
     assert loaded.padding_side == "right"
     assert transformers.GemmaTokenizer.from_pretrained(tmp_path).padding_side == "right"
+
+
+def test_added_tokens_are_recorded_so_a_load_skips_parsing_tokenizer_json(tmp_path,
+                                                                          monkeypatch):
+    """transformers 5 saves no ``added_tokens_decoder``, and then each load parses the
+    whole ``tokenizer.json`` in Python to find them; once recorded, a load reads only the
+    small settings file in Python and gives the same tokenizer."""
+    import json
+
+    from quire.models.gguf_hf_cache import record_added_tokens
+
+    vocab, merges = _gemma_vocab()
+    transformers.GemmaTokenizer(vocab=vocab, merges=merges).save_pretrained(tmp_path)
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "added_tokens_decoder" not in settings  # else this test shows nothing
+    before = cached_tokenizer(tmp_path)
+
+    record_added_tokens(tmp_path)
+
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    pipeline = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert settings["added_tokens_decoder"] == {
+        str(t["id"]): {k: v for k, v in t.items() if k != "id"}
+        for t in pipeline["added_tokens"]}
+    parsed = []
+    load = json.load
+
+    def spy(handle, *args, **kwargs):
+        parsed.append(getattr(handle, "name", "?"))
+        return load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", spy)
+    after = cached_tokenizer(tmp_path)
+    assert parsed and not [name for name in parsed if name.endswith("tokenizer.json")]
+    _same_tokenizer(after, before)
+    assert after.added_tokens_decoder == before.added_tokens_decoder
+    record_added_tokens(tmp_path)  # already there: left as it is
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text(
+        encoding="utf-8")) == settings

@@ -717,6 +717,7 @@ def test_gguf_config_and_tokenizer_cache_round_trips(tmp_path, smollm2_gguf):
     assert type(started) is type(direct) and started.encode(text) == direct.encode(text)
     assert started.chat_template == direct.chat_template
     assert started.all_special_ids == direct.all_special_ids
+    assert started.added_tokens_decoder == direct.added_tokens_decoder
     started_config = cached_config(first)
     for key, value in load_gguf_config(str(source)).to_dict().items():
         if key not in CONFIG_CLASS_CONSTANTS | {"_name_or_path"}:

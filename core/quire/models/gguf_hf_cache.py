@@ -32,7 +32,7 @@ from quire.models.gguf_file import load_gguf_config
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever what is saved changes, so old entries are not reused.
-_FORMAT = "4"
+_FORMAT = "5"
 
 
 def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:
@@ -175,3 +175,29 @@ def _convert(source: Path, out: Path) -> None:
         (out / NO_TOKENIZER).write_text(f"{type(exc).__name__}: {exc}\n")
         return
     tokenizer.save_pretrained(out)
+    record_added_tokens(out)
+
+
+def record_added_tokens(directory: Path) -> None:
+    """Copy ``tokenizer.json``'s added tokens into ``tokenizer_config.json`` as
+    ``added_tokens_decoder``, where a saved tokenizer has none (transformers 5 saves
+    none). Without it, every load parses the whole ``tokenizer.json`` in Python only to
+    read them, before the Rust parse of the same file: for a large vocabulary the longest
+    part of a start (docs/bench.md, "Start-up"); with it, the load builds the same
+    ``AddedToken`` objects from these entries."""
+    settings_path = directory / "tokenizer_config.json"
+    pipeline_path = directory / "tokenizer.json"
+    try:
+        settings = json.loads(settings_path.read_text(encoding="utf-8"))
+        pipeline = json.loads(pipeline_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # no such files: another kind of tokenizer
+        return
+    if not isinstance(settings, dict) or "added_tokens_decoder" in settings:
+        return
+    added = {}
+    for token in pipeline.get("added_tokens", ()):
+        token = dict(token)
+        added[str(token.pop("id"))] = token
+    settings["added_tokens_decoder"] = added
+    settings_path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n",
+                             encoding="utf-8")
