@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from quire.quantization.dequant import BLOCK_DEQUANT
-from quire.quantization.formats import FORMATS, format_of_ggml
+from quire.quantization.formats import FORMATS, GGUF_TYPES, format_of_ggml
 from quire.quantization.tensor import QuantizedTensor
 
 _MAGIC = b"GGUF"
@@ -71,8 +71,6 @@ def read_gguf_index(path: str) -> GGUFIndex:
     :raises ValueError: for a file that is not GGUF, an unsupported version, or a header
         that runs past the end of the file.
     """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     data = np.memmap(path, mode="c")  # copy-on-write: writable views, file never changed
     buf = memoryview(data)
     try:
@@ -97,7 +95,7 @@ def read_gguf_index(path: str) -> GGUFIndex:
     start = -(-header.pos // alignment) * alignment
     tensors = []
     for name, dims, qtype, offset in infos:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        block, type_size = _block_sizes(qtype)
         nbytes = int(np.prod(dims)) // block * type_size
         begin = start + offset
         if begin + nbytes > data.size:
@@ -109,20 +107,34 @@ def read_gguf_index(path: str) -> GGUFIndex:
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, row-major ``tensor.shape``; shares memory with the map
     for F32 tensors (a copy-on-write page: writing it never reaches the file)."""
-    from gguf.constants import GGMLQuantizationType
-
-    qtype = GGMLQuantizationType(tensor.qtype)
     raw = torch.from_numpy(tensor.data)
-    if qtype == GGMLQuantizationType.F32:
+    fmt = _GGUF_FORMATS.get(tensor.qtype)
+    if fmt is not None and fmt.name == "f32":
         return raw.view(torch.float32).reshape(tensor.shape)
-    convert = BLOCK_DEQUANT.get(qtype.name.lower())
-    if convert is not None:
-        fmt = FORMATS[qtype.name.lower()]
-        return convert(raw.view(-1, fmt.block_bytes)).reshape(tensor.shape)
+    if fmt is not None:
+        return BLOCK_DEQUANT[fmt.name](raw.view(-1, fmt.block_bytes)).reshape(tensor.shape)
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     rows = tensor.data.reshape(int(np.prod(tensor.shape[:-1])), -1)
-    return torch.from_numpy(gguf_dequantize(rows, qtype)).reshape(tensor.shape)
+    return torch.from_numpy(
+        gguf_dequantize(rows, GGMLQuantizationType(tensor.qtype))).reshape(tensor.shape)
+
+
+#: The GGUF types Quire runs, by GGML id: their sizes and torch dequantisers are its own,
+#: so a start on such a file never imports the ``gguf`` package (a tenth of a second of
+#: class building), which only the other types need.
+_GGUF_FORMATS = {FORMATS[name].id: FORMATS[name] for name in GGUF_TYPES}
+
+
+def _block_sizes(qtype: int) -> tuple[int, int]:
+    """Weights per block and bytes per block of GGML type ``qtype``."""
+    fmt = _GGUF_FORMATS.get(qtype)
+    if fmt is not None:
+        return fmt.block, fmt.block_bytes
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
 # -- header parsing ----------------------------------------------------------------------
@@ -184,9 +196,12 @@ def quantized(tensor: GGUFTensor) -> QuantizedTensor:
 
     :raises ValueError: naming the tensor and its type when quire does not run the type.
     """
-    from gguf.constants import GGMLQuantizationType
+    fmt = _GGUF_FORMATS.get(tensor.qtype)
+    if fmt is None:  # refused, by the type's GGUF name
+        from gguf.constants import GGMLQuantizationType
 
-    fmt = format_of_ggml(tensor.qtype, GGMLQuantizationType(tensor.qtype).name, tensor.name)
+        fmt = format_of_ggml(tensor.qtype, GGMLQuantizationType(tensor.qtype).name,
+                             tensor.name)
     rows, cols = tensor.shape
     data = torch.from_numpy(tensor.data).view(rows, fmt.row_bytes(cols))
     return QuantizedTensor(fmt, data, cols)
