@@ -269,6 +269,41 @@ def test_an_in_process_engine_that_cannot_apply_passive_waiting_says_how(
     assert WAIT_ENV not in caplog.text
 
 
+def test_the_auto_hint_samples_the_host_beside_the_loading_not_before_it(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``auto`` in a process already loaded spinning: the host's load is sampled on a
+    thread of its own, so configure_process returns before the sample ends, and the
+    hint follows once it does. Where the decision needs no sample (the user's variable,
+    an explicit option) nothing samples at all."""
+    import threading
+
+    from quire.platforms.cpu.platform import CpuPlatform
+
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    release, sampled = threading.Event(), []
+
+    def slow_busy_host() -> float:
+        sampled.append(threading.current_thread().name)
+        assert release.wait(30)
+        return 64.0  # every CPU busy: passive waiting wanted
+
+    monkeypatch.setattr(threads, "host_load", slow_busy_host)
+    platform = CpuPlatform()
+    platform.configure({"threads": torch.get_num_threads()})  # wait_policy auto
+    with caplog.at_level("INFO"):
+        platform.configure_process()  # returns while the sample waits
+        assert not [r for r in caplog.records if WAIT_ENV in r.getMessage()]
+        release.set()
+        for thread in threading.enumerate():
+            if thread.name == "quire-wait-hint":
+                thread.join(30)
+    assert sampled == ["quire-wait-hint"]
+    assert [r for r in caplog.records if f"{WAIT_ENV}=PASSIVE set before" in r.getMessage()]
+    for env, option in (({WAIT_ENV: "active"}, "auto"), ({}, "spin"), ({}, "passive")):
+        assert threads.host_wait_policy(option, env).policy in ("spin", "passive")
+    assert sampled == ["quire-wait-hint"]  # none of those sampled
+
+
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_data_parallel_cores_on_the_cpu_each_get_their_share_of_its_cores(
         monkeypatch: pytest.MonkeyPatch, device: str) -> None:

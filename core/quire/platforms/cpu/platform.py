@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -137,11 +138,23 @@ class CpuPlatform(Platform):
         user_set = chosen is None or self.options.threads is not None
         switch = not user_set and chosen >= 2 and passive_waiting(os.environ)
         self._step_threads = StepThreads(chosen) if switch else None
+        if passive_waiting(os.environ):
+            return  # waiting as passive waiting would have it: nothing to hint
+        if self.options.wait_policy == "auto" and not os.environ.get(WAIT_ENV):
+            # the host's load is sampled for a fraction of a second: beside the loading
+            # that follows, not before it
+            threading.Thread(target=self._hint_passive_waiting, name="quire-wait-hint",
+                             daemon=True).start()
+        else:
+            self._hint_passive_waiting()
+
+    def _hint_passive_waiting(self) -> None:
+        """Where OpenMP threads should wait passively but were loaded spinning: torch
+        (so OpenMP) was loaded before the engine (an in-process engine: LLM(...), quire
+        generate), too late to change, and nothing is wrong; so a hint the user can act
+        on, and the why in the debug log."""
         wanted = host_wait_policy(self.options.wait_policy, os.environ)
-        if wanted.policy == "passive" and not passive_waiting(os.environ):
-            # torch (so OpenMP) was loaded before the engine (an in-process engine:
-            # LLM(...), quire generate): too late to change, and nothing is wrong, so
-            # a hint the user can act on, and the why in the debug log.
+        if wanted.policy == "passive":
             logger.info("cpu platform: steps may be faster with %s=PASSIVE set before "
                         "the command starts (see the debug log)", WAIT_ENV)
             logger.debug("cpu platform: OpenMP threads should wait passively here (%s), "

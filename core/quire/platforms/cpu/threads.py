@@ -145,10 +145,13 @@ def host_wait_policy(option: str, env: Mapping[str, str],
                      load: Callable[[], float] | None = None) -> WaitDecision:
     """:func:`choose_wait_policy` for this host now (its cores, load and environment).
 
-    :param load: what reads the load; :func:`host_load` by default.
+    :param load: what reads the load; :func:`host_load` by default, called only for
+        ``auto`` without the user's ``OMP_WAIT_POLICY`` (it samples for a while).
     """
-    return choose_wait_policy(option, available_cores(), os.cpu_count() or 1,
-                              (load or host_load)(), env.get(WAIT_ENV))
+    user = env.get(WAIT_ENV)
+    sampled = (load or host_load)() if option == "auto" and not user else 0.0
+    return choose_wait_policy(option, available_cores(), os.cpu_count() or 1, sampled,
+                              user)
 
 
 @dataclass(frozen=True)
