@@ -9,9 +9,9 @@ hands it back once a tokenizer is loaded (before the weights, whose pages would 
 it), and once when loading is over.
 
 Writing over a private (copy-on-write) map of a file takes one page fault per page,
-each copying its page: on an 8B-shaped GGUF file the q/k rows reordered in place were
-half of a load. :func:`populate_for_writing` has the kernel copy a range's pages in one
-``madvise`` call first.
+each copying its page: for llama's q/k rows, reordered in a GGUF file's map, that was
+much of a load (docs/quantization.md, "Loading"). :func:`populate_for_writing` has the
+kernel copy a range's pages in one ``madvise`` call first.
 """
 
 from __future__ import annotations
