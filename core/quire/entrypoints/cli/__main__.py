@@ -1,5 +1,5 @@
 """``python -m quire.entrypoints.cli``: the same as the ``quire`` console script."""
 
-from quire.entrypoints.cli import main
+from quire.entrypoints.launch import main
 
 raise SystemExit(main())
