@@ -1,10 +1,10 @@
 """quire.heap: memory the C heap holds freed goes back to the OS; a private map's pages
 become the process's own in one call.
 
-release_freed_heap: in a fresh process, 128 MiB of 64 KiB blocks (below glibc's mmap threshold, so on the
-heap) are written and freed but for the last, which keeps the heap's top in use so
-that free() itself returns nothing; the call must then drop the resident set by most of
-the 128 MiB."""
+release_freed_heap: in a fresh process, 128 MiB of 64 KiB blocks (below glibc's mmap
+threshold, so on the heap) are written and freed but for the last, which keeps the
+heap's top in use so that free() itself returns nothing; the call must then drop the
+resident set by most of the 128 MiB."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_freed_heap_memory_goes_back() -> None:
 
 
 _POPULATE = """
-import mmap, sys
+import sys
 import numpy as np
 from quire.heap import populate_for_writing
 def anon():

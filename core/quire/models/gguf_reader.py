@@ -122,8 +122,8 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 
 
 #: The GGUF types Quire runs, by GGML id: their sizes and torch dequantisers are its own,
-#: so a start on such a file never imports the ``gguf`` package (a tenth of a second of
-#: class building), which only the other types need.
+#: so a start on such a file never imports the ``gguf`` package, whose import builds
+#: classes a start has no use for; only the other types need it.
 _GGUF_FORMATS = {FORMATS[name].id: FORMATS[name] for name in GGUF_TYPES}
 
 
