@@ -224,3 +224,40 @@ def test_a_gguf_rope_freqs_tensor_gives_llama3_scaling_without_warnings(tiny_ggu
         hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         rope_parameters={"rope_type": "default", "rope_theta": theta}), head)._inv_freq)
     torch.testing.assert_close(from_file._inv_freq, expected._inv_freq, rtol=1e-6, atol=0)
+
+
+def test_rows_reordered_in_place_equal_the_selected_rows(tmp_path):
+    """reorder_rows_ gives select_rows' bytes where they lie: llama's per-head q/k
+    permutation, any permutation, a narrowed view (its neighbours' bytes untouched), and
+    rows in a copy-on-write map of a file (their pages made the process's own first; the
+    file unchanged)."""
+    import numpy as np
+
+    from quire.models.gguf_file import unpermute_rows
+
+    g = torch.Generator().manual_seed(0)
+    fmt = FORMATS["q4_k"]
+    cases = [(unpermute_rows(torch.arange(8192), 32), 8192, fmt.block_bytes * 2),
+             (torch.randperm(1000, generator=g), 1000, fmt.block_bytes)]
+    for index, rows, width in cases:
+        data = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=g)
+        weight = QuantizedTensor(fmt, data.clone(), width // fmt.block_bytes * fmt.block)
+        expected = weight.select_rows(index).data
+        assert weight.reorder_rows_(index) is weight
+        assert torch.equal(weight.data, expected)
+    wide = torch.randint(0, 256, (256, 3 * fmt.block_bytes), dtype=torch.uint8, generator=g)
+    before = wide.clone()
+    narrow = QuantizedTensor(fmt, wide[:, fmt.block_bytes:2 * fmt.block_bytes], fmt.block)
+    index = unpermute_rows(torch.arange(256), 4)
+    expected = narrow.select_rows(index).data
+    narrow.reorder_rows_(index)
+    assert torch.equal(narrow.data, expected)
+    assert torch.equal(wide[:, :fmt.block_bytes], before[:, :fmt.block_bytes])
+    assert torch.equal(wide[:, 2 * fmt.block_bytes:], before[:, 2 * fmt.block_bytes:])
+    path = tmp_path / "rows.bin"
+    path.write_bytes(before.numpy().tobytes())
+    mapped = torch.from_numpy(np.memmap(path, mode="c").reshape(256, -1))
+    weight = QuantizedTensor(fmt, mapped, 3 * fmt.block)
+    weight.reorder_rows_(index)
+    assert torch.equal(weight.data, before.index_select(0, index))
+    assert path.read_bytes() == before.numpy().tobytes()
