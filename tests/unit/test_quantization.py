@@ -261,3 +261,25 @@ def test_rows_reordered_in_place_equal_the_selected_rows(tmp_path):
     weight.reorder_rows_(index)
     assert torch.equal(weight.data, before.index_select(0, index))
     assert path.read_bytes() == before.numpy().tobytes()
+
+
+def test_a_conversion_parses_the_file_s_metadata_once(tiny_gguf, tmp_path, monkeypatch):
+    """The config and the tokenizer's config each ask transformers for the whole
+    metadata parse; within one conversion the second gets a copy of the first's, and
+    transformers' function is its own again afterwards."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from quire.models.gguf_hf_cache import cached_config, hf_dir_for_gguf
+
+    parse, calls = gguf_utils.load_gguf_checkpoint, []
+
+    def counted(path, *args, **kwargs):
+        calls.append(str(path))
+        return parse(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    entry = hf_dir_for_gguf(str(tiny_gguf), root=tmp_path / "cache")
+    assert calls == [str(tiny_gguf)]
+    assert gguf_utils.load_gguf_checkpoint is counted
+    assert cached_config(entry).num_hidden_layers == parse(
+        str(tiny_gguf), return_tensors=False)["config"]["num_hidden_layers"]

@@ -32,7 +32,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -152,52 +151,45 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
     :raises ValueError: for an unsupported architecture or rope scaling type.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = _architecture(reader, path)
+    # what this module adds comes from the scalars and the tensor index, which
+    # read_gguf_index reads without the vocabulary's arrays
+    index = read_gguf_index(path)
+    arch = index.metadata.get("general.architecture")
+    _check_architecture(arch, path)
     directory, name = os.path.split(os.path.abspath(path))
     from transformers import AutoConfig  # a conversion's only (gguf_hf_cache caches it)
 
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    key_length = _field(reader, f"{arch}.attention.key_length")
+    key_length = index.metadata.get(f"{arch}.attention.key_length")
     if key_length:
         config.head_dim = int(key_length)
     # No metadata says whether projections have biases; the tensors present do.
-    names = {tensor.name for tensor in reader.tensors}
-    if "blk.0.attn_q.bias" in names:
+    tensors = {tensor.name: tensor for tensor in index.tensors}
+    if "blk.0.attn_q.bias" in tensors:
         config.attention_bias = True
-    if "blk.0.ffn_up.bias" in names:
+    if "blk.0.ffn_up.bias" in tensors:
         config.mlp_bias = True
-    factors = _rope_freq_factors(reader)
+    factors = tensors.get("rope_freqs.weight")
     if factors is not None:  # beside the rope parameters, which transformers validates
-        config.rope_freq_factors = factors
-    updates = _rope_updates(reader, arch)
+        config.rope_freq_factors = dequantize(factors).flatten().tolist()
+    updates = _rope_updates(index.metadata, arch)
     if updates:
         _update_rope(config, updates)
     return config
 
 
-def _rope_updates(reader: Any, arch: str) -> dict[str, Any]:
+def _rope_updates(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
     updates: dict[str, Any] = {}
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling in ("linear", "yarn"):
         updates["rope_type"] = scaling
-        updates["factor"] = float(_field(reader, f"{arch}.rope.scaling.factor"))
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        updates["factor"] = float(metadata[f"{arch}.rope.scaling.factor"])
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             updates["original_max_position_embeddings"] = int(original)
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (linear, yarn)")
     return updates
-
-
-def _rope_freq_factors(reader: Any) -> list[float] | None:
-    """The ``rope_freqs`` tensor's divisors (Llama 3.1's scaling), if the file has one."""
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            return np.array(tensor.data, dtype=np.float32).tolist()
-    return None
 
 
 def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:
@@ -213,21 +205,9 @@ def _update_rope(config: PretrainedConfig, updates: dict[str, Any]) -> None:
         config.rope_scaling = {**(getattr(config, "rope_scaling", None) or {}), **updates}
 
 
-def _architecture(reader: Any, path: str) -> str:
-    arch = _field(reader, "general.architecture")
-    _check_architecture(arch, path)
-    return arch
-
-
 def _check_architecture(arch: Any, path: str) -> None:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-
-
-def _field(reader: Any, key: str) -> Any:
-    """A metadata value (number, string or list), or None when absent."""
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()

@@ -15,13 +15,18 @@ sympy in with it), for values that are already known.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -161,21 +166,58 @@ NO_TOKENIZER = "no_tokenizer.txt"
 
 
 def _convert(source: Path, out: Path) -> None:
-    config = load_gguf_config(str(source))
-    config.save_pretrained(out)
-    full = {"values": config.to_dict(), "attribute_map": dict(type(config).attribute_map)}
-    (out / FULL_CONFIG).write_text(json.dumps(full, indent=1, sort_keys=True) + "\n",
-                                   encoding="utf-8")
-    try:
-        from transformers import AutoTokenizer
+    with _metadata_parsed_once():
+        config = load_gguf_config(str(source))
+        config.save_pretrained(out)
+        full = {"values": config.to_dict(),
+                "attribute_map": dict(type(config).attribute_map)}
+        (out / FULL_CONFIG).write_text(json.dumps(full, indent=1, sort_keys=True) + "\n",
+                                       encoding="utf-8")
+        try:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    except (ValueError, OSError, KeyError) as exc:
-        # The weights are still usable with a tokenizer from elsewhere (tokenizer=...).
-        (out / NO_TOKENIZER).write_text(f"{type(exc).__name__}: {exc}\n")
-        return
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        except (ValueError, OSError, KeyError) as exc:
+            # The weights are still usable with a tokenizer from elsewhere (tokenizer=...).
+            (out / NO_TOKENIZER).write_text(f"{type(exc).__name__}: {exc}\n")
+            return
     tokenizer.save_pretrained(out)
     record_added_tokens(out)
+
+
+#: Held while a conversion's memo is in transformers' module (one conversion at a time
+#: puts it there and takes it away).
+_CONVERTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _metadata_parsed_once() -> Iterator[None]:
+    """Within a conversion, transformers' whole-metadata parse of a GGUF file
+    (``load_gguf_checkpoint`` without tensors: ``gguf.GGUFReader``, a numpy view for
+    every part of every field, the vocabulary included) runs once per file. Both the
+    config and the tokenizer's config call it for these families, and it is most of a
+    conversion's time; the later call gets a copy of the first's result. The function
+    is looked up in its module at each call, which is where this puts the memo, and
+    takes it away again at the end."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parsed: dict[str, Any] = {}
+    with _CONVERTING:
+        parse = gguf_utils.load_gguf_checkpoint
+
+        def once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+            if return_tensors or args or kwargs:
+                return parse(path, return_tensors, *args, **kwargs)
+            key = os.fspath(path)
+            if key not in parsed:
+                parsed[key] = parse(path, return_tensors=False)
+            return copy.deepcopy(parsed[key])
+
+        gguf_utils.load_gguf_checkpoint = once
+        try:
+            yield
+        finally:
+            gguf_utils.load_gguf_checkpoint = parse
 
 
 def record_added_tokens(directory: Path) -> None:
