@@ -593,6 +593,6 @@ import os
 cores = {cores}
 if cores:
     os.sched_setaffinity(0, cores)
-from quire.engine.core_proc import _core_main
-_core_main(*{args})
+from quire.entrypoints.launch import imported
+imported('quire.engine.core_proc', '_core_main')(*{args})
 """

@@ -308,8 +308,8 @@ import os
 cores = {cores}
 if cores:
     os.sched_setaffinity(0, cores)
-from quire.executor.multiproc import _worker_main
-_worker_main(*{args})
+from quire.entrypoints.launch import imported
+imported('quire.executor.multiproc', '_worker_main')(*{args})
 """
 
 

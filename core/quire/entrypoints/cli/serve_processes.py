@@ -171,6 +171,6 @@ def api_server_main(argv: list[str], index: int, fd: int, ready_fd: int, workdir
 
 
 _BOOTSTRAP = """
-from quire.entrypoints.cli.serve_processes import api_server_main
-api_server_main(*{args})
+from quire.entrypoints.launch import imported
+imported('quire.entrypoints.cli.serve_processes', 'api_server_main')(*{args})
 """
