@@ -10,8 +10,9 @@ it), and once when loading is over.
 
 Writing over a private (copy-on-write) map of a file takes one page fault per page,
 each copying its page: for llama's q/k rows, reordered in a GGUF file's map, that was
-much of a load (docs/quantization.md, "Loading"). :func:`populate_for_writing` has the
-kernel copy a range's pages in one ``madvise`` call first.
+much of a load (docs/quantization.md, "Loading"). :func:`populate_write` has the
+kernel copy a range's pages in one ``madvise`` call first. The cpu platform's KV pool
+uses it too, and :func:`give_back` to return pages (``platforms/cpu/kv_prefault.py``).
 """
 
 from __future__ import annotations
@@ -19,59 +20,86 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import mmap
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _malloc_trim():  # a ctypes function, or None
-    name = ctypes.util.find_library("c")
+def _libc(name: str, argtypes: tuple[type, ...]):  # a ctypes function, or None
+    """The C library's function ``name`` returning an int; None where it has none (not
+    glibc, not Linux)."""
+    library = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
+        function = getattr(ctypes.CDLL(library, use_errno=True), name) if library else None
+    except (OSError, AttributeError):
         return None
-    if trim is not None:
-        trim.argtypes = [ctypes.c_size_t]
-        trim.restype = ctypes.c_int
-    return trim
+    if function is not None:
+        function.argtypes = list(argtypes)
+        function.restype = ctypes.c_int
+    return function
 
 
 def release_freed_heap() -> bool:
     """Return the whole free pages of the C heap to the OS (``malloc_trim(0)``); False
     where the C library has no such call (not glibc)."""
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim", (ctypes.c_size_t,))
     if trim is None:
         return False
     trim(0)
     return True
 
 
-#: madvise's MADV_POPULATE_WRITE (Linux 5.14 on): fault a range in as if written.
-_MADV_POPULATE_WRITE = 23
+#: madvise's advice: fault a range in as if written (Linux 5.14 on); drop its pages.
+MADV_POPULATE_WRITE = 23
+MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-@functools.cache
-def _madvise():  # a ctypes function, or None
-    name = ctypes.util.find_library("c")
-    try:
-        madvise = ctypes.CDLL(name, use_errno=True).madvise if name else None
-    except (OSError, AttributeError):
+def _madvise():  # a ctypes function, or None where there is no such call
+    if not sys.platform.startswith("linux"):
         return None
-    if madvise is not None:
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise.restype = ctypes.c_int
-    return madvise
+    return _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
-def populate_for_writing(address: int, nbytes: int) -> bool:
-    """Fault in the pages under ``[address, address + nbytes)`` as writes would, in one
-    call (``madvise(MADV_POPULATE_WRITE)``): in a private map of a file, each page
-    becomes the process's own copy there and then. The file is never written, and the
-    bytes read the same. False where the call is missing or refused (a kernel before
-    5.14, not Linux): the writes then fault page by page, as without it."""
+def populate_write(address: int, length: int) -> bool:
+    """Fault ``[address, address + length)`` in as writes would, without changing its
+    contents (the range widened to whole pages), in one call: in a private map of a
+    file each page becomes the process's own copy there and then, and the file is never
+    written. False where the OS cannot (not Linux, a kernel before 5.14): writes then
+    fault page by page, as without it."""
     madvise = _madvise()
-    if madvise is None or nbytes <= 0:
+    if madvise is None or length <= 0:
         return False
-    page = mmap.PAGESIZE
-    start = address - address % page
-    end = -(-(address + nbytes) // page) * page
-    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    start = address // _PAGE * _PAGE
+    end = -(-(address + length) // _PAGE) * _PAGE
+    if madvise(start, end - start, MADV_POPULATE_WRITE) == 0:
+        return True
+    logger.info("madvise(MADV_POPULATE_WRITE) of %d bytes failed: %s", end - start,
+                os.strerror(ctypes.get_errno()))
+    return False
+
+
+def give_back(address: int, length: int) -> bool:
+    """Give the whole OS pages inside ``[address, address + length)`` back (they read as
+    zeros when touched again); the pages the range only partly covers are kept, so memory
+    around it is never lost. False where the OS cannot."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + length) // _PAGE * _PAGE
+    if end <= start:
+        return True
+    if madvise(start, end - start, MADV_DONTNEED) == 0:
+        return True
+    logger.info("madvise(MADV_DONTNEED) of %d bytes failed: %s", end - start,
+                os.strerror(ctypes.get_errno()))
+    return False
+
+
+def can_give_back() -> bool:
+    """Whether :func:`give_back` can work here (Linux's ``madvise``)."""
+    return _madvise() is not None

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from quire.platforms.cpu.kv_prefault import BackgroundPrefault, give_back, supported
+from quire.heap import give_back
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault, supported
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from residency import PAGE, resident_pages

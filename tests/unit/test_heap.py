@@ -50,7 +50,7 @@ def test_freed_heap_memory_goes_back() -> None:
 _POPULATE = """
 import sys
 import numpy as np
-from quire.heap import populate_for_writing
+from quire.heap import populate_write
 def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon"):
@@ -58,7 +58,7 @@ def anon():
 data = np.memmap(sys.argv[1], mode="c")
 view = data[4096 + 100:]  # not on a page boundary: the first page is taken whole
 before = anon()
-done = populate_for_writing(view.ctypes.data, view.size)
+done = populate_write(view.ctypes.data, view.size)
 after = anon()
 same = bool((view[:4096] == 7).all() and (view[-4096:] == 7).all())
 view[:] = 9  # writable, and the file stays as it was

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from quire.quantization.dequant import BLOCK_DEQUANT
-from quire.quantization.formats import FORMATS, GGUF_TYPES, format_of_ggml
+from quire.quantization.formats import format_of_ggml, gguf_format
 from quire.quantization.tensor import QuantizedTensor
 
 _MAGIC = b"GGUF"
@@ -108,7 +108,7 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor as float32, row-major ``tensor.shape``; shares memory with the map
     for F32 tensors (a copy-on-write page: writing it never reaches the file)."""
     raw = torch.from_numpy(tensor.data)
-    fmt = _GGUF_FORMATS.get(tensor.qtype)
+    fmt = gguf_format(tensor.qtype)
     if fmt is not None and fmt.name == "f32":
         return raw.view(torch.float32).reshape(tensor.shape)
     if fmt is not None:
@@ -121,15 +121,13 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         gguf_dequantize(rows, GGMLQuantizationType(tensor.qtype))).reshape(tensor.shape)
 
 
-#: The GGUF types Quire runs, by GGML id: their sizes and torch dequantisers are its own,
-#: so a start on such a file never imports the ``gguf`` package, whose import builds
-#: classes a start has no use for; only the other types need it.
-_GGUF_FORMATS = {FORMATS[name].id: FORMATS[name] for name in GGUF_TYPES}
-
 
 def _block_sizes(qtype: int) -> tuple[int, int]:
-    """Weights per block and bytes per block of GGML type ``qtype``."""
-    fmt = _GGUF_FORMATS.get(qtype)
+    """Weights per block and bytes per block of GGML type ``qtype``: the types Quire
+    runs from its own table, so a start on such a file never imports the ``gguf``
+    package (whose import builds classes a start has no use for); the others from
+    ``gguf``'s."""
+    fmt = gguf_format(qtype)
     if fmt is not None:
         return fmt.block, fmt.block_bytes
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -196,7 +194,7 @@ def quantized(tensor: GGUFTensor) -> QuantizedTensor:
 
     :raises ValueError: naming the tensor and its type when quire does not run the type.
     """
-    fmt = _GGUF_FORMATS.get(tensor.qtype)
+    fmt = gguf_format(tensor.qtype)
     if fmt is None:  # refused, by the type's GGUF name
         from gguf.constants import GGMLQuantizationType
 

@@ -69,14 +69,21 @@ def format_named(name: str) -> QuantFormat:
                          f"{', '.join(FORMATS)}") from None
 
 
+def gguf_format(ggml_type: int) -> QuantFormat | None:
+    """The format of GGUF tensor type ``ggml_type`` (a ``GGMLQuantizationType`` value),
+    or None for a type Quire does not keep."""
+    fmt = _BY_ID.get(ggml_type)
+    return None if fmt is None or fmt.row_scaled else fmt
+
+
 def format_of_ggml(ggml_type: int, type_name: str, tensor: str) -> QuantFormat:
     """The format of a GGUF tensor type.
 
     :param type_name: the type's GGUF name (``IQ2_XS``), for the message.
     :raises ValueError: naming the tensor and its type when Quire does not keep it.
     """
-    fmt = _BY_ID.get(ggml_type)
-    if fmt is None or fmt.row_scaled:
+    fmt = gguf_format(ggml_type)
+    if fmt is None:
         raise ValueError(f"GGUF tensor {tensor!r} is of type {type_name}, which quire does "
                          f"not run; supported: {', '.join(t.upper() for t in GGUF_TYPES)}")
     return fmt

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quire.heap import populate_for_writing
+from quire.heap import populate_write
 from quire.quantization.formats import QuantFormat
 
 
@@ -98,7 +98,7 @@ class QuantizedTensor:
         pages are let go, where :meth:`select_rows` would hold both."""
         rows, width = self.data.shape
         if rows:  # the map's pages made the process's own in one call, not a fault each
-            populate_for_writing(self.data.data_ptr(), (rows - 1) * self.data.stride(0) + width)
+            populate_write(self.data.data_ptr(), (rows - 1) * self.data.stride(0) + width)
         self.data.copy_(self.data.index_select(0, index))
         if self.scale is not None:
             self.scale.copy_(self.scale.index_select(0, index))

@@ -13,7 +13,8 @@ the engine leaves idle. An engine that keeps every
 core busy (an offline batch whose OpenMP threads spin between products) leaves it none,
 and its steps fault pages in as without it.
 
-Pages are populated with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which faults a
+Pages are populated with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+,
+:func:`quire.heap.populate_write`), which faults a
 page in writable without writing it: blocks a step has already written keep their
 contents, so the thread needs no coordination with the steps. Where the call is missing,
 the pool faults in on first use (logged once).
@@ -29,7 +30,6 @@ called without an active exception", that ``quire generate`` hit at exit).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import sys
@@ -38,6 +38,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from quire.heap import populate_write
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: The ``kv_prefault`` option's values (:class:`~quire.platforms.cpu.options.CpuOptions`).
 MODES = ("background", "start", "off")
-MADV_POPULATE_WRITE = 23
-MADV_DONTNEED = 4
 #: Bytes of one tensor half populated per call: small, so that the thread, preempted
 #: while the kernel holds the process's mmap lock for the call, holds up a step's
 #: ``munmap`` by a fraction of a millisecond at most (16 pages).
@@ -60,65 +60,11 @@ AHEAD_BYTES = 512 << 20
 #: used: a lone conversation (a few MiB of pages) keeps tens of MiB ahead of it, not the
 #: 512 MiB a batch filling the pool at full speed wants.
 MIN_AHEAD_BYTES = 32 << 20
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
-
-
-def populate_write(address: int, length: int) -> bool:
-    """Fault ``[address, address + length)`` in writable without changing its contents
-    (the range is widened to whole pages). False where the OS cannot."""
-    if _MADVISE is None or length <= 0:
-        return False
-    start = address // _PAGE * _PAGE
-    end = -(-(address + length) // _PAGE) * _PAGE
-    if _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0:
-        return True
-    logger.info("madvise(MADV_POPULATE_WRITE) of %d bytes failed: %s", end - start,
-                os.strerror(ctypes.get_errno()))
-    return False
-
-
-def give_back(address: int, length: int) -> bool:
-    """Give the whole OS pages inside ``[address, address + length)`` back (they read as
-    zeros when touched again); the pages the range only partly covers are kept, so memory
-    around it is never lost. False where the OS cannot."""
-    if _MADVISE is None:
-        return False
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + length) // _PAGE * _PAGE
-    if end <= start:
-        return True
-    if _MADVISE(start, end - start, MADV_DONTNEED) == 0:
-        return True
-    logger.info("madvise(MADV_DONTNEED) of %d bytes failed: %s", end - start,
-                os.strerror(ctypes.get_errno()))
-    return False
-
-
-def can_give_back() -> bool:
-    """Whether :func:`give_back` can work here (Linux's ``madvise``)."""
-    return _MADVISE is not None
-
-
 def supported() -> bool:
     """Whether this OS populates pages without writing them (probed on one page)."""
     import torch
 
-    probe = torch.empty(_PAGE * 2, dtype=torch.uint8)
+    probe = torch.empty(2 * os.sysconf("SC_PAGE_SIZE"), dtype=torch.uint8)
     return populate_write(probe.data_ptr(), 1)
 
 

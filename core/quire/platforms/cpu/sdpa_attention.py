@@ -47,11 +47,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from quire.heap import can_give_back, give_back
 from quire.interfaces.attention import AttentionBatch, check_attention_options, kv_row_size
 from quire.ops import kv_quant
 from quire.ops.attention import ReferenceAttentionBackend
 from quire.platforms.cpu.kv_prefault import MODES as PREFAULT_MODES
-from quire.platforms.cpu.kv_prefault import BackgroundPrefault, can_give_back, give_back
+from quire.platforms.cpu.kv_prefault import BackgroundPrefault
 from quire.platforms.cpu.native import NativeKernels
 
 
