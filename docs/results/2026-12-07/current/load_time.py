@@ -1,10 +1,14 @@
-"""LLM(model=PATH, kv_cache_memory=MIB MiB) timed in-process, after the imports."""
-import time, os, sys, gc
-t0 = time.perf_counter()
-from quire import LLM
-t1 = time.perf_counter()
+"""``python load_time.py FILE KV_MIB``: ``LLM(model=FILE, kv_cache_memory=KV_MIB MiB)``
+timed in-process, after the imports (timed apart)."""
+import os
+import sys
+import time
+
+started = time.perf_counter()
+from quire import LLM  # noqa: E402
+
+imported = time.perf_counter()
 path = os.path.expanduser(sys.argv[1])
-kv = int(sys.argv[2]) << 20
-llm = LLM(model=path, kv_cache_memory=kv)
-t2 = time.perf_counter()
-print(f"{os.path.basename(path)}: import {t1-t0:.2f} s, LLM() {t2-t1:.2f} s")
+llm = LLM(model=path, kv_cache_memory=int(sys.argv[2]) << 20)
+print(f"{os.path.basename(path)}: import {imported - started:.2f} s, "
+      f"LLM() {time.perf_counter() - imported:.2f} s")

@@ -1,24 +1,35 @@
-"""The q/k rows of a GGUF file reordered in its copy-on-write map, timed: python reorder.py FILE plain|populate."""
-import sys, time, ctypes, torch
-from quire.models.gguf_reader import read_gguf_index, quantized
+"""The q/k rows of a GGUF file reordered in its copy-on-write map, timed.
+
+``python reorder.py FILE plain``: each tensor's rows copied into place, every page
+faulting on its first write (the load before quire.heap.populate_write was called);
+``populate``: the pages made the process's own in one madvise call first, as the load
+now does (QuantizedTensor.reorder_rows_).
+"""
+import sys
+import time
+
+import torch
+
+from quire.heap import populate_write
 from quire.models.gguf_file import unpermute_rows
-libc = ctypes.CDLL("libc.so.6", use_errno=True)
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-mode = sys.argv[2]
-index = read_gguf_index(sys.argv[1])
-t0 = time.perf_counter(); n = 0; tpop = 0
-for t in index.tensors:
-    if ".attn_q." in t.name or ".attn_k." in t.name:
-        q = quantized(t)
-        heads = int(index.metadata["llama.attention.head_count"] if ".attn_q." in t.name else index.metadata["llama.attention.head_count_kv"])
-        d = q.data
-        if mode == "populate":
-            a = d.data_ptr(); nbytes = d.numel() * d.element_size()
-            lo = a & ~4095; hi = (a + nbytes + 4095) & ~4095
-            t1 = time.perf_counter()
-            r = libc.madvise(lo, hi - lo, 23)  # MADV_POPULATE_WRITE
-            tpop += time.perf_counter() - t1
-            if r: print("madvise", ctypes.get_errno())
-        q.reorder_rows_(unpermute_rows(torch.arange(q.rows), heads))
-        n += d.numel()
-print(mode, f"{n/2**20:.0f} MiB in {time.perf_counter()-t0:.2f} s (populate {tpop:.2f} s)")
+from quire.models.gguf_reader import quantized, read_gguf_index
+
+path, mode = sys.argv[1], sys.argv[2]
+index = read_gguf_index(path)
+arch = index.metadata["general.architecture"]
+start, moved, populating = time.perf_counter(), 0, 0.0
+for tensor in index.tensors:
+    if ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
+        continue
+    key = "head_count" if ".attn_q." in tensor.name else "head_count_kv"
+    weight = quantized(tensor)
+    data, order = weight.data, unpermute_rows(torch.arange(weight.rows),
+                                              int(index.metadata[f"{arch}.attention.{key}"]))
+    if mode == "populate":
+        begin = time.perf_counter()
+        populate_write(data.data_ptr(), data.numel())
+        populating += time.perf_counter() - begin
+    data.copy_(data.index_select(0, order))
+    moved += data.numel()
+print(f"{mode}: {moved / 2**20:.0f} MiB in {time.perf_counter() - start:.2f} s "
+      f"(populating {populating:.2f} s)")
