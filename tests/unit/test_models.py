@@ -712,7 +712,12 @@ def test_gguf_config_and_tokenizer_cache_round_trips(tmp_path, smollm2_gguf):
     cached_tok = AutoTokenizer.from_pretrained(first)
     assert cached_tok.encode(text) == direct.encode(text)
     assert cached_tok.chat_template == direct.chat_template
-    # what a start loads: the saved class, without AutoTokenizer's tables
+    # what a start loads: the saved class, without AutoTokenizer's tables, its BPE
+    # pipeline rebuilt from the tables the conversion saved (no tokenizer.json parse)
+    from quire.models.gguf_bpe_tables import TABLES
+    from quire.models.gguf_hf_cache import LOADING
+
+    assert (first / TABLES).is_file() and (first / LOADING).is_file()
     started = cached_tokenizer(first)
     assert type(started) is type(direct) and started.encode(text) == direct.encode(text)
     assert started.chat_template == direct.chat_template

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from quire.models.gguf_file import load_gguf_config
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever what is saved changes, so old entries are not reused.
-_FORMAT = "5"
+_FORMAT = "6"
 
 
 def hf_dir_for_gguf(path: str, root: Path | None = None) -> Path:
@@ -104,27 +105,103 @@ def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     generic fast tokenizer over the saved ``tokenizer.json``, which that class wrote in
     this transformers version (it is in the cache key): the same tokenizer, without the
     Python copy of the vocabulary and merges such a class keeps (for a large vocabulary,
-    more than the tokenizer itself: docs/bench.md, issue 29's memory rows).
+    more than the tokenizer itself: docs/bench.md, issue 29's memory rows). The
+    conversion records that decision (:data:`LOADING`), so that a start does not import
+    the family's class only to make it again (Gemma's: a quarter of a second).
     """
+    plan = _saved_plan(directory) or loading_plan(directory)
+    generic = _generic_fast_class()
+    if plan["generic"] and generic is not None:
+        return _generic_from_pretrained(generic, directory, plan["defaults"])
+    saved = getattr(transformers, plan["class"], None) if plan["class"] else None
+    if isinstance(saved, type) and issubclass(saved, PreTrainedTokenizerBase):
+        return saved.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, config=cached_config(directory))
+
+
+#: How a start loads the converted tokenizer (:func:`loading_plan`), written at conversion.
+LOADING = "quire_tokenizer.json"
+
+
+def loading_plan(directory: Path) -> dict[str, Any]:
+    """How :func:`cached_tokenizer` loads ``directory``'s tokenizer: ``class``, the saved
+    class's name where transformers exports it (else None: ``AutoTokenizer``);
+    ``generic``, whether it loads as the generic fast tokenizer instead; ``defaults``,
+    the saved class's settings the generic load then takes, where the saved settings do
+    not name their own."""
     try:
         with open(directory / "tokenizer_config.json", encoding="utf-8") as f:
             settings = json.load(f)
     except (OSError, ValueError):
         settings = {}
-    name = settings.get("tokenizer_class") if isinstance(settings, dict) else None
+    if not isinstance(settings, dict):
+        settings = {}
+    name = settings.get("tokenizer_class")
     saved = getattr(transformers, name, None) if isinstance(name, str) else None
+    plan: dict[str, Any] = {"class": None, "generic": False, "defaults": {}}
     if isinstance(saved, type) and issubclass(saved, PreTrainedTokenizerBase):
+        plan["class"] = name
         generic = _generic_fast_class()
         if (generic is not None and (directory / "tokenizer.json").is_file()
                 and _builds_pipeline_only(saved, generic)):
-            # the class's defaults, where the saved settings do not name their own
-            defaults = {key: getattr(saved, key) for key in _CLASS_DEFAULTS
-                        if key not in settings}
-            return generic.from_pretrained(directory, **defaults)
-        return saved.from_pretrained(directory)
-    from transformers import AutoTokenizer
+            plan["generic"] = True
+            plan["defaults"] = {key: getattr(saved, key) for key in _CLASS_DEFAULTS
+                                if key not in settings}
+    return plan
 
-    return AutoTokenizer.from_pretrained(directory, config=cached_config(directory))
+
+def _saved_plan(directory: Path) -> dict[str, Any] | None:
+    """The plan the conversion wrote, or None where there is none (a directory that
+    transformers saved, an entry being written) or it is not one."""
+    try:
+        plan = json.loads((directory / LOADING).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(plan, dict) and isinstance(plan.get("class"), (str, type(None)))
+            and isinstance(plan.get("generic"), bool)
+            and isinstance(plan.get("defaults"), dict)):
+        return None
+    return plan
+
+
+def _generic_from_pretrained(generic: type, directory: Path,
+                             defaults: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """``generic.from_pretrained(directory)``, its pipeline rebuilt from the BPE tables
+    where the conversion saved them (:mod:`quire.models.gguf_bpe_tables`) instead of
+    parsed from ``tokenizer.json``: the same settings, special tokens and templates,
+    read the same way. A class whose ``__init__`` takes a ready pipeline (as
+    transformers' own model classes build theirs) carries it there, and the result is
+    then of the generic class."""
+    from quire.models.gguf_bpe_tables import load_backend
+
+    pipeline = load_backend(directory)
+    if pipeline is None:
+        return generic.from_pretrained(directory, **defaults)
+    tokenizer = _with_pipeline(generic).from_pretrained(directory, _pipeline=pipeline,
+                                                        **defaults)
+    tokenizer.__class__ = generic  # what it is: the subclass only carried the pipeline
+    return tokenizer
+
+
+@functools.cache
+def _with_pipeline(generic: type) -> type:
+    """A subclass of ``generic`` whose load takes its pipeline from a ``_pipeline``
+    argument: ``tokenizer.json``'s path is dropped where transformers would open it."""
+
+    class WithPipeline(generic):  # type: ignore[misc, valid-type]
+        @classmethod
+        def convert_to_native_format(cls, trust_remote_code: bool = False,
+                                     **kwargs: Any) -> dict[str, Any]:
+            kwargs.pop("tokenizer_file", None)
+            return kwargs
+
+        def __init__(self, *args: Any, _pipeline: Any, **kwargs: Any) -> None:
+            self._tokenizer = _pipeline
+            super().__init__(*args, **kwargs)
+
+    return WithPipeline
 
 
 #: What a tokenizer class may define and still only build its pipeline: its ``__init__``
@@ -183,6 +260,11 @@ def _convert(source: Path, out: Path) -> None:
             return
     tokenizer.save_pretrained(out)
     record_added_tokens(out)
+    from quire.models.gguf_bpe_tables import save_tables
+
+    save_tables(out)
+    (out / LOADING).write_text(json.dumps(loading_plan(out), indent=1) + "\n",
+                               encoding="utf-8")
 
 
 #: Held while a conversion's memo is in transformers' module (one conversion at a time
