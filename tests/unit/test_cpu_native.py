@@ -166,6 +166,23 @@ def test_decode_reads_quantised_pages(kernels: NativeKernels, kv_dtype: torch.dt
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16])
+def test_decode_widens_a_narrow_query_over_quantised_pages(
+        kernels: NativeKernels, kv_dtype: torch.dtype, query_dtype: torch.dtype) -> None:
+    """A bfloat16 model's rows over int8 or fp8 pages take the kernel too (the torch path
+    dequantises every page each step): widened to float32 exactly, the float32 result
+    rounded back."""
+    lens = [1, 17, 64, 100]
+    q, cache, tables, seq_lens, _, _ = _paged(5, lens, 6, 2, 64, 16)
+    pages, _ = _quantised(cache, kv_dtype)
+    narrow = q.to(query_dtype)
+    out = kernels.paged_decode(narrow, pages, tables, seq_lens, 0.125, None)
+    wide = kernels.paged_decode(narrow.float(), pages, tables, seq_lens, 0.125, None)
+    assert out is not None and out.dtype == query_dtype
+    assert torch.equal(out, wide.to(query_dtype))
+
+
 def _every_fp8_byte_as_values(hkv: int = 1, d: int = 64):
     """Pages whose value rows, scales 1, hold every e4m3fn byte but the two NaNs (four
     sequences of one position each, a row of 64 bytes each), and what torch widens them
@@ -246,7 +263,7 @@ def test_inputs_it_does_not_take_are_declined(kernels: NativeKernels) -> None:
     assert kernels.paged_decode(q, pages, tables, seq_lens, 1.0, None) is not None
     assert kernels.paged_decode(q, pages[..., :-2].contiguous(), tables, seq_lens, 1.0,
                                 None) is None  # rows without their last scale
-    assert kernels.paged_decode(q.bfloat16(), pages, tables, seq_lens, 1.0, None) is None
+    assert kernels.paged_decode(q.double(), pages, tables, seq_lens, 1.0, None) is None
 
 
 def test_a_build_is_reused(tmp_path: Path) -> None:

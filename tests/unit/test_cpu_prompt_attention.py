@@ -241,8 +241,12 @@ def test_float32_chunks_over_quantised_pages_match_float64(kernels: NativeKernel
         assert out is not None and out.dtype == torch.float32
         expected = _dense_chunks(q, rows, lens, keys, values, 0.125, window)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    assert kernels.chunk_attention(q.bfloat16(), pages, tables, rows, lens, 0.125,
-                                   None) is None  # float32 rows only
+    for narrow in (torch.bfloat16, torch.float16):  # a bfloat16 model's rows: widened
+        out = kernels.chunk_attention(q.to(narrow), pages, tables, rows, lens, 0.125, None)
+        wide = kernels.chunk_attention(q.to(narrow).float(), pages, tables, rows, lens,
+                                       0.125, None)
+        assert out is not None and out.dtype == narrow
+        assert torch.equal(out, wide.to(narrow))
     assert kernels.chunk_attention(q, pages[..., :64].contiguous(), tables, rows, lens,
                                    0.125, None) is None  # rows without their scales
 

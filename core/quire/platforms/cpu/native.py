@@ -704,8 +704,9 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """Attention of one query token per sequence over its pages.
 
-        :param query: [B, Hq, D], each sequence's newest token (float32, or the cache's
-            dtype: computed in float32 and returned in the query's dtype).
+        :param query: [B, Hq, D], each sequence's newest token (float32; the cache's
+            dtype; or bfloat16 or float16 over quantised pages: computed in float32 from
+            the rows widened, and returned in the query's dtype).
         :param kv_cache: float32 or bfloat16 [2, num_blocks, block_size, Hkv, D], or
             int8 or fp8 [..., D + D / 8] (:mod:`quire.ops.kv_quant`), contiguous: bfloat16
             pages are read widened to float32 exactly, quantised ones with their scales.
@@ -719,7 +720,8 @@ class NativeKernels:
         quantized = kv_quant.is_quantized(kv_cache)
         b, hq, d = query.shape
         if not ((query.dtype == torch.float32
-                 or (query.dtype == kv_cache.dtype and not quantized))
+                 or (query.dtype == kv_cache.dtype and not quantized)
+                 or (quantized and query.dtype in _WIDENED))
                 and query.device.type == "cpu"
                 and kv_cache.dim() == 5 and pages_fit(kv_cache, kv_cache.shape[3], d)
                 and block_tables.dtype == seq_lens.dtype == torch.int64
@@ -813,7 +815,9 @@ class NativeKernels:
 
         :param query: [T, Hq, D] in the cache's dtype (float32 or bfloat16), or float32
             over a bfloat16 cache (its pages widened) or an int8 or fp8 one (dequantised
-            with their scales); rows may have any stride, each row's heads contiguous.
+            with their scales; bfloat16 or float16 rows there are widened to float32 and
+            the result rounded back); rows may have any stride, each row's heads
+            contiguous.
         :param kv_cache: [2, num_blocks, block_size, Hkv, D] (quantised: D + D / 8),
             contiguous.
         :param block_tables: int64 [B, width], contiguous rows; wide enough for
@@ -828,6 +832,10 @@ class NativeKernels:
             caller uses the torch path.
         """
         quantized = kv_quant.is_quantized(kv_cache)
+        if quantized and query.dtype in _WIDENED:  # the kernel reads float32 rows
+            out = self.chunk_attention(query.float(), kv_cache, block_tables, chunks,
+                                       seq_lens, scale, window)
+            return None if out is None else out.to(query.dtype)
         entry = (self._chunk.get(kv_cache.dtype) if query.dtype == kv_cache.dtype
                  else self._chunk_mixed
                  if (query.dtype, kv_cache.dtype) == (torch.float32, torch.bfloat16)
@@ -860,6 +868,11 @@ class NativeKernels:
                        starts.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), len(chunks),
                        hq, hkv, d, scale, window or 0, out.data_ptr())
         return None if failed else out
+
+#: Query dtypes the attention kernels widen to float32 over quantised pages, whose
+#: kernels read float32 rows: exact, where the torch path would dequantise every page.
+_WIDENED = (torch.bfloat16, torch.float16)
+
 
 def load_native_kernels(cache_root: Path | None = None, enabled: bool | None = None,
                         isa: str | None = None,
