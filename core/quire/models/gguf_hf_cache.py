@@ -33,6 +33,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from quire.model_store import cache_dir
+from quire.models.gguf_bpe_tables import load_backend, save_tables
 from quire.models.gguf_file import load_gguf_config
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def cached_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     Python copy of the vocabulary and merges such a class keeps (for a large vocabulary,
     more than the tokenizer itself: docs/bench.md, issue 29's memory rows). The
     conversion records that decision (:data:`LOADING`), so that a start does not import
-    the family's class only to make it again (Gemma's: a quarter of a second).
+    the family's class only to make it again (transformers' lazy import of a family
+    scans every family's module).
     """
     plan = _saved_plan(directory) or loading_plan(directory)
     generic = _generic_fast_class()
@@ -174,8 +176,6 @@ def _generic_from_pretrained(generic: type, directory: Path,
     read the same way. A class whose ``__init__`` takes a ready pipeline (as
     transformers' own model classes build theirs) carries it there, and the result is
     then of the generic class."""
-    from quire.models.gguf_bpe_tables import load_backend
-
     pipeline = load_backend(directory)
     if pipeline is None:
         return generic.from_pretrained(directory, **defaults)
@@ -260,8 +260,6 @@ def _convert(source: Path, out: Path) -> None:
             return
     tokenizer.save_pretrained(out)
     record_added_tokens(out)
-    from quire.models.gguf_bpe_tables import save_tables
-
     save_tables(out)
     (out / LOADING).write_text(json.dumps(loading_plan(out), indent=1) + "\n",
                                encoding="utf-8")
