@@ -24,7 +24,7 @@ from quire.models.gguf_hf_cache import (
     record_added_tokens,
 )
 
-from tests.unit.test_gguf_tokenizer_cache import _gemma_vocab, _same_tokenizer
+from tests.unit.test_gguf_tokenizer_cache import _gemma_vocab, _same_tokenizer, files_json_loads
 
 
 def _canonical(tokenizer) -> dict:
@@ -107,17 +107,12 @@ def test_a_start_builds_the_tokenizer_from_the_tables_without_reading_its_json(
             return getattr(real, name)
 
     monkeypatch.setattr(backend_module, "TokenizerFast", Spy())
-    load = json.load
-
-    def spy_json(handle, *args, **kwargs):
-        parsed.append(getattr(handle, "name", "?"))
-        return load(handle, *args, **kwargs)
-
-    monkeypatch.setattr(json, "load", spy_json)
+    read = files_json_loads(monkeypatch)
 
     from_tables = cached_tokenizer(directory)
 
-    assert not [name for name in parsed if name.endswith("tokenizer.json")], parsed
+    assert not [name for name in parsed + read if name.endswith("tokenizer.json")], \
+        (parsed, read)
     assert type(from_tables) is TokenizersBackend
     _same_tokenizer(from_tables, from_json)
     assert from_tables.added_tokens_decoder == from_json.added_tokens_decoder

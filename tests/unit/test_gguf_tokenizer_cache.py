@@ -51,6 +51,22 @@ def _same_tokenizer(a, b) -> None:
         assert getattr(a, name) == getattr(b, name), name
 
 
+def files_json_loads(monkeypatch) -> list[str]:
+    """The names of the files ``json.load`` reads from now on (the list fills as it
+    runs)."""
+    import json
+
+    parsed: list[str] = []
+    load = json.load
+
+    def spy(handle, *args, **kwargs):
+        parsed.append(getattr(handle, "name", "?"))
+        return load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", spy)
+    return parsed
+
+
 def test_a_pipeline_only_class_loads_as_the_generic_tokenizer(tmp_path):
     vocab, merges = _gemma_vocab()
     transformers.GemmaTokenizer(vocab=vocab, merges=merges).save_pretrained(tmp_path)
@@ -135,14 +151,7 @@ def test_added_tokens_are_recorded_so_a_load_skips_parsing_tokenizer_json(tmp_pa
     assert settings["added_tokens_decoder"] == {
         str(t["id"]): {k: v for k, v in t.items() if k != "id"}
         for t in pipeline["added_tokens"]}
-    parsed = []
-    load = json.load
-
-    def spy(handle, *args, **kwargs):
-        parsed.append(getattr(handle, "name", "?"))
-        return load(handle, *args, **kwargs)
-
-    monkeypatch.setattr(json, "load", spy)
+    parsed = files_json_loads(monkeypatch)
     after = cached_tokenizer(tmp_path)
     assert parsed and not [name for name in parsed if name.endswith("tokenizer.json")]
     _same_tokenizer(after, before)
