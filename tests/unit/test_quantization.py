@@ -3,6 +3,7 @@ that a quantised model holds its weights quantised (no float copy) with the righ
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -96,23 +97,85 @@ def test_gguf_blocks_give_the_dequantised_model_s_outputs(tiny_gguf):
     assert torch.equal(blocks.model.embed_tokens(ids), floats.model.embed_tokens(ids))
 
 
-def test_llama_q_and_k_rows_are_reordered_in_the_file_map_not_copied(tiny_gguf):
-    # a copy would hold the rows twice: the copy, and the file's pages it was read from
-    weights = dict(iter_gguf_weights(str(tiny_gguf), keep_blocks=True))
-    floats = dict(iter_gguf_weights(str(tiny_gguf)))
-    index = read_gguf_index(str(tiny_gguf))  # a map of its own: where each tensor lies
+def _blocks_and_places(path: Path):
+    """The GGUF weights as their blocks, the dequantised ones, and where each tensor
+    lies in a map of the file (by Hugging Face name)."""
+    weights = dict(iter_gguf_weights(str(path), keep_blocks=True))
+    floats = dict(iter_gguf_weights(str(path)))
+    index = read_gguf_index(str(path))  # a map of its own: where each tensor lies
     arch = index.metadata["general.architecture"]
     in_file = {hf_tensor_name(t.name, arch): t.data.ctypes.data for t in index.tensors
                if t.name != "rope_freqs.weight"}
     blocks = {n: w for n, w in weights.items() if isinstance(w, QuantizedTensor)}
-    first = next(iter(blocks))
+    return blocks, floats, in_file
+
+
+def _in_place(blocks, in_file, names) -> bool:
+    first = names[0]
+    return all(blocks[n].data.data_ptr() - blocks[first].data.data_ptr()
+               == in_file[n] - in_file[first] for n in names)
+
+
+def test_llama_q_and_k_rows_come_in_rotary_order_from_a_file_of_their_own(tiny_gguf):
+    """The first load writes llama's q/k rows reordered to the rows file; every load
+    maps them from there, one after another, and every other weight from the GGUF
+    file's map, where it lies. Nothing is copied into the process."""
+    from quire.models.gguf_rotary_rows import rows_file
+
+    blocks, floats, in_file = _blocks_and_places(tiny_gguf)
     reordered = [n for n in blocks if ".q_proj." in n or ".k_proj." in n]
-    assert reordered
-    for name, w in blocks.items():  # every weight at its place in the map
-        assert (w.data.data_ptr() - blocks[first].data.data_ptr()
-                == in_file[name] - in_file[first]), name
+    others = [n for n in blocks if n not in reordered]
+    assert reordered and others
+    assert _in_place(blocks, in_file, others)
+    saved = rows_file(str(tiny_gguf))
+    assert saved.stat().st_size == sum(blocks[n].data.numel() for n in reordered)
+    starts = [blocks[n].data.data_ptr() for n in reordered]
+    assert [b - a for a, b in itertools.pairwise(starts)] == [
+        blocks[n].data.numel() for n in reordered[:-1]]  # back to back, in file order
     for name in reordered:
         assert torch.equal(blocks[name].dequantize(), floats[name])
+
+    written = saved.stat().st_mtime_ns
+    again, _, _ = _blocks_and_places(tiny_gguf)  # the next load maps the same file
+    assert saved.stat().st_mtime_ns == written
+    assert all(torch.equal(again[n].data, blocks[n].data) for n in reordered)
+
+
+def test_a_rows_file_of_another_size_is_written_again(tiny_gguf):
+    from quire.models.gguf_rotary_rows import rows_file
+
+    blocks, _, _ = _blocks_and_places(tiny_gguf)
+    reordered = [n for n in blocks if ".q_proj." in n or ".k_proj." in n]
+    expected = {n: blocks[n].data.clone() for n in reordered}
+    size = sum(blocks[n].data.numel() for n in reordered)
+    del blocks  # its map of the file, which the next line changes in place
+    saved = rows_file(str(tiny_gguf))
+    saved.write_bytes(saved.read_bytes()[:-1])  # a file of another layout, say
+
+    again, floats, _ = _blocks_and_places(tiny_gguf)
+
+    assert saved.stat().st_size == size
+    for name in reordered:
+        assert torch.equal(again[name].data, expected[name]), name
+        assert torch.equal(again[name].dequantize(), floats[name]), name
+
+
+def test_without_a_writable_cache_the_rows_are_reordered_in_the_file_map(
+        tiny_gguf, tmp_path, monkeypatch):
+    """Where the rows file cannot be written, the rows are reordered inside the GGUF
+    file's copy-on-write map, where they lie: held once, the same bytes."""
+    in_cache, _, _ = _blocks_and_places(tiny_gguf)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(blocker))
+
+    blocks, floats, in_file = _blocks_and_places(tiny_gguf)
+
+    assert _in_place(blocks, in_file, list(blocks))
+    for name, w in blocks.items():
+        assert torch.equal(w.data, in_cache[name].data), name
+        if ".q_proj." in name or ".k_proj." in name:
+            assert torch.equal(w.dequantize(), floats[name])
 
 
 def test_int8_quantises_the_linears_on_load_and_keeps_the_vocabulary_float(

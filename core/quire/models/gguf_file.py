@@ -36,6 +36,7 @@ import torch
 from transformers import PretrainedConfig
 
 from quire.models.gguf_reader import dequantize, quantized, read_gguf_index
+from quire.models.gguf_rotary_rows import RowsSource, rotary_rows
 from quire.quantization.tensor import QuantizedTensor
 
 #: GGUF ``general.architecture`` values this reader maps.
@@ -113,9 +114,10 @@ def iter_gguf_weights(path: str, keep_blocks: bool = False
 
     :param keep_blocks: 2-D weights come as their blocks
         (:class:`~quire.quantization.tensor.QuantizedTensor`, views of a copy-on-write
-        map of the file; llama's q/k rows reordered in the map, so that those pages become
-        the process's own, one copy); norms
-        and other 1-D tensors as float32 always. Otherwise every tensor is dequantised to
+        map of the file; llama's q/k rows in rotary order from the file
+        :mod:`~quire.models.gguf_rotary_rows` keeps, or, where the cache cannot be
+        written, reordered inside the map); norms and other 1-D tensors as float32
+        always. Otherwise every tensor is dequantised to
         float32; F32 tensors are views of the map, which the model's weight loaders copy
         into their parameters.
     :raises ValueError: for an unsupported architecture, an unknown tensor name, or
@@ -129,12 +131,20 @@ def iter_gguf_weights(path: str, keep_blocks: bool = False
     weights = [t for t in index.tensors if t.name not in CONFIG_TENSORS]
     names = [hf_tensor_name(t.name, arch) for t in weights]  # unknown names: refused now
     blocks = {t.name: quantized(t) for t in weights if keep_blocks and len(t.dims) == 2}
+    heads_of = {t.name: (num_heads if ".q_proj." in name else num_kv_heads
+                         if ".k_proj." in name else 0) if arch == "llama" else 0
+                for t, name in zip(weights, names)}
+    reordered = [RowsSource(t.name, blocks[t.name], t.offset,
+                            unpermute_rows(torch.arange(blocks[t.name].rows), heads_of[t.name]))
+                 for t in weights if t.name in blocks and heads_of[t.name] and t.offset >= 0]
+    rotary = rotary_rows(path, reordered) or {}  # {}: the cache is not writable
     for tensor, name in zip(weights, names):
-        heads = (num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name
-                 else 0) if arch == "llama" else 0
+        heads = heads_of[tensor.name]
         if tensor.name in blocks:
             data = blocks.pop(tensor.name)
-            if heads:
+            if tensor.name in rotary:
+                data = rotary.pop(tensor.name)
+            elif heads:
                 data.reorder_rows_(unpermute_rows(torch.arange(data.rows), heads))
             yield name, data
             continue

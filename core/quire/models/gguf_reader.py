@@ -50,6 +50,8 @@ class GGUFTensor:
     qtype: int
     #: uint8 view of the tensor's bytes in the memory map.
     data: np.ndarray
+    #: Where those bytes start in the file (-1: not read from a file).
+    offset: int = -1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,7 +102,7 @@ def read_gguf_index(path: str) -> GGUFIndex:
         begin = start + offset
         if begin + nbytes > data.size:
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
-        tensors.append(GGUFTensor(name, dims, qtype, data[begin:begin + nbytes]))
+        tensors.append(GGUFTensor(name, dims, qtype, data[begin:begin + nbytes], begin))
     return GGUFIndex(metadata, tuple(tensors))
 
 
