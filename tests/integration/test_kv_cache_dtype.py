@@ -96,5 +96,12 @@ def test_a_bfloat16_model_reads_quantised_pages_in_the_c_kernels(tiny_checkpoint
 
     path = str(tiny_checkpoint("llama"))
     monkeypatch.setattr(kv_quant, "dequantize", torch_path)
-    got, _ = _generate(path, kv, 1 << 20, dtype="bfloat16")
-    assert len(got) == len(PROMPTS) and all(len(g) == GREEDY.max_tokens for g in got)
+    with LLM(path, device="cpu", block_size=4, kv_cache_memory=1 << 20, kv_cache_dtype=kv,
+             dtype="bfloat16") as llm:
+        first = llm.generate(PROMPTS, GREEDY)
+        # again: each prompt's cached pages are a prefix, its last tokens a chunk over them
+        again = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.core.scheduler.stats.prefix_hits > 0
+    for a, b in zip(first, again):
+        assert len(a.outputs[0].token_ids) == GREEDY.max_tokens
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
