@@ -134,18 +134,19 @@ def iter_gguf_weights(path: str, keep_blocks: bool = False
     heads_of = {t.name: (num_heads if ".q_proj." in name else num_kv_heads
                          if ".k_proj." in name else 0) if arch == "llama" else 0
                 for t, name in zip(weights, names)}
-    reordered = [RowsSource(t.name, blocks[t.name], t.offset,
-                            unpermute_rows(torch.arange(blocks[t.name].rows), heads_of[t.name]))
-                 for t in weights if t.name in blocks and heads_of[t.name] and t.offset >= 0]
-    rotary = rotary_rows(path, reordered) or {}  # {}: the cache is not writable
+    # each q/k weight's rows in rotary order: from the rows file, else reordered in the map
+    orders = {t.name: unpermute_rows(torch.arange(blocks[t.name].rows), heads_of[t.name])
+              for t in weights if t.name in blocks and heads_of[t.name]}
+    rotary = rotary_rows(path, [RowsSource(t.name, blocks[t.name], t.offset, orders[t.name])
+                                for t in weights if t.name in orders]) or {}
     for tensor, name in zip(weights, names):
         heads = heads_of[tensor.name]
         if tensor.name in blocks:
             data = blocks.pop(tensor.name)
             if tensor.name in rotary:
                 data = rotary.pop(tensor.name)
-            elif heads:
-                data.reorder_rows_(unpermute_rows(torch.arange(data.rows), heads))
+            elif tensor.name in orders:  # the cache is not writable
+                data.reorder_rows_(orders[tensor.name])
             yield name, data
             continue
         data = dequantize(tensor)

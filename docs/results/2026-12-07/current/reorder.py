@@ -2,8 +2,9 @@
 
 ``python reorder.py FILE plain``: each tensor's rows copied into place, every page
 faulting on its first write (the load before quire.heap.populate_write was called);
-``populate``: the pages made the process's own in one madvise call first, as the load
-now does (QuantizedTensor.reorder_rows_).
+``populate``: the pages made the process's own in one madvise call first
+(QuantizedTensor.reorder_rows_; since the tokenizer-tables stop, the load's fallback
+where the q/k rows file cannot be written).
 """
 import sys
 import time
