@@ -4,6 +4,11 @@ one call each, bit for bit (the same C per layer, the residual stream carried in
 thread's copy instead of a tensor), on Llama's one rotary table and on Gemma 3's two
 (sliding layers with their own rope and window, a full one); transformers on the same
 Gemma file as the oracle; and the layers taking over when one layer's kernel is gone.
+
+Decode batches on quantised weights with bfloat16 products (``activations=bfloat16``)
+through the layers in one call too (``quire_rows_stack_f32``): bit for bit what the
+layers give one call each, on both families, over bfloat16 and int8 pages; declined
+where a product would not take the bfloat16 kernel (few rows, float32 products).
 """
 
 from __future__ import annotations
@@ -116,3 +121,54 @@ def test_batches_decline(llama_gguf, monkeypatch):
     assert taken and not any(taken)
     layered, _ = _generate(llama_gguf, monkeypatch, False, prompts=prompts, max_tokens=4)
     assert stacked == layered
+
+
+def _bf16_products():
+    from quire.platforms.cpu.native import load_native_kernels
+
+    native = load_native_kernels()
+    if native is None or not native.has_quant_bf16:
+        pytest.skip("no bfloat16 products on quantised weights (AVX512_BF16) on this host")
+
+
+BATCH = tuple([1, 17 + i, 45, 99, 23 + 2 * i, 7, 31, 12, 5 + i][: 5 + i] for i in range(6))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_llama_decode_batches_equal_the_layers(llama_gguf, monkeypatch, kv_cache_dtype):
+    """Six sequences of different lengths decoding together, products on the bfloat16
+    kernel: every decode step in one call, the same tokens and logprobs as the layers
+    one call each, bit for bit (the same kernels on the same rows)."""
+    _bf16_products()
+    options = dict(prompts=BATCH, max_tokens=8, kv_cache_dtype=kv_cache_dtype,
+                   platform_options={"activations": "bfloat16"})
+    stacked, taken = _generate(llama_gguf, monkeypatch, True, **options)
+    assert taken.count(True) == 7 and taken.count(False) == 1  # the prompts' step declines
+    layered, untouched = _generate(llama_gguf, monkeypatch, False, **options)
+    assert untouched == []
+    assert stacked == layered
+
+
+def test_gemma3_decode_batches_equal_the_layers(gemma3_gguf, monkeypatch, tiny_checkpoint):
+    """Gemma 3's sandwich norms, q/k norms, GELU and sliding layers (their own rotary
+    rows and window of 8, which the longer sequences pass) in the batch call: bit for
+    bit the layers one call each."""
+    _bf16_products()
+    options = dict(prompts=BATCH, max_tokens=12, tokenizer=str(tiny_checkpoint("gemma3")),
+                   platform_options={"activations": "bfloat16"})
+    stacked, taken = _generate(gemma3_gguf, monkeypatch, True, **options)
+    assert taken.count(True) == 11
+    layered, _ = _generate(gemma3_gguf, monkeypatch, False, **options)
+    assert stacked == layered
+
+
+@pytest.mark.parametrize("prompts,activations", [(BATCH[:4], "bfloat16"), (BATCH, "dtype")])
+def test_decode_batches_decline_without_the_bfloat16_kernel(llama_gguf, monkeypatch,
+                                                            prompts, activations):
+    """Four rows (below the bfloat16 kernel's smallest batch, where the blocks' float32
+    products are faster) and float32 products are not the batch call's: the layers take
+    those steps, one call each."""
+    _bf16_products()
+    _, taken = _generate(llama_gguf, monkeypatch, True, prompts=prompts, max_tokens=4,
+                         platform_options={"activations": activations})
+    assert taken and not any(taken)

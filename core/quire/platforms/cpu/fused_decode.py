@@ -86,7 +86,7 @@ from quire.platforms.cpu.native import (
     pages_fit,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
-from quire.platforms.cpu.quant_linear import takes_bf16_kernel
+from quire.platforms.cpu.quant_linear import bf16_min_rows, takes_bf16_kernel
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class FusedDecodeLayer:
             where the kernels have them (the ``decode_activations`` option).
         :param int8_rows: every row of those products does (``activations=int8``)."""
         self.native = native
+        self._int8_rows = int8_rows
         self.layer_idx = spec.layer_idx
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = float(spec.scale)
@@ -272,6 +273,18 @@ class FusedDecodeLayer:
         return StackLayerArgs(ctypes.pointer(self._desc), ctypes.pointer(qkv),
                               ctypes.pointer(o), ctypes.pointer(gate_up),
                               ctypes.pointer(down), None, None, self.window, self.scale)
+
+    def takes_batch(self, rows: int) -> bool:
+        """Whether ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`) takes
+        this layer's decode step of ``rows`` rows: a float32 layer on quantised weights
+        whose four products :meth:`_rows_step` would each run on the bfloat16 kernel, in
+        one call for a layer's parts (the C call runs those same kernels, so its results
+        are that path's), at most :data:`MLP_BLOCK_ROWS` rows (the MLP in one block)."""
+        return (self.dtype == torch.float32 and self._products is not None
+                and self._compact is not None and self.mlp is None and not self._int8_rows
+                and 1 < rows <= MLP_BLOCK_ROWS
+                and all(isinstance(p, _QuantizedProduct) and p.bf16_batch(rows)
+                        for p, _ in self._products))
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
@@ -521,6 +534,16 @@ class _QuantizedProduct:
         self._parts = QPartArgs.array(kernel.parts)
         self._one_call = (len(kernel.parts) > 1 and not kernel.padding and not int8_rows
                           and kernel.parts[0].cols % 2 == 0)
+
+    def bf16_batch(self, rows: int) -> bool:
+        """Whether ``rows`` float32 rows take the bfloat16 kernel here, in one call for
+        all the parts (``quire_quant_gemm_bf16_parts``) or for the one part
+        (``quire_quant_gemm_bf16_f32``, through the platform's op)."""
+        kernel = self.kernel
+        return (kernel.bf16_activations and not kernel.rotated
+                and (self._one_call or len(kernel.parts) == 1)
+                and self.native.has_quant_bf16
+                and rows > bf16_min_rows(kernel.parts[0].cols))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (self._one_call and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)

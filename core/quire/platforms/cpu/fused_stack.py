@@ -11,9 +11,19 @@ one call and one parallel region, for the steps the one-sequence C layer takes: 
 decode step of one sequence, or its last few tokens (speculative decoding's
 verification), float32 rows on the layers' compact or quantised weights. The layers
 compute what they compute one call at a time (the same C per layer), so results match
-that path to float32 rounding. Any other step, or a range with a layer the C layer
-does not take (not fused, a mixture-of-experts MLP, a kernel LoRA took away), returns
-None and the layers run one by one.
+that path to float32 rounding.
+
+A float32 model's decode batches on quantised weights take one call too
+(``quire_rows_stack_f32``) where each layer's four products run on the bfloat16 kernel
+(:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.takes_batch`): the steps a
+layer runs between its products (``quire_rows_*``) and the products themselves, in the
+order of a call per product and per gap, whose Python dispatch and parallel regions
+left the other threads waiting (docs/bench.md has the share of a W1 run). The same kernels
+on the same rows, so results are that path's exactly.
+
+Any other step, or a range with a layer the C layer does not take (not fused, a
+mixture-of-experts MLP, a kernel LoRA took away), returns None and the layers run one
+by one.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ _POINTER = ctypes.sizeof(ctypes.c_void_p)
 
 
 class FusedDecodeStack:
-    """A model's :class:`~quire.ops.layer_spec.DecoderStackKernel` over its ``layers``."""
+    """A model's :class:`~quire.ops.layer_spec.DecoderStackKernel` over its ``layers``:
+    a lone sequence's steps, and decode batches on quantised weights."""
 
     def __init__(self, native: NativeKernels, layers: Sequence[nn.Module]) -> None:
         self.native = native
@@ -75,7 +86,7 @@ class FusedDecodeStack:
             return None
         first = self._fused[start]
         if not first.lone_step(rows, ctx):
-            return None
+            return self._batch(start, end, hidden, residual, rotaries, ctx)
         meta = ctx.metadata
         group = meta.groups[0]
         table = group.decode_tables if rows == 1 else group.tables
@@ -97,6 +108,43 @@ class FusedDecodeStack:
             slots.data_ptr(), table.data_ptr(), int(group.lens[0]),
             ctx.kv_caches[first.layer_idx].shape[2], first.hq, first.hkv, first.d,
             out.data_ptr(), new_residual.data_ptr())
+        return None if failed else (out, new_residual)
+
+    def _batch(self, start: int, end: int, hidden: torch.Tensor,
+               residual: torch.Tensor | None,
+               rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode batch on quantised weights (``quire_rows_stack_f32``): every row the
+        one new token of its own sequence, every layer one that
+        :meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.takes_batch`; else
+        None."""
+        rows = hidden.shape[0]
+        first = self._fused[start]
+        if not (first._pure_decode(rows, ctx)
+                and all(self._fused[i].takes_batch(rows) for i in range(start, end))):
+            return None
+        meta = ctx.metadata
+        group, slots = meta.groups[0], meta.slot_mapping
+        tables, lens = group.decode_tables, group.lens
+        if not (tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
+                and lens.dtype == slots.dtype == tables.dtype == torch.int64
+                and self._use_pages(start, end, ctx.kv_caches)
+                and self._use_rotaries(start, rows, rotaries, first)):
+            return None
+        hidden = hidden.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        out = torch.empty_like(hidden)
+        new_residual = torch.empty_like(hidden)
+        failed = self.native.rows_stack_f32(
+            end - start, ctypes.addressof(self._array) + start * _STRIDE, rows,
+            hidden.data_ptr(), None if residual is None else residual.data_ptr(),
+            first.hidden, ctypes.addressof(self._cos) + start * _POINTER,
+            ctypes.addressof(self._sin) + start * _POINTER, rotaries[0][0].stride(0),
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            ctx.kv_caches[first.layer_idx].shape[2], first.hq, first.hkv, first.d,
+            out.data_ptr(), new_residual.data_ptr())
+        if failed == 3:  # the pages are written: no falling back to the layers
+            raise MemoryError("quire_rows_stack_f32: no scratch memory for a product")
         return None if failed else (out, new_residual)
 
     def _takes(self, start: int, end: int) -> bool:

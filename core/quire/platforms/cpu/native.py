@@ -285,6 +285,12 @@ class NativeKernels:
         self.decode_stack_f32.argtypes = [
             _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
             _i64, _i64, _i64, _ptr, _ptr]
+        # a decode batch through consecutive layers on quantised weights (fused_stack.py)
+        self.rows_stack_f32 = library.quire_rows_stack_f32
+        self.rows_stack_f32.restype = ctypes.c_int
+        self.rows_stack_f32.argtypes = [
+            _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr,
+            _i64, _i64, _i64, _i64, _ptr, _ptr]
         # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
         self.decode_batch_f32 = library.quire_decode_batch_f32
         self.decode_batch_f32.restype = ctypes.c_int

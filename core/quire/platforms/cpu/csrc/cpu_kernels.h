@@ -670,6 +670,17 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            int64_t ldy);
 int quire_quant_fits(int32_t fmt, int64_t k);
 
+/* quant_gemm.c: the bfloat16 products on quantised weights (AVX512_BF16; AMX tiles where
+ * Linux grants them) inside a running team: every thread calls it with the same
+ * arguments, the team rounds float32 rows xf into the shared bfloat16 buffer x (m * k)
+ * and shares out the parts' panels; it returns the thread's failure (3: no scratch; 4 on
+ * a level without the kernel) and ends in a barrier. quire_quant_bf16_fits: whether a
+ * format and width fit it on this level. */
+int quire_quant_gemm_bf16_team(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
+                               const float *xf, int64_t m, int64_t k, const float *bias,
+                               float *y, int64_t ldy);
+int quire_quant_bf16_fits(int32_t fmt, int64_t k);
+
 /* quant_q8.c: products on quantised weights with the activations quantised to int8 per
  * 32 values (llama.cpp's Q8_0 way), integer dot products: the one-call entry (0; 4 for a
  * format it does not take; 2 k not whole blocks; 3 no memory), the same inside a running

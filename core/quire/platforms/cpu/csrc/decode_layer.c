@@ -1186,3 +1186,173 @@ int quire_rows_out_norm(const struct quire_rows *a) {
     }
     return 0;
 }
+
+/*
+ * A decode batch (row r the one new token of sequence r) through consecutive layers of a
+ * float32 model on quantised weights in one call and one parallel region: the layers'
+ * quire_rows_* steps and their products (quire_quant_gemm_bf16_team: each layer's parts
+ * in one run, its rows rounded to bfloat16, float32 sums), in the order
+ * quire/platforms/cpu/fused_decode.py's FusedDecodeLayer._rows_step calls them, each
+ * between barriers. Per layer, that path is eight calls from Python, each with its
+ * tensors and its parallel region, while the team waits (docs/bench.md has what it cost).
+ * The same kernels on the same rows, so the results are that path's exactly.
+ *
+ * x, residual (NULL: none), out, residual_out: [rows, hidden] float32; cos[i], sin[i]:
+ * layer i's rotary rows (row r at r * cos_stride); tables: row s sequence s's blocks
+ * (table_stride apart); seq_lens count each sequence's new token; slots: where it goes.
+ * Every layer's linears are quantised parts (struct quire_linear QUIRE_FORMAT_QUANT)
+ * that the bfloat16 kernel takes, and its MLP is its own. Returns 0; 1 when the shapes
+ * or weights do not fit (nothing written); 2 when memory is short (before anything is
+ * written); 3 when a product's scratch could not be had midway (the pages are written
+ * then: the caller cannot fall back).
+ */
+static int batch_linear_fits(const struct quire_linear *w, int64_t in, int64_t out) {
+    if (w == NULL || w->format != QUIRE_FORMAT_QUANT || w->in_features != in ||
+        w->out_features != out || w->num_parts <= 0)
+        return 0;
+    const struct quire_qpart *part = w->codes;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < w->num_parts; p++) {
+        if (!quire_quant_bf16_fits(part[p].fmt, in) || part[p].rows <= 0)
+            return 0;
+        rows += part[p].rows;
+    }
+    return rows == out;
+}
+
+static int batch_product(const struct quire_linear *w, uint16_t *rounded, const float *x,
+                         int64_t m, float *y) {
+    return quire_quant_gemm_bf16_team(w->num_parts, w->codes, rounded, x, m, w->in_features,
+                                      w->bias, y, w->out_features);
+}
+
+int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int64_t rows,
+                         const float *x, const float *residual, int64_t hidden,
+                         const float *const *cos, const float *const *sin, int64_t cos_stride,
+                         const int64_t *slots, const int64_t *tables, int64_t table_stride,
+                         const int64_t *seq_lens, int64_t block_size, int64_t hq, int64_t hkv,
+                         int64_t d, float *out, float *residual_out) {
+    static __thread void *held_buf;
+    static __thread size_t held;
+    if (n < 1 || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
+        d % 2 || cos_stride < d || block_size < 1 || !quire_quant_gemm_bf16_available())
+        return 1;
+    const int64_t nqkv = (hq + 2 * hkv) * d;
+    int64_t inter = 0, longest = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const struct quire_stack_layer *l = &layers[i];
+        if (!desc_fits(l->desc) || l->desc->mlp_external || l->gate_up == NULL ||
+            l->gate_up->out_features % 2 || l->k_cache == NULL || l->v_cache == NULL)
+            return 1;
+        const int64_t li = l->gate_up->out_features / 2;
+        if (!batch_linear_fits(l->qkv, hidden, nqkv) || !batch_linear_fits(l->o, hq * d, hidden) ||
+            !batch_linear_fits(l->gate_up, hidden, 2 * li) ||
+            !batch_linear_fits(l->down, li, hidden))
+            return 1;
+        inter = li > inter ? li : inter;
+    }
+    for (int64_t s = 0; s < rows; s++) {
+        if (seq_lens[s] < 1)
+            return 1;
+        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    }
+    const int64_t threads = omp_get_max_threads();
+    const int64_t widest = hidden > hq * d ? (hidden > inter ? hidden : inter)
+                                           : (hq * d > inter ? hq * d : inter);
+    /* the residual stream, normed rows, qkv, attention, o, gate/up, activation and the
+     * rounded rows, then each thread's attention scores and a row for a norm */
+    const size_t shared = (size_t)rows * (3 * hidden + nqkv + hq * d + 3 * inter) +
+                          ((size_t)rows * widest + 1) / 2;
+    const size_t own = (size_t)hq * longest + hidden;
+    float *scratch = quire_grown(&held_buf, &held, sizeof(float) * (shared + threads * own));
+    if (scratch == NULL)
+        return 2;
+    float *stream = scratch, *normed = stream + rows * hidden, *qkv = normed + rows * hidden;
+    float *attn = qkv + rows * nqkv, *o_out = attn + rows * hq * d, *gu = o_out + rows * hidden;
+    float *act = gu + rows * 2 * inter;
+    uint16_t *rounded = (uint16_t *)(act + rows * inter);
+    float *owned = scratch + shared;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = owned + omp_get_thread_num() * own, *t = scores + hq * longest;
+        /* (row, KV head) pairs when there are too few rows to share out alone */
+        const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
+        for (int64_t i = 0; i < n; i++) {
+            const struct quire_stack_layer *l = &layers[i];
+            const struct quire_layer_desc *desc = l->desc;
+            const int64_t li = l->gate_up->out_features / 2;
+            const int64_t row = kv_slot_elems(desc->kv_type, hkv, d);
+            const float eps = desc->eps;
+            /* quire_rows_front: the residual stream, the input norm */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *h = stream + r * hidden;
+                if (i == 0) {
+                    memcpy(h, x + r * hidden, sizeof(float) * hidden);
+                    if (residual)
+                        for (int64_t c = 0; c < hidden; c++)
+                            h[c] += residual[r * hidden + c];
+                } else {
+                    for (int64_t c = 0; c < hidden; c++)
+                        h[c] = out[r * hidden + c] + h[c];
+                }
+                quire_rms_norm_row(h, desc->norm_in, eps, hidden, normed + r * hidden);
+            }
+            failed |= batch_product(l->qkv, rounded, normed, rows, qkv);
+            /* quire_rows_attend: q/k norms, rotary, this step's K/V, attention */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *q = qkv + r * nqkv;
+                if (desc->q_norm) {
+                    norm_heads(q, hq, d, desc->q_norm, eps);
+                    norm_heads(q + hq * d, hkv, d, desc->k_norm, eps);
+                }
+                rotate(q, hq + hkv, d, cos[i] + r * cos_stride, sin[i] + r * cos_stride);
+                store_kv_row(l->k_cache, desc->kv_type, slots[r], hkv, d, q + hq * d);
+                store_kv_row(l->v_cache, desc->kv_type, slots[r], hkv, d, q + (hq + hkv) * d);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t j = 0; j < rows * split; j++) {
+                const int64_t s = j / split, h = (j % split) * heads, len = seq_lens[s];
+                const int64_t start = (l->window > 0 && len > l->window) ? len - l->window : 0;
+                attend_heads_kv(desc->kv_type, qkv + s * nqkv, l->k_cache, l->v_cache,
+                                tables + s * table_stride, start, len - start, h, h + heads,
+                                hq / hkv, row, d, block_size, l->scale, scores,
+                                attn + s * hq * d);
+            }
+            failed |= batch_product(l->o, rounded, attn, rows, o_out);
+            /* quire_rows_post_attn: the residual stream, the pre-MLP norm */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *h = stream + r * hidden;
+                const float *o = o_out + r * hidden;
+                if (desc->attn_out_norm) {
+                    quire_rms_norm_row(o, desc->attn_out_norm, eps, hidden, t);
+                    o = t;
+                }
+                for (int64_t c = 0; c < hidden; c++)
+                    h[c] += o[c];
+                quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden, normed + r * hidden);
+            }
+            failed |= batch_product(l->gate_up, rounded, normed, rows, gu);
+            /* quire_rows_act */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                act_mul(desc->activation, gu + r * 2 * li, gu + r * 2 * li + li, li,
+                        act + r * li);
+            failed |= batch_product(l->down, rounded, act, rows, out);
+            if (desc->mlp_out_norm) { /* quire_rows_out_norm */
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++) {
+                    memcpy(t, out + r * hidden, sizeof(float) * hidden);
+                    quire_rms_norm_row(t, desc->mlp_out_norm, eps, hidden, out + r * hidden);
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(residual_out + r * hidden, stream + r * hidden, sizeof(float) * hidden);
+    }
+    return failed ? 3 : 0;
+}

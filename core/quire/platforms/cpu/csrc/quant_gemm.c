@@ -1338,44 +1338,54 @@ int quire_quant_gemm_bf16_available(void) { return 1; }
 static __thread void *rounded_rows; /* uint16_t (bfloat16) rows */
 static __thread size_t rounded_bytes;
 
-/* Every entry: the parts' outputs side by side in y (part p's bias at bias + its first
- * output), their 16-column panels shared out over the team as one run, so a layer's
- * parts (q, k, v) take one parallel region. x holds bfloat16 rows, or with xf float32
- * ones, which the team first rounds into x (nearest even, as torch rounds), each thread
- * some rows. */
-static int bf16_gemm(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
-                     const float *xf, int64_t m, int64_t k, const float *bias, float *y,
-                     int64_t ldy) {
+/* Every entry's body, for a team already running: the parts' outputs side by side in y
+ * (part p's bias at bias + its first output), their 16-column panels shared out over the
+ * team as one run, so a layer's parts (q, k, v) take one parallel region. x holds
+ * bfloat16 rows, or with xf float32 ones, which the team first rounds into x (nearest
+ * even, as torch rounds), each thread some rows. Every thread of the team calls it with
+ * the same arguments; it returns the thread's own failure (3: no scratch) and ends in a
+ * barrier, so y is whole on return. */
+int quire_quant_gemm_bf16_team(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
+                               const float *xf, int64_t m, int64_t k, const float *bias,
+                               float *y, int64_t ldy) {
     int64_t num_panels = 0;
     for (int64_t p = 0; p < nparts; p++)
         num_panels += (parts[p].rows + 15) / 16;
     const int amx = quire_amx_ready();
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        if (xf != NULL) {
+    if (xf != NULL) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++)
-                round_to_pairs(xf + r * k, k, (uint32_t *)(x + r * k));
-        }
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t g0 = num_panels * t / team, g1 = num_panels * (t + 1) / team;
-        /* this thread's panels [g0, g1) of the run, part by part */
-        for (int64_t p = 0, first = 0, col = 0; p < nparts && first < g1;
-             col += parts[p].rows, first += (parts[p].rows + 15) / 16, p++) {
-            const struct quire_qpart *q = &parts[p];
-            const int64_t count = (q->rows + 15) / 16;
-            const int64_t p0 = g0 > first ? g0 - first : 0;
-            const int64_t p1 = g1 - first < count ? g1 - first : count;
-            if (p0 >= p1)
-                continue;
-            const float *b = bias ? bias + col : NULL;
-            failed |= amx ? bf16_amx_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows,
-                                           q->scales, b, y + col, ldy, p0, p1)
-                          : bf16_panel_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows,
-                                             q->scales, b, y + col, ldy, p0, p1);
-        }
+        for (int64_t r = 0; r < m; r++)
+            round_to_pairs(xf + r * k, k, (uint32_t *)(x + r * k));
     }
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t g0 = num_panels * t / team, g1 = num_panels * (t + 1) / team;
+    /* this thread's panels [g0, g1) of the run, part by part */
+    for (int64_t p = 0, first = 0, col = 0; p < nparts && first < g1;
+         col += parts[p].rows, first += (parts[p].rows + 15) / 16, p++) {
+        const struct quire_qpart *q = &parts[p];
+        const int64_t count = (q->rows + 15) / 16;
+        const int64_t p0 = g0 > first ? g0 - first : 0;
+        const int64_t p1 = g1 - first < count ? g1 - first : count;
+        if (p0 >= p1)
+            continue;
+        const float *b = bias ? bias + col : NULL;
+        failed |= amx ? bf16_amx_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows, q->scales,
+                                       b, y + col, ldy, p0, p1)
+                      : bf16_panel_share(q->fmt, x, m, k, q->w, q->w_stride, q->rows,
+                                         q->scales, b, y + col, ldy, p0, p1);
+    }
+#pragma omp barrier
+    return failed;
+}
+
+/* quire_quant_gemm_bf16_team in a parallel region of its own. */
+static int bf16_gemm(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
+                     const float *xf, int64_t m, int64_t k, const float *bias, float *y,
+                     int64_t ldy) {
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    failed |= quire_quant_gemm_bf16_team(nparts, parts, x, xf, m, k, bias, y, ldy);
     return failed ? 3 : 0;
 }
 
@@ -1388,6 +1398,8 @@ static int bf16_gemm_fits(int32_t fmt, int64_t k) {
         return 4; /* pairs need an even K (every block format has one) */
     return 0;
 }
+
+int quire_quant_bf16_fits(int32_t fmt, int64_t k) { return bf16_gemm_fits(fmt, k) == 0; }
 
 int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                           const uint8_t *w, int64_t w_stride, int64_t n,
@@ -1445,6 +1457,19 @@ int quire_quant_gemm_bf16_parts(int64_t nparts, const struct quire_qpart *parts,
 #else
 
 int quire_quant_gemm_bf16_available(void) { return 0; }
+
+int quire_quant_bf16_fits(int32_t fmt, int64_t k) {
+    (void)fmt, (void)k;
+    return 0;
+}
+
+int quire_quant_gemm_bf16_team(int64_t nparts, const struct quire_qpart *parts, uint16_t *x,
+                               const float *xf, int64_t m, int64_t k, const float *bias,
+                               float *y, int64_t ldy) {
+    (void)nparts, (void)parts, (void)x, (void)xf, (void)m, (void)k, (void)bias, (void)y;
+    (void)ldy;
+    return 4;
+}
 
 /* Levels without AVX512_BF16: never taken (the caller checks availability first). */
 int quire_quant_gemm_bf16(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
