@@ -140,8 +140,8 @@ def test_llama_decode_batches_equal_the_layers(llama_gguf, monkeypatch, kv_cache
     kernel: every decode step in one call, the same tokens and logprobs as the layers
     one call each, bit for bit (the same kernels on the same rows)."""
     _bf16_products()
-    options = dict(prompts=BATCH, max_tokens=8, kv_cache_dtype=kv_cache_dtype,
-                   platform_options={"activations": "bfloat16"})
+    options = {"prompts": BATCH, "max_tokens": 8, "kv_cache_dtype": kv_cache_dtype,
+               "platform_options": {"activations": "bfloat16"}}
     stacked, taken = _generate(llama_gguf, monkeypatch, True, **options)
     assert taken.count(True) == 7 and taken.count(False) == 1  # the prompts' step declines
     layered, untouched = _generate(llama_gguf, monkeypatch, False, **options)
@@ -154,8 +154,8 @@ def test_gemma3_decode_batches_equal_the_layers(gemma3_gguf, monkeypatch, tiny_c
     rows and window of 8, which the longer sequences pass) in the batch call: bit for
     bit the layers one call each."""
     _bf16_products()
-    options = dict(prompts=BATCH, max_tokens=12, tokenizer=str(tiny_checkpoint("gemma3")),
-                   platform_options={"activations": "bfloat16"})
+    options = {"prompts": BATCH, "max_tokens": 12, "tokenizer": str(tiny_checkpoint("gemma3")),
+               "platform_options": {"activations": "bfloat16"}}
     stacked, taken = _generate(gemma3_gguf, monkeypatch, True, **options)
     assert taken.count(True) == 11
     layered, _ = _generate(gemma3_gguf, monkeypatch, False, **options)
