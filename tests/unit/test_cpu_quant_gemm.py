@@ -395,6 +395,28 @@ def test_a_layer_s_parts_in_one_call_are_the_op_s_part_by_part(
                 assert torch.equal(product(x, b), kernel(x, b))
 
 
+@pytest.mark.parametrize("name", ["q4_1", "q6_k"])
+def test_bfloat16_prompt_sized_batches(kernels: NativeKernels, name: str) -> None:
+    """Rows too many for L2 beside a group of panels (a prompt step's: at the amx level
+    the groups then widen so that the rows stream fewer times): whole groups, a narrower
+    last one, a tail of rows, a bias; the same bound against ``F.linear`` on the rounded
+    weights as the batches above."""
+    if not kernels.has_quant_bf16:
+        pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
+    gen = torch.Generator().manual_seed(9)
+    block = FORMATS[name].block
+    for cols, out in ((512 + block, 600), (4 * block, 1100)):
+        weight = make_weight(name, out, cols, gen)
+        w = weight.dequantize().to(torch.bfloat16).float()
+        bias = torch.randn(out, generator=gen)
+        m = (512 << 10) // (2 * cols) + 9  # past the rows that stay in L2, and a tail
+        x = torch.randn(m, cols, generator=gen).to(torch.bfloat16)
+        for b in (None, bias):
+            y = kernels.quant_linear_bf16(x, weight, b)
+            assert y is not None and y.shape == (m, out)
+            assert_close_to_reference(y, x.float(), w, b)
+
+
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "q4_k", "f16", "int8"])
 def test_bfloat16_batches_on_amx_tiles_and_their_tails(kernels: NativeKernels,
                                                        name: str) -> None:

@@ -1255,9 +1255,22 @@ static int bf16_panel_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k
     return 0;
 }
 
-/* Panels a group takes on AMX tiles: 8 (128 columns) while K is short enough that their
- * whole-K pairs stay below 512 KB, else 4. */
-static int64_t amx_group(int64_t k) { return k <= 2048 ? 8 : 4; }
+/* Panels a group takes on AMX tiles. Each group reads all m rows of x once, so for rows
+ * too many to stay in L2 beside the group (m k bfloat16 above AMX_X_IN_L2 bytes: a
+ * prompt step's) the groups are as wide as AMX_GROUP_BYTES of whole-K pairs allow, at
+ * most AMX_GROUP_MAX panels, so x streams from L3 fewer times; else 8 panels (128
+ * columns) while K is short enough that their whole-K pairs stay below 512 KB, and 4
+ * past that (figures in docs/bench.md). */
+#define AMX_X_IN_L2 (512 << 10)
+#define AMX_GROUP_BYTES (1 << 20)
+#define AMX_GROUP_MAX 32
+static int64_t amx_group(int64_t k, int64_t m) {
+    const int64_t narrow = k <= 2048 ? 8 : 4;
+    if (m * k * 2 <= AMX_X_IN_L2)
+        return narrow;
+    const int64_t wide = AMX_GROUP_BYTES / (32 * k); /* a panel's whole-K pairs: 32 k bytes */
+    return wide > AMX_GROUP_MAX ? AMX_GROUP_MAX : wide > narrow ? wide : narrow;
+}
 
 /* The same on AMX tiles (amx_tiles.c): a group's panels are dequantised over the whole
  * of K first, then each 32 rows of x run every K block on tiles, the sums kept in the
@@ -1272,7 +1285,7 @@ static int bf16_amx_share(int32_t fmt, const uint16_t *x, int64_t m, int64_t k,
                           int64_t p_end) {
     if (p_begin >= p_end)
         return 0;
-    const int64_t G = amx_group(k), pstride = 8 * k, ldc = 16 * G, kt = k / 32;
+    const int64_t G = amx_group(k, m), pstride = 8 * k, ldc = 16 * G, kt = k / 32;
     /* rows past the last whole 16: padded with zeros to a tile of their own, since one
      * AMX tile of 16 rows takes less time than vdpbf16ps takes for 8 (bf_rows) */
     const int64_t t0 = m & ~(int64_t)15, tail = kt > 0 ? m - t0 : 0;
