@@ -114,11 +114,13 @@ def test_a_layer_without_its_kernel_sends_the_step_back_to_the_layers(llama_gguf
     assert dropped[0][1] == pytest.approx(layered[0][1], abs=1e-4)
 
 
-def test_batches_decline(llama_gguf, monkeypatch):
-    """Two sequences decoding together are no lone sequence: the layers take them."""
+def test_two_sequences_are_no_lone_sequence(llama_gguf, monkeypatch):
+    """Two sequences decoding together are no lone sequence: the batch call takes their
+    decode steps (float32 products on the blocks' direct path), with the layers'
+    results."""
     prompts = (PROMPT, PROMPT[:7])
     stacked, taken = _generate(llama_gguf, monkeypatch, True, prompts=prompts, max_tokens=4)
-    assert taken and not any(taken)
+    assert taken == [False, True, True, True]
     layered, _ = _generate(llama_gguf, monkeypatch, False, prompts=prompts, max_tokens=4)
     assert stacked == layered
 
@@ -135,13 +137,19 @@ BATCH = tuple([1, 17 + i, 45, 99, 23 + 2 * i, 7, 31, 12, 5 + i][: 5 + i] for i i
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_llama_decode_batches_equal_the_layers(llama_gguf, monkeypatch, kv_cache_dtype):
-    """Six sequences of different lengths decoding together, products on the bfloat16
-    kernel: every decode step in one call, the same tokens and logprobs as the layers
-    one call each, bit for bit (the same kernels on the same rows)."""
-    _bf16_products()
-    options = {"prompts": BATCH, "max_tokens": 8, "kv_cache_dtype": kv_cache_dtype,
-               "platform_options": {"activations": "bfloat16"}}
+@pytest.mark.parametrize("activations,prompts", [("bfloat16", BATCH), ("bfloat16", BATCH[:3]),
+                                                 ("dtype", BATCH)])
+def test_llama_decode_batches_equal_the_layers(llama_gguf, monkeypatch, kv_cache_dtype,
+                                               activations, prompts):
+    """Sequences of different lengths decoding together, every decode step in one call,
+    the same tokens and logprobs as the layers one call each, bit for bit (the same
+    kernels on the same rows): six rows on the bfloat16 kernel; three rows (fewer than
+    that kernel's smallest batch) and six with float32 products on the blocks' direct
+    path."""
+    if activations == "bfloat16":
+        _bf16_products()
+    options = {"prompts": prompts, "max_tokens": 8, "kv_cache_dtype": kv_cache_dtype,
+               "platform_options": {"activations": activations}}
     stacked, taken = _generate(llama_gguf, monkeypatch, True, **options)
     assert taken.count(True) == 7 and taken.count(False) == 1  # the prompts' step declines
     layered, untouched = _generate(llama_gguf, monkeypatch, False, **options)
@@ -162,13 +170,20 @@ def test_gemma3_decode_batches_equal_the_layers(gemma3_gguf, monkeypatch, tiny_c
     assert stacked == layered
 
 
-@pytest.mark.parametrize("prompts,activations", [(BATCH[:4], "bfloat16"), (BATCH, "dtype")])
-def test_decode_batches_decline_without_the_bfloat16_kernel(llama_gguf, monkeypatch,
-                                                            prompts, activations):
-    """Four rows (below the bfloat16 kernel's smallest batch, where the blocks' float32
-    products are faster) and float32 products are not the batch call's: the layers take
-    those steps, one call each."""
-    _bf16_products()
-    _, taken = _generate(llama_gguf, monkeypatch, True, prompts=prompts, max_tokens=4,
-                         platform_options={"activations": activations})
+TEN = tuple([1, 17 + i, 45, 99, 23, 7 + i, 5] for i in range(10))
+
+
+@pytest.mark.parametrize("prompts,options", [
+    (TEN, {"platform_options": {"activations": "dtype"}}),
+    (BATCH[:3], {"platform_options": {"activations": "dtype", "decode_activations": "int8"}}),
+])
+def test_decode_batches_the_call_does_not_take(llama_gguf, monkeypatch, prompts, options):
+    """Ten rows of float32 products (past the blocks' direct path, where the products
+    take panels) and int8 decode rows are not the batch call's: the layers take those
+    steps, one call each, and give what they give without the stack."""
+    stacked, taken = _generate(llama_gguf, monkeypatch, True, prompts=prompts, max_tokens=4,
+                               **options)
     assert taken and not any(taken)
+    layered, _ = _generate(llama_gguf, monkeypatch, False, prompts=prompts, max_tokens=4,
+                           **options)
+    assert stacked == layered

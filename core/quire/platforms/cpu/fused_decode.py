@@ -115,7 +115,7 @@ class FusedDecodeLayer:
             where the kernels have them (the ``decode_activations`` option).
         :param int8_rows: every row of those products does (``activations=int8``)."""
         self.native = native
-        self._int8_rows = int8_rows
+        self._int8_decode, self._int8_rows = int8_decode, int8_rows
         self.layer_idx = spec.layer_idx
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = float(spec.scale)
@@ -274,17 +274,24 @@ class FusedDecodeLayer:
                               ctypes.pointer(o), ctypes.pointer(gate_up),
                               ctypes.pointer(down), None, None, self.window, self.scale)
 
-    def takes_batch(self, rows: int) -> bool:
-        """Whether ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`) takes
-        this layer's decode step of ``rows`` rows: a float32 layer on quantised weights
-        whose four products :meth:`_rows_step` would each run on the bfloat16 kernel, in
-        one call for a layer's parts (the C call runs those same kernels, so its results
-        are that path's), at most :data:`MLP_BLOCK_ROWS` rows (the MLP in one block)."""
-        return (self.dtype == torch.float32 and self._products is not None
+    def batch_kernel(self, rows: int) -> int | None:
+        """Which products ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`)
+        runs for this layer's decode step of ``rows`` rows, as :meth:`_rows_step` would
+        call them (so that its results are that path's): 1, every product on the
+        bfloat16 kernel, in one call for a layer's parts; 0, every product on the blocks'
+        float32 direct path (few rows, or float32 products; the C call declines rows past
+        that path's); None where they would differ (some one way, some the other; int8
+        decode rows) or the layer is not a float32 one on quantised weights."""
+        if not (self.dtype == torch.float32 and self._products is not None
                 and self._compact is not None and self.mlp is None and not self._int8_rows
                 and 1 < rows <= MLP_BLOCK_ROWS
-                and all(isinstance(p, _QuantizedProduct) and p.bf16_batch(rows)
-                        for p, _ in self._products))
+                and all(isinstance(p, _QuantizedProduct) and not p.kernel.rotated
+                        for p, _ in self._products)):
+            return None
+        bf16 = {p.bf16_batch(rows) for p, _ in self._products}
+        if bf16 == {True}:
+            return 1
+        return 0 if bf16 == {False} and not self._int8_decode else None
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
@@ -540,7 +547,7 @@ class _QuantizedProduct:
         all the parts (``quire_quant_gemm_bf16_parts``) or for the one part
         (``quire_quant_gemm_bf16_f32``, through the platform's op)."""
         kernel = self.kernel
-        return (kernel.bf16_activations and not kernel.rotated
+        return (kernel.bf16_activations
                 and (self._one_call or len(kernel.parts) == 1)
                 and self.native.has_quant_bf16
                 and rows > bf16_min_rows(kernel.parts[0].cols))

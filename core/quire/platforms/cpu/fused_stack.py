@@ -14,8 +14,9 @@ compute what they compute one call at a time (the same C per layer), so results 
 that path to float32 rounding.
 
 A float32 model's decode batches on quantised weights take one call too
-(``quire_rows_stack_f32``) where each layer's four products run on the bfloat16 kernel
-(:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.takes_batch`): the steps a
+(``quire_rows_stack_f32``) where all the layers' products run on one kernel, the
+bfloat16 one or, for a few rows or float32 products, the blocks' direct float32 path
+(:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`): the steps a
 layer runs between its products (``quire_rows_*``) and the products themselves, in the
 order of a call per product and per gap, whose Python dispatch and parallel regions
 left the other threads waiting (docs/bench.md has the share of a W1 run). The same kernels
@@ -115,13 +116,15 @@ class FusedDecodeStack:
                rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode batch on quantised weights (``quire_rows_stack_f32``): every row the
-        one new token of its own sequence, every layer one that
-        :meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.takes_batch`; else
+        one new token of its own sequence, every layer's products on one kernel
+        (:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`); else
         None."""
         rows = hidden.shape[0]
         first = self._fused[start]
-        if not (first._pure_decode(rows, ctx)
-                and all(self._fused[i].takes_batch(rows) for i in range(start, end))):
+        if not first._pure_decode(rows, ctx):
+            return None
+        kernels = {self._fused[i].batch_kernel(rows) for i in range(start, end)}
+        if len(kernels) != 1 or None in kernels:
             return None
         meta = ctx.metadata
         group, slots = meta.groups[0], meta.slot_mapping
@@ -142,7 +145,7 @@ class FusedDecodeStack:
             ctypes.addressof(self._sin) + start * _POINTER, rotaries[0][0].stride(0),
             slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
             ctx.kv_caches[first.layer_idx].shape[2], first.hq, first.hkv, first.d,
-            out.data_ptr(), new_residual.data_ptr())
+            kernels.pop(), out.data_ptr(), new_residual.data_ptr())
         if failed == 3:  # the pages are written: no falling back to the layers
             raise MemoryError("quire_rows_stack_f32: no scratch memory for a product")
         return None if failed else (out, new_residual)

@@ -290,7 +290,7 @@ class NativeKernels:
         self.rows_stack_f32.restype = ctypes.c_int
         self.rows_stack_f32.argtypes = [
             _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr,
-            _i64, _i64, _i64, _i64, _ptr, _ptr]
+            _i64, _i64, _i64, _i64, ctypes.c_int32, _ptr, _ptr]
         # Raw too, for the same reason: quire/platforms/cpu/fused_decode.py's decode batches.
         self.decode_batch_f32 = library.quire_decode_batch_f32
         self.decode_batch_f32.restype = ctypes.c_int

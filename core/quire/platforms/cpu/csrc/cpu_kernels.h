@@ -669,6 +669,9 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            const float *row_scales, const float *bias, float *y,
                            int64_t ldy);
 int quire_quant_fits(int32_t fmt, int64_t k);
+/* The most rows quire_quant_gemm_f32 takes on the direct path (quire_quant_rows_team's)
+ * for fmt: fewer than that, a call and a team's shares give the same numbers. */
+int64_t quire_quant_direct_rows(int32_t fmt);
 
 /* quant_gemm.c: the bfloat16 products on quantised weights (AVX512_BF16; AMX tiles where
  * Linux grants them) inside a running team: every thread calls it with the same

@@ -1190,38 +1190,51 @@ int quire_rows_out_norm(const struct quire_rows *a) {
 /*
  * A decode batch (row r the one new token of sequence r) through consecutive layers of a
  * float32 model on quantised weights in one call and one parallel region: the layers'
- * quire_rows_* steps and their products (quire_quant_gemm_bf16_team: each layer's parts
- * in one run, its rows rounded to bfloat16, float32 sums), in the order
+ * quire_rows_* steps and their products, in the order
  * quire/platforms/cpu/fused_decode.py's FusedDecodeLayer._rows_step calls them, each
  * between barriers. Per layer, that path is eight calls from Python, each with its
  * tensors and its parallel region, while the team waits (docs/bench.md has what it cost).
- * The same kernels on the same rows, so the results are that path's exactly.
+ * The products are the kernels that path's calls reach for the batch: with bf16 set,
+ * the bfloat16 one (quire_quant_gemm_bf16_team: a layer's parts in one run, its rows
+ * rounded to bfloat16, float32 sums); else the blocks' direct float32 path
+ * (quire_quant_rows_team, or the parts' int8 activations where q8 says so), which
+ * quire_quant_gemm_f32 takes for up to quire_quant_direct_rows rows. The same kernels on
+ * the same rows, so the results are that path's exactly.
  *
  * x, residual (NULL: none), out, residual_out: [rows, hidden] float32; cos[i], sin[i]:
  * layer i's rotary rows (row r at r * cos_stride); tables: row s sequence s's blocks
  * (table_stride apart); seq_lens count each sequence's new token; slots: where it goes.
  * Every layer's linears are quantised parts (struct quire_linear QUIRE_FORMAT_QUANT)
- * that the bfloat16 kernel takes, and its MLP is its own. Returns 0; 1 when the shapes
+ * that the chosen kernel takes, and its MLP is its own. Returns 0; 1 when the shapes
  * or weights do not fit (nothing written); 2 when memory is short (before anything is
  * written); 3 when a product's scratch could not be had midway (the pages are written
  * then: the caller cannot fall back).
  */
-static int batch_linear_fits(const struct quire_linear *w, int64_t in, int64_t out) {
+static int batch_linear_fits(const struct quire_linear *w, int64_t in, int64_t out,
+                             int bf16, int64_t m) {
     if (w == NULL || w->format != QUIRE_FORMAT_QUANT || w->in_features != in ||
-        w->out_features != out || w->num_parts <= 0)
+        w->out_features != out || w->num_parts <= 0 || (!bf16 && !linear_fits(w)))
         return 0;
     const struct quire_qpart *part = w->codes;
     int64_t rows = 0;
     for (int64_t p = 0; p < w->num_parts; p++) {
-        if (!quire_quant_bf16_fits(part[p].fmt, in) || part[p].rows <= 0)
+        if (part[p].rows <= 0 ||
+            (bf16 ? !quire_quant_bf16_fits(part[p].fmt, in)
+                  : m > quire_quant_direct_rows(part[p].fmt)))
             return 0;
         rows += part[p].rows;
     }
     return rows == out;
 }
 
-static int batch_product(const struct quire_linear *w, uint16_t *rounded, const float *x,
-                         int64_t m, float *y) {
+/* y = W x (+ bias) for the batch's m rows on the chosen kernel; ends in a barrier. */
+static int batch_product(const struct quire_linear *w, int bf16, uint16_t *rounded,
+                         const float *x, int64_t m, float *y) {
+    if (!bf16) {
+        quant_parts_share(w, x, m, y);
+#pragma omp barrier
+        return 0;
+    }
     return quire_quant_gemm_bf16_team(w->num_parts, w->codes, rounded, x, m, w->in_features,
                                       w->bias, y, w->out_features);
 }
@@ -1231,11 +1244,12 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                          const float *const *cos, const float *const *sin, int64_t cos_stride,
                          const int64_t *slots, const int64_t *tables, int64_t table_stride,
                          const int64_t *seq_lens, int64_t block_size, int64_t hq, int64_t hkv,
-                         int64_t d, float *out, float *residual_out) {
+                         int64_t d, int32_t bf16, float *out, float *residual_out) {
     static __thread void *held_buf;
     static __thread size_t held;
     if (n < 1 || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
-        d % 2 || cos_stride < d || block_size < 1 || !quire_quant_gemm_bf16_available())
+        d % 2 || cos_stride < d || block_size < 1 ||
+        (bf16 && !quire_quant_gemm_bf16_available()))
         return 1;
     const int64_t nqkv = (hq + 2 * hkv) * d;
     int64_t inter = 0, longest = 0;
@@ -1245,9 +1259,10 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
             l->gate_up->out_features % 2 || l->k_cache == NULL || l->v_cache == NULL)
             return 1;
         const int64_t li = l->gate_up->out_features / 2;
-        if (!batch_linear_fits(l->qkv, hidden, nqkv) || !batch_linear_fits(l->o, hq * d, hidden) ||
-            !batch_linear_fits(l->gate_up, hidden, 2 * li) ||
-            !batch_linear_fits(l->down, li, hidden))
+        if (!batch_linear_fits(l->qkv, hidden, nqkv, bf16, rows) ||
+            !batch_linear_fits(l->o, hq * d, hidden, bf16, rows) ||
+            !batch_linear_fits(l->gate_up, hidden, 2 * li, bf16, rows) ||
+            !batch_linear_fits(l->down, li, hidden, bf16, rows))
             return 1;
         inter = li > inter ? li : inter;
     }
@@ -1299,7 +1314,7 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                 }
                 quire_rms_norm_row(h, desc->norm_in, eps, hidden, normed + r * hidden);
             }
-            failed |= batch_product(l->qkv, rounded, normed, rows, qkv);
+            failed |= batch_product(l->qkv, bf16, rounded, normed, rows, qkv);
             /* quire_rows_attend: q/k norms, rotary, this step's K/V, attention */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
@@ -1321,7 +1336,7 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                                 hq / hkv, row, d, block_size, l->scale, scores,
                                 attn + s * hq * d);
             }
-            failed |= batch_product(l->o, rounded, attn, rows, o_out);
+            failed |= batch_product(l->o, bf16, rounded, attn, rows, o_out);
             /* quire_rows_post_attn: the residual stream, the pre-MLP norm */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
@@ -1335,13 +1350,13 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                     h[c] += o[c];
                 quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden, normed + r * hidden);
             }
-            failed |= batch_product(l->gate_up, rounded, normed, rows, gu);
+            failed |= batch_product(l->gate_up, bf16, rounded, normed, rows, gu);
             /* quire_rows_act */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 act_mul(desc->activation, gu + r * 2 * li, gu + r * 2 * li + li, li,
                         act + r * li);
-            failed |= batch_product(l->down, rounded, act, rows, out);
+            failed |= batch_product(l->down, bf16, rounded, act, rows, out);
             if (desc->mlp_out_norm) { /* quire_rows_out_norm */
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < rows; r++) {

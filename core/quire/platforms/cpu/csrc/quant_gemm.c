@@ -1045,6 +1045,8 @@ static int64_t direct_batch_rows(int32_t fmt) {
 #endif
 }
 
+int64_t quire_quant_direct_rows(int32_t fmt) { return direct_batch_rows(fmt); }
+
 /* Whether quire_quant_gemm_f32 takes fmt with rows of k weights. */
 int quire_quant_fits(int32_t fmt, int64_t k) {
     return blk_vals(fmt) != 0 && k > 0 && k % true_block(fmt) == 0;
