@@ -35,7 +35,10 @@ def _run(path: Path, prompts, **options):
 
 def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
     """:func:`_run`, and the rows of every step a layer ran as the C pieces between its
-    products (``FusedDecodeLayer._rows_step``)."""
+    products (``FusedDecodeLayer._rows_step``), the model's one-call stack off (it takes
+    a float32 model's decode batches whole: tests/unit/test_cpu_fused_stack.py holds it
+    to this path's results, bit for bit)."""
+    from quire.platforms.cpu import platform
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
 
     calls: list[int] = []
@@ -47,6 +50,7 @@ def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
 
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecodeLayer, "_rows_step", counting)
+        patch.setattr(platform, "install_fused_stack", lambda model, native: 0)
         return _run(path, prompts, **options), calls
 
 
@@ -119,9 +123,10 @@ def test_a_bfloat16_model_s_batches_run_between_the_products_in_c(q4_k_m, monkey
 def test_a_step_s_mlp_runs_a_block_of_rows_at_a_time(q4_k_m, monkeypatch):
     """The MLP of a step through the C pieces (``_rows_step``) takes
     ``MLP_BLOCK_ROWS`` rows at a time (here 3, so that a prompt step of 14 rows runs
-    blocks of 3 and a last one of 2, and decode batches of 2 one block): the reference's
-    tokens, logprobs within float32 rounding."""
-    from quire.platforms.cpu import fused_decode
+    blocks of 3 and a last one of 2, and decode batches of 2 one block; the one-call
+    stack, which would take those batches, off): the reference's tokens, logprobs within
+    float32 rounding."""
+    from quire.platforms.cpu import fused_decode, platform
 
     blocks: list[int] = []
     original = fused_decode.FusedDecodeLayer._mlp_rows
@@ -133,6 +138,7 @@ def test_a_step_s_mlp_runs_a_block_of_rows_at_a_time(q4_k_m, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(fused_decode, "MLP_BLOCK_ROWS", 3)
         patch.setattr(fused_decode.FusedDecodeLayer, "_mlp_rows", counting)
+        patch.setattr(platform, "install_fused_stack", lambda model, native: 0)
         native = _run(q4_k_m, PROMPTS)
     assert 14 in blocks and 2 in blocks
     reference = _run(q4_k_m, PROMPTS, platform_options={"native": "false"})
@@ -167,17 +173,26 @@ def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cach
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monkeypatch):
     """int8 and fp8 pages (a scale per token and KV head): a batch of decode rows
-    quantises its keys and values into the pages and attends over them in C
-    (``_decode_attention_rows``), a lone sequence runs its whole layer in C (``_decode``),
+    quantises its keys and values into the pages and attends over them in C (the
+    model's one-call stack, or a layer's ``_decode_attention_rows`` where the stack
+    declines), a lone sequence runs its whole layer in C (``_decode``),
     and prompts are written by the backend's C writer. Against the torch reference over
     the same kind of pages: the same tokens; logprobs within 5e-3 (measured 1.05e-3 with
     int8, 2.6e-4 with fp8: a key the two paths compute a float32 ulp apart can land on
     the neighbouring quantisation step, 1/127 of its group's largest value for int8)."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+    from quire.platforms.cpu.fused_stack import FusedDecodeStack
     from quire.platforms.cpu.native import NativeKernels
 
-    taken: dict[str, list[bool]] = {"rows": [], "whole": [], "written": []}
+    taken: dict[str, list[bool]] = {"rows": [], "whole": [], "written": [], "batch": []}
     rows_attention = FusedDecodeLayer._decode_attention_rows
+    batch_call = FusedDecodeStack._batch
+
+    def counting_batches(self, *args):
+        done = batch_call(self, *args)
+        if done is not None:
+            taken["batch"].append(True)
+        return done
     write = NativeKernels.write_kv_quant
 
     def counting_writes(self, *args):
@@ -193,11 +208,13 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     prompts = [[1, 17 + i, 45, 99, 23, 7 + i] for i in range(6)]
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecodeLayer, "_decode_attention_rows", counting_rows)
+        patch.setattr(FusedDecodeStack, "_batch", counting_batches)
         _counting_whole_layers(patch, taken["whole"])
         patch.setattr(NativeKernels, "write_kv_quant", counting_writes)
         batch = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
         lone = _run(q4_k_m, prompts[:1], kv_cache_dtype=kv_cache_dtype)
-    assert taken["rows"] and all(taken["rows"])  # every decode batch's attention in C
+    # every decode batch's attention in C, in the stack's call or the layers'
+    assert (taken["rows"] or taken["batch"]) and all(taken["rows"])
     assert taken["whole"] and any(taken["whole"])  # the lone sequence's steps
     assert taken["written"] and all(taken["written"])  # the prompts' pages, in C
     reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
