@@ -92,15 +92,9 @@ class FusedDecodeStack:
         group = meta.groups[0]
         table = group.decode_tables if rows == 1 else group.tables
         slots = meta.slot_mapping
-        if not (table.stride(-1) == 1 and slots.is_contiguous()
-                and table.dtype == slots.dtype == torch.int64
-                and self._use_pages(start, end, ctx.kv_caches)
-                and self._use_rotaries(start, rows, rotaries, first)):
+        if not self._ready(start, end, rows, table, slots, rotaries, ctx):
             return None
-        hidden = hidden.contiguous()
-        residual = None if residual is None else residual.contiguous()
-        out = torch.empty_like(hidden)
-        new_residual = torch.empty_like(hidden)
+        hidden, residual, out, new_residual = _rows_in_out(hidden, residual)
         failed = self.native.decode_stack_f32(
             end - start, ctypes.addressof(self._array) + start * _STRIDE, rows,
             hidden.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -129,15 +123,10 @@ class FusedDecodeStack:
         meta = ctx.metadata
         group, slots = meta.groups[0], meta.slot_mapping
         tables, lens = group.decode_tables, group.lens
-        if not (tables.stride(1) == 1 and lens.is_contiguous() and slots.is_contiguous()
-                and lens.dtype == slots.dtype == tables.dtype == torch.int64
-                and self._use_pages(start, end, ctx.kv_caches)
-                and self._use_rotaries(start, rows, rotaries, first)):
+        if not (lens.is_contiguous() and lens.dtype == torch.int64
+                and self._ready(start, end, rows, tables, slots, rotaries, ctx)):
             return None
-        hidden = hidden.contiguous()
-        residual = None if residual is None else residual.contiguous()
-        out = torch.empty_like(hidden)
-        new_residual = torch.empty_like(hidden)
+        hidden, residual, out, new_residual = _rows_in_out(hidden, residual)
         failed = self.native.rows_stack_f32(
             end - start, ctypes.addressof(self._array) + start * _STRIDE, rows,
             hidden.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -149,6 +138,16 @@ class FusedDecodeStack:
         if failed == 3:  # the pages are written: no falling back to the layers
             raise MemoryError("quire_rows_stack_f32: no scratch memory for a product")
         return None if failed else (out, new_residual)
+
+    def _ready(self, start: int, end: int, rows: int, table: torch.Tensor,
+               slots: torch.Tensor, rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               ctx: ForwardContext) -> bool:
+        """Whether the step's block table rows and slots are what the C calls read, with
+        the range's pages and rotary rows set for them."""
+        return (table.stride(-1) == 1 and slots.is_contiguous()
+                and table.dtype == slots.dtype == torch.int64
+                and self._use_pages(start, end, ctx.kv_caches)
+                and self._use_rotaries(start, rows, rotaries, self._fused[start]))
 
     def _takes(self, start: int, end: int) -> bool:
         """Whether every layer of the range is one the C call takes, its kernel still
@@ -193,6 +192,14 @@ class FusedDecodeStack:
             self._cos[i] = cos.data_ptr()
             self._sin[i] = sin.data_ptr()
         return True
+
+
+def _rows_in_out(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple:
+    """The step's rows as the C calls read them, and the two outputs they write: kept in
+    variables, since a temporary's pointer would dangle once it is collected."""
+    hidden = hidden.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    return hidden, residual, torch.empty_like(hidden), torch.empty_like(hidden)
 
 
 def install_fused_stack(model: nn.Module, native: NativeKernels) -> int:

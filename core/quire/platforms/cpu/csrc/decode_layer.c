@@ -211,6 +211,17 @@ static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const f
     }
 }
 
+/* A row's q and k heads (hq + hkv rows of d at q) normalised by the layer's q/k norms,
+ * when it has them, and rotated. */
+static void norm_rotate_qk(const struct quire_layer_desc *desc, float *q, int64_t hq,
+                           int64_t hkv, int64_t d, const float *cos, const float *sin) {
+    if (desc->q_norm) {
+        norm_heads(q, hq, d, desc->q_norm, desc->eps);
+        norm_heads(q + hq * d, hkv, d, desc->k_norm, desc->eps);
+    }
+    rotate(q, hq + hkv, d, cos, sin);
+}
+
 /* Whether a quantised gate_up's parts are its gate rows then its up rows, `inter` each:
  * quant_parts_share then gives each thread the same share of both, so the thread can
  * apply the activation to its share without waiting for the others. */
@@ -352,11 +363,8 @@ static void rows_layer_team(const struct quire_stack_layer *l, const struct rows
 #pragma omp single
     for (int64_t r = 0; r < rows; r++) {
         float *qr = sc->qkv_out + r * nqkv;
-        if (desc->q_norm) {
-            norm_heads(qr, hq, d, desc->q_norm, eps);
-            norm_heads(qr + hq * d, hkv, d, desc->k_norm, eps);
-        }
-        rotate(qr, hq + hkv, d, cos + r * s->cos_stride, sin + r * s->cos_stride);
+        norm_rotate_qk(desc, qr, hq, hkv, d, cos + r * s->cos_stride,
+                       sin + r * s->cos_stride);
         store_kv_row(l->k_cache, desc->kv_type, s->slots[r], hkv, d, qr + hq * d);
         store_kv_row(l->v_cache, desc->kv_type, s->slots[r], hkv, d, qr + (hq + hkv) * d);
     }
@@ -602,11 +610,7 @@ static void front_team(int64_t rows, const float *x, const float *residual, int6
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *q = qkv_out + r * qkv_n;
-        if (desc->q_norm) {
-            norm_heads(q, hq, d, desc->q_norm, eps);
-            norm_heads(q + hq * d, hkv, d, desc->k_norm, eps);
-        }
-        rotate(q, hq + hkv, d, cos + r * rot_stride, sin + r * rot_stride);
+        norm_rotate_qk(desc, q, hq, hkv, d, cos + r * rot_stride, sin + r * rot_stride);
     }
 }
 
@@ -978,10 +982,6 @@ static void qk_row(const struct quire_rows *a, int64_t r, float *q, float *rot) 
     const int64_t d = a->d, hq = a->hq, hkv = a->hkv;
     const struct quire_layer_desc *desc = a->desc;
     load_row(a, a->qkv, r * (hq + 2 * hkv) * d, (hq + 2 * hkv) * d, q);
-    if (desc->q_norm) {
-        norm_heads(q, hq, d, desc->q_norm, desc->eps);
-        norm_heads(q + hq * d, hkv, d, desc->k_norm, desc->eps);
-    }
     const float *cos, *sin;
     if (a->rot_bf16) {
         widen_row((const uint16_t *)a->cos + r * a->rot_stride, d, rot);
@@ -991,7 +991,7 @@ static void qk_row(const struct quire_rows *a, int64_t r, float *q, float *rot) 
         cos = (const float *)a->cos + r * a->rot_stride;
         sin = (const float *)a->sin + r * a->rot_stride;
     }
-    rotate(q, hq + hkv, d, cos, sin);
+    norm_rotate_qk(desc, q, hq, hkv, d, cos, sin);
 }
 
 /* Each returns 0; 1 when the shapes disagree; 2 when scratch memory is short. */
@@ -1319,11 +1319,8 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 float *q = qkv + r * nqkv;
-                if (desc->q_norm) {
-                    norm_heads(q, hq, d, desc->q_norm, eps);
-                    norm_heads(q + hq * d, hkv, d, desc->k_norm, eps);
-                }
-                rotate(q, hq + hkv, d, cos[i] + r * cos_stride, sin[i] + r * cos_stride);
+                norm_rotate_qk(desc, q, hq, hkv, d, cos[i] + r * cos_stride,
+                               sin[i] + r * cos_stride);
                 store_kv_row(l->k_cache, desc->kv_type, slots[r], hkv, d, q + hq * d);
                 store_kv_row(l->v_cache, desc->kv_type, slots[r], hkv, d, q + (hq + hkv) * d);
             }
