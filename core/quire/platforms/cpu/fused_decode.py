@@ -274,15 +274,17 @@ class FusedDecodeLayer:
                               ctypes.pointer(o), ctypes.pointer(gate_up),
                               ctypes.pointer(down), None, None, self.window, self.scale)
 
-    def batch_kernel(self, rows: int) -> int | None:
-        """Which products ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`)
-        runs for this layer's decode step of ``rows`` rows, as :meth:`_rows_step` would
-        call them (so that its results are that path's): 1, every product on the
-        bfloat16 kernel, in one call for a layer's parts; 0, every product on the blocks'
-        float32 direct path (few rows, or float32 products; the C call declines rows past
-        that path's); None where they would differ (some one way, some the other; int8
-        decode rows) or the layer is not a float32 one on quantised weights."""
-        if not (self.dtype == torch.float32 and self._products is not None
+    def batch_kernel(self, rows: int, ctx: ForwardContext) -> int | None:
+        """For a decode batch (every row the one new token of its own sequence), which
+        products ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`) runs
+        for this layer's step of ``rows`` rows, as :meth:`_rows_step` would call them (so
+        that its results are that path's): 1, every product on the bfloat16 kernel, in
+        one call for a layer's parts; 0, every product on the blocks' float32 direct path
+        (few rows, or float32 products; the C call declines rows past that path's); None
+        for another step, where they would differ (some one way, some the other; int8
+        decode rows), or where the layer is not a float32 one on quantised weights."""
+        if not (self._pure_decode(rows, ctx) and self.dtype == torch.float32
+                and self._products is not None
                 and self._compact is not None and self.mlp is None and not self._int8_rows
                 and 1 < rows <= MLP_BLOCK_ROWS
                 and all(isinstance(p, _QuantizedProduct) and not p.kernel.rotated

@@ -115,9 +115,7 @@ class FusedDecodeStack:
         None."""
         rows = hidden.shape[0]
         first = self._fused[start]
-        if not first._pure_decode(rows, ctx):
-            return None
-        kernels = {self._fused[i].batch_kernel(rows) for i in range(start, end)}
+        kernels = {self._fused[i].batch_kernel(rows, ctx) for i in range(start, end)}
         if len(kernels) != 1 or None in kernels:
             return None
         meta = ctx.metadata
