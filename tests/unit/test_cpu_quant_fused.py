@@ -20,17 +20,41 @@ def q4_k_m(random_gguf) -> Path:
     return random_gguf("--preset", "tiny", "--seed", "7")
 
 
-def _run(path: Path, prompts, **options):
+def _run(path: Path, prompts, *, top: int = 1, **options):
     """Float32 unless ``options`` say otherwise: the tolerances below are float32's (an
     explicit dtype also keeps float32 products where ``activations=auto`` would take
-    bfloat16 ones for ``dtype=auto``)."""
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    bfloat16 ones for ``dtype=auto``). Each sequence's tokens and their logprobs, and with
+    ``top`` above 1 also each step's ``{token: logprob}`` of its ``top`` likeliest."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=top)
     options.setdefault("dtype", "float32")
     with LLM(str(path), device="cpu", kv_cache_memory=16 << 20, **options) as llm:
         outs = llm.generate(prompts, params)
-    return [(o.outputs[0].token_ids,
-             [step[t].logprob for step, t in zip(o.outputs[0].logprobs,
-                                                 o.outputs[0].token_ids)]) for o in outs]
+    runs = []
+    for o in outs:
+        tokens, steps = o.outputs[0].token_ids, o.outputs[0].logprobs
+        chosen = [step[t].logprob for step, t in zip(steps, tokens)]
+        runs.append((tokens, chosen) if top == 1 else
+                    (tokens, chosen, [{t: lp.logprob for t, lp in step.items()}
+                                      for step in steps]))
+    return runs
+
+
+def _assert_greedy_close(ours, reference, tolerance: float) -> None:
+    """Greedy runs from :func:`_run` with ``top=2`` agree: the same tokens with logprobs
+    within ``tolerance``, up to a step where the reference's two likeliest tokens lie
+    within ``tolerance`` of each other (a near-tie that rounding may decide either way);
+    there each side's token must be the other's runner-up, and the texts part."""
+    for (tokens, logprobs, tops), (ref_tokens, ref_logprobs, ref_tops) in zip(ours,
+                                                                           reference):
+        part = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
+                    len(ref_tokens))
+        assert len(tokens) == len(ref_tokens)
+        assert logprobs[:part] == pytest.approx(ref_logprobs[:part], abs=tolerance)
+        if part < len(ref_tokens):
+            ref_step, step = ref_tops[part], tops[part]
+            assert tokens[part] in ref_step and ref_tokens[part] in step
+            gap = ref_step[ref_tokens[part]] - ref_step[tokens[part]]
+            assert 0 <= gap <= tolerance, (part, gap)
 
 
 def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
@@ -179,7 +203,10 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     and prompts are written by the backend's C writer. Against the torch reference over
     the same kind of pages: the same tokens; logprobs within 5e-3 (measured 1.05e-3 with
     int8, 2.6e-4 with fp8: a key the two paths compute a float32 ulp apart can land on
-    the neighbouring quantisation step, 1/127 of its group's largest value for int8)."""
+    the neighbouring quantisation step, 1/127 of its group's largest value for int8).
+    So a near-tie may go either way: on a Zen 4 host the random model's second int8 step
+    has its two likeliest tokens 3e-4 apart and the paths pick one each; the texts may
+    part only at such a step (:func:`_assert_greedy_close`)."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
     from quire.platforms.cpu.fused_stack import FusedDecodeStack
     from quire.platforms.cpu.native import NativeKernels
@@ -211,18 +238,15 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
         patch.setattr(FusedDecodeStack, "_batch", counting_batches)
         _counting_whole_layers(patch, taken["whole"])
         patch.setattr(NativeKernels, "write_kv_quant", counting_writes)
-        batch = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype)
-        lone = _run(q4_k_m, prompts[:1], kv_cache_dtype=kv_cache_dtype)
+        batch = _run(q4_k_m, prompts, top=2, kv_cache_dtype=kv_cache_dtype)
+        lone = _run(q4_k_m, prompts[:1], top=2, kv_cache_dtype=kv_cache_dtype)
     # every decode batch's attention in C, in the stack's call or the layers'
     assert (taken["rows"] or taken["batch"]) and all(taken["rows"])
     assert taken["whole"] and any(taken["whole"])  # the lone sequence's steps
     assert taken["written"] and all(taken["written"])  # the prompts' pages, in C
-    reference = _run(q4_k_m, prompts, kv_cache_dtype=kv_cache_dtype,
+    reference = _run(q4_k_m, prompts, top=2, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(batch + lone,
-                                                              reference + reference[:1]):
-        assert tokens == ref_tokens
-        assert logprobs == pytest.approx(ref_logprobs, abs=5e-3)
+    _assert_greedy_close(batch + lone, reference + reference[:1], 5e-3)
 
 
 def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
