@@ -396,7 +396,9 @@ def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags,kernel,option,dtype_auto,want", [
     (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", True, "bfloat16"),
     (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], True, "auto", False, "dtype"),
-    (["avx512f", "avx512_bf16"], True, "auto", True, "dtype"),      # no AMX: float32 stays
+    (["avx512f", "avx512_bf16"], True, "auto", True, "bfloat16"),   # Zen 4: no AMX
+    (["avx512f", "avx512_bf16"], True, "auto", False, "dtype"),
+    (["avx2", "fma"], False, "auto", True, "dtype"),                # no bfloat16 kernel
     (["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"], False, "auto", True, "dtype"),
     (["avx512f", "avx512_bf16"], True, "bfloat16", False, "bfloat16"),  # asked for
     (["avx2", "fma"], False, "bfloat16", True, "bfloat16"),         # cannot run: logged
@@ -405,9 +407,9 @@ def test_ranks_over_gloo(world_size: int, tmp_path: Path) -> None:
 ])
 def test_the_activations_option_resolves_by_cpu_build_and_dtype(
         monkeypatch, caplog, flags, kernel, option, dtype_auto, want) -> None:
-    """``activations=auto`` is bfloat16 products on AMX bfloat16 tiles (when the build
-    has the bfloat16 kernel) for a dtype left to auto; an explicit dtype, or another CPU,
-    keeps the model's. ``settle_options`` hands workers that choice explicitly (other
+    """``activations=auto`` is bfloat16 products where the build has the bfloat16
+    kernel (AVX512_BF16, AMX tiles or not) for a dtype left to auto; an explicit dtype,
+    or a build without that kernel, keeps the model's. ``settle_options`` hands workers that choice explicitly (other
     values as they are); ``bfloat16`` where the build cannot run it falls back to
     float32 products and says so."""
     from types import SimpleNamespace
@@ -486,14 +488,8 @@ def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_g
     assert calls and min(calls) > 4
     run("bfloat16", kv_cache_dtype="float32")
     assert kv_dtypes == [torch.float32, torch.bfloat16, torch.float32]
-    # auto on an AMX host: taken for dtype auto (float32 for a GGUF file), not for an
-    # explicit float32
-    import dataclasses
-
-    from quire.platforms.cpu import platform as platform_module
-    from quire.platforms.cpu.isa import detect
-    amx = dataclasses.replace(detect(), amx_tile=True, amx_bf16=True)
-    monkeypatch.setattr(platform_module, "detect", lambda: amx)
+    # auto where the build has the bfloat16 kernel (AMX tiles or not): taken for dtype
+    # auto (float32 for a GGUF file), not for an explicit float32
     assert not any(k.bf16_activations for k in run("auto")[0])
     assert all(k.bf16_activations for k in run("auto", dtype="auto")[0])
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rounded, plain):

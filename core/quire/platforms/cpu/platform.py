@@ -182,10 +182,7 @@ class CpuPlatform(Platform):
                          "cached prefix (pages read in place); torch SDPA for soft-capped "
                          "layers")
         features = detect()
-        lines.append("dtype auto: bfloat16 for bfloat16 checkpoints and GGUF files (AMX), "
-                     "float32 otherwise"
-                     if features.amx_bf16 and onednn_available() else
-                     "dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
+        lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
                      if has_bf16_products(features) and onednn_available() else
                      "dtype auto: float32 (no bfloat16 products on this CPU)")
         if native is not None and self.options.linear == "packed":
@@ -235,8 +232,8 @@ class CpuPlatform(Platform):
 
     def bf16_activations(self, dtype_auto: bool) -> bool:
         """The ``activations`` option resolved for this CPU, build and dtype:
-        ``bfloat16``, or ``auto`` where the CPU has AMX bfloat16 tiles, the build the
-        bfloat16 kernel, and the user left ``dtype`` to ``auto`` (an explicit
+        ``bfloat16``, or ``auto`` where the build has the bfloat16 kernel (AVX512_BF16,
+        with or without AMX tiles) and the user left ``dtype`` to ``auto`` (an explicit
         ``float32`` keeps float32 products). Logged when it is taken, and when
         ``bfloat16`` cannot run here."""
         chosen = self._resolved_activations(dtype_auto)
@@ -265,19 +262,13 @@ class CpuPlatform(Platform):
 
     def _resolved_activations(self, dtype_auto: bool) -> str:
         """The ``activations`` option with ``auto`` resolved: ``bfloat16`` for a dtype
-        left to auto on AMX bfloat16 tiles with the bfloat16 kernel, else ``dtype``
-        (with a hint where bfloat16 products would be faster)."""
+        left to auto where the build has the bfloat16 kernel, else ``dtype``. Batches
+        of a few rows keep float32 products either way (:func:`~quire.platforms.cpu.quant_linear.bf16_min_rows`), so a
+        lone stream loses nothing to it (docs/quantization.md, 'Activations')."""
         chosen = self.options.activations
         if chosen != "auto":
             return chosen
-        if dtype_auto and self._has_bf16_kernel():
-            if detect().amx_bf16:
-                return "bfloat16"
-            logger.info("cpu platform: products on quantised weights keep the model's "
-                        "dtype; activations=bfloat16 runs batches and prompts faster on "
-                        "this CPU's bfloat16 products (speed and accuracy: "
-                        "docs/quantization.md, 'Activations')")
-        return "dtype"
+        return "bfloat16" if dtype_auto and self._has_bf16_kernel() else "dtype"
 
     def make_attention_backend(self) -> ReferenceAttentionBackend:
         """The SDPA backend, or the reference when the ``attention`` option says so."""
