@@ -7,8 +7,10 @@ Gemma file as the oracle; and the layers taking over when one layer's kernel is 
 
 Decode batches on quantised weights with bfloat16 products (``activations=bfloat16``)
 through the layers in one call too (``quire_rows_stack_f32``): bit for bit what the
-layers give one call each, on both families, over bfloat16 and int8 pages; declined
-where a product would not take the bfloat16 kernel (few rows, float32 products).
+layers give one call each, on both families, over bfloat16 and int8 pages, each
+product on the kernel its own call would take (the bfloat16 one, or the blocks' direct
+path for a few rows); declined past the direct path's rows with float32 products, and
+for int8 decode rows.
 """
 
 from __future__ import annotations
@@ -167,6 +169,35 @@ def test_gemma3_decode_batches_equal_the_layers(gemma3_gguf, monkeypatch, tiny_c
     stacked, taken = _generate(gemma3_gguf, monkeypatch, True, **options)
     assert taken.count(True) == 11
     layered, _ = _generate(gemma3_gguf, monkeypatch, False, **options)
+    assert stacked == layered
+
+
+def test_a_batch_whose_products_take_both_kernels_takes_the_call(random_gguf, monkeypatch):
+    """Six rows where the down product's long rows (1,024 columns) keep the direct path
+    and the other products take the bfloat16 kernel, as SmolLM2's batches of five to
+    eight sequences do: the batch call runs each product on its own kernel, bit for bit
+    the layers one call each."""
+    from quire.platforms.cpu.fused_decode import FusedDecodeLayer
+    from quire.platforms.cpu.quant_linear import bf16_min_rows
+
+    _bf16_products()
+    assert bf16_min_rows(256) < len(BATCH) <= bf16_min_rows(1024)
+    path = random_gguf("--preset", "tiny", "--seed", "11", "--ffn-size", "1024")
+    kinds: list[int | None] = []
+    original = FusedDecodeLayer.batch_kernel
+
+    def recording(self, rows, ctx):
+        kind = original(self, rows, ctx)
+        kinds.append(kind)
+        return kind
+
+    monkeypatch.setattr(FusedDecodeLayer, "batch_kernel", recording)
+    options = {"prompts": BATCH, "max_tokens": 6,
+               "platform_options": {"activations": "bfloat16"}}
+    stacked, taken = _generate(path, monkeypatch, True, **options)
+    assert taken.count(True) == 5  # every decode step; the prompts' step declines
+    assert set(kinds) == {None, 1 | 2 | 4}  # None: the prompts' step
+    layered, _ = _generate(path, monkeypatch, False, **options)
     assert stacked == layered
 
 

@@ -278,11 +278,13 @@ class FusedDecodeLayer:
         """For a decode batch (every row the one new token of its own sequence), which
         products ``quire_rows_stack_f32`` (:mod:`~quire.platforms.cpu.fused_stack`) runs
         for this layer's step of ``rows`` rows, as :meth:`_rows_step` would call them (so
-        that its results are that path's): 1, every product on the bfloat16 kernel, in
-        one call for a layer's parts; 0, every product on the blocks' float32 direct path
-        (few rows, or float32 products; the C call declines rows past that path's); None
-        for another step, where they would differ (some one way, some the other; int8
-        decode rows), or where the layer is not a float32 one on quantised weights."""
+        that its results are that path's): a bit per product (1 qkv, 2 o, 4 gate/up,
+        8 down) set where it takes the bfloat16 kernel, in one call for a layer's parts,
+        and clear where it takes the blocks' float32 direct path (few rows, or float32
+        products; the C call declines rows past that path's). A weight of long rows
+        keeps the direct path for more rows than a short one, so a batch of a few rows
+        may take both. None for another step (int8 decode rows on the direct path), or
+        where the layer is not a float32 one on quantised weights."""
         if not (self._pure_decode(rows, ctx) and self.dtype == torch.float32
                 and self._products is not None
                 and self._compact is not None and self.mlp is None and not self._int8_rows
@@ -290,10 +292,10 @@ class FusedDecodeLayer:
                 and all(isinstance(p, _QuantizedProduct) and not p.kernel.rotated
                         for p, _ in self._products)):
             return None
-        bf16 = {p.bf16_batch(rows) for p, _ in self._products}
-        if bf16 == {True}:
-            return 1
-        return 0 if bf16 == {False} and not self._int8_decode else None
+        bf16 = [p.bf16_batch(rows) for p, _ in self._products]
+        if self._int8_decode and not all(bf16):
+            return None
+        return sum(1 << i for i, taken in enumerate(bf16) if taken)
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""

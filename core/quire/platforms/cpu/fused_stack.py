@@ -14,9 +14,9 @@ compute what they compute one call at a time (the same C per layer), so results 
 that path to float32 rounding.
 
 A float32 model's decode batches on quantised weights take one call too
-(``quire_rows_stack_f32``) where all the layers' products run on one kernel, the
-bfloat16 one or, for a few rows or float32 products, the blocks' direct float32 path
-(:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`): the steps a
+(``quire_rows_stack_f32``), each product on the kernel a call of its own would take:
+the bfloat16 one or, for a few rows or float32 products, the blocks' direct float32
+path (:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`): the steps a
 layer runs between its products (``quire_rows_*``) and the products themselves, in the
 order of a call per product and per gap, whose Python dispatch and parallel regions
 left the other threads waiting (docs/bench.md has the share of a W1 run). The same kernels
@@ -110,9 +110,9 @@ class FusedDecodeStack:
                rotaries: Sequence[tuple[torch.Tensor, torch.Tensor]],
                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode batch on quantised weights (``quire_rows_stack_f32``): every row the
-        one new token of its own sequence, every layer's products on one kernel
-        (:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`); else
-        None."""
+        one new token of its own sequence, every layer's products on the kernels
+        :meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel` names
+        (the same for every layer of the range); else None."""
         rows = hidden.shape[0]
         first = self._fused[start]
         kernels = {self._fused[i].batch_kernel(rows, ctx) for i in range(start, end)}

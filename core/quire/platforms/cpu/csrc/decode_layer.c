@@ -1194,12 +1194,14 @@ int quire_rows_out_norm(const struct quire_rows *a) {
  * quire/platforms/cpu/fused_decode.py's FusedDecodeLayer._rows_step calls them, each
  * between barriers. Per layer, that path is eight calls from Python, each with its
  * tensors and its parallel region, while the team waits (docs/bench.md has what it cost).
- * The products are the kernels that path's calls reach for the batch: with bf16 set,
- * the bfloat16 one (quire_quant_gemm_bf16_team: a layer's parts in one run, its rows
- * rounded to bfloat16, float32 sums); else the blocks' direct float32 path
- * (quire_quant_rows_team, or the parts' int8 activations where q8 says so), which
- * quire_quant_gemm_f32 takes for up to quire_quant_direct_rows rows. The same kernels on
- * the same rows, so the results are that path's exactly.
+ * The products are the kernels that path's calls reach for the batch, chosen per product
+ * by bf16's bits (1 qkv, 2 o, 4 gate/up, 8 down: a weight of long rows keeps the direct
+ * path for more rows than a short one): a bit set, the bfloat16 kernel
+ * (quire_quant_gemm_bf16_team: a layer's parts in one run, its rows rounded to bfloat16,
+ * float32 sums); clear, the blocks' direct float32 path (quire_quant_rows_team, or the
+ * parts' int8 activations where q8 says so), which quire_quant_gemm_f32 takes for up to
+ * quire_quant_direct_rows rows. The same kernels on the same rows, so the results are
+ * that path's exactly.
  *
  * x, residual (NULL: none), out, residual_out: [rows, hidden] float32; cos[i], sin[i]:
  * layer i's rotary rows (row r at r * cos_stride); tables: row s sequence s's blocks
@@ -1249,7 +1251,7 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
     static __thread size_t held;
     if (n < 1 || rows < 1 || hidden <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 ||
         d % 2 || cos_stride < d || block_size < 1 ||
-        (bf16 && !quire_quant_gemm_bf16_available()))
+        bf16 < 0 || bf16 > 15 || (bf16 && !quire_quant_gemm_bf16_available()))
         return 1;
     const int64_t nqkv = (hq + 2 * hkv) * d;
     int64_t inter = 0, longest = 0;
@@ -1259,10 +1261,10 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
             l->gate_up->out_features % 2 || l->k_cache == NULL || l->v_cache == NULL)
             return 1;
         const int64_t li = l->gate_up->out_features / 2;
-        if (!batch_linear_fits(l->qkv, hidden, nqkv, bf16, rows) ||
-            !batch_linear_fits(l->o, hq * d, hidden, bf16, rows) ||
-            !batch_linear_fits(l->gate_up, hidden, 2 * li, bf16, rows) ||
-            !batch_linear_fits(l->down, li, hidden, bf16, rows))
+        if (!batch_linear_fits(l->qkv, hidden, nqkv, bf16 & 1, rows) ||
+            !batch_linear_fits(l->o, hq * d, hidden, bf16 & 2, rows) ||
+            !batch_linear_fits(l->gate_up, hidden, 2 * li, bf16 & 4, rows) ||
+            !batch_linear_fits(l->down, li, hidden, bf16 & 8, rows))
             return 1;
         inter = li > inter ? li : inter;
     }
@@ -1314,7 +1316,7 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                 }
                 quire_rms_norm_row(h, desc->norm_in, eps, hidden, normed + r * hidden);
             }
-            failed |= batch_product(l->qkv, bf16, rounded, normed, rows, qkv);
+            failed |= batch_product(l->qkv, bf16 & 1, rounded, normed, rows, qkv);
             /* quire_rows_attend: q/k norms, rotary, this step's K/V, attention */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
@@ -1333,7 +1335,7 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                                 hq / hkv, row, d, block_size, l->scale, scores,
                                 attn + s * hq * d);
             }
-            failed |= batch_product(l->o, bf16, rounded, attn, rows, o_out);
+            failed |= batch_product(l->o, bf16 & 2, rounded, attn, rows, o_out);
             /* quire_rows_post_attn: the residual stream, the pre-MLP norm */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
@@ -1347,13 +1349,13 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                     h[c] += o[c];
                 quire_rms_norm_row(h, desc->norm_pre_mlp, eps, hidden, normed + r * hidden);
             }
-            failed |= batch_product(l->gate_up, bf16, rounded, normed, rows, gu);
+            failed |= batch_product(l->gate_up, bf16 & 4, rounded, normed, rows, gu);
             /* quire_rows_act */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 act_mul(desc->activation, gu + r * 2 * li, gu + r * 2 * li + li, li,
                         act + r * li);
-            failed |= batch_product(l->down, bf16, rounded, act, rows, out);
+            failed |= batch_product(l->down, bf16 & 8, rounded, act, rows, out);
             if (desc->mlp_out_norm) { /* quire_rows_out_norm */
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < rows; r++) {
