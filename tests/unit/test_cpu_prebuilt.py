@@ -173,11 +173,13 @@ def test_quire_plugins_names_the_library_and_its_origin(
     assert loaded is not None
     monkeypatch.setattr("quire.platforms.cpu.platform.load_native_kernels",
                         lambda **kwargs: loaded)
-    kernels, waiting, attention, dtype, *linears = CpuPlatform().details()
+    kernels, waiting, attention, dtype, activations, *linears = CpuPlatform().details()
     assert kernels == f"C kernels: ISA level {loaded.level}, prebuilt: {loaded.path}"
     assert waiting.startswith("OpenMP waiting in engine processes: ")
     assert attention.startswith("attention: C for decode rows") and "chunks" in attention
     assert dtype.startswith("dtype auto: ")
+    assert activations.startswith("activations auto ")
+    assert ("bfloat16 for batches" in activations) == loaded.has_quant_bf16
     assert linears and all(line.startswith(("linear ", "... and ")) for line in linears)
 
 

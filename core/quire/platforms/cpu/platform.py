@@ -32,7 +32,12 @@ from quire.platforms.cpu.native import NativeKernels, load_native_kernels
 from quire.platforms.cpu.native_norm import install_norm_kernels
 from quire.platforms.cpu.options import CpuOptions
 from quire.platforms.cpu.packed_linear import onednn_available, pack_linear_weights
-from quire.platforms.cpu.quant_linear import make_quantized_linear
+from quire.platforms.cpu.quant_linear import (
+    BF16_MIN_ROWS,
+    BF16_MIN_ROWS_LONG,
+    LONG_ROW_COLS,
+    make_quantized_linear,
+)
 from quire.platforms.cpu.sdpa_attention import CpuSdpaAttentionBackend
 from quire.platforms.cpu.threads import (
     WAIT_ENV,
@@ -163,7 +168,8 @@ class CpuPlatform(Platform):
 
     def details(self) -> list[str]:
         """The C kernels this host runs (loaded, as an engine start would), how the
-        OpenMP threads of engine processes would wait, and what attends."""
+        OpenMP threads of engine processes would wait, what attends, and what ``auto``
+        picks for the dtype and for the products' activations."""
         native = self._native_kernels()
         if native is None:
             kernels = "C kernels: none, torch ops (the log says why)"
@@ -185,6 +191,12 @@ class CpuPlatform(Platform):
         lines.append("dtype auto: bfloat16 for bfloat16 checkpoints, float32 otherwise"
                      if has_bf16_products(features) and onednn_available() else
                      "dtype auto: float32 (no bfloat16 products on this CPU)")
+        lines.append("activations auto (quantised weights, dtype auto): bfloat16 for "
+                     f"batches of more than {BF16_MIN_ROWS} rows ({BF16_MIN_ROWS_LONG} on "
+                     f"rows of {LONG_ROW_COLS} or more), float32 below"
+                     if native is not None and native.has_quant_bf16 else
+                     "activations auto (quantised weights): the model's dtype (no "
+                     "bfloat16 kernel here)")
         if native is not None and self.options.linear == "packed":
             lines += describe_cache(TimingCache(_timing_cache_path(native)), features,
                                     native.has_panel_gemm, onednn_available())
