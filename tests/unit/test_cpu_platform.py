@@ -409,9 +409,9 @@ def test_the_activations_option_resolves_by_cpu_build_and_dtype(
         monkeypatch, caplog, flags, kernel, option, dtype_auto, want) -> None:
     """``activations=auto`` is bfloat16 products where the build has the bfloat16
     kernel (AVX512_BF16, AMX tiles or not) for a dtype left to auto; an explicit dtype,
-    or a build without that kernel, keeps the model's. ``settle_options`` hands workers that choice explicitly (other
-    values as they are); ``bfloat16`` where the build cannot run it falls back to
-    float32 products and says so."""
+    or a build without that kernel, keeps the model's. ``settle_options`` hands workers
+    that choice explicitly (other values as they are); ``bfloat16`` where the build
+    cannot run it falls back to float32 products and says so."""
     from types import SimpleNamespace
 
     from quire.platforms.cpu import platform as platform_module

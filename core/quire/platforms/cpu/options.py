@@ -89,8 +89,9 @@ class CpuOptions:
     #: once a call (AVX2 and AVX-512; the generic level takes them on the tiles of up to
     #: four rows), the formats as ``decode_activations``'; or ``auto``: ``bfloat16``
     #: where the build has the bfloat16 kernel (AVX512_BF16, AMX or not) and ``dtype`` is
-    #: left to ``auto``, ``dtype`` otherwise (an explicit ``--dtype float32`` keeps float32 products; the accuracy
-    #: and speed of each: docs/quantization.md, "Activations"). Where a float32 model's
+    #: left to ``auto``, ``dtype`` otherwise (an explicit ``--dtype float32`` keeps
+    #: float32 products; the accuracy and speed of each: docs/quantization.md,
+    #: "Activations"). Where a float32 model's
     #: products take bfloat16, ``kv_cache_dtype=auto`` gives it bfloat16 KV pages too.
     activations: str = "auto"
 

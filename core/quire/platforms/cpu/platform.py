@@ -275,8 +275,9 @@ class CpuPlatform(Platform):
     def _resolved_activations(self, dtype_auto: bool) -> str:
         """The ``activations`` option with ``auto`` resolved: ``bfloat16`` for a dtype
         left to auto where the build has the bfloat16 kernel, else ``dtype``. Batches
-        of a few rows keep float32 products either way (:func:`~quire.platforms.cpu.quant_linear.bf16_min_rows`), so a
-        lone stream loses nothing to it (docs/quantization.md, 'Activations')."""
+        of a few rows keep float32 products either way
+        (:func:`~quire.platforms.cpu.quant_linear.bf16_min_rows`), so a lone stream
+        loses nothing to it (docs/quantization.md, 'Activations')."""
         chosen = self.options.activations
         if chosen != "auto":
             return chosen
