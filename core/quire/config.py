@@ -172,7 +172,8 @@ class EngineConfig:
                        "linear=packed|torch, compact=true|false, native=true|false, "
                        "threads=N, isa=LEVEL, wait_policy=auto|spin|passive, "
                        "kv_prefault=background|start|off, "
-                       "decode_activations=float32|int8, activations=auto|dtype|bfloat16|int8) "
+                       "decode_activations=auto|float32|bfloat16|int8, "
+                       "activations=auto|dtype|bfloat16|int8) "
                        "(default: none, the platform's "
                        "defaults)"))
     compile: bool = field(

@@ -440,6 +440,28 @@ def test_the_activations_option_resolves_by_cpu_build_and_dtype(
     assert worker.bf16_activations(False) is taken
 
 
+def test_the_decode_activations_option() -> None:
+    """``decode_activations``: ``auto`` (the default) leaves each layer to follow its
+    batched products' activations (None), ``bfloat16`` and ``float32`` say which, and
+    int8 rows (``int8``, or ``activations=int8``, which implies them) take no bfloat16
+    ones; another value is refused naming the option and the accepted ones."""
+    from quire.platforms.cpu.options import CpuOptions
+
+    assert CpuOptions().decode_activations == "auto"
+    assert CpuOptions.parse({}, {}).bf16_decode is None
+    assert CpuOptions.parse({"decode_activations": "bfloat16"}, {}).bf16_decode is True
+    assert CpuOptions.parse({"decode_activations": "float32"}, {}).bf16_decode is False
+    env = {"QUIRE_CPU_DECODE_ACTIVATIONS": "bfloat16"}
+    assert CpuOptions.parse({}, env).bf16_decode is True
+    for options in ({"decode_activations": "int8"},
+                    {"decode_activations": "bfloat16", "activations": "int8"}):
+        parsed = CpuOptions.parse(options, {})
+        assert parsed.int8_decode and parsed.bf16_decode is False
+    with pytest.raises(ValueError, match="decode_activations='int4'.*auto, float32, "
+                                         "bfloat16, int8"):
+        CpuOptions.parse({"decode_activations": "int4"}, {})
+
+
 def test_bfloat16_activations_mark_a_gguf_model_s_layers_and_stay_close(random_gguf,
                                                                         monkeypatch) -> None:
     """``activations=bfloat16`` on a GGUF model: every weight-only quantised layer takes

@@ -301,7 +301,8 @@ def test_up_to_eight_rows_of_a_long_weight_keep_the_direct_path(kernels: NativeK
     keeps the panels (no spread path there). Through the op, on a weight of at least
     LONG_ROW_COLS columns, bfloat16 activations keep the direct path up to
     BF16_MIN_ROWS_LONG rows, where a shorter weight takes the bfloat16 kernel after
-    BF16_MIN_ROWS."""
+    BF16_MIN_ROWS: the direct path with the rows rounded to bfloat16 where the build takes
+    the format (decode_activations auto), float32 rows with bf16_decode False."""
     from quire.platforms.cpu.quant_linear import (
         BF16_MIN_ROWS,
         BF16_MIN_ROWS_LONG,
@@ -318,17 +319,75 @@ def test_up_to_eight_rows_of_a_long_weight_keep_the_direct_path(kernels: NativeK
         panels = name == "q6_k" and kernels.level not in AVX512_LEVELS
         assert torch.equal(y, torch.cat(groups)) != panels
         assert_close_to_reference(y, x, weight.dequantize(), bias)
-    linear = make_quantized_linear(kernels)
-    for cols, last_direct in ((LONG_ROW_COLS, BF16_MIN_ROWS_LONG), (512, BF16_MIN_ROWS)):
-        w = weight.narrow_cols(0, cols)
-        for m in (last_direct, last_direct + 1):
-            x = torch.randn(m, cols, generator=gen)
-            y = linear(x, w, None, bf16_activations=True)
-            narrow = kernels.quant_linear_bf16(x, w, None)
-            if m > last_direct and narrow is not None:
-                assert torch.equal(y, narrow)
-            else:
-                assert torch.equal(y, kernels.quant_linear(x.contiguous(), w, None))
+    for bf16_decode in (None, False):
+        linear = make_quantized_linear(kernels, bf16_decode=bf16_decode)
+        for cols, last_direct in ((LONG_ROW_COLS, BF16_MIN_ROWS_LONG), (512, BF16_MIN_ROWS)):
+            w = weight.narrow_cols(0, cols)
+            for m in (last_direct, last_direct + 1):
+                x = torch.randn(m, cols, generator=gen)
+                y = linear(x, w, None, bf16_activations=True)
+                narrow = kernels.quant_linear_bf16(x, w, None)
+                rows_bf16 = kernels.quant_rows_bf16(x, w, None)
+                if m > last_direct and narrow is not None:
+                    assert torch.equal(y, narrow)
+                elif bf16_decode is None and rows_bf16 is not None:
+                    assert torch.equal(y, rows_bf16)
+                else:
+                    assert torch.equal(y, kernels.quant_linear(x.contiguous(), w, None))
+
+
+#: the formats the bfloat16 decode rows take (quire_quant_rows_bf16_fits)
+BF16_ROWS_FORMATS = ("q4_k", "q5_k", "q6_k")
+
+
+@pytest.mark.parametrize("name", BF16_ROWS_FORMATS)
+def test_bfloat16_decode_rows_multiply_the_exact_weights(kernels: NativeKernels,
+                                                         name: str) -> None:
+    """``quant_rows_bf16`` (csrc/quant_gemm.c's direct_rows_spread_bf): rows rounded to
+    bfloat16 as torch rounds them (ties to even), times the exact weights, float32 sums.
+    One-hot rows read each weight bit for bit; random rows stay within the float32
+    summation bound of F.linear on the rounded rows, for each of the direct path's row
+    counts and groups of them (5 to 9 rows), with a bias, on strided rows."""
+    if not kernels.has_quant_bf16:
+        assert kernels.quant_rows_bf16(torch.ones(1, 256), make_weight(
+            name, 4, 256, torch.Generator().manual_seed(0))) is None
+        pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
+    gen = torch.Generator().manual_seed(31)
+    whole = make_weight(name, 300, 4 * 256, gen)
+    for weight in (whole.narrow_cols(0, 3 * 256), whole.narrow_cols(256, 2 * 256)):
+        cols, w = weight.cols, weight.dequantize()
+        eye = torch.eye(cols)
+        for count in (1, 3, 4, 6):
+            pick = torch.randperm(cols, generator=gen)[:count]
+            y = kernels.quant_rows_bf16(eye[pick].contiguous(), weight)
+            assert y is not None and torch.equal(y.t(), w[:, pick])
+        for m in range(1, 10):
+            x = torch.randn(m, cols, generator=gen) * 3
+            # ties: 1 + 2^-8 rounds to 1, 1 + 3 * 2^-8 to 1 + 2^-6 (to even both)
+            x[0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])
+            bias = torch.randn(300, generator=gen) if m % 2 else None
+            y = kernels.quant_rows_bf16(x, weight, bias)
+            assert y is not None and y.shape == (m, 300)
+            rounded = x.to(torch.bfloat16).float()
+            assert_close_to_reference(y, rounded, w, bias)
+            # and not the float32 rows' products: the rounding happened
+            assert not torch.allclose(y, F.linear(x, w, bias), rtol=0, atol=1e-3)
+
+
+def test_bfloat16_decode_rows_take_only_their_formats(kernels: NativeKernels) -> None:
+    """Other formats, and widths that are not whole K-quant blocks, are declined (None:
+    the caller keeps float32 rows), as the fused layers' parts are told
+    (``quant_rows_bf16_fits``)."""
+    gen = torch.Generator().manual_seed(32)
+    for name in FORMATS:
+        weight = make_weight(name, 8, 512, gen)
+        taken = kernels.quant_rows_bf16(torch.randn(2, 512, generator=gen), weight)
+        fits = kernels.quant_rows_bf16_fits(weight)
+        assert (taken is not None) == fits
+        assert fits == (kernels.has_quant_bf16 and name in BF16_ROWS_FORMATS)
+    code = kernels._quant_rows_bf16(FORMATS["q4_k"].id, None, 1, 300, None, 0, 4, None,
+                                    None, 4)
+    assert code == 4  # 300 columns are not whole blocks
 
 
 @pytest.mark.parametrize("name", ["q4_1", "q6_k", "f16", "int8"])

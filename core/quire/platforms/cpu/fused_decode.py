@@ -86,11 +86,12 @@ from quire.platforms.cpu.native import (
     pages_fit,
 )
 from quire.platforms.cpu.packed_linear import PackedLinear
-from quire.platforms.cpu.quant_linear import bf16_min_rows, takes_bf16_kernel
+from quire.platforms.cpu.quant_linear import bf16_min_rows, takes_bf16_kernel, takes_bf16_rows
 from quire.platforms.cpu.sdpa_attention import CpuSdpaMetadata
 
 if TYPE_CHECKING:
     from quire.models.context import ForwardContext
+    from quire.quantization.tensor import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,14 @@ class FusedDecodeLayer:
     C for decode steps, its halves in C around the attention backend for the rest."""
 
     def __init__(self, native: NativeKernels, spec: DecoderLayerSpec,
-                 int8_decode: bool = False, int8_rows: bool = False) -> None:
+                 int8_decode: bool = False, int8_rows: bool = False,
+                 bf16_decode: bool | None = None) -> None:
         """:param int8_decode: quantised weights' one-row products take int8 activations
             where the kernels have them (the ``decode_activations`` option).
-        :param int8_rows: every row of those products does (``activations=int8``)."""
+        :param int8_rows: every row of those products does (``activations=int8``).
+        :param bf16_decode: else, whether they take bfloat16 activations, None where
+            each product follows its batches' (the op's rule,
+            :func:`~quire.platforms.cpu.quant_linear.takes_bf16_rows`)."""
         self.native = native
         self._int8_decode, self._int8_rows = int8_decode, int8_rows
         self.layer_idx = spec.layer_idx
@@ -148,7 +153,7 @@ class FusedDecodeLayer:
                 and all(k.compact is not None or _f32_panels(k) for k in kernels)):
             self._compact_args = [
                 LinearArgs.of_parts(k.compact.parts, b,
-                                    [int8_decode and native.quant_q8_fits(p)
+                                    [self._part_acts(k.compact, p, int8_decode, bf16_decode)
                                      for p in k.compact.parts])
                 if isinstance(k, _QuantizedView)
                 else LinearArgs.of(k.compact, b) if k.compact is not None
@@ -296,6 +301,17 @@ class FusedDecodeLayer:
         if self._int8_decode and not all(bf16):
             return None
         return sum(1 << i for i, taken in enumerate(bf16) if taken)
+
+    def _part_acts(self, kernel: QuantizedLinearKernel, part: QuantizedTensor,
+                   int8_decode: bool, bf16_decode: bool | None) -> int:
+        """The activations of a part's one-row products (:class:`QPartArgs`), as the
+        platform's op takes them for the part."""
+        if int8_decode and self.native.quant_q8_fits(part):
+            return QPartArgs.Q8
+        if takes_bf16_rows(self.native, part, self.dtype == torch.bfloat16, bf16_decode,
+                           kernel.bf16_activations):
+            return QPartArgs.BF16
+        return QPartArgs.F32
 
     def _pure_decode(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether every row is the one new token of its own sequence, in order."""
@@ -650,8 +666,8 @@ def decline_reason(spec: DecoderLayerSpec) -> str | None:
 
 
 def install_fused_decode(model: nn.Module, native: NativeKernels,
-                         int8_decode: bool = False, int8_rows: bool = False
-                         ) -> dict[str, int]:
+                         int8_decode: bool = False, int8_rows: bool = False,
+                         bf16_decode: bool | None = None) -> dict[str, int]:
     """Give every decoder layer of ``model`` whose description the C layer runs a
     :class:`FusedDecodeLayer` (after
     :func:`~quire.platforms.cpu.packed_linear.pack_linear_weights`).
@@ -666,7 +682,8 @@ def install_fused_decode(model: nn.Module, native: NativeKernels,
         spec = describe()
         reason = decline_reason(spec)
         if reason is None:
-            module.kernel = FusedDecodeLayer(native, spec, int8_decode, int8_rows)
+            module.kernel = FusedDecodeLayer(native, spec, int8_decode, int8_rows,
+                                             bf16_decode)
         outcomes[reason or "fused"] = outcomes.get(reason or "fused", 0) + 1
     declined = {k: v for k, v in outcomes.items() if k != "fused"}
     logger.info("cpu platform: %d decoder layers run in C%s", outcomes.get("fused", 0),

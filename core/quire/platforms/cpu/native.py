@@ -73,10 +73,11 @@ class LinearArgs(ctypes.Structure):
 
     @classmethod
     def of_parts(cls, parts: list[QuantizedTensor], bias: torch.Tensor | None,
-                 q8: list[bool] | None = None) -> LinearArgs:
-        """A quantised weight's parts (host tensors), ``q8`` saying which take int8
-        activations; the struct keeps its part array alive, the caller the parts."""
-        array = QPartArgs.array(parts, q8)
+                 acts: list[int] | None = None) -> LinearArgs:
+        """A quantised weight's parts (host tensors), ``acts`` each one's decode rows'
+        activations (:class:`QPartArgs`); the struct keeps its part array alive, the
+        caller the parts."""
+        array = QPartArgs.array(parts, acts)
         args = cls(cls.QUANT, sum(p.rows for p in parts), parts[0].cols,
                    ctypes.cast(array, ctypes.c_void_p), None, None,
                    bias.data_ptr() if bias is not None else None, len(parts))
@@ -103,22 +104,26 @@ class QPartArgs(ctypes.Structure):
     pointers, as :class:`LinearArgs` does."""
 
     _fields_ = [("fmt", ctypes.c_int32), ("rows", _i64), ("w", _ptr), ("w_stride", _i64),
-                ("scales", _ptr), ("q8", ctypes.c_int32)]
+                ("scales", _ptr), ("acts", ctypes.c_int32)]
+
+    #: ``acts``: the direct path's (decode rows') activations: float32; int8 per 32
+    #: values (``csrc/quant_q8.c``); rounded to bfloat16 (``quire_quant_rows_bf16_team``).
+    #: The caller checked that the kernel fits the part
+    #: (:meth:`NativeKernels.quant_q8_fits`, :meth:`NativeKernels.quant_rows_bf16_fits`).
+    F32, Q8, BF16 = 0, 1, 2
 
     @classmethod
-    def of(cls, part: QuantizedTensor, q8: bool = False) -> QPartArgs:
-        """``q8``: its one-row products take int8 activations (the caller checked that
-        :meth:`NativeKernels.quant_q8_fits` the part)."""
+    def of(cls, part: QuantizedTensor, acts: int = F32) -> QPartArgs:
         return cls(part.format.id, part.rows, part.data.data_ptr(), part.data.stride(0),
-                   None if part.scale is None else part.scale.data_ptr(), q8)
+                   None if part.scale is None else part.scale.data_ptr(), acts)
 
     @classmethod
-    def array(cls, parts: list[QuantizedTensor], q8: list[bool] | None = None
+    def array(cls, parts: list[QuantizedTensor], acts: list[int] | None = None
               ) -> ctypes.Array:
-        """A layer's parts in output order, ``q8`` saying which take int8 activations
-        (none by default); the caller keeps the array and the parts alive."""
-        q8 = q8 or [False] * len(parts)
-        return (cls * len(parts))(*(cls.of(p, q) for p, q in zip(parts, q8)))
+        """A layer's parts in output order, ``acts`` each one's activations (float32 by
+        default); the caller keeps the array and the parts alive."""
+        acts = acts or [cls.F32] * len(parts)
+        return (cls * len(parts))(*(cls.of(p, a) for p, a in zip(parts, acts)))
 
 
 class PanelArgs(ctypes.Structure):
@@ -394,6 +399,15 @@ class NativeKernels:
         if self._quant_q8_batch is not None:
             self._quant_q8_batch.restype = ctypes.c_int
             self._quant_q8_batch.argtypes = self._quant_q8.argtypes
+        # quant_gemm.c: the direct path with the rows rounded to bfloat16 (K-quants at
+        # the levels with AVX512_BF16; quire_quant_rows_bf16_fits says which)
+        self._quant_rows_bf16 = getattr(library, "quire_quant_rows_bf16", None)
+        self._quant_rows_bf16_fits = getattr(library, "quire_quant_rows_bf16_fits", None)
+        if self._quant_rows_bf16 is not None and self._quant_rows_bf16_fits is not None:
+            self._quant_rows_bf16.restype = ctypes.c_int
+            self._quant_rows_bf16.argtypes = self._quant_q8.argtypes
+            self._quant_rows_bf16_fits.restype = ctypes.c_int
+            self._quant_rows_bf16_fits.argtypes = [ctypes.c_int32, _i64]
         if self._quant_q8_team_test is not None:
             self._quant_q8_team_test.restype = ctypes.c_int
             self._quant_q8_team_test.argtypes = [ctypes.c_int32, _ptr, _i64, _i64, _ptr, _i64,
@@ -640,6 +654,33 @@ class NativeKernels:
             failed = self._quant_q8_team_test(*args, team_threads)
         else:
             failed = self._quant_q8(*args)
+        return None if failed else y
+
+    def quant_rows_bf16_fits(self, weight: QuantizedTensor) -> bool:
+        """Whether :meth:`quant_rows_bf16` takes ``weight``'s format and width."""
+        return (self._quant_rows_bf16_fits is not None
+                and bool(self._quant_rows_bf16_fits(weight.format.id, weight.cols)))
+
+    def quant_rows_bf16(self, x: torch.Tensor, weight: QuantizedTensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``x @ W.T + bias`` for float32 ``x`` ``[m, cols]`` (few rows: the direct
+        path, each block read once for every four) rounded to bfloat16 (nearest even, as
+        torch rounds) in the call, times the exact weights of a K-quant read in place,
+        float32 sums (``quire_quant_rows_bf16`` in ``csrc/quant_gemm.c``).
+
+        :returns: a new tensor; None where :meth:`quant_rows_bf16_fits` says no or the
+            arguments do not fit (the caller takes another kernel).
+        """
+        if not self.quant_rows_bf16_fits(weight):
+            return None
+        y = self._quant_args(x, weight, bias, None)
+        if y is None:
+            return None
+        data = weight.data
+        failed = self._quant_rows_bf16(
+            weight.format.id, x.data_ptr(), x.shape[0], x.shape[1], data.data_ptr(),
+            data.stride(0) if data.shape[0] > 1 else data.shape[1], weight.rows,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), weight.rows)
         return None if failed else y
 
     def rms_norm(

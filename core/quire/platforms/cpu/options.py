@@ -29,7 +29,7 @@ ENV_DEFAULTS = {
 _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
-            "kv_prefault": PREFAULT_MODES, "decode_activations": ("float32", "int8"),
+            "kv_prefault": PREFAULT_MODES, "decode_activations": ("auto", "float32", "bfloat16", "int8"),
             "activations": ("auto", "dtype", "bfloat16", "int8")}
 
 
@@ -71,11 +71,17 @@ class CpuOptions:
     #: resident memory follows use (docs/bench.md, "first touch").
     kv_prefault: str = "background"
     #: The activations of decode rows' products on quantised weights (``quantization``
-    #: gguf, int8, fp8): ``float32``, the dequantised model's products exactly; or
-    #: ``int8``, each row quantised per 32 values with integer dot products, as llama.cpp
-    #: does (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other
-    #: formats stay float32). Prompts keep float32 either way.
-    decode_activations: str = "float32"
+    #: gguf, int8, fp8; up to 8 rows, the direct path's): ``float32``, the dequantised
+    #: model's products exactly; ``bfloat16``, each row rounded to bfloat16 times the
+    #: exact weights, float32 sums (csrc/quant_gemm.c's direct_rows_spread_bf: Q4_K,
+    #: Q5_K, Q6_K with AVX512_BF16; other formats and CPUs stay float32); ``int8``, each
+    #: row quantised per 32 values with integer dot products, as llama.cpp does
+    #: (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other formats
+    #: stay float32); or ``auto``: ``bfloat16`` where a layer's batched products take
+    #: bfloat16 (``activations`` below), ``float32`` elsewhere. A bfloat16 model's rows,
+    #: already bfloat16, take the bfloat16 rows unless ``int8``. Prompts keep
+    #: ``activations``' either way.
+    decode_activations: str = "auto"
     #: The activations of every product on quantised weights (GGUF blocks, int8, fp8):
     #: ``dtype``, the model's (float32, or a bfloat16 model's bfloat16 rows on
     #: bfloat16-rounded weights), with decode rows as ``decode_activations`` says;
@@ -99,6 +105,14 @@ class CpuOptions:
     def int8_decode(self) -> bool:
         """Whether decode rows' products take int8 activations (either option)."""
         return self.decode_activations == "int8" or self.activations == "int8"
+
+    @property
+    def bf16_decode(self) -> bool | None:
+        """Whether a float32 model's decode rows take bfloat16 activations: True, False,
+        or None where each layer follows its batched products' (``auto``)."""
+        if self.int8_decode:
+            return False
+        return {"bfloat16": True, "float32": False}.get(self.decode_activations)
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():

@@ -193,7 +193,9 @@ class CpuPlatform(Platform):
                      "dtype auto: float32 (no bfloat16 products on this CPU)")
         lines.append("activations auto (quantised weights, dtype auto): bfloat16 for "
                      f"batches of more than {BF16_MIN_ROWS} rows ({BF16_MIN_ROWS_LONG} on "
-                     f"rows of {LONG_ROW_COLS} or more), float32 below"
+                     f"rows of {LONG_ROW_COLS} or more) on the bfloat16 kernel; fewer rows "
+                     "on the direct path, rounded to bfloat16 on Q4_K, Q5_K and Q6_K "
+                     "(decode_activations auto), float32 on the other formats"
                      if native is not None and native.has_quant_bf16 else
                      "activations auto (quantised weights): the model's dtype (no "
                      "bfloat16 kernel here)")
@@ -227,7 +229,8 @@ class CpuPlatform(Platform):
                                  bfloat16=True)
             # needs the packed layers' panels or copies
             install_fused_decode(model, native, int8_decode=options.int8_decode,
-                                 int8_rows=options.activations == "int8")
+                                 int8_rows=options.activations == "int8",
+                                 bf16_decode=options.bf16_decode)
             install_fused_stack(model, native)  # after the layers it strings together
             if options.linear == "packed":  # the products no fused layer claims
                 dispatch_linears(model, TimingCache(_timing_cache_path(native)))
@@ -240,7 +243,8 @@ class CpuPlatform(Platform):
             return reference_ops()
         return reference_ops().with_ops(
             "cpu", quantized_linear=make_quantized_linear(
-                native, self.options.int8_decode, int8_all=self.options.activations == "int8"))
+                native, self.options.int8_decode, int8_all=self.options.activations == "int8",
+                bf16_decode=self.options.bf16_decode))
 
     def bf16_activations(self, dtype_auto: bool) -> bool:
         """The ``activations`` option resolved for this CPU, build and dtype:

@@ -54,8 +54,27 @@ def takes_bf16_kernel(native: NativeKernels, x: torch.Tensor, cols: int,
             and x.numel() > bf16_min_rows(cols) * cols)
 
 
+#: The most rows that take the bfloat16 decode rows (:func:`takes_bf16_rows`): the rows
+#: csrc/quant_gemm.c's direct path takes (DIRECT_BATCH_ROWS), as the fused layers' one
+#: call does for a product whose bfloat16-kernel bit is clear.
+BF16_ROWS_MAX = 8
+
+
+def takes_bf16_rows(native: NativeKernels, weight: QuantizedTensor, bf16_rows: bool,
+                    bf16_decode: bool | None, bf16_activations: bool) -> bool:
+    """Whether a product's decode rows (up to :data:`BF16_ROWS_MAX`, not on the bfloat16
+    kernel) take the direct path with the rows rounded to bfloat16
+    (:meth:`NativeKernels.quant_rows_bf16`): bfloat16 rows (no rounding then), or
+    float32 ones as ``bf16_decode`` says (None: as ``bf16_activations`` does), where the
+    build takes the weight's format (K-quants at the levels with AVX512_BF16). The op's
+    rule, and the fused layers' for each part."""
+    wanted = bf16_rows or (bf16_activations if bf16_decode is None else bf16_decode)
+    return wanted and native.quant_rows_bf16_fits(weight)
+
+
 def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = False,
-                          int8_all: bool = False) -> QuantizedLinear:
+                          int8_all: bool = False, bf16_decode: bool | None = None
+                          ) -> QuantizedLinear:
     """``quantized_linear(x, weight, bias=None, *, int8_activations=False,
     bf16_activations=False)`` with the reference op's signature and contract, on the C
     kernels of ``native``.
@@ -76,8 +95,12 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
     rounded back to ``x``'s dtype. With ``bf16_activations`` (set on a model's layers
     where the platform's ``activations`` option resolves to ``bfloat16``), float32
     ``x`` of more than :func:`bf16_min_rows` rows takes the same bfloat16 kernel,
-    rounded to bfloat16 on the way in, and keeps its float32 sums as the result; fewer
-    rows keep the float32 products. Everything else falls back to the torch reference
+    rounded to bfloat16 on the way in, and keeps its float32 sums as the result. Fewer
+    rows (decode rows) take the direct path, each weight row read once for every four
+    rows, with float32 activations; or rounded to bfloat16 times the exact weights
+    (:func:`takes_bf16_rows`: bfloat16 ``x``, and float32 ``x`` as ``bf16_decode``
+    says, None following ``bf16_activations``: the platform's ``decode_activations``
+    option). Everything else falls back to the torch reference
     (:func:`quire.ops.quantized.quantized_linear`): no kernels (``native`` None or a
     library without them), another device or dtype, ``w8a8`` rows longer than
     :data:`NativeKernels.QUANT_I8_MAX_K`, and a kernel that could not allocate scratch.
@@ -114,6 +137,10 @@ def make_quantized_linear(native: NativeKernels | None, int8_decode: bool = Fals
         if (int8_decode and not int8_activations and rows.shape[0] <= Q8_MAX_ROWS
                 and native.quant_q8_fits(weight)):
             y = native.quant_linear_q8(rows, weight, b)
+        elif (not int8_activations and rows.shape[0] <= BF16_ROWS_MAX
+              and takes_bf16_rows(native, weight, x.dtype == torch.bfloat16, bf16_decode,
+                                  bf16_activations)):
+            y = native.quant_rows_bf16(rows, weight, b)
         if y is None:
             y = entry(rows, weight, b)
         if y is None:

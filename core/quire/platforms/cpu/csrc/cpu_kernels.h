@@ -659,8 +659,14 @@ struct quire_qpart {
     const uint8_t *w;
     int64_t w_stride;
     const float *scales;
-    int32_t q8; /* the activations quantised to int8 per 32 values (quant_q8.c) */
+    int32_t acts; /* QUIRE_ACTS_*: the direct path's activations (decode rows) */
 };
+
+/* struct quire_qpart.acts: float32 (quant_gemm.c's direct path), int8 per 32 values
+ * (quant_q8.c), or rounded to bfloat16 (quire_quant_rows_bf16_team). */
+#define QUIRE_ACTS_F32 0
+#define QUIRE_ACTS_Q8 1
+#define QUIRE_ACTS_BF16 2
 
 /* quant_gemm.c: the one-row products of quantised weights inside a running team (the
  * fused decode layer's), and whether a format and width fit them. */
@@ -669,6 +675,12 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            const float *row_scales, const float *bias, float *y,
                            int64_t ldy);
 int quire_quant_fits(int32_t fmt, int64_t k);
+/* The same with the rows rounded to bfloat16 (float32 sums of the exact weights' products:
+ * Q4_K, Q5_K, Q6_K at the levels with AVX512_BF16), and whether a format and width fit. */
+void quire_quant_rows_bf16_team(int32_t fmt, const float *x, int64_t m, int64_t k,
+                                const uint8_t *w, int64_t w_stride, int64_t n,
+                                const float *bias, float *y, int64_t ldy);
+int quire_quant_rows_bf16_fits(int32_t fmt, int64_t k);
 /* The most rows quire_quant_gemm_f32 takes on the direct path (quire_quant_rows_team's)
  * for fmt: fewer than that, a call and a team's shares give the same numbers. */
 int64_t quire_quant_direct_rows(int32_t fmt);

@@ -87,10 +87,14 @@ static void quant_parts_share(const struct quire_linear *w, const float *x, int6
     const struct quire_qpart *part = w->codes;
     for (int64_t p = 0, at = 0; p < w->num_parts; at += part[p].rows, p++) {
         const float *bias = w->bias ? w->bias + at : NULL;
-        if (part[p].q8)
+        if (part[p].acts == QUIRE_ACTS_Q8)
             quire_quant_rows_q8_team(part[p].fmt, x, m, w->in_features, part[p].w,
                                      part[p].w_stride, part[p].rows, bias, y + at,
                                      w->out_features);
+        else if (part[p].acts == QUIRE_ACTS_BF16)
+            quire_quant_rows_bf16_team(part[p].fmt, x, m, w->in_features, part[p].w,
+                                       part[p].w_stride, part[p].rows, bias, y + at,
+                                       w->out_features);
         else
             quire_quant_rows_team(part[p].fmt, x, m, w->in_features, part[p].w,
                                   part[p].w_stride, part[p].rows, part[p].scales, bias,
@@ -123,6 +127,16 @@ static void gemm_rows_team(const struct quire_linear *w, const float *x, int64_t
         }
 }
 
+/* Whether a part's activations (QUIRE_ACTS_*) are known and their kernel takes it. */
+static int acts_fit(int32_t acts, int32_t fmt, int64_t k) {
+    switch (acts) {
+    case QUIRE_ACTS_F32: return 1;
+    case QUIRE_ACTS_Q8: return quire_quant_q8_fits(fmt, k);
+    case QUIRE_ACTS_BF16: return quire_quant_rows_bf16_fits(fmt, k);
+    default: return 0;
+    }
+}
+
 /* Whether a quantised weight's parts fit its shape and the kernels. */
 static int linear_fits(const struct quire_linear *w) {
     if (w->format != QUIRE_FORMAT_QUANT)
@@ -131,7 +145,7 @@ static int linear_fits(const struct quire_linear *w) {
     int64_t rows = 0;
     for (int64_t p = 0; p < w->num_parts; p++) {
         if (!quire_quant_fits(part[p].fmt, w->in_features) || part[p].rows <= 0 ||
-            (part[p].q8 && !quire_quant_q8_fits(part[p].fmt, w->in_features)))
+            !acts_fit(part[p].acts, part[p].fmt, w->in_features))
             return 0;
         rows += part[p].rows;
     }
@@ -1198,10 +1212,10 @@ int quire_rows_out_norm(const struct quire_rows *a) {
  * by bf16's bits (1 qkv, 2 o, 4 gate/up, 8 down: a weight of long rows keeps the direct
  * path for more rows than a short one): a bit set, the bfloat16 kernel
  * (quire_quant_gemm_bf16_team: a layer's parts in one run, its rows rounded to bfloat16,
- * float32 sums); clear, the blocks' direct float32 path (quire_quant_rows_team, or the
- * parts' int8 activations where q8 says so), which quire_quant_gemm_f32 takes for up to
- * quire_quant_direct_rows rows. The same kernels on the same rows, so the results are
- * that path's exactly.
+ * float32 sums); clear, the blocks' direct path (quire_quant_rows_team, or the parts'
+ * int8 or bfloat16 activations where acts says so), which quire_quant_gemm_f32 takes
+ * for up to quire_quant_direct_rows rows. The same kernels on the same rows, so the
+ * results are that path's exactly.
  *
  * x, residual (NULL: none), out, residual_out: [rows, hidden] float32; cos[i], sin[i]:
  * layer i's rotary rows (row r at r * cos_stride); tables: row s sequence s's blocks

@@ -28,6 +28,13 @@
  * (16 floats on AVX-512, 8 on AVX2, 4 at the generic level's SSE2; wider generic
  * vectors GCC kept on the stack), so every level is vectorised from one source.
  *
+ * bfloat16 decode rows (quire_quant_rows_bf16, and _team inside the fused layers; levels
+ * with AVX512_BF16, Q4_K / Q5_K / Q6_K): the direct path with the rows rounded to
+ * bfloat16 and the codes made bfloat16 words in registers (direct_rows_spread_bf), so
+ * vdpbf16ps takes 32 products an instruction where the float32 rows take 16; the
+ * weights stay exact, the sums float32 (what F.linear on the rounded rows and the
+ * dequantised weight computes, up to summation order).
+ *
  * bfloat16 activations (quire_quant_gemm_bf16, levels with AVX512_BF16): a bfloat16
  * model's products of more than DIRECT_MAX_ROWS rows. The panel path again, each K chunk's
  * dequantised weights rounded to bfloat16 (nearest even) into panel_bf16.c's pair layout
@@ -854,6 +861,191 @@ static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const ui
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* K-quant rows with bfloat16 activations (quire_quant_rows_bf16): direct_rows_spread's
+ * way with the codes as bfloat16 in 16-bit lanes, multiplied into x rounded to bfloat16
+ * by vdpbf16ps (32 products an instruction, float32 sums), where the float32 path takes
+ * 16. Word lane w of a half's 64-byte load holds bytes 2w and 2w + 1; shifted right by
+ * 8 m + 4 n (m, n in 0..1) it has nibble n of byte 2w + m in its low four bits, the
+ * index of a word permute of the codes' values (Q5_K's fifth bit and Q6_K's fifth and
+ * sixth placed above them first, from their bytes broadcast to both halves). The pair
+ * of words a vdpbf16ps lane sums (bytes 4p + m and 4p + 2 + m) lies in one sub-block,
+ * the lane's of direct_rows_spread, so the scales are that path's. Codes and scales are
+ * exact: the products are the exact weights' times x rounded to bfloat16 (nearest
+ * even, as torch rounds), in float32 sums. */
+
+/* Where word lane w of vector v = (h, n, m) (v = 4h + 2n + m) takes x from in a block. */
+INL int spread_pos_bf(int32_t fmt, int v, int w) {
+    const int h = v / 4, n = (v / 2) % 2, m = v % 2;
+    const int byte = 2 * w + m; /* in the half's 64 */
+    return spread_pos(fmt, 8 * h + 2 * (byte % 4) + n, byte / 4);
+}
+
+/* A row of x rounded to bfloat16 in the spread order (xp), and the rounded values' sums
+ * per sub-block (sums, one v8f a block). */
+static void spread_x_bf(int32_t fmt, const float *x, int64_t k, uint16_t *xp, v8f *sums) {
+    int32_t at[256];
+    for (int v = 0; v < 8; v++)
+        for (int w = 0; w < 32; w++) at[v * 32 + w] = spread_pos_bf(fmt, v, w);
+    float rounded[256], gathered[256];
+    for (int64_t blk = 0; blk < k / 256; blk++) {
+        const float *xb = x + blk * 256;
+        for (int t = 0; t < 256; t += 32) {
+            const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xb + t + 16),
+                                                               _mm512_loadu_ps(xb + t));
+            /* back to float32: the words in order, each shifted into the high half */
+            _mm512_storeu_ps(rounded + t, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(pairs)), 16)));
+            _mm512_storeu_ps(rounded + t + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pairs, 1)), 16)));
+        }
+        for (int s = 0; s < 8; s++) {
+            vf t = ldf(rounded + 32 * s) + ldf(rounded + 32 * s + 16);
+            sums[blk][s] = hsumv(t);
+        }
+        for (int t = 0; t < 256; t++) gathered[t] = rounded[at[t]];
+        uint16_t *out = xp + blk * 256;
+        for (int t = 0; t < 256; t += 32)
+            _mm512_storeu_si512(out + t, (__m512i)_mm512_cvtne2ps_pbh(
+                                             _mm512_loadu_ps(gathered + t + 16),
+                                             _mm512_loadu_ps(gathered + t)));
+    }
+}
+
+/* The right shift (negative: left) per word that brings the high code bits of byte
+ * 2w + m, nibble n, of half h to bit 4 (Q5_K) or bits 4-5 (Q6_K), for word lanes in the
+ * low (upper = 0) or high 256 bits. */
+INL int high_shift(int32_t fmt, int h, int m, int n, int upper) {
+    if (fmt == QF_Q6_K) /* qh bits 2 (byte / 32) + 4 n of byte (byte % 32) */
+        return 8 * m + 2 * upper + 4 * n - 4;
+    return 8 * m + 4 * h + 2 * upper + n - 4; /* Q5_K: bit 2 (2h + byte / 32) + n */
+}
+
+/* v's words shifted right by lo (the low 256 bits) or hi (the high 256 bits); left by
+ * -lo and -hi where they are negative (both are then). */
+INL __m512i shift_words(__m512i v, int lo, int hi) {
+    const __m512i halves = _mm512_inserti64x4(_mm512_set1_epi16((short)(lo < 0 ? -lo : lo)),
+                                              _mm256_set1_epi16((short)(hi < 0 ? -hi : hi)), 1);
+    return lo < 0 ? _mm512_sllv_epi16(v, halves) : _mm512_srlv_epi16(v, halves);
+}
+
+INL void direct_rows_spread_bf(int32_t fmt, int R, const uint16_t *xp, const v8f *sums,
+                               int64_t k, const uint8_t *w, int64_t ws, int64_t j0, int64_t j1,
+                               const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = k / 256;
+    const int BB = blk_bytes(fmt);
+    const int low_at = fmt == QF_Q4_K ? 16 : fmt == QF_Q5_K ? 48 : 0;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                            15);
+    /* the codes' values as bfloat16 words: Q4_K's index i (bit 4 the next nibble's) is
+     * i & 15, Q5_K's i, Q6_K's (64 through two tables) i - 32 */
+    __m512i table0, table1 = _mm512_setzero_si512();
+    {
+        uint16_t t[64];
+        for (int i = 0; i < 64; i++) {
+            const float v = fmt == QF_Q4_K ? (float)(i & 15) : fmt == QF_Q5_K ? (float)(i & 31)
+                                                                              : (float)(i - 32);
+            t[i] = (uint16_t)(f32_bits(v) >> 16);
+        }
+        table0 = _mm512_loadu_si512((const void *)t);
+        table1 = _mm512_loadu_si512((const void *)(t + 32));
+    }
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * ws;
+        __m512 acc[DIRECT_MAX_ROWS][2];
+        v8f mins[DIRECT_MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            mins[r] = (v8f){0};
+        }
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * BB;
+            quire_prefetch_span(b, BB);
+            __m512 scales;
+            if (fmt == QF_Q6_K) {
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 192)));
+                scales = _mm512_mul_ps(_mm512_set1_ps(h2f_at(b + 208)), _mm512_cvtepi32_ps(sc));
+            } else {
+                scales = k_scales_mins16(b);
+                const v8f minimum = (v8f)_mm512_extractf32x8_ps(scales, 1);
+                for (int r = 0; r < R; r++) mins[r] += minimum * sums[r * nb + blk];
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m512i z = _mm512_loadu_si512((const void *)(b + low_at + 64 * h));
+                __m512i qh = _mm512_setzero_si512();
+                if (fmt == QF_Q5_K)
+                    qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 16)));
+                else if (fmt == QF_Q6_K)
+                    qh = _mm512_broadcast_i64x4(
+                        _mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
+#pragma GCC unroll 2
+                for (int n = 0; n < 2; n++) {
+                    const __m512 a = _mm512_permutexvar_ps(spread_scale(fmt, h, n, lanes),
+                                                           scales);
+                    __m512 dot[DIRECT_MAX_ROWS];
+                    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+                    for (int m = 0; m < 2; m++) {
+                        __m512i idx = _mm512_srli_epi16(z, 8 * m + 4 * n);
+                        __m512i q;
+                        if (fmt == QF_Q4_K) {
+                            q = _mm512_permutexvar_epi16(idx, table0);
+                        } else {
+                            const __m512i high = shift_words(
+                                qh, high_shift(fmt, h, m, n, 0), high_shift(fmt, h, m, n, 1));
+                            idx = _mm512_ternarylogic_epi32(idx, high, low4, 0xE4);
+                            q = fmt == QF_Q5_K ? _mm512_permutexvar_epi16(idx, table0)
+                                               : _mm512_permutex2var_epi16(table0, idx, table1);
+                        }
+                        const uint16_t *xv = xp + blk * 256 + (4 * h + 2 * n + m) * 32;
+                        for (int r = 0; r < R; r++)
+                            dot[r] = _mm512_dpbf16_ps(
+                                dot[r], (__m512bh)q,
+                                (__m512bh)_mm512_loadu_si512((const void *)(xv + r * k)));
+                    }
+                    for (int r = 0; r < R; r++) acc[r][n] = _mm512_fmadd_ps(a, dot[r], acc[r][n]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const v8f m = mins[r];
+            float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
+            if (fmt != QF_Q6_K)
+                sum -= ((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7]));
+            y[r * ldy + j] = bias ? sum + bias[j] : sum;
+        }
+    }
+}
+
+/* direct_rows_spread_bf for R rows of x over weight rows [j0, j1); false where the
+ * format is not a K-quant's or the spread rows could not be allocated. */
+static int direct_spread_bf(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
+                            int64_t ws, int64_t j0, int64_t j1, const float *bias, float *y,
+                            int64_t ldy) {
+    if (fmt != QF_Q4_K && fmt != QF_Q5_K && fmt != QF_Q6_K)
+        return 0;
+    const int64_t nb = k / 256;
+    uint16_t *xp = (uint16_t *)spread_scratch((size_t)(R * k) * 2 + (size_t)(R * nb) * sizeof(v8f));
+    if (!xp)
+        return 0;
+    v8f *sums = (v8f *)(xp + R * k); /* k is a multiple of 256: 64-byte aligned */
+    for (int r = 0; r < R; r++) spread_x_bf(fmt, x + r * k, k, xp + r * k, sums + r * nb);
+#define SPREAD_FMT(F)                                                                      \
+    case F:                                                                                \
+        BY_ROWS(direct_rows_spread_bf, F, xp, sums, k, w, ws, j0, j1, bias, y, ldy)        \
+        break;
+    switch (fmt) {
+        SPREAD_FMT(QF_Q4_K) SPREAD_FMT(QF_Q5_K) SPREAD_FMT(QF_Q6_K)
+    default: break;
+    }
+#undef SPREAD_FMT
+    return 1;
+}
+
+#endif
+
 #define KMIN_FMT(F)                                                                        \
     case F:                                                                                \
         BY_ROWS(direct_rows_kmin, F, x, k, w, ws, j0, j1, bias, y, ldy)                    \
@@ -866,7 +1058,13 @@ static int direct_spread(int32_t fmt, int R, const float *x, int64_t k, const ui
 
 static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w, int64_t ws,
                    int64_t j0, int64_t j1, const float *rs, const float *bias, float *y,
-                   int64_t ldy) {
+                   int64_t ldy, int bf16) {
+#if defined(__AVX512BF16__)
+    if (bf16 && direct_spread_bf(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy))
+        return;
+#else
+    (void)bf16;
+#endif
     switch (fmt) {
         DIRECT_FMT(QF_F32) DIRECT_FMT(QF_F16) DIRECT_FMT(QF_BF16) DIRECT_FMT(QF_INT8)
         DIRECT_FMT(QF_FP8) DIRECT_FMT(QF_Q4_0) DIRECT_FMT(QF_Q4_1) DIRECT_FMT(QF_Q5_0)
@@ -1006,9 +1204,9 @@ static int panel_share(int32_t fmt, const float *x, int64_t m, int64_t k, const 
 static void direct_groups(int32_t fmt, const float *x, int64_t m, int64_t k,
                           const uint8_t *w, int64_t w_stride, int64_t j0, int64_t j1,
                           const float *row_scales, const float *bias, float *y,
-                          int64_t ldy) {
+                          int64_t ldy, int bf16) {
     if (m <= DIRECT_MAX_ROWS) {
-        direct(fmt, (int)m, x, k, w, w_stride, j0, j1, row_scales, bias, y, ldy);
+        direct(fmt, (int)m, x, k, w, w_stride, j0, j1, row_scales, bias, y, ldy, bf16);
         return;
     }
     for (int64_t c = j0; c < j1; c += DIRECT_CHUNK) {
@@ -1016,7 +1214,7 @@ static void direct_groups(int32_t fmt, const float *x, int64_t m, int64_t k,
         for (int64_t r0 = 0; r0 < m; r0 += DIRECT_MAX_ROWS) {
             const int64_t rows = m - r0 < DIRECT_MAX_ROWS ? m - r0 : DIRECT_MAX_ROWS;
             direct(fmt, (int)rows, x + r0 * k, k, w, w_stride, c, c1, row_scales, bias,
-                   y + r0 * ldy, ldy);
+                   y + r0 * ldy, ldy, bf16);
         }
     }
 }
@@ -1030,7 +1228,38 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            int64_t ldy) {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
     direct_groups(fmt, x, m, k, w, w_stride, n * t / team, n * (t + 1) / team, row_scales,
-                  bias, y, ldy);
+                  bias, y, ldy, 0);
+}
+
+/* quire_quant_rows_team with the rows rounded to bfloat16 (direct_rows_spread_bf) on the
+ * formats quire_quant_rows_bf16_fits takes; the caller checked that it does. */
+void quire_quant_rows_bf16_team(int32_t fmt, const float *x, int64_t m, int64_t k,
+                                const uint8_t *w, int64_t w_stride, int64_t n,
+                                const float *bias, float *y, int64_t ldy) {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    direct_groups(fmt, x, m, k, w, w_stride, n * t / team, n * (t + 1) / team, NULL, bias,
+                  y, ldy, 1);
+}
+
+int quire_quant_rows_bf16_fits(int32_t fmt, int64_t k) {
+#if defined(__AVX512BF16__)
+    return (fmt == QF_Q4_K || fmt == QF_Q5_K || fmt == QF_Q6_K) && k > 0 && k % 256 == 0;
+#else
+    (void)fmt, (void)k;
+    return 0;
+#endif
+}
+
+/* The one-call entry: m rows (any number; callers give few, as the direct path suits)
+ * over the n outputs in parallel; 4 where quire_quant_rows_bf16_fits says no. */
+int quire_quant_rows_bf16(int32_t fmt, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                          int64_t w_stride, int64_t n, const float *bias, float *y,
+                          int64_t ldy) {
+    if (!quire_quant_rows_bf16_fits(fmt, k) || m < 0 || n < 0)
+        return 4;
+#pragma omp parallel
+    quire_quant_rows_bf16_team(fmt, x, m, k, w, w_stride, n, bias, y, ldy);
+    return 0;
 }
 
 /* Rows up to which quire_quant_gemm_f32 takes the direct path: DIRECT_BATCH_ROWS, but
@@ -1067,7 +1296,7 @@ int quire_quant_gemm_f32(int32_t fmt, const float *x, int64_t m, int64_t k, cons
         {
             const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
             direct_groups(fmt, x, m, k, w, w_stride, n * t / team, n * (t + 1) / team,
-                          row_scales, bias, y, ldy);
+                          row_scales, bias, y, ldy, 0);
         }
         return 0;
     }
