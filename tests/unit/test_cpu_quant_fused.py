@@ -130,36 +130,40 @@ def test_int8_decode_activations_stay_close_to_float32(q4_k_m):
 
 def test_bfloat16_decode_rows_take_the_k_quants_on_every_path(q4_k_m, monkeypatch):
     """``decode_activations=bfloat16`` (what ``auto`` takes where a layer's batches take
-    bfloat16 products): the fused layers give their K-quant parts bfloat16 rows and the
-    other formats float32 ones, as the platform's op does part by part. A lone sequence
+    bfloat16 products): the fused layers give their parts bfloat16 rows where the kernel
+    takes the format (the K-quants of this file) and float32 ones elsewhere, as the
+    platform's op does part by part. A lone sequence
     (whole C layers) and the same prompt twice in a batch (the C steps between the
     products, the op on the blocks) round the same rows: their logprobs agree within
     float32's noise (1e-4), while float32 rows' differ from them by more than that and
     stay within 0.05 where the tokens agree."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
     from quire.platforms.cpu.native import QPartArgs, load_native_kernels
+    from quire.quantization.formats import FORMATS
 
     native = load_native_kernels()
     if native is None or not native.has_quant_bf16:
         pytest.skip("no bfloat16 products (AVX512_BF16) on this host")
     options = {"platform_options": {"decode_activations": "bfloat16"}}
-    acts: dict[str, set[int]] = {}
+    acts: dict[int, set[int]] = {}  # format id: the parts' activations
     original = FusedDecodeLayer.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         for args_ in self._compact_args:
             for part in getattr(args_, "_parts", ()):
-                acts.setdefault({12: "q4_k", 13: "q5_k", 14: "q6_k"}.get(part.fmt, "other"),
-                                set()).add(part.acts)
+                acts.setdefault(part.fmt, set()).add(part.acts)
 
     # a prompt of more than 8 tokens, alone or twice, takes float32 panels either way
     prompt = [[1, 17, 45, 99, 23, 7, 200, 33, 9, 41]]
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecodeLayer, "__init__", recording)
         lone = _run(q4_k_m, prompt, **options)
-    assert acts.get("q4_k") == {QPartArgs.BF16} and acts.get("q6_k") == {QPartArgs.BF16}
-    assert acts.get("other", {QPartArgs.F32}) == {QPartArgs.F32}
+    q4_k, q6_k = FORMATS["q4_k"].id, FORMATS["q6_k"].id
+    assert acts[q4_k] == {QPartArgs.BF16} and acts[q6_k] == {QPartArgs.BF16}
+    for fmt, taken in acts.items():
+        fits = native._quant_rows_bf16_fits(fmt, 256)
+        assert taken == {QPartArgs.BF16 if fits else QPartArgs.F32}
     pair, calls = _run_counting_rows_steps(monkeypatch, q4_k_m, prompt * 2, **options)
     assert 2 in calls  # the batch's decode steps took the op between the C steps
     float32 = _run(q4_k_m, prompt, platform_options={"decode_activations": "float32"})

@@ -265,8 +265,9 @@ def test_bfloat16_activations_round_a_float32_model_s_batches_only(
     """``bf16_activations`` (the ``activations=bfloat16`` option): a float32 model's
     products of more than BF16_MIN_ROWS rows are the bfloat16 kernel's float32 sums on
     the rows rounded to bfloat16, left in float32 (the reference's rounded product, to
-    float32 summation order); fewer rows, and every product without it, are the float32
-    kernel's."""
+    float32 summation order); fewer rows are the bfloat16 decode rows' where the build has
+    them (decode_activations auto follows bf16_activations), else, and with bf16_decode
+    False, the float32 kernel's; every product without it is the float32 kernel's."""
     from quire.platforms.cpu.quant_linear import BF16_MIN_ROWS
     linear = make_quantized_linear(kernels)
     gen = torch.Generator().manual_seed(11)
@@ -289,7 +290,10 @@ def test_bfloat16_activations_round_a_float32_model_s_batches_only(
                                F.linear(rounded_x, rounded_w, bias).reshape(2, m, 48))
             assert_close_to_reference(y.reshape(-1, 48), rounded_x, rounded_w, bias)
         else:
-            assert torch.equal(y, wide)
+            rows = kernels.quant_rows_bf16(flat, weight, bias)
+            assert torch.equal(y, wide if rows is None else rows.reshape(2, m, 48))
+            exact = make_quantized_linear(kernels, bf16_decode=False)
+            assert torch.equal(exact(x, weight, bias, bf16_activations=True), wide)
 
 
 @pytest.mark.parametrize("name", ["q4_1", "q4_k", "q6_k"])
@@ -337,7 +341,7 @@ def test_up_to_eight_rows_of_a_long_weight_keep_the_direct_path(kernels: NativeK
 
 
 #: the formats the bfloat16 decode rows take (quire_quant_rows_bf16_fits)
-BF16_ROWS_FORMATS = ("q4_k", "q5_k", "q6_k")
+BF16_ROWS_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.mark.parametrize("name", BF16_ROWS_FORMATS)
@@ -354,11 +358,15 @@ def test_bfloat16_decode_rows_multiply_the_exact_weights(kernels: NativeKernels,
         pytest.skip(f"level {kernels.level} has no bfloat16 products (AVX512_BF16)")
     gen = torch.Generator().manual_seed(31)
     whole = make_weight(name, 300, 4 * 256, gen)
-    for weight in (whole.narrow_cols(0, 3 * 256), whole.narrow_cols(256, 2 * 256)):
+    weights = [whole.narrow_cols(0, 3 * 256), whole.narrow_cols(256, 2 * 256)]
+    if FORMATS[name].block == 32:  # an odd number of blocks: the last pairs with zeros
+        weights += [make_weight(name, 300, 96, gen), whole.narrow_cols(32, 7 * 32)]
+    for weight in weights:
         cols, w = weight.cols, weight.dequantize()
         eye = torch.eye(cols)
         for count in (1, 3, 4, 6):
             pick = torch.randperm(cols, generator=gen)[:count]
+            pick[0] = cols - 1  # the last block's last weight
             y = kernels.quant_rows_bf16(eye[pick].contiguous(), weight)
             assert y is not None and torch.equal(y.t(), w[:, pick])
         for m in range(1, 10):

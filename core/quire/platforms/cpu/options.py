@@ -73,7 +73,7 @@ class CpuOptions:
     #: The activations of decode rows' products on quantised weights (``quantization``
     #: gguf, int8, fp8; up to 8 rows, the direct path's): ``float32``, the dequantised
     #: model's products exactly; ``bfloat16``, each row rounded to bfloat16 times the
-    #: exact weights, float32 sums (csrc/quant_gemm.c's direct_rows_spread_bf: Q4_K,
+    #: exact weights, float32 sums (csrc/quant_gemm.c: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
     #: Q5_K, Q6_K with AVX512_BF16; other formats and CPUs stay float32); ``int8``, each
     #: row quantised per 32 values with integer dot products, as llama.cpp does
     #: (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other formats

@@ -194,7 +194,7 @@ class CpuPlatform(Platform):
         lines.append("activations auto (quantised weights, dtype auto): bfloat16 for "
                      f"batches of more than {BF16_MIN_ROWS} rows ({BF16_MIN_ROWS_LONG} on "
                      f"rows of {LONG_ROW_COLS} or more) on the bfloat16 kernel; fewer rows "
-                     "on the direct path, rounded to bfloat16 on Q4_K, Q5_K and Q6_K "
+                     "on the direct path, rounded to bfloat16 on Q4_0-Q5_1 and Q4_K-Q6_K "
                      "(decode_activations auto), float32 on the other formats"
                      if native is not None and native.has_quant_bf16 else
                      "activations auto (quantised weights): the model's dtype (no "
@@ -279,9 +279,10 @@ class CpuPlatform(Platform):
     def _resolved_activations(self, dtype_auto: bool) -> str:
         """The ``activations`` option with ``auto`` resolved: ``bfloat16`` for a dtype
         left to auto where the build has the bfloat16 kernel, else ``dtype``. Batches
-        of a few rows keep float32 products either way
-        (:func:`~quire.platforms.cpu.quant_linear.bf16_min_rows`), so a lone stream
-        loses nothing to it (docs/quantization.md, 'Activations')."""
+        of a few rows take the direct path either way
+        (:func:`~quire.platforms.cpu.quant_linear.bf16_min_rows`), whose activations
+        ``decode_activations`` decides (``auto``: as this resolves; docs/quantization.md,
+        'Activations' and 'Decode rows')."""
         chosen = self.options.activations
         if chosen != "auto":
             return chosen

@@ -676,7 +676,8 @@ void quire_quant_rows_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                            int64_t ldy);
 int quire_quant_fits(int32_t fmt, int64_t k);
 /* The same with the rows rounded to bfloat16 (float32 sums of the exact weights' products:
- * Q4_K, Q5_K, Q6_K at the levels with AVX512_BF16), and whether a format and width fit. */
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K at the levels with AVX512_BF16), and whether
+ * a format and width fit. */
 void quire_quant_rows_bf16_team(int32_t fmt, const float *x, int64_t m, int64_t k,
                                 const uint8_t *w, int64_t w_stride, int64_t n,
                                 const float *bias, float *y, int64_t ldy);

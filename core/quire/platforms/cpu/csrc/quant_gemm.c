@@ -29,8 +29,9 @@
  * vectors GCC kept on the stack), so every level is vectorised from one source.
  *
  * bfloat16 decode rows (quire_quant_rows_bf16, and _team inside the fused layers; levels
- * with AVX512_BF16, Q4_K / Q5_K / Q6_K): the direct path with the rows rounded to
- * bfloat16 and the codes made bfloat16 words in registers (direct_rows_spread_bf), so
+ * with AVX512_BF16, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K): the direct path with
+ * the rows rounded to bfloat16 and the codes made bfloat16 words in registers
+ * (direct_rows_spread_bf, direct_rows_blocks_bf), so
  * vdpbf16ps takes 32 products an instruction where the float32 rows take 16; the
  * weights stay exact, the sums float32 (what F.linear on the rounded rows and the
  * dequantised weight computes, up to summation order).
@@ -1027,7 +1028,8 @@ static int direct_spread_bf(int32_t fmt, int R, const float *x, int64_t k, const
     if (fmt != QF_Q4_K && fmt != QF_Q5_K && fmt != QF_Q6_K)
         return 0;
     const int64_t nb = k / 256;
-    uint16_t *xp = (uint16_t *)spread_scratch((size_t)(R * k) * 2 + (size_t)(R * nb) * sizeof(v8f));
+    uint16_t *xp =
+        (uint16_t *)spread_scratch((size_t)(R * k) * 2 + (size_t)(R * nb) * sizeof(v8f));
     if (!xp)
         return 0;
     v8f *sums = (v8f *)(xp + R * k); /* k is a multiple of 256: 64-byte aligned */
@@ -1044,6 +1046,156 @@ static int direct_spread_bf(int32_t fmt, int R, const float *x, int64_t k, const
     return 1;
 }
 
+/* 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1) with bfloat16 rows, two blocks a register:
+ * the 16 code bytes of blocks b and b + 1 widened to words (lanes 0-15, 16-31), whose low
+ * nibbles are weights 0-15 of each block and whose high nibbles (after a shift) weights
+ * 16-31, each (with Q5's fifth bit added under a mask of its qh bits) indexing a word
+ * permute of the codes' values (less 8 or 16 for the _0 formats, as their weights are).
+ * vdpbf16ps sums both halves of the blocks into one register, lanes 0-7 block b's and
+ * 8-15 block b + 1's, scaled by each block's d; the _1 formats' minima multiply the
+ * blocks' sums of the rounded row. A pair's x is laid out [b 0-15, b+1 0-15, b 16-31,
+ * b+1 16-31]; an odd last block pairs with zeros (codes, x and scales). The products
+ * are the exact weights' times the rounded rows, as the K-quants' are. */
+INL int blk32_codes(int32_t fmt) {
+    return fmt == QF_Q4_0 ? 2 : fmt == QF_Q4_1 ? 4 : fmt == QF_Q5_0 ? 6 : 8;
+}
+
+/* A row of x rounded to bfloat16 in the pairs' order (64 words a pair), and with sums
+ * each pair's rounded block sums as [b, 0 x 7, b + 1, 0 x 7] (the _1 formats'). */
+static void pairs_x_bf(const float *x, int64_t k, uint16_t *xp, float *sums) {
+    const int64_t nb = k / 32;
+    for (int64_t p = 0; p < (nb + 1) / 2; p++) {
+        float g[64];
+        for (int half = 0; half < 2; half++)
+            for (int b = 0; b < 2; b++)
+                for (int i = 0; i < 16; i++) {
+                    const int64_t blk = 2 * p + b;
+                    g[32 * half + 16 * b + i] = blk < nb ? x[blk * 32 + 16 * half + i] : 0.0f;
+                }
+        float total[2] = {0.0f, 0.0f};
+        for (int t = 0; t < 64; t += 32) {
+            const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(g + t + 16),
+                                                               _mm512_loadu_ps(g + t));
+            _mm512_storeu_si512(xp + p * 64 + t, words);
+            for (int b = 0; b < 2; b++) /* the rounded values back, summed per block */
+                total[b] += hsumv((vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(b ? _mm512_extracti64x4_epi64(words, 1)
+                                            : _mm512_castsi512_si256(words)), 16)));
+        }
+        for (int i = 0; i < 16; i++) sums[p * 16 + i] = i == 0 ? total[0] : i == 8 ? total[1]
+                                                                                  : 0.0f;
+    }
+}
+
+/* The halves at p0 (lanes 0-7) and p1 (8-15, zero without one) as floats. */
+INL __m512 halves_f32(const uint8_t *p0, const uint8_t *p1) {
+    uint16_t h0, h1 = 0;
+    memcpy(&h0, p0, 2);
+    if (p1)
+        memcpy(&h1, p1, 2);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_set1_epi16((short)h0)), _mm_set1_epi16((short)h1), 1));
+}
+
+INL void direct_rows_blocks_bf(int32_t fmt, int R, const uint16_t *xp, const float *sums,
+                               int64_t k, const uint8_t *w, int64_t ws, int64_t j0,
+                               int64_t j1, const float *bias, float *y, int64_t ldy) {
+    const int64_t nb = k / 32, np = (nb + 1) / 2;
+    const int BB = blk_bytes(fmt), at = blk32_codes(fmt);
+    const int five = fmt == QF_Q5_0 || fmt == QF_Q5_1, minimum = fmt == QF_Q4_1 ||
+                                                                 fmt == QF_Q5_1;
+    __m512i table;
+    {
+        uint16_t t[32];
+        for (int i = 0; i < 32; i++) {
+            const int v = five ? i - (fmt == QF_Q5_0 ? 16 : 0)
+                               : (i & 15) - (fmt == QF_Q4_0 ? 8 : 0);
+            t[i] = (uint16_t)(f32_bits((float)v) >> 16);
+        }
+        table = _mm512_loadu_si512((const void *)t);
+    }
+    const __m512i low4 = _mm512_set1_epi16(0x0F), sixteen = _mm512_set1_epi16(16);
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * ws;
+        __m512 acc[DIRECT_MAX_ROWS][2], mins[DIRECT_MAX_ROWS];
+        for (int r = 0; r < R; r++)
+            acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < np; p++) {
+            const uint8_t *b0 = row + 2 * p * BB;
+            const uint8_t *b1 = 2 * p + 1 < nb ? b0 + BB : NULL;
+            quire_prefetch_span(b0, 2 * BB);
+            const __m128i q0 = _mm_loadu_si128((const void *)(b0 + at));
+            const __m128i q1 = b1 ? _mm_loadu_si128((const void *)(b1 + at))
+                                  : _mm_setzero_si128();
+            const __m512i z = _mm512_cvtepu8_epi16(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1));
+            __m512i lo = z, hi = _mm512_srli_epi16(z, 4);
+            if (five) { /* bit i of a block's qh: weight i's fifth bit */
+                const int qh_at = fmt == QF_Q5_0 ? 2 : 4;
+                uint32_t h0, h1 = 0;
+                memcpy(&h0, b0 + qh_at, 4);
+                if (b1)
+                    memcpy(&h1, b1 + qh_at, 4);
+                lo = _mm512_and_si512(z, low4);
+                lo = _mm512_mask_add_epi16(lo, (__mmask32)((h0 & 0xFFFFu) | (h1 << 16)), lo,
+                                           sixteen);
+                hi = _mm512_mask_add_epi16(hi, (__mmask32)((h0 >> 16) | (h1 & 0xFFFF0000u)),
+                                           hi, sixteen);
+            }
+            const __m512i qlo = _mm512_permutexvar_epi16(lo, table);
+            const __m512i qhi = _mm512_permutexvar_epi16(hi, table);
+            const __m512 d = halves_f32(b0, b1);
+            __m512 m = _mm512_setzero_ps();
+            if (minimum)
+                m = halves_f32(b0 + 2, b1 ? b1 + 2 : NULL);
+            const uint16_t *xv = xp + p * 64;
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = xv + r * np * 64;
+                __m512 dot = _mm512_dpbf16_ps(
+                    _mm512_setzero_ps(), (__m512bh)qlo,
+                    (__m512bh)_mm512_loadu_si512((const void *)xr));
+                dot = _mm512_dpbf16_ps(dot, (__m512bh)qhi,
+                                       (__m512bh)_mm512_loadu_si512((const void *)(xr + 32)));
+                acc[r][p & 1] = _mm512_fmadd_ps(d, dot, acc[r][p & 1]);
+                if (minimum)
+                    mins[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sums + (r * np + p) * 16),
+                                              mins[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
+            if (minimum)
+                sum += hsumv((vf)mins[r]);
+            y[r * ldy + j] = bias ? sum + bias[j] : sum;
+        }
+    }
+}
+
+/* direct_rows_blocks_bf for R rows of x over weight rows [j0, j1); false where the
+ * format is not one of its four or the laid-out rows could not be allocated. */
+static int direct_blocks_bf(int32_t fmt, int R, const float *x, int64_t k, const uint8_t *w,
+                            int64_t ws, int64_t j0, int64_t j1, const float *bias, float *y,
+                            int64_t ldy) {
+    if (fmt != QF_Q4_0 && fmt != QF_Q4_1 && fmt != QF_Q5_0 && fmt != QF_Q5_1)
+        return 0;
+    const int64_t np = (k / 32 + 1) / 2;
+    uint16_t *xp = (uint16_t *)spread_scratch((size_t)(R * np) * (64 * 2 + 16 * 4));
+    if (!xp)
+        return 0;
+    float *sums = (float *)(xp + R * np * 64); /* 128 bytes a pair: 64-byte aligned */
+    for (int r = 0; r < R; r++)
+        pairs_x_bf(x + r * k, k, xp + r * np * 64, sums + r * np * 16);
+#define BLOCKS_FMT(F)                                                                      \
+    case F:                                                                                \
+        BY_ROWS(direct_rows_blocks_bf, F, xp, sums, k, w, ws, j0, j1, bias, y, ldy)        \
+        break;
+    switch (fmt) {
+        BLOCKS_FMT(QF_Q4_0) BLOCKS_FMT(QF_Q4_1) BLOCKS_FMT(QF_Q5_0) BLOCKS_FMT(QF_Q5_1)
+    default: break;
+    }
+#undef BLOCKS_FMT
+    return 1;
+}
 #endif
 
 #define KMIN_FMT(F)                                                                        \
@@ -1060,7 +1212,8 @@ static void direct(int32_t fmt, int R, const float *x, int64_t k, const uint8_t 
                    int64_t j0, int64_t j1, const float *rs, const float *bias, float *y,
                    int64_t ldy, int bf16) {
 #if defined(__AVX512BF16__)
-    if (bf16 && direct_spread_bf(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy))
+    if (bf16 && (direct_spread_bf(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy) ||
+                 direct_blocks_bf(fmt, R, x, k, w, ws, j0, j1, bias, y, ldy)))
         return;
 #else
     (void)bf16;
@@ -1243,6 +1396,8 @@ void quire_quant_rows_bf16_team(int32_t fmt, const float *x, int64_t m, int64_t 
 
 int quire_quant_rows_bf16_fits(int32_t fmt, int64_t k) {
 #if defined(__AVX512BF16__)
+    if (fmt == QF_Q4_0 || fmt == QF_Q4_1 || fmt == QF_Q5_0 || fmt == QF_Q5_1)
+        return k > 0 && k % 32 == 0;
     return (fmt == QF_Q4_K || fmt == QF_Q5_K || fmt == QF_Q6_K) && k > 0 && k % 256 == 0;
 #else
     (void)fmt, (void)k;
