@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from greedy_runs import assert_greedy_close
 from quire import LLM, SamplingParams
 
 PROMPTS = [[1, 17, 45, 99, 23, 7], [1, 200, 33, 9, 41, 5, 77, 12]]
@@ -37,24 +38,6 @@ def _run(path: Path, prompts, *, top: int = 1, **options):
                     (tokens, chosen, [{t: lp.logprob for t, lp in step.items()}
                                       for step in steps]))
     return runs
-
-
-def _assert_greedy_close(ours, reference, tolerance: float) -> None:
-    """Greedy runs from :func:`_run` with ``top=2`` agree: the same tokens with logprobs
-    within ``tolerance``, up to a step where the reference's two likeliest tokens lie
-    within ``tolerance`` of each other (a near-tie that rounding may decide either way);
-    there each side's token must be the other's runner-up, and the texts part."""
-    for (tokens, logprobs, tops), (ref_tokens, ref_logprobs, ref_tops) in zip(ours,
-                                                                           reference):
-        part = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b),
-                    len(ref_tokens))
-        assert len(tokens) == len(ref_tokens)
-        assert logprobs[:part] == pytest.approx(ref_logprobs[:part], abs=tolerance)
-        if part < len(ref_tokens):
-            ref_step, step = ref_tops[part], tops[part]
-            assert tokens[part] in ref_step and ref_tokens[part] in step
-            gap = ref_step[ref_tokens[part]] - ref_step[tokens[part]]
-            assert 0 <= gap <= tolerance, (part, gap)
 
 
 def _run_counting_rows_steps(monkeypatch, path: Path, prompts, **options):
@@ -240,7 +223,7 @@ def test_a_float32_model_s_batches_run_between_the_products_in_c(q4_k_m, kv_cach
     reference = _run(q4_k_m, prompts, top=2, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
     # the texts may part only at a near-tie within the tolerance
-    _assert_greedy_close(native, reference, 1e-4 if kv_cache_dtype == "auto" else 1e-3)
+    assert_greedy_close(native, reference, 1e-4 if kv_cache_dtype == "auto" else 1e-3)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -255,7 +238,7 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     the neighbouring quantisation step, 1/127 of its group's largest value for int8).
     So a near-tie may go either way: on a Zen 4 host the random model's second int8 step
     has its two likeliest tokens 3e-4 apart and the paths pick one each; the texts may
-    part only at such a step (:func:`_assert_greedy_close`)."""
+    part only at such a step (``greedy_runs.assert_greedy_close``)."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
     from quire.platforms.cpu.fused_stack import FusedDecodeStack
     from quire.platforms.cpu.native import NativeKernels
@@ -295,7 +278,7 @@ def test_quantised_pages_are_written_and_read_in_c(q4_k_m, kv_cache_dtype, monke
     assert taken["written"] and all(taken["written"])  # the prompts' pages, in C
     reference = _run(q4_k_m, prompts, top=2, kv_cache_dtype=kv_cache_dtype,
                      platform_options={"native": "false"})
-    _assert_greedy_close(batch + lone, reference + reference[:1], 5e-3)
+    assert_greedy_close(batch + lone, reference + reference[:1], 5e-3)
 
 
 def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
@@ -305,7 +288,7 @@ def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
     whole in C on the blocks (all the layers in one call), the pages written rounded and
     read widened. Against the torch reference: the same tokens, logprobs within 1e-3 (a
     key computed a float32 ulp apart can round to a neighbouring bfloat16 value), up to
-    a near-tie within that (:func:`_assert_greedy_close`)."""
+    a near-tie within that (``greedy_runs.assert_greedy_close``)."""
     whole: list[bool] = []
     with monkeypatch.context() as patch:
         _counting_whole_layers(patch, whole)
@@ -313,7 +296,7 @@ def test_a_lone_float32_sequence_over_bfloat16_pages_runs_the_whole_c_layer(
     assert whole and all(whole)  # every decode step, whole in C
     reference = _run(q4_k_m, PROMPTS[:1], top=2, kv_cache_dtype="bfloat16",
                      platform_options={"native": "false"})
-    _assert_greedy_close(native, reference, 1e-3)  # parting only at a near-tie
+    assert_greedy_close(native, reference, 1e-3)  # parting only at a near-tie
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
