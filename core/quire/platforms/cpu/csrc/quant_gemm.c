@@ -743,6 +743,39 @@ INL __m512i spread_shift(int32_t fmt, int h, int m, int n, __m512i lanes) {
         _mm512_set1_epi32(fmt == QF_Q6_K ? 8 * m + 4 * n : 8 * m + 4 * h + n), halves);
 }
 
+/* A spread block's scales (Q6_K: its 16 times d; Q4_K / Q5_K: k_scales_mins16's), and
+ * for Q4_K / Q5_K each row's minima times its sums of x added to mins (sums: the row's
+ * first block's, nb blocks a row). */
+INL __m512 spread_scales(int32_t fmt, int R, const uint8_t *b, const v8f *sums, int64_t nb,
+                         v8f *mins) {
+    if (fmt == QF_Q6_K) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 192)));
+        return _mm512_mul_ps(_mm512_set1_ps(h2f_at(b + 208)), _mm512_cvtepi32_ps(sc));
+    }
+    const __m512 scales = k_scales_mins16(b);
+    const v8f minimum = (v8f)_mm512_extractf32x8_ps(scales, 1);
+    for (int r = 0; r < R; r++) mins[r] += minimum * sums[r * nb];
+    return scales;
+}
+
+/* A row's product from its two sums and (Q4_K / Q5_K) its minima times x's sums. */
+INL float spread_sum(int32_t fmt, __m512 acc0, __m512 acc1, v8f m) {
+    float sum = hsumv((vf)_mm512_add_ps(acc0, acc1));
+    if (fmt != QF_Q6_K)
+        sum -= ((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7]));
+    return sum;
+}
+
+/* The bytes of a block's high code bits that vector half h reads, broadcast to both
+ * halves of the register (Q5_K's 32, Q6_K's 32 of half h; zero for Q4_K). */
+INL __m512i spread_high_bytes(int32_t fmt, const uint8_t *b, int h) {
+    if (fmt == QF_Q5_K)
+        return _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 16)));
+    if (fmt == QF_Q6_K)
+        return _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
+    return _mm512_setzero_si512();
+}
+
 INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums, int64_t k,
                             const uint8_t *w, int64_t ws, int64_t j0, int64_t j1,
                             const float *bias, float *y, int64_t ldy) {
@@ -769,24 +802,11 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
         for (int64_t blk = 0; blk < nb; blk++) {
             const uint8_t *b = row + blk * BB;
             quire_prefetch_span(b, BB);
-            __m512 scales;
-            if (fmt == QF_Q6_K) {
-                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 192)));
-                scales = _mm512_mul_ps(_mm512_set1_ps(h2f_at(b + 208)), _mm512_cvtepi32_ps(sc));
-            } else {
-                scales = k_scales_mins16(b);
-                const v8f minimum = (v8f)_mm512_extractf32x8_ps(scales, 1);
-                for (int r = 0; r < R; r++) mins[r] += minimum * sums[r * nb + blk];
-            }
+            const __m512 scales = spread_scales(fmt, R, b, sums + blk, nb, mins);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const __m512i z = _mm512_loadu_si512((const void *)(b + low_at + 64 * h));
-                __m512i qh = _mm512_setzero_si512();
-                if (fmt == QF_Q5_K)
-                    qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 16)));
-                else if (fmt == QF_Q6_K)
-                    qh = _mm512_broadcast_i64x4(
-                        _mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
+                const __m512i qh = spread_high_bytes(fmt, b, h);
 #pragma GCC unroll 2
                 for (int n = 0; n < 2; n++) {
                     const __m512 a = _mm512_permutexvar_ps(spread_scale(fmt, h, n, lanes),
@@ -811,10 +831,7 @@ INL void direct_rows_spread(int32_t fmt, int R, const float *xp, const v8f *sums
             }
         }
         for (int r = 0; r < R; r++) {
-            const v8f m = mins[r];
-            float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
-            if (fmt != QF_Q6_K)
-                sum -= ((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7]));
+            const float sum = spread_sum(fmt, acc[r][0], acc[r][1], mins[r]);
             y[r * ldy + j] = bias ? sum + bias[j] : sum;
         }
     }
@@ -963,24 +980,11 @@ INL void direct_rows_spread_bf(int32_t fmt, int R, const uint16_t *xp, const v8f
         for (int64_t blk = 0; blk < nb; blk++) {
             const uint8_t *b = row + blk * BB;
             quire_prefetch_span(b, BB);
-            __m512 scales;
-            if (fmt == QF_Q6_K) {
-                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 192)));
-                scales = _mm512_mul_ps(_mm512_set1_ps(h2f_at(b + 208)), _mm512_cvtepi32_ps(sc));
-            } else {
-                scales = k_scales_mins16(b);
-                const v8f minimum = (v8f)_mm512_extractf32x8_ps(scales, 1);
-                for (int r = 0; r < R; r++) mins[r] += minimum * sums[r * nb + blk];
-            }
+            const __m512 scales = spread_scales(fmt, R, b, sums + blk, nb, mins);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const __m512i z = _mm512_loadu_si512((const void *)(b + low_at + 64 * h));
-                __m512i qh = _mm512_setzero_si512();
-                if (fmt == QF_Q5_K)
-                    qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(b + 16)));
-                else if (fmt == QF_Q6_K)
-                    qh = _mm512_broadcast_i64x4(
-                        _mm256_loadu_si256((const void *)(b + 128 + 32 * h)));
+                const __m512i qh = spread_high_bytes(fmt, b, h);
 #pragma GCC unroll 2
                 for (int n = 0; n < 2; n++) {
                     const __m512 a = _mm512_permutexvar_ps(spread_scale(fmt, h, n, lanes),
@@ -1011,10 +1015,7 @@ INL void direct_rows_spread_bf(int32_t fmt, int R, const uint16_t *xp, const v8f
             }
         }
         for (int r = 0; r < R; r++) {
-            const v8f m = mins[r];
-            float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
-            if (fmt != QF_Q6_K)
-                sum -= ((m[0] + m[4]) + (m[2] + m[6])) + ((m[1] + m[5]) + (m[3] + m[7]));
+            const float sum = spread_sum(fmt, acc[r][0], acc[r][1], mins[r]);
             y[r * ldy + j] = bias ? sum + bias[j] : sum;
         }
     }
