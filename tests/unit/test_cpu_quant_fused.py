@@ -111,15 +111,15 @@ def test_int8_decode_activations_stay_close_to_float32(q4_k_m):
     assert logprobs[:agree] != pytest.approx(ref_logprobs[:agree], abs=1e-6)  # int8 ran
 
 
-def test_bfloat16_decode_rows_take_the_k_quants_on_every_path(q4_k_m, monkeypatch):
+def test_bfloat16_decode_rows_take_their_formats_on_every_path(q4_k_m, monkeypatch):
     """``decode_activations=bfloat16`` (what ``auto`` takes where a layer's batches take
     bfloat16 products): the fused layers give their parts bfloat16 rows where the kernel
     takes the format (the K-quants of this file) and float32 ones elsewhere, as the
-    platform's op does part by part. A lone sequence
-    (whole C layers) and the same prompt twice in a batch (the C steps between the
-    products, the op on the blocks) round the same rows: their logprobs agree within
-    float32's noise (1e-4), while float32 rows' differ from them by more than that and
-    stay within 0.05 where the tokens agree."""
+    platform's op does part by part. A lone sequence (whole C layers) and the same
+    prompt twice in a batch (the C steps between the products, the op on the blocks)
+    round the same rows: their logprobs agree within float32's noise (1e-4), while
+    float32 rows' differ from them by more than that and stay within 0.05 where the
+    tokens agree."""
     from quire.platforms.cpu.fused_decode import FusedDecodeLayer
     from quire.platforms.cpu.native import QPartArgs, load_native_kernels
     from quire.quantization.formats import FORMATS

@@ -40,9 +40,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor,
     and the weights rounded to bfloat16, float32 sums (what PyTorch's
     ``float32_matmul_precision="medium"`` allows a float32 product), here exactly that;
     a platform may round fewer rows (a decode's), round the rows but not the weights, or
-    round nothing, so it is held to the bfloat16 tolerance. The engine sets it on a model's layers (:class:`QuantizedLinearKernel`)
-    only where ``Platform.bf16_activations`` says so, so an op that does not take it
-    is never given it.
+    round nothing, so it is held to the bfloat16 tolerance. The engine sets it on a
+    model's layers (:class:`QuantizedLinearKernel`) only where
+    ``Platform.bf16_activations`` says so, so an op that does not take it is never
+    given it.
     ``int8_activations`` (``w8a8``; ``weight`` ``int8`` or ``q8_0``): with ``int8``
     weights, each row of ``x`` is quantised to int8 with ``scale = max |x| / 127``
     (round to nearest), the integer products are summed exactly, and the sum is scaled

@@ -399,8 +399,9 @@ class NativeKernels:
         if self._quant_q8_batch is not None:
             self._quant_q8_batch.restype = ctypes.c_int
             self._quant_q8_batch.argtypes = self._quant_q8.argtypes
-        # quant_gemm.c: the direct path with the rows rounded to bfloat16 (K-quants at
-        # the levels with AVX512_BF16; quire_quant_rows_bf16_fits says which)
+        # quant_gemm.c: the direct path with the rows rounded to bfloat16 (Q4_0 to Q5_1
+        # and the K-quants Q4_K to Q6_K at the levels with AVX512_BF16;
+        # quire_quant_rows_bf16_fits says which)
         self._quant_rows_bf16 = getattr(library, "quire_quant_rows_bf16", None)
         self._quant_rows_bf16_fits = getattr(library, "quire_quant_rows_bf16_fits", None)
         if self._quant_rows_bf16 is not None and self._quant_rows_bf16_fits is not None:
@@ -665,8 +666,8 @@ class NativeKernels:
                         bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """``x @ W.T + bias`` for float32 ``x`` ``[m, cols]`` (few rows: the direct
         path, each block read once for every four) rounded to bfloat16 (nearest even, as
-        torch rounds) in the call, times the exact weights of a K-quant read in place,
-        float32 sums (``quire_quant_rows_bf16`` in ``csrc/quant_gemm.c``).
+        torch rounds) in the call, times the exact weights read in place, float32 sums
+        (``quire_quant_rows_bf16`` in ``csrc/quant_gemm.c``).
 
         :returns: a new tensor; None where :meth:`quant_rows_bf16_fits` says no or the
             arguments do not fit (the caller takes another kernel).

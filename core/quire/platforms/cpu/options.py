@@ -29,7 +29,8 @@ ENV_DEFAULTS = {
 _BOOLS = ("compact", "native")
 _CHOICES = {"attention": ("sdpa", "reference"), "linear": ("packed", "torch"),
             "wait_policy": ("auto", "spin", "passive"),
-            "kv_prefault": PREFAULT_MODES, "decode_activations": ("auto", "float32", "bfloat16", "int8"),
+            "kv_prefault": PREFAULT_MODES,
+            "decode_activations": ("auto", "float32", "bfloat16", "int8"),
             "activations": ("auto", "dtype", "bfloat16", "int8")}
 
 
@@ -79,8 +80,8 @@ class CpuOptions:
     #: (csrc/quant_q8.c: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; other formats
     #: stay float32); or ``auto``: ``bfloat16`` where a layer's batched products take
     #: bfloat16 (``activations`` below), ``float32`` elsewhere. A bfloat16 model's rows,
-    #: already bfloat16, take the bfloat16 rows unless ``int8``. Prompts keep
-    #: ``activations``' either way.
+    #: already bfloat16, take the bfloat16 rows unless ``int8``. Prompts and larger
+    #: batches take what ``activations`` says.
     decode_activations: str = "auto"
     #: The activations of every product on quantised weights (GGUF blocks, int8, fp8):
     #: ``dtype``, the model's (float32, or a bfloat16 model's bfloat16 rows on

@@ -67,8 +67,7 @@ def takes_bf16_rows(native: NativeKernels, weight: QuantizedTensor, bf16_rows: b
     (:meth:`NativeKernels.quant_rows_bf16`): bfloat16 rows (no rounding then), or
     float32 ones as ``bf16_decode`` says (None: as ``bf16_activations`` does), where the
     build takes the weight's format (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K at the
-    levels with AVX512_BF16). The op's
-    rule, and the fused layers' for each part."""
+    levels with AVX512_BF16). The op's rule, and the fused layers' for each part."""
     wanted = bf16_rows or (bf16_activations if bf16_decode is None else bf16_decode)
     return wanted and native.quant_rows_bf16_fits(weight)
 
