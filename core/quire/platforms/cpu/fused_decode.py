@@ -285,8 +285,9 @@ class FusedDecodeLayer:
         for this layer's step of ``rows`` rows, as :meth:`_rows_step` would call them (so
         that its results are that path's): a bit per product (1 qkv, 2 o, 4 gate/up,
         8 down) set where it takes the bfloat16 kernel, in one call for a layer's parts,
-        and clear where it takes the blocks' float32 direct path (few rows, or float32
-        products; the C call declines rows past that path's). A weight of long rows
+        and clear where it takes the blocks' direct path (few rows, or float32 products;
+        its rows float32 or rounded to bfloat16 as each part's ``acts`` says; the C call
+        declines rows past that path's). A weight of long rows
         keeps the direct path for more rows than a short one, so a batch of a few rows
         may take both. None for another step (int8 decode rows on the direct path), or
         where the layer is not a float32 one on quantised weights."""

@@ -15,8 +15,9 @@ that path to float32 rounding.
 
 A float32 model's decode batches on quantised weights take one call too
 (``quire_rows_stack_f32``), each product on the kernel a call of its own would take:
-the bfloat16 one or, for a few rows or float32 products, the blocks' direct float32
-path (:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`): the
+the bfloat16 one or, for a few rows or float32 products, the blocks' direct path (its
+rows float32 or bfloat16 as each part says;
+:meth:`~quire.platforms.cpu.fused_decode.FusedDecodeLayer.batch_kernel`): the
 steps a layer runs between its products (``quire_rows_*``) and the products themselves,
 in the order of a call per product and per gap, whose Python dispatch and parallel
 regions left the other threads waiting (docs/bench.md has the share of a W1 run). The

@@ -1,7 +1,7 @@
 """One-row products, float32 rows against bfloat16 rows, on the platform's entries
 (NativeKernels.quant_linear, NativeKernels.quant_rows_bf16), random blocks from the
-kernel tests' maker, alternated twice. Run from the repository root:
-``python docs/results/2026-12-07/zen4-bf16-rows/rows_bench.py``."""
+kernel tests' maker, alternated twice. Run from the repository root with this file's
+path; it finds tests/unit from its own place in the tree."""
 
 import sys
 import time
