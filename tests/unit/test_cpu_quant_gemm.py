@@ -359,8 +359,11 @@ def test_bfloat16_decode_rows_multiply_the_exact_weights(kernels: NativeKernels,
     gen = torch.Generator().manual_seed(31)
     whole = make_weight(name, 300, 4 * 256, gen)
     weights = [whole.narrow_cols(0, 3 * 256), whole.narrow_cols(256, 2 * 256)]
-    if FORMATS[name].block == 32:  # an odd number of blocks: the last pairs with zeros
-        weights += [make_weight(name, 300, 96, gen), whole.narrow_cols(32, 7 * 32)]
+    if FORMATS[name].block == 32:
+        # an odd number of blocks (the last pairs with zeros), few and many, and
+        # SmolLM2's width (18 blocks) on strided rows
+        weights += [make_weight(name, 300, 96, gen), whole.narrow_cols(32, 7 * 32),
+                    make_weight(name, 300, 13 * 32, gen), whole.narrow_cols(32, 18 * 32)]
     for weight in weights:
         cols, w = weight.cols, weight.dequantize()
         eye = torch.eye(cols)

@@ -682,6 +682,8 @@ void quire_quant_rows_bf16_team(int32_t fmt, const float *x, int64_t m, int64_t 
                                 const uint8_t *w, int64_t w_stride, int64_t n,
                                 const float *bias, float *y, int64_t ldy);
 int quire_quant_rows_bf16_fits(int32_t fmt, int64_t k);
+/* Whether this level's library has the bfloat16 products (AVX512_BF16): 1, else 0. */
+int quire_quant_gemm_bf16_available(void);
 /* The most rows quire_quant_gemm_f32 takes on the direct path (quire_quant_rows_team's)
  * for fmt: fewer than that, a call and a team's shares give the same numbers. */
 int64_t quire_quant_direct_rows(int32_t fmt);
