@@ -102,6 +102,42 @@ def test_gemma3_stack_matches_transformers_and_the_layers(gemma3_gguf, monkeypat
     assert logprobs == pytest.approx(theirs.tolist(), abs=1e-4)
 
 
+def _threads_generate(threads: int, *args, **kwargs):
+    """_generate with the kernels' team (torch's OpenMP pool) at `threads`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _generate(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_long_context_splits_over_the_team(llama_gguf, monkeypatch):
+    """A lone sequence of 600 positions and more: on two threads each layer's attention
+    is cut into parts over the team (csrc/paged_decode.c's quire_attend_split_team, 8
+    parts of 75 positions) and combined; on one, each head takes its whole row. The same
+    tokens and logprobs within 1e-5 (float32 sums in another order), and transformers'
+    argmax on the same file. Its logprobs are 5.4e-4 away at this length with or without
+    the split (at a short context, 1e-4: the rotary tables' float32 rounding at large
+    positions, not attention's sums), so they are held to 1e-3."""
+    prompt = torch.randint(3, 1000, (600,), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for threads in (1, 2):
+        runs[threads], taken = _threads_generate(threads, llama_gguf, monkeypatch, True,
+                                                 prompts=(prompt.tolist(),), max_tokens=6)
+        assert taken.count(True) == 5
+    (tokens, logprobs), (single, single_logprobs) = runs[2][0], runs[1][0]
+    assert tokens == single
+    assert logprobs == pytest.approx(single_logprobs, abs=1e-5)
+    reference = hf_model(llama_gguf.parent, gguf_file=llama_gguf.name)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt.tolist() + tokens])
+        logits = reference(ids).logits[0, len(prompt) - 1:-1].float()
+    theirs = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == pytest.approx(theirs.tolist(), abs=1e-3)
+
+
 def test_a_layer_without_its_kernel_sends_the_step_back_to_the_layers(llama_gguf,
                                                                       monkeypatch):
     """LoRA takes the whole-layer kernels away (its hooks sit on the products): a range

@@ -131,6 +131,48 @@ def test_decode_covers_groups_head_dims_and_tails(kernels: NativeKernels,
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def two_threads():
+    """At least two threads for the kernels' team (they share torch's OpenMP pool), so
+    that a few sequences take the split path; the count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8,
+                                      torch.float8_e4m3fn])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 80), (4, 4, 16), (6, 1, 32)])
+@pytest.mark.parametrize("lens", [[700], [1000, 3], [65, 129, 300, 1]])
+def test_few_long_sequences_split_their_positions(kernels: NativeKernels,
+                                                  kv_dtype: torch.dtype, hq: int, hkv: int,
+                                                  d: int, lens: list[int]) -> None:
+    """Fewer sequences than four a thread: each (sequence, KV head)'s positions are cut
+    into parts of at least 64 over the team (700 positions of 3 KV heads on two threads:
+    three parts each), every part's outputs left undivided with its top score and total,
+    then combined. Against float64 over the values the pages hold, float32's tolerance,
+    with windows that leave one part or several; a sequence of one position beside long
+    ones."""
+    q, cache, tables, seq_lens, keys, values = _paged(d + hq + len(lens), lens, hq, hkv, d,
+                                                      16)
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        if d % kv_quant.GROUP:
+            pytest.skip("quantised pages take whole groups of 16")
+        pages, held = _quantised(cache, kv_dtype)
+        keys, values = _held(held, tables, seq_lens, 0), _held(held, tables, seq_lens, 1)
+    else:
+        pages = cache.to(kv_dtype)
+        keys = [k.to(kv_dtype).double() for k in keys]
+        values = [v.to(kv_dtype).double() for v in values]
+    for window in (None, 100, 257):
+        out = kernels.paged_decode(q, pages, tables, seq_lens, 0.125, window)
+        assert out is not None
+        torch.testing.assert_close(out.double(), _dense(q, keys, values, 0.125, window),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def _quantised(cache: torch.Tensor, dtype: torch.dtype):
     """A float cache's pages as int8 or fp8 pages (rows of D + D / 8 with their scales),
     and the float32 values those pages hold."""

@@ -131,7 +131,8 @@ static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_beg
 
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
- * (h_end - h_begin) * n floats.
+ * (h_end - h_begin) * n floats. With stats, those positions are a part of the
+ * sequence's (quire_attend_split_team): outputs undivided, stats per head.
  *
  * Two walks over the positions a tile at a time, keys then values. A tile's slots are
  * read for every KV head the heads use at once (their slices are adjacent in a slot's
@@ -144,7 +145,7 @@ static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_beg
 void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
-                 float scale, float *scores, float *out) {
+                 float scale, float *scores, float *out, float *stats) {
     const int64_t kv_begin = h_begin / groups, kv_end = (h_end + groups - 1) / groups;
     const int64_t hd = ATTEND_HEAD(d); /* elements from one head row to the next */
     const int64_t span = (kv_end - kv_begin) * hd * (int64_t)sizeof(KV_T);
@@ -200,7 +201,8 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
         offs = next, next = done, j += m, m = m_next;
     }
     for (int64_t h = h_begin; h < h_end; ++h)
-        softmax_row(scores + (h - h_begin) * n, n, scale);
+        softmax_row_part(scores + (h - h_begin) * n, n, scale,
+                         stats ? stats + 2 * (h - h_begin) : NULL);
     /* the weighted sum of V, the same way */
     cur = slot_cursor_at(table, start, block_size);
     offs = tile_a, next = tile_b;

@@ -520,8 +520,10 @@ static inline vwf expw(vwf x) {
 }
 
 /* A row of n scores to softmax(scale * s), in place, VW lanes at a time (scalar loops
- * were a fifth of the decode kernel's time at 32 positions); for both attention kernels. */
-static inline void softmax_row(float *s, int64_t n, float scale) {
+ * were a fifth of the decode kernel's time at 32 positions); for both attention kernels.
+ * With stats, a part of a longer row: exp(scale * s - top) left undivided, and top and
+ * the exponentials' total in stats[0] and stats[1] (split attention combines the parts). */
+static inline void softmax_row_part(float *s, int64_t n, float scale, float *stats) {
     vwf top_w = splatw(-INFINITY);
     int64_t j = 0;
     for (; j + VW <= n; j += VW) {
@@ -547,33 +549,46 @@ static inline void softmax_row(float *s, int64_t n, float scale) {
         s[i] = expf(s[i] - top);
         total += s[i];
     }
+    if (stats) {
+        stats[0] = top, stats[1] = total;
+        return;
+    }
     const float inv = 1.0f / total;
     for (j = 0; j + VW <= n; j += VW) storew(s + j, loadw(s + j) * inv);
     for (int64_t i = j; i < n; ++i) s[i] *= inv;
 }
 
+static inline void softmax_row(float *s, int64_t n, float scale) {
+    softmax_row_part(s, n, scale, NULL);
+}
+
 /* paged_decode.c: attention of query heads [h_begin, h_end) of one sequence over pages
  * of float32, bfloat16, int8 or fp8 (rows of `row` elements between slots: see
- * kv_slot_elems), float32 arithmetic. */
+ * kv_slot_elems), float32 arithmetic. With stats (NULL: none) positions [start, start +
+ * n) are a part of the sequence's: each head's output is left undivided by its softmax
+ * total, and its top score and total go to stats[2 (h - h_begin)], [.. + 1]. */
 #define QUIRE_ATTEND_ARGS(KV_T)                                                            \
     const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,        \
         int64_t start, int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,          \
-        int64_t row, int64_t d, int64_t block_size, float scale, float *scores, float *out
+        int64_t row, int64_t d, int64_t block_size, float scale, float *scores, float *out, \
+        float *stats
 void quire_attend_heads(QUIRE_ATTEND_ARGS(float));
 void quire_attend_heads_bf16(QUIRE_ATTEND_ARGS(uint16_t));
 void quire_attend_heads_i8(QUIRE_ATTEND_ARGS(int8_t));
 void quire_attend_heads_fp8(QUIRE_ATTEND_ARGS(uint8_t));
 #undef QUIRE_ATTEND_ARGS
 
-/* The one of those for the pages' kv_type (QUIRE_KV_*). */
-static inline void attend_heads_kv(int kv_type, const float *q, const void *k_cache,
-                                   const void *v_cache, const int64_t *table, int64_t start,
-                                   int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,
-                                   int64_t row, int64_t d, int64_t block_size, float scale,
-                                   float *scores, float *out) {
+/* The one of those for the pages' kv_type (QUIRE_KV_*); attend_heads_kv for a whole
+ * sequence, attend_heads_kv_part for a part with its stats. */
+static inline void attend_heads_kv_part(int kv_type, const float *q, const void *k_cache,
+                                        const void *v_cache, const int64_t *table,
+                                        int64_t start, int64_t n, int64_t h_begin,
+                                        int64_t h_end, int64_t groups, int64_t row, int64_t d,
+                                        int64_t block_size, float scale, float *scores,
+                                        float *out, float *stats) {
 #define QUIRE_ATTEND(name, KV_T)                                                           \
     name(q, (const KV_T *)k_cache, (const KV_T *)v_cache, table, start, n, h_begin, h_end, \
-         groups, row, d, block_size, scale, scores, out)
+         groups, row, d, block_size, scale, scores, out, stats)
     switch (kv_type) {
     case QUIRE_KV_BF16: QUIRE_ATTEND(quire_attend_heads_bf16, uint16_t); break;
     case QUIRE_KV_I8: QUIRE_ATTEND(quire_attend_heads_i8, int8_t); break;
@@ -582,6 +597,36 @@ static inline void attend_heads_kv(int kv_type, const float *q, const void *k_ca
     }
 #undef QUIRE_ATTEND
 }
+
+static inline void attend_heads_kv(int kv_type, const float *q, const void *k_cache,
+                                   const void *v_cache, const int64_t *table, int64_t start,
+                                   int64_t n, int64_t h_begin, int64_t h_end, int64_t groups,
+                                   int64_t row, int64_t d, int64_t block_size, float scale,
+                                   float *scores, float *out) {
+    attend_heads_kv_part(kv_type, q, k_cache, v_cache, table, start, n, h_begin, h_end,
+                         groups, row, d, block_size, scale, scores, out, NULL);
+}
+
+/* paged_decode.c: inside a parallel region, one token's attention for each of `rows`
+ * rows, cutting each row's positions into parts over the team (see there);
+ * and the same for a decode batch's sequences, split only where they are few (there).
+ * Row r: query q + r * q_stride ([hq, d]), positions [starts[r], starts[r] + lens[r])
+ * (lens[r] >= 1) of the pages block table tables + r * table_stride lists (a stride of
+ * 0: one table for every row), output out + r * out_stride ([hq, d]); scores: the
+ * calling thread's own, quire_attend_split_scores(...) floats. Ends in a barrier. */
+int64_t quire_attend_split_scores(int64_t rows, const int64_t *lens, int64_t hq);
+void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
+                            const void *k_cache, const void *v_cache, const int64_t *tables,
+                            int64_t table_stride, const int64_t *seq_lens, int64_t rows,
+                            int64_t window, int64_t hq, int64_t hkv, int64_t d,
+                            int64_t block_size, float scale, float *scores, float *out,
+                            int64_t out_stride);
+void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
+                             const void *k_cache, const void *v_cache, const int64_t *tables,
+                             int64_t table_stride, const int64_t *starts, const int64_t *lens,
+                             int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                             int64_t block_size, float scale, float *scores, float *out,
+                             int64_t out_stride);
 
 /* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,

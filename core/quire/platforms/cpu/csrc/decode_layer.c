@@ -338,10 +338,10 @@ static int layer_fits(const struct quire_stack_layer *l, const struct rows_step 
            (external || (linear_fits(gate_up) && linear_fits(down)));
 }
 
-/* Scratch the team shares: one layer's products and attention scores. */
+/* Scratch the team shares: one layer's products, and each thread's attention scores. */
 struct rows_scratch {
     float *qkv_out, *attn, *o_out, *act, *gu, *scores;
-    int64_t longest; /* scores per (row, head) */
+    int64_t scores_each; /* floats of scores a thread (quire_attend_split_scores) */
 };
 
 /*
@@ -361,7 +361,6 @@ static void rows_layer_team(const struct quire_stack_layer *l, const struct rows
     const int64_t rows = s->rows, hidden = s->hidden, hq = s->hq, hkv = s->hkv, d = s->d;
     const int64_t nqkv = l->qkv->out_features;
     const int64_t inter = desc->mlp_external ? 0 : l->gate_up->out_features / 2;
-    const int64_t row = kv_slot_elems(desc->kv_type, hkv, d); /* page elements per slot */
     const float eps = desc->eps;
     for (int64_t r = 0; r < rows; r++) {
         float *hr = h + r * hidden;
@@ -382,16 +381,18 @@ static void rows_layer_team(const struct quire_stack_layer *l, const struct rows
         store_kv_row(l->k_cache, desc->kv_type, s->slots[r], hkv, d, qr + hq * d);
         store_kv_row(l->v_cache, desc->kv_type, s->slots[r], hkv, d, qr + (hq + hkv) * d);
     }
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t hd = 0; hd < hq; hd++) {
+    {
+        int64_t starts[rows], lens[rows]; /* row r attends [0, seq_len - rows + r] */
+        for (int64_t r = 0; r < rows; r++) {
             const int64_t len = s->seq_len - rows + 1 + r;
-            const int64_t start = (l->window > 0 && len > l->window) ? len - l->window : 0;
-            attend_heads_kv(desc->kv_type, sc->qkv_out + r * nqkv, l->k_cache, l->v_cache,
-                            s->table, start, len - start, hd, hd + 1, hq / hkv, row, d,
-                            s->block_size, l->scale, sc->scores + (r * hq + hd) * sc->longest,
-                            sc->attn + r * hq * d);
+            starts[r] = (l->window > 0 && len > l->window) ? len - l->window : 0;
+            lens[r] = len - starts[r];
         }
+        quire_attend_split_team(desc->kv_type, sc->qkv_out, nqkv, l->k_cache, l->v_cache,
+                                s->table, 0, starts, lens, rows, hq, hkv, d, s->block_size,
+                                l->scale, sc->scores + omp_get_thread_num() * sc->scores_each,
+                                sc->attn, hq * d);
+    }
     gemm_rows_team(l->o, sc->attn, rows, sc->o_out);
     for (int64_t r = 0; r < rows; r++) {
         const float *orow = sc->o_out + r * hidden;
@@ -440,18 +441,19 @@ static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
         longest = span > longest ? span : longest;
     }
     const int64_t threads = omp_get_max_threads();
-    const int64_t floats = rows * (nqkv + hq * d + hidden + 3 * inter + hq * longest) +
-                           threads * 2 * rows * hidden;
+    const int64_t scores = quire_attend_split_scores(1, &longest, hq);
+    const int64_t floats = rows * (nqkv + hq * d + hidden + 3 * inter) +
+                           threads * (scores + 2 * rows * hidden);
     float *scratch = quire_aligned_alloc(sizeof(float) * (size_t)floats);
     if (scratch == NULL)
         return 2;
-    struct rows_scratch sc = {.qkv_out = scratch, .longest = longest};
+    struct rows_scratch sc = {.qkv_out = scratch, .scores_each = scores};
     sc.attn = sc.qkv_out + rows * nqkv;
     sc.o_out = sc.attn + rows * hq * d;
     sc.act = sc.o_out + rows * hidden;
     sc.gu = sc.act + rows * inter;
     sc.scores = sc.gu + 2 * rows * inter;
-    float *own = sc.scores + rows * hq * longest;
+    float *own = sc.scores + threads * scores;
 #pragma omp parallel
     {
         float *h = own + omp_get_thread_num() * 2 * rows * hidden, *normed = h + rows * hidden;
@@ -771,8 +773,6 @@ static void decode_batch_team(
     float *out, float *residual_out) {
     const int64_t inter = inter_of(desc, gate_up), qkv_n = qkv->out_features;
     const int kv_type = desc->kv_type;
-    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
-    const int64_t threads = omp_get_num_threads();
     const int64_t widest = widest_input(hidden, desc, o, down);
     float *qkv_out = scratch, *attn = qkv_out + rows * qkv_n, *halves = attn + rows * hq * d;
     float *scores = halves + rows * half_scratch_per_row(hidden, inter, widest) +
@@ -786,17 +786,9 @@ static void decode_batch_team(
         store_kv_row(k_cache, kv_type, slots[r], hkv, d, kv);
         store_kv_row(v_cache, kv_type, slots[r], hkv, d, kv + hkv * d);
     }
-    float *my_scores = scores + omp_get_thread_num() * hq * longest;
-    /* (row, KV head) pairs when there are too few rows to share out alone */
-    const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < rows * split; i++) {
-        const int64_t s = i / split, h = (i % split) * heads, len = seq_lens[s];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        attend_heads_kv(kv_type, qkv_out + s * qkv_n, k_cache, v_cache,
-                        tables + s * table_stride, start, len - start, h, h + heads, hq / hkv,
-                        row, d, block_size, scale, my_scores, attn + s * hq * d);
-    }
+    quire_attend_rows_team(kv_type, qkv_out, qkv_n, k_cache, v_cache, tables, table_stride,
+                           seq_lens, rows, window, hq, hkv, d, block_size, scale,
+                           scores + omp_get_thread_num() * hq * longest, attn, hq * d);
     back_team(rows, attn, hidden, residual_out, desc, o, gate_up, down, halves, out);
 }
 
@@ -1044,7 +1036,6 @@ int quire_rows_attend(const struct quire_rows *a) {
         return 1;
     const int64_t d = a->d, hq = a->hq, hkv = a->hkv, qkv_n = (hq + 2 * hkv) * d;
     const int kv_type = a->desc->kv_type;
-    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* page elements per slot */
     int64_t longest = 0;
     for (int64_t s = 0; s < a->rows; s++) {
         if (a->seq_lens[s] < 1)
@@ -1054,15 +1045,17 @@ int quire_rows_attend(const struct quire_rows *a) {
         if (n > longest)
             longest = n;
     }
-    const int64_t per_thread = 2 * d + hq * longest + hq * d;
+    const int64_t per_thread = 2 * d + hq * longest;
     const int64_t threads = omp_get_max_threads();
-    float *scratch = quire_thread_scratch((size_t)(a->rows * qkv_n + threads * per_thread));
+    float *scratch = quire_thread_scratch((size_t)(a->rows * (qkv_n + hq * d) +
+                                                   threads * per_thread));
     if (scratch == NULL)
         return 2;
+    float *attn = scratch + a->rows * qkv_n; /* [rows, hq, d] float32, then stored */
 #pragma omp parallel
     {
-        float *mine = scratch + a->rows * qkv_n + omp_get_thread_num() * per_thread;
-        float *rot = mine, *scores = rot + 2 * d, *attn = scores + hq * longest;
+        float *mine = attn + a->rows * hq * d + omp_get_thread_num() * per_thread;
+        float *rot = mine, *scores = rot + 2 * d;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < a->rows; r++) {
             float *q = scratch + r * qkv_n;
@@ -1070,19 +1063,12 @@ int quire_rows_attend(const struct quire_rows *a) {
             store_kv_row(a->k_cache, kv_type, a->slots[r], hkv, d, q + hq * d);
             store_kv_row(a->v_cache, kv_type, a->slots[r], hkv, d, q + (hq + hkv) * d);
         }
-        /* (row, KV head) pairs when there are too few rows to share out alone */
-        const int64_t split = threads > 1 && a->rows < 4 * threads ? a->hkv : 1;
-        const int64_t heads = hq / split;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < a->rows * split; i++) {
-            const int64_t s = i / split, h = (i % split) * heads, len = a->seq_lens[s];
-            const int64_t start = (a->window > 0 && len > a->window) ? len - a->window : 0;
-            attend_heads_kv(kv_type, scratch + s * qkv_n, a->k_cache, a->v_cache,
-                            a->tables + s * a->table_stride, start, len - start, h,
-                            h + heads, hq / a->hkv, row, d, a->block_size, a->scale, scores,
-                            attn);
-            store_row(a, attn + h * d, heads * d, a->attn, s * hq * d + h * d);
-        }
+        quire_attend_rows_team(kv_type, scratch, qkv_n, a->k_cache, a->v_cache, a->tables,
+                               a->table_stride, a->seq_lens, a->rows, a->window, hq, hkv, d,
+                               a->block_size, a->scale, scores, attn, hq * d);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < a->rows; r++)
+            store_row(a, attn + r * hq * d, hq * d, a->attn, r * hq * d);
     }
     return 0;
 }
@@ -1307,13 +1293,10 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
 #pragma omp parallel reduction(| : failed)
     {
         float *scores = owned + omp_get_thread_num() * own, *t = scores + hq * longest;
-        /* (row, KV head) pairs when there are too few rows to share out alone */
-        const int64_t split = threads > 1 && rows < 4 * threads ? hkv : 1, heads = hq / split;
         for (int64_t i = 0; i < n; i++) {
             const struct quire_stack_layer *l = &layers[i];
             const struct quire_layer_desc *desc = l->desc;
             const int64_t li = l->gate_up->out_features / 2;
-            const int64_t row = kv_slot_elems(desc->kv_type, hkv, d);
             const float eps = desc->eps;
             /* quire_rows_front: the residual stream, the input norm */
 #pragma omp for schedule(static)
@@ -1340,15 +1323,9 @@ int quire_rows_stack_f32(int64_t n, const struct quire_stack_layer *layers, int6
                 store_kv_row(l->k_cache, desc->kv_type, slots[r], hkv, d, q + hq * d);
                 store_kv_row(l->v_cache, desc->kv_type, slots[r], hkv, d, q + (hq + hkv) * d);
             }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t j = 0; j < rows * split; j++) {
-                const int64_t s = j / split, h = (j % split) * heads, len = seq_lens[s];
-                const int64_t start = (l->window > 0 && len > l->window) ? len - l->window : 0;
-                attend_heads_kv(desc->kv_type, qkv + s * nqkv, l->k_cache, l->v_cache,
-                                tables + s * table_stride, start, len - start, h, h + heads,
-                                hq / hkv, row, d, block_size, l->scale, scores,
-                                attn + s * hq * d);
-            }
+            quire_attend_rows_team(desc->kv_type, qkv, nqkv, l->k_cache, l->v_cache, tables,
+                                   table_stride, seq_lens, rows, l->window, hq, hkv, d,
+                                   block_size, l->scale, scores, attn, hq * d);
             failed |= batch_product(l->o, bf16 & 2, rounded, attn, rows, o_out);
             /* quire_rows_post_attn: the residual stream, the pre-MLP norm */
 #pragma omp for schedule(static)

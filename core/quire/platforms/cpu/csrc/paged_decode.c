@@ -5,9 +5,10 @@
  *
  * Reads each sequence's keys and values straight from their pages, once, instead of
  * gathering them into a padded copy first (what the torch path has to do). Work is
- * split over sequences with OpenMP (over (sequence, KV head) pairs when there are too
- * few sequences for the team); attend_heads.h is the body, per KV head and its group
- * of query heads (figures in docs/bench.md).
+ * split over sequences with OpenMP, and where there are too few sequences for the team
+ * over parts of their positions, combined after (quire_attend_split_team: a lone
+ * sequence's long context); attend_heads.h is the body, per KV head and its group of
+ * query heads (figures in docs/bench.md).
  *
  * Layout (see quire/platforms/cpu/attention.py): the cache of one layer is
  * [2, num_blocks, block_size, Hkv, D]; k_cache and v_cache point at its two halves.
@@ -104,45 +105,175 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define ATTEND_(x) x##_fp8
 #include "attend_heads.h"
 
-/* Every entry point: every sequence's query heads over its pages of kv_type, (sequence,
- * KV head) pairs over the team. Returns 0 on success, 1 when scratch memory could not be
+/* Every entry point: every sequence's query heads over its pages of kv_type
+ * (quire_attend_rows_team). Returns 0 on success, 1 when scratch memory could not be
  * allocated (the caller falls back to the torch path). */
 static int paged_decode(int kv_type, const float *q, const void *k_cache, const void *v_cache,
                         const int64_t *block_tables, int64_t table_stride,
                         const int64_t *seq_lens, int64_t num_seqs, int64_t hq, int64_t hkv,
                         int64_t d, int64_t block_size, float scale, int64_t window,
                         float *out) {
-    const int64_t groups = hq / hkv; /* query heads per KV head (GQA) */
-    const int64_t row = kv_slot_elems(kv_type, hkv, d); /* elements between slots */
     int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t n = (window > 0 && seq_lens[s] > window) ? window : seq_lens[s];
         longest = n > longest ? n : longest;
     }
-    /* (sequence, KV head) pairs when there are too few sequences to share out alone (64
-     * sequences measured the same either way) */
-    const int64_t threads = omp_get_max_threads();
-    const int64_t split = threads > 1 && num_seqs < 4 * threads ? hkv : 1, heads = hq / split;
-    const int64_t per_item = heads * longest, items = num_seqs * split;
-    float *scratch = quire_thread_scratch((size_t)(threads * per_item) + 1);
+    const int64_t per_thread = hq * longest;
+    float *scratch = quire_thread_scratch((size_t)(omp_get_max_threads() * per_thread) + 1);
     if (scratch == NULL)
         return 1;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) {
-        const int64_t s = i / split, h_begin = (i % split) * heads, h_end = h_begin + heads;
-        const int64_t len = seq_lens[s];
+#pragma omp parallel
+    quire_attend_rows_team(kv_type, q, hq * d, k_cache, v_cache, block_tables, table_stride,
+                           seq_lens, num_seqs, window, hq, hkv, d, block_size, scale,
+                           scratch + omp_get_thread_num() * per_thread, out, hq * d);
+    return 0;
+}
+
+/* Split attention (flash-decoding's): a lone sequence, or a few, has fewer items than
+ * a team has threads to keep busy, and a long context is most of a step there. Cutting
+ * each sequence's positions into parts of at least SPLIT_MIN gives the team several
+ * items each. An item takes every head of its part: the pages hold a slot's KV heads
+ * side by side, so a part reads whole slot rows, in order (an item per KV head read
+ * a strided third of each, measured 1.3x slower cold), and each KV head's keys and
+ * values once for all its query heads. Each part's outputs are left undivided with
+ * each head's top score and softmax total, and a head's parts are then combined:
+ * out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the parts' largest top. A
+ * sequence of one part writes its output directly. */
+#define SPLIT_MIN 64
+
+/* How many positions a part takes: enough parts for SPLIT_ITEMS items a thread, none
+ * shorter than SPLIT_MIN (a part's fixed costs: its queries' setup, the combine). */
+#define SPLIT_ITEMS 4
+static int64_t split_part(int64_t rows, const int64_t *lens, int64_t threads) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++) total += lens[r];
+    const int64_t want = SPLIT_ITEMS * threads, part = (total + want - 1) / want;
+    return part > SPLIT_MIN ? part : SPLIT_MIN;
+}
+
+/* A thread's scores: every head over a row's positions (a part's, or the whole row's
+ * where the parts' buffer could not be had). */
+int64_t quire_attend_split_scores(int64_t rows, const int64_t *lens, int64_t hq) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    return hq * longest;
+}
+
+/* The master thread's buffer for the parts' outputs and stats, the team's for a call. */
+static __thread void *split_buffer;
+static __thread size_t split_held;
+
+void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
+                             const void *k_cache, const void *v_cache, const int64_t *tables,
+                             int64_t table_stride, const int64_t *starts, const int64_t *lens,
+                             int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                             int64_t block_size, float scale, float *scores, float *out,
+                             int64_t out_stride) {
+    const int64_t groups = hq / hkv, row = kv_slot_elems(kv_type, hkv, d);
+    const int64_t part = split_part(rows, lens, omp_get_num_threads());
+    /* items: row r's parts from first[r], each with a slot in the buffer: its output
+     * [hq, d] and 2 hq stats */
+    int64_t first[rows + 1];
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + (lens[r] + part - 1) / part;
+    const int64_t items = first[rows], per_item = hq * (d + 2);
+    float *parts;
+#pragma omp single copyprivate(parts)
+    parts = items > rows
+                ? quire_grown(&split_buffer, &split_held, sizeof(float) * items * per_item)
+                : NULL;
+    const int split = parts != NULL;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < (split ? items : rows); i++) {
+        int64_t r = i;
+        if (split)
+            for (r = 0; first[r + 1] <= i; r++) {
+            }
+        if (lens[r] < 1)
+            continue;
+        const int64_t chunks = split ? first[r + 1] - first[r] : 1, c = split ? i - first[r] : 0;
+        const int64_t start = starts[r] + c * part;
+        const int64_t n = chunks == 1 ? lens[r]
+                                      : (lens[r] - c * part < part ? lens[r] - c * part : part);
+        const float *qr = q + r * q_stride;
+        const int64_t *table = tables + r * table_stride;
+        if (chunks == 1)
+            attend_heads_kv(kv_type, qr, k_cache, v_cache, table, start, n, 0, hq, groups,
+                            row, d, block_size, scale, scores, out + r * out_stride);
+        else
+            attend_heads_kv_part(kv_type, qr, k_cache, v_cache, table, start, n, 0, hq,
+                                 groups, row, d, block_size, scale, scores,
+                                 parts + i * per_item, parts + i * per_item + hq * d);
+    }
+    if (!split)
+        return; /* the loop's barrier ends the call */
+    /* every head of a row with several parts: its parts combined */
+#pragma omp for schedule(static)
+    for (int64_t x = 0; x < rows * hq; x++) {
+        const int64_t r = x / hq, h = x % hq, chunks = first[r + 1] - first[r];
+        if (chunks <= 1)
+            continue;
+        const float *base = parts + first[r] * per_item;
+        float top = -INFINITY;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float m = base[c * per_item + hq * d + 2 * h];
+            top = m > top ? m : top;
+        }
+        float *dst = out + r * out_stride + h * d;
+        float total = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *o = base + c * per_item;
+            const float w = expf(o[hq * d + 2 * h] - top);
+            total += w * o[hq * d + 2 * h + 1];
+            for (int64_t e = 0; e < d; e++) dst[e] = (c ? dst[e] : 0.0f) + w * o[h * d + e];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t e = 0; e < d; e++) dst[e] *= inv;
+    }
+}
+
+/* Inside a parallel region: one token's attention for each of `rows` sequences (query
+ * row r at q + r * q_stride, output at out + r * out_stride, both [hq, d]) over the
+ * last min(seq_lens[r], window) positions (window 0: all) of the pages tables + r *
+ * table_stride lists; a sequence of no positions gets zeros. With fewer than 4 rows a
+ * thread, the positions are split over the team (quire_attend_split_team); with more,
+ * each row's heads are an item (64 sequences measured the same either way). scores:
+ * the calling thread's own, hq * (the longest span) floats. Ends in a barrier. */
+void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
+                            const void *k_cache, const void *v_cache, const int64_t *tables,
+                            int64_t table_stride, const int64_t *seq_lens, int64_t rows,
+                            int64_t window, int64_t hq, int64_t hkv, int64_t d,
+                            int64_t block_size, float scale, float *scores, float *out,
+                            int64_t out_stride) {
+    const int64_t groups = hq / hkv, row = kv_slot_elems(kv_type, hkv, d);
+    if (omp_get_num_threads() > 1 && rows < 4 * omp_get_num_threads()) {
+        int64_t starts[rows], lens[rows];
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t len = seq_lens[r] > 0 ? seq_lens[r] : 0;
+            lens[r] = window > 0 && len > window ? window : len;
+            starts[r] = len - lens[r];
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (lens[r] == 0)
+                memset(out + r * out_stride, 0, sizeof(float) * hq * d);
+        quire_attend_split_team(kv_type, q, q_stride, k_cache, v_cache, tables, table_stride,
+                                starts, lens, rows, hq, hkv, d, block_size, scale, scores,
+                                out, out_stride);
+        return;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = seq_lens[r];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        float *os = out + s * hq * d;
         if (len - start <= 0) {
-            memset(os + h_begin * d, 0, sizeof(float) * (h_end - h_begin) * d);
+            memset(out + r * out_stride, 0, sizeof(float) * hq * d);
             continue;
         }
-        attend_heads_kv(kv_type, q + s * hq * d, k_cache, v_cache,
-                        block_tables + s * table_stride, start, len - start, h_begin, h_end,
-                        groups, row, d, block_size, scale,
-                        scratch + omp_get_thread_num() * per_item, os);
+        attend_heads_kv(kv_type, q + r * q_stride, k_cache, v_cache, tables + r * table_stride,
+                        start, len - start, 0, hq, groups, row, d, block_size, scale, scores,
+                        out + r * out_stride);
     }
-    return 0;
 }
 
 /* Float32 pages. */
