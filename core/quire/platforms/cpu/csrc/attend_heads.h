@@ -60,6 +60,58 @@ static inline void ATTEND_(tile_scores)(const float *qh, const KV_T *k, const in
     }
 }
 
+#if KV_BF16_DOT
+/* tile_scores for bfloat16 pages by vdpbf16ps, d a multiple of 32: the query as three
+ * bfloat16 parts (qh: hi, mid, lo, d words each) whose sum is the float32 query exactly,
+ * each part's products with a key exact in float32 and summed there, so the scores are
+ * the float32 kernel's up to the order of the sums, at 6 instructions for 64 elements
+ * where widening the keys and multiplying takes 12. */
+static inline void ATTEND_(tile_scores_dot)(const uint16_t *qh, const KV_T *k,
+                                            const int64_t *offs, int64_t m, int64_t d,
+                                            float *sc) {
+    int64_t t = 0;
+    for (; t + 4 <= m; t += 4) {
+        __m512 a[4][3];
+        for (int u = 0; u < 4; ++u)
+            for (int p = 0; p < 3; ++p) a[u][p] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 32)
+            for (int u = 0; u < 4; ++u) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + offs[t + u] + i));
+                for (int p = 0; p < 3; ++p)
+                    a[u][p] = _mm512_dpbf16_ps(
+                        a[u][p], (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)), kv);
+            }
+        sum4w((vwf)(a[0][0] + a[0][1] + a[0][2]), (vwf)(a[1][0] + a[1][1] + a[1][2]),
+              (vwf)(a[2][0] + a[2][1] + a[2][2]), (vwf)(a[3][0] + a[3][1] + a[3][2]), sc + t);
+    }
+    for (; t < m; ++t) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 32) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + offs[t] + i));
+            for (int p = 0; p < 3; ++p)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)), kv);
+        }
+        sc[t] = hsumw((vwf)a);
+    }
+}
+
+/* A float32 row of d as three bfloat16 rows (hi, mid, lo) summing to it exactly: each
+ * the nearest bfloat16 to what the ones before leave (a float32's 24 significant bits
+ * are three times eight; a part below bfloat16's normal range would be flushed by
+ * vdpbf16ps, one of 2^-126 or less). */
+static inline void ATTEND_(split3)(const float *x, int64_t d, uint16_t *out) {
+    for (int64_t i = 0; i < d; i += 16) {
+        __m512 rest = _mm512_loadu_ps(x + i);
+        for (int p = 0; p < 3; ++p) {
+            const __m256bh part = _mm512_cvtneps_pbh(rest);
+            _mm256_storeu_si256((void *)(out + p * d + i), (__m256i)part);
+            rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32((__m256i)part), 16)));
+        }
+    }
+}
+#endif
+
 /* o[0 .. nv * VW) = (first ? 0 : o) + the sum over the tile of p[t] times its V slice:
  * nv <= 4 accumulators in registers, in two sets (even and odd slots) so the FMAs do not
  * wait on each other. */
@@ -166,6 +218,13 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     for (int64_t i = 0; i < heads; ++i) hadamard16_row(q_basis + i * d, d);
     q_rows = q_basis;
 #endif
+#if KV_BF16_DOT
+    /* every head's query in three bfloat16 parts, where d is whole 32-word registers */
+    const int dot = d % 32 == 0;
+    uint16_t q_parts[dot ? heads * 3 * d : 1];
+    if (dot)
+        for (int64_t i = 0; i < heads; ++i) ATTEND_(split3)(q_rows + i * d, d, q_parts + i * 3 * d);
+#endif
     /* scores */
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
     int64_t *offs = tile_a, *next = tile_b;
@@ -190,8 +249,14 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #if KV_QUANT
                 tile_scores_f32(q_rows + i * d, tile, rows, m, d, scores + i * n + j);
 #else
-                ATTEND_(tile_scores)(q_rows + i * d, k_cache + g * hd, offs, m, d,
-                                     scores + i * n + j);
+#if KV_BF16_DOT
+                if (dot)
+                    ATTEND_(tile_scores_dot)(q_parts + i * 3 * d, k_cache + g * hd, offs, m, d,
+                                             scores + i * n + j);
+                else
+#endif
+                    ATTEND_(tile_scores)(q_rows + i * d, k_cache + g * hd, offs, m, d,
+                                         scores + i * n + j);
 #endif
             }
         }
@@ -242,6 +307,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #undef KV_GET
 #endif
 #undef KV_QUANT
+#undef KV_BF16_DOT
 #undef ATTEND_HEAD
 #undef ATTEND_NAME
 #undef ATTEND_

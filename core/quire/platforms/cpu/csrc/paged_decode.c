@@ -76,6 +76,7 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define KV_LOADW loadw
 #define KV_GET(p) (*(p))
 #define KV_QUANT 0
+#define KV_BF16_DOT 0
 #define ATTEND_NAME quire_attend_heads
 #define ATTEND_(x) x##_f32
 #include "attend_heads.h"
@@ -86,6 +87,11 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 #define KV_LOADW loadw_bf16
 #define KV_GET(p) bf16_to_f32(*(p))
 #define KV_QUANT 0
+#if defined(__AVX512BF16__) /* keys by vdpbf16ps (attend_heads.h's tile_scores_dot) */
+#define KV_BF16_DOT 1
+#else
+#define KV_BF16_DOT 0
+#endif
 #define ATTEND_NAME quire_attend_heads_bf16
 #define ATTEND_(x) x##_bf16
 #include "attend_heads.h"
@@ -94,6 +100,7 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
  * and times their group's scale. */
 #define KV_T int8_t
 #define KV_QUANT QUIRE_KV_I8
+#define KV_BF16_DOT 0
 #define ATTEND_NAME quire_attend_heads_i8
 #define ATTEND_(x) x##_i8
 #include "attend_heads.h"
@@ -101,6 +108,7 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
 /* fp8 (e4m3fn) pages, the same way. */
 #define KV_T uint8_t
 #define KV_QUANT QUIRE_KV_FP8
+#define KV_BF16_DOT 0
 #define ATTEND_NAME quire_attend_heads_fp8
 #define ATTEND_(x) x##_fp8
 #include "attend_heads.h"
