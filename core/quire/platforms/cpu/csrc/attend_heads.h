@@ -193,7 +193,10 @@ static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_beg
  * float32 tile first, which its query heads read through the float32 passes). The next
  * tile (after the last key tile, the first value tile) is prefetched a share per head,
  * between the heads' work: a burst of prefetches would fill the core's miss buffers and
- * stall it, where shares keep memory busy while it computes. */
+ * stall it, where shares keep memory busy while it computes. The tile after that is asked
+ * for into L2 the same way (struct tiles_ahead): a step reads its pages from memory, and
+ * one tile's distance left each tile's first reads waiting on it (1.25x slower, alone
+ * and at W1's shape). */
 void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,
@@ -226,6 +229,9 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
         for (int64_t i = 0; i < heads; ++i) ATTEND_(split3)(q_rows + i * d, d, q_parts + i * 3 * d);
 #endif
     /* scores */
+    /* two tiles ahead of the one being read (L2), beside the next tile's shares (L1) */
+    struct tiles_ahead far = tiles_ahead_at(table, start, n, block_size, row, k_span, v_span);
+    tiles_ahead_step(&far), tiles_ahead_step(&far);
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
     int64_t *offs = tile_a, *next = tile_b;
     for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
@@ -236,6 +242,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             struct slot_cursor first = slot_cursor_at(table, start, block_size);
             ahead = v_span, m_ahead = tile_offsets(&first, n, row, next);
         }
+        tiles_ahead_step(&far);
         for (int64_t g = kv_begin; g < kv_end; ++g) {
 #if KV_QUANT
             ATTEND_(dequant_tile)(k_cache + g * hd, offs, m, d, tile);
@@ -244,6 +251,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             ATTEND_(group_heads)(g, groups, h_begin, h_end, &h0, &h1);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
+                tiles_ahead_share(&far, sizeof(KV_T), i, heads, span);
                 prefetch_tile(ahead, sizeof(KV_T), next + i * m_ahead / heads,
                               (i + 1) * m_ahead / heads - i * m_ahead / heads, span);
 #if KV_QUANT
@@ -273,6 +281,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     offs = tile_a, next = tile_b;
     for (int64_t j = 0, m = tile_offsets(&cur, n, row, offs);;) {
         const int64_t m_next = tile_offsets(&cur, n - j - m, row, next);
+        tiles_ahead_step(&far);
         for (int64_t g = kv_begin; g < kv_end; ++g) {
 #if KV_QUANT
             ATTEND_(dequant_tile)(v_cache + g * hd, offs, m, d, tile);
@@ -281,6 +290,7 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             ATTEND_(group_heads)(g, groups, h_begin, h_end, &h0, &h1);
             for (int64_t h = h0; h < h1; ++h) {
                 const int64_t i = h - h_begin;
+                tiles_ahead_share(&far, sizeof(KV_T), i, heads, span);
                 prefetch_tile(v_span, sizeof(KV_T), next + i * m_next / heads,
                               (i + 1) * m_next / heads - i * m_next / heads, span);
 #if KV_QUANT

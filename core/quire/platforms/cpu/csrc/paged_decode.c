@@ -71,6 +71,45 @@ static inline void prefetch_tile(const void *base, size_t elem, const int64_t *o
     }
 }
 
+/* A walk over a sequence's slots as attend_heads.h reads them, its keys' tiles then its
+ * values', one tile at a time (tiles_ahead_step), whose current tile is asked for into
+ * L2 a share per query head (tiles_ahead_share), as the next tile's is into L1. */
+struct tiles_ahead {
+    struct slot_cursor cur;
+    const int64_t *table;
+    int64_t start, n, block_size, row, left, m;
+    const void *v_span, *base; /* base: the keys' span, then the values' */
+    int64_t offs[ATTEND_TILE];
+};
+
+static inline struct tiles_ahead tiles_ahead_at(const int64_t *table, int64_t start,
+                                                int64_t n, int64_t block_size, int64_t row,
+                                                const void *k_span, const void *v_span) {
+    return (struct tiles_ahead){.cur = slot_cursor_at(table, start, block_size),
+                                .table = table, .start = start, .n = n,
+                                .block_size = block_size, .row = row, .left = n,
+                                .v_span = v_span, .base = k_span};
+}
+
+/* The walk's next tile (none, m = 0, after the values' last). */
+static inline void tiles_ahead_step(struct tiles_ahead *a) {
+    if (a->left == 0 && a->base != a->v_span) {
+        a->base = a->v_span, a->left = a->n;
+        a->cur = slot_cursor_at(a->table, a->start, a->block_size);
+    }
+    a->m = tile_offsets(&a->cur, a->left, a->row, a->offs);
+    a->left -= a->m;
+}
+
+/* Share i of `heads` of the current tile's slots, `bytes` from each, into L2. */
+static inline void tiles_ahead_share(const struct tiles_ahead *a, size_t elem, int64_t i,
+                                     int64_t heads, int64_t bytes) {
+    for (int64_t t = i * a->m / heads; t < (i + 1) * a->m / heads; ++t) {
+        const char *p = (const char *)a->base + a->offs[t] * (int64_t)elem;
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+    }
+}
+
 /* Float32 pages. */
 #define KV_T float
 #define KV_LOADW loadw
