@@ -206,7 +206,8 @@ int64_t quire_attend_split_scores(int64_t rows, const int64_t *lens, int64_t hq)
     return hq * longest;
 }
 
-/* The master thread's buffer for the parts' outputs and stats, the team's for a call. */
+/* A buffer for the parts' outputs and stats, the team's for a call: each thread keeps
+ * its own, grown as needed, and the one that takes the call's `single` lends it. */
 static __thread void *split_buffer;
 static __thread size_t split_held;
 
