@@ -76,10 +76,12 @@ static inline void ATTEND_(tile_scores_dot)(const uint16_t *qh, const KV_T *k,
             for (int p = 0; p < 3; ++p) a[u][p] = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 32)
             for (int u = 0; u < 4; ++u) {
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + offs[t + u] + i));
+                const __m512bh kv =
+                    (__m512bh)_mm512_loadu_si512((const void *)(k + offs[t + u] + i));
                 for (int p = 0; p < 3; ++p)
                     a[u][p] = _mm512_dpbf16_ps(
-                        a[u][p], (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)), kv);
+                        a[u][p], (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)),
+                        kv);
             }
         sum4w((vwf)(a[0][0] + a[0][1] + a[0][2]), (vwf)(a[1][0] + a[1][1] + a[1][2]),
               (vwf)(a[2][0] + a[2][1] + a[2][2]), (vwf)(a[3][0] + a[3][1] + a[3][2]), sc + t);
@@ -89,7 +91,8 @@ static inline void ATTEND_(tile_scores_dot)(const uint16_t *qh, const KV_T *k,
         for (int64_t i = 0; i < d; i += 32) {
             const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + offs[t] + i));
             for (int p = 0; p < 3; ++p)
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)), kv);
+                a = _mm512_dpbf16_ps(
+                    a, (__m512bh)_mm512_loadu_si512((const void *)(qh + p * d + i)), kv);
         }
         sc[t] = hsumw((vwf)a);
     }
@@ -226,10 +229,11 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
     const int dot = d % 32 == 0;
     uint16_t q_parts[dot ? heads * 3 * d : 1];
     if (dot)
-        for (int64_t i = 0; i < heads; ++i) ATTEND_(split3)(q_rows + i * d, d, q_parts + i * 3 * d);
+        for (int64_t i = 0; i < heads; ++i)
+            ATTEND_(split3)(q_rows + i * d, d, q_parts + i * 3 * d);
 #endif
-    /* scores */
-    /* two tiles ahead of the one being read (L2), beside the next tile's shares (L1) */
+    /* scores; the walk two tiles ahead of the one being read (L2), beside the next
+     * tile's shares (L1) */
     struct tiles_ahead far = tiles_ahead_at(table, start, n, block_size, row, k_span, v_span);
     tiles_ahead_step(&far), tiles_ahead_step(&far);
     struct slot_cursor cur = slot_cursor_at(table, start, block_size);
@@ -259,8 +263,8 @@ void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 #else
 #if KV_BF16_DOT
                 if (dot)
-                    ATTEND_(tile_scores_dot)(q_parts + i * 3 * d, k_cache + g * hd, offs, m, d,
-                                             scores + i * n + j);
+                    ATTEND_(tile_scores_dot)(q_parts + i * 3 * d, k_cache + g * hd, offs, m,
+                                             d, scores + i * n + j);
                 else
 #endif
                     ATTEND_(tile_scores)(q_rows + i * d, k_cache + g * hd, offs, m, d,

@@ -285,7 +285,7 @@ void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
  * last min(seq_lens[r], window) positions (window 0: all) of the pages tables + r *
  * table_stride lists; a sequence of no positions gets zeros. With fewer than 4 rows a
  * thread, the positions are split over the team (quire_attend_split_team); with more,
- * each row's heads are an item (64 sequences measured the same either way). scores:
+ * each row's heads are an item. scores:
  * the calling thread's own, hq * (the longest span) floats. Ends in a barrier. */
 void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
                             const void *k_cache, const void *v_cache, const int64_t *tables,
