@@ -2197,7 +2197,9 @@ int quire_quant_gemm_i8(const float *x, int64_t m, int64_t k, const uint8_t *w,
     float *sx = scratch + ((size_t)m * kp + 3) / 4;
     int32_t *sumx = (int32_t *)(sx + m);
     const int64_t groups = (n + I8_NR - 1) / I8_NR;
-    const int amx = I8_AMX && m >= 16 && quire_amx_ready();
+#if I8_AMX
+    const int amx = m >= 16 && quire_amx_ready();
+#endif
     int failed = 0;
 #pragma omp parallel
     {
