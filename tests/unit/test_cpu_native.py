@@ -149,12 +149,12 @@ def two_threads():
 def test_few_long_sequences_split_their_positions(kernels: NativeKernels,
                                                   kv_dtype: torch.dtype, hq: int, hkv: int,
                                                   d: int, lens: list[int]) -> None:
-    """Fewer sequences than four a thread: each (sequence, KV head)'s positions are cut
-    into parts of at least 64 over the team (700 positions of 3 KV heads on two threads:
-    three parts each), every part's outputs left undivided with its top score and total,
-    then combined. Against float64 over the values the pages hold, float32's tolerance,
-    with windows that leave one part or several; a sequence of one position beside long
-    ones."""
+    """Fewer sequences than four a thread: each sequence's positions are cut into parts
+    of at least 64 over the team (700 positions on two threads: eight parts of 88), each
+    part taking every head, its outputs left undivided with each head's top score and
+    total, then combined. Against float64 over the values the pages hold, float32's
+    tolerance, with windows that leave one part or several; a sequence of one position
+    beside long ones."""
     q, cache, tables, seq_lens, keys, values = _paged(d + hq + len(lens), lens, hq, hkv, d,
                                                       16)
     if kv_dtype in (torch.int8, torch.float8_e4m3fn):

@@ -608,25 +608,17 @@ static inline void attend_heads_kv(int kv_type, const float *q, const void *k_ca
 }
 
 /* paged_decode.c: inside a parallel region, one token's attention for each of `rows`
- * rows, cutting each row's positions into parts over the team (see there);
- * and the same for a decode batch's sequences, split only where they are few (there).
- * Row r: query q + r * q_stride ([hq, d]), positions [starts[r], starts[r] + lens[r])
- * (lens[r] >= 1) of the pages block table tables + r * table_stride lists (a stride of
- * 0: one table for every row), output out + r * out_stride ([hq, d]); scores: the
- * calling thread's own, quire_attend_split_scores(...) floats. Ends in a barrier. */
-int64_t quire_attend_split_scores(int64_t rows, const int64_t *lens, int64_t hq);
+ * sequences over its pages (row r: query q + r * q_stride and output out + r *
+ * out_stride, both [hq, d]; the last min(seq_lens[r], window) positions of the pages
+ * block table tables + r * table_stride lists, a stride of 0 sharing one table), their
+ * positions cut into parts over the team where the rows are few (see there); scores:
+ * the calling thread's own, hq * (the longest span) floats. Ends in a barrier. */
 void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
                             const void *k_cache, const void *v_cache, const int64_t *tables,
                             int64_t table_stride, const int64_t *seq_lens, int64_t rows,
                             int64_t window, int64_t hq, int64_t hkv, int64_t d,
                             int64_t block_size, float scale, float *scores, float *out,
                             int64_t out_stride);
-void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
-                             const void *k_cache, const void *v_cache, const int64_t *tables,
-                             int64_t table_stride, const int64_t *starts, const int64_t *lens,
-                             int64_t rows, int64_t hq, int64_t hkv, int64_t d,
-                             int64_t block_size, float scale, float *scores, float *out,
-                             int64_t out_stride);
 
 /* compact_gemv.c: row j of a compact weight (see there) times x, without bias. */
 float quire_compact_dot(int32_t format, const float *x, int64_t k, const void *codes,

@@ -341,7 +341,7 @@ static int layer_fits(const struct quire_stack_layer *l, const struct rows_step 
 /* Scratch the team shares: one layer's products, and each thread's attention scores. */
 struct rows_scratch {
     float *qkv_out, *attn, *o_out, *act, *gu, *scores;
-    int64_t scores_each; /* floats of scores a thread (quire_attend_split_scores) */
+    int64_t scores_each; /* floats of scores a thread (quire_attend_rows_team's) */
 };
 
 /*
@@ -382,16 +382,12 @@ static void rows_layer_team(const struct quire_stack_layer *l, const struct rows
         store_kv_row(l->v_cache, desc->kv_type, s->slots[r], hkv, d, qr + (hq + hkv) * d);
     }
     {
-        int64_t starts[rows], lens[rows]; /* row r attends [0, seq_len - rows + r] */
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t len = s->seq_len - rows + 1 + r;
-            starts[r] = (l->window > 0 && len > l->window) ? len - l->window : 0;
-            lens[r] = len - starts[r];
-        }
-        quire_attend_split_team(desc->kv_type, sc->qkv_out, nqkv, l->k_cache, l->v_cache,
-                                s->table, 0, starts, lens, rows, hq, hkv, d, s->block_size,
-                                l->scale, sc->scores + omp_get_thread_num() * sc->scores_each,
-                                sc->attn, hq * d);
+        int64_t lens[rows]; /* row r attends [0, seq_len - rows + r], one block table */
+        for (int64_t r = 0; r < rows; r++) lens[r] = s->seq_len - rows + 1 + r;
+        quire_attend_rows_team(desc->kv_type, sc->qkv_out, nqkv, l->k_cache, l->v_cache,
+                               s->table, 0, lens, rows, l->window, hq, hkv, d, s->block_size,
+                               l->scale, sc->scores + omp_get_thread_num() * sc->scores_each,
+                               sc->attn, hq * d);
     }
     gemm_rows_team(l->o, sc->attn, rows, sc->o_out);
     for (int64_t r = 0; r < rows; r++) {
@@ -441,7 +437,7 @@ static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
         longest = span > longest ? span : longest;
     }
     const int64_t threads = omp_get_max_threads();
-    const int64_t scores = quire_attend_split_scores(1, &longest, hq);
+    const int64_t scores = hq * (longest > 0 ? longest : 1);
     const int64_t floats = rows * (nqkv + hq * d + hidden + 3 * inter) +
                            threads * (scores + 2 * rows * hidden);
     float *scratch = quire_aligned_alloc(sizeof(float) * (size_t)floats);

@@ -6,7 +6,7 @@
  * Reads each sequence's keys and values straight from their pages, once, instead of
  * gathering them into a padded copy first (what the torch path has to do). Work is
  * split over sequences with OpenMP, and where there are too few sequences for the team
- * over parts of their positions, combined after (quire_attend_split_team: a lone
+ * over parts of their positions, combined after (attend_split_team: a lone
  * sequence's long context); attend_heads.h is the body, per KV head and its group of
  * query heads (figures in docs/bench.md).
  *
@@ -198,25 +198,22 @@ static int64_t split_part(int64_t rows, const int64_t *lens, int64_t threads) {
     return part > SPLIT_MIN ? part : SPLIT_MIN;
 }
 
-/* A thread's scores: every head over a row's positions (a part's, or the whole row's
- * where the parts' buffer could not be had). */
-int64_t quire_attend_split_scores(int64_t rows, const int64_t *lens, int64_t hq) {
-    int64_t longest = 1;
-    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
-    return hq * longest;
-}
-
 /* A buffer for the parts' outputs and stats, the team's for a call: each thread keeps
  * its own, grown as needed, and the one that takes the call's `single` lends it. */
 static __thread void *split_buffer;
 static __thread size_t split_held;
 
-void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
-                             const void *k_cache, const void *v_cache, const int64_t *tables,
-                             int64_t table_stride, const int64_t *starts, const int64_t *lens,
-                             int64_t rows, int64_t hq, int64_t hkv, int64_t d,
-                             int64_t block_size, float scale, float *scores, float *out,
-                             int64_t out_stride) {
+/* Inside a parallel region: quire_attend_rows_team's rows, row r over positions
+ * [starts[r], starts[r] + lens[r]) (none where lens[r] is 0: its output untouched), in
+ * parts over the team; scores: the calling thread's own, hq * max(lens) floats (a part
+ * needs hq * its positions, the whole row where the parts' buffer could not be had).
+ * Ends in a barrier. */
+static void attend_split_team(int kv_type, const float *q, int64_t q_stride,
+                              const void *k_cache, const void *v_cache, const int64_t *tables,
+                              int64_t table_stride, const int64_t *starts, const int64_t *lens,
+                              int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                              int64_t block_size, float scale, float *scores, float *out,
+                              int64_t out_stride) {
     const int64_t groups = hq / hkv, row = kv_slot_elems(kv_type, hkv, d);
     const int64_t part = split_part(rows, lens, omp_get_num_threads());
     /* items: row r's parts from first[r], each with a slot in the buffer: its output
@@ -284,7 +281,7 @@ void quire_attend_split_team(int kv_type, const float *q, int64_t q_stride,
  * row r at q + r * q_stride, output at out + r * out_stride, both [hq, d]) over the
  * last min(seq_lens[r], window) positions (window 0: all) of the pages tables + r *
  * table_stride lists; a sequence of no positions gets zeros. With fewer than 4 rows a
- * thread, the positions are split over the team (quire_attend_split_team); with more,
+ * thread, the positions are split over the team (attend_split_team); with more,
  * each row's heads are an item. scores:
  * the calling thread's own, hq * (the longest span) floats. Ends in a barrier. */
 void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
@@ -305,9 +302,9 @@ void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
         for (int64_t r = 0; r < rows; r++)
             if (lens[r] == 0)
                 memset(out + r * out_stride, 0, sizeof(float) * hq * d);
-        quire_attend_split_team(kv_type, q, q_stride, k_cache, v_cache, tables, table_stride,
-                                starts, lens, rows, hq, hkv, d, block_size, scale, scores,
-                                out, out_stride);
+        attend_split_team(kv_type, q, q_stride, k_cache, v_cache, tables, table_stride,
+                          starts, lens, rows, hq, hkv, d, block_size, scale, scores, out,
+                          out_stride);
         return;
     }
 #pragma omp for schedule(dynamic, 1)
