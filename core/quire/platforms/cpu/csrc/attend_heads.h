@@ -198,8 +198,7 @@ static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_beg
  * between the heads' work: a burst of prefetches would fill the core's miss buffers and
  * stall it, where shares keep memory busy while it computes. The tile after that is asked
  * for into L2 the same way (struct tiles_ahead): a step reads its pages from memory, and
- * one tile's distance left each tile's first reads waiting on it (1.25x slower, alone
- * and at W1's shape). */
+ * one tile's distance left each tile's first reads waiting on it (docs/bench.md). */
 void ATTEND_NAME(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                  const int64_t *table, int64_t start, int64_t n, int64_t h_begin,
                  int64_t h_end, int64_t groups, int64_t row, int64_t d, int64_t block_size,

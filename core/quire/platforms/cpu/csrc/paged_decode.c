@@ -181,7 +181,7 @@ static int paged_decode(int kv_type, const float *q, const void *k_cache, const 
  * each sequence's positions into parts of at least SPLIT_MIN gives the team several
  * items each. An item takes every head of its part: the pages hold a slot's KV heads
  * side by side, so a part reads whole slot rows, in order (an item per KV head read
- * a strided third of each, measured 1.3x slower cold), and each KV head's keys and
+ * a strided third of each, slower with cold pages), and each KV head's keys and
  * values once for all its query heads. Each part's outputs are left undivided with
  * each head's top score and softmax total, and a head's parts are then combined:
  * out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the parts' largest top. A
