@@ -118,8 +118,8 @@ def test_a_long_context_splits_over_the_team(llama_gguf, monkeypatch):
     parts of 76 positions or so) and combined; on one, the row is one item. The same
     tokens and logprobs within 1e-5 (float32 sums in another order), and transformers'
     argmax on the same file. Its logprobs are 5.4e-4 away at this length with or without
-    the split (at a short context, 1e-4: the rotary tables' float32 rounding at large
-    positions, not attention's sums), so they are held to 1e-3."""
+    the split (1e-4 at a short context; not traced further, the float32 rotary tables at
+    large positions the likely cause), so they are held to 1e-3."""
     prompt = torch.randint(3, 1000, (600,), generator=torch.Generator().manual_seed(5))
     runs = {}
     for threads in (1, 2):
