@@ -114,7 +114,7 @@ def _threads_generate(threads: int, *args, **kwargs):
 
 def test_a_long_context_splits_over_the_team(llama_gguf, monkeypatch):
     """A lone sequence of 600 positions and more: on two threads each layer's attention
-    is cut into parts over the team (csrc/paged_decode.c's attend_split_team, 8
+    is cut into parts over the team (csrc/paged_decode.c's attend_parts_team, 8
     parts of 76 positions or so) and combined; on one, the row is one item. The same
     tokens and logprobs within 1e-5 (float32 sums in another order), and transformers'
     argmax on the same file. Its logprobs are 5.4e-4 away at this length with or without

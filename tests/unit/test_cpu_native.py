@@ -173,6 +173,21 @@ def test_few_long_sequences_split_their_positions(kernels: NativeKernels,
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("two_threads")
+def test_a_sequence_of_no_positions_gets_zeros_beside_split_ones(
+        kernels: NativeKernels) -> None:
+    """A row of no positions among few rows: zeros, whether the others are split into
+    parts (300 positions) or read whole (one position), and the others as float64."""
+    for lens in ([0, 300], [0, 1]):
+        q, cache, tables, seq_lens, keys, values = _paged(7, [1, lens[1]], 9, 3, 64, 16)
+        seq_lens[0] = 0
+        out = kernels.paged_decode(q, cache.bfloat16(), tables, seq_lens, 0.125, None)
+        assert out is not None and torch.equal(out[0], torch.zeros_like(out[0]))
+        expected = _dense(q[1:], [k.bfloat16().double() for k in keys[1:]],
+                          [v.bfloat16().double() for v in values[1:]], 0.125, None)
+        torch.testing.assert_close(out[1:].double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def _quantised(cache: torch.Tensor, dtype: torch.dtype):
     """A float cache's pages as int8 or fp8 pages (rows of D + D / 8 with their scales),
     and the float32 values those pages hold."""

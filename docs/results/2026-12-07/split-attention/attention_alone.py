@@ -16,6 +16,7 @@ torch.manual_seed(0)
 kernels = load_native_kernels()
 B, ctx = int(sys.argv[1]), int(sys.argv[2])
 hq, hkv, d, bs = 9, 3, 64, 16
+scale = d**-0.5
 per_seq = -(-ctx // bs)
 
 
@@ -25,13 +26,13 @@ def best_ms(layers: int, pool: int, steps: int, rounds: int) -> float:
     q = torch.randn(B, hq, d)
     lens = torch.full((B,), ctx, dtype=torch.int64)
     for cache in caches:
-        kernels.paged_decode(q, cache, tables, lens, 0.125, None)
+        kernels.paged_decode(q, cache, tables, lens, scale, None)
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(steps):
             for cache in caches:
-                kernels.paged_decode(q, cache, tables, lens, 0.125, None)
+                kernels.paged_decode(q, cache, tables, lens, scale, None)
         best = min(best, (time.perf_counter() - start) / steps / layers)
     return best * 1e3
 

@@ -187,7 +187,7 @@ static inline void ATTEND_(group_heads)(int64_t g, int64_t groups, int64_t h_beg
 /* Query heads [h_begin, h_end) of one sequence, over its positions start .. start + n - 1
  * (n >= 1). q and out point at the sequence's [Hq, D] rows; scores has room for
  * (h_end - h_begin) * n floats. With stats, those positions are a part of the
- * sequence's (paged_decode.c's attend_split_team): outputs undivided, stats per head.
+ * sequence's (paged_decode.c's attend_parts_team): outputs undivided, stats per head.
  *
  * Two walks over the positions a tile at a time, keys then values. A tile's slots are
  * read for every KV head the heads use at once (their slices are adjacent in a slot's

@@ -437,7 +437,7 @@ static int decode_stack(int64_t n, const struct quire_stack_layer *layers,
         longest = span > longest ? span : longest;
     }
     const int64_t threads = omp_get_max_threads();
-    const int64_t scores = hq * (longest > 0 ? longest : 1);
+    const int64_t scores = hq * longest; /* longest >= 1: seq_len >= rows >= 1 */
     const int64_t floats = rows * (nqkv + hq * d + hidden + 3 * inter) +
                            threads * (scores + 2 * rows * hidden);
     float *scratch = quire_aligned_alloc(sizeof(float) * (size_t)floats);

@@ -6,7 +6,7 @@
  * Reads each sequence's keys and values straight from their pages, once, instead of
  * gathering them into a padded copy first (what the torch path has to do). Work is
  * split over sequences with OpenMP, and where there are too few sequences for the team
- * over parts of their positions, combined after (attend_split_team: a lone
+ * over parts of their positions, combined after (attend_parts_team: a lone
  * sequence's long context); attend_heads.h is the body, per KV head and its group of
  * query heads (figures in docs/bench.md).
  *
@@ -204,38 +204,45 @@ static __thread void *split_buffer;
 static __thread size_t split_held;
 
 /* Inside a parallel region: quire_attend_rows_team's rows, row r over positions
- * [starts[r], starts[r] + lens[r]) (none where lens[r] is 0: its output untouched), in
- * parts over the team; scores: the calling thread's own, hq * max(lens) floats (a part
- * needs hq * its positions, the whole row where the parts' buffer could not be had).
- * Ends in a barrier. */
-static void attend_split_team(int kv_type, const float *q, int64_t q_stride,
+ * [starts[r], starts[r] + lens[r]) (a row of none gets zeros), each row whole or, where
+ * `split` (the same on every thread), in parts over the team; scores: the calling
+ * thread's own, hq * max(lens) floats (a part needs hq * its positions, a whole row
+ * more). Rows are whole where the parts' buffer could not be had too. Ends in a
+ * barrier. */
+static void attend_parts_team(int kv_type, const float *q, int64_t q_stride,
                               const void *k_cache, const void *v_cache, const int64_t *tables,
                               int64_t table_stride, const int64_t *starts, const int64_t *lens,
-                              int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                              int64_t rows, int split, int64_t hq, int64_t hkv, int64_t d,
                               int64_t block_size, float scale, float *scores, float *out,
                               int64_t out_stride) {
     const int64_t groups = hq / hkv, row = kv_slot_elems(kv_type, hkv, d);
-    const int64_t part = split_part(rows, lens, omp_get_num_threads());
     /* items: row r's parts from first[r], each with a slot in the buffer: its output
      * [hq, d] and 2 hq stats */
-    int64_t first[rows + 1];
-    first[0] = 0;
-    for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + (lens[r] + part - 1) / part;
-    const int64_t items = first[rows], per_item = hq * (d + 2);
-    float *parts;
+    int64_t first[split ? rows + 1 : 1], part = 0, items = rows;
+    const int64_t per_item = hq * (d + 2);
+    float *parts = NULL;
+    if (split) {
+        part = split_part(rows, lens, omp_get_num_threads());
+        first[0] = 0;
+        for (int64_t r = 0; r < rows; r++)
+            first[r + 1] = first[r] + (lens[r] + part - 1) / part;
+        items = first[rows];
 #pragma omp single copyprivate(parts)
-    parts = items > rows
-                ? quire_grown(&split_buffer, &split_held, sizeof(float) * items * per_item)
-                : NULL;
-    const int split = parts != NULL;
+        parts = items > rows
+                    ? quire_grown(&split_buffer, &split_held, sizeof(float) * items * per_item)
+                    : NULL;
+        split = parts != NULL;
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < (split ? items : rows); i++) {
         int64_t r = i;
         if (split)
             for (r = 0; first[r + 1] <= i; r++) {
             }
-        if (lens[r] < 1)
+        if (lens[r] < 1) { /* a whole row of none (a split one has no item) */
+            memset(out + r * out_stride, 0, sizeof(float) * hq * d);
             continue;
+        }
         const int64_t chunks = split ? first[r + 1] - first[r] : 1, c = split ? i - first[r] : 0;
         const int64_t start = starts[r] + c * part;
         const int64_t n = chunks == 1 ? lens[r]
@@ -252,10 +259,13 @@ static void attend_split_team(int kv_type, const float *q, int64_t q_stride,
     }
     if (!split)
         return; /* the loop's barrier ends the call */
-    /* every head of a row with several parts: its parts combined */
+    /* every head of a row with several parts: its parts combined; a row of none: zeros */
 #pragma omp for schedule(static)
     for (int64_t x = 0; x < rows * hq; x++) {
         const int64_t r = x / hq, h = x % hq, chunks = first[r + 1] - first[r];
+        float *dst = out + r * out_stride + h * d;
+        if (chunks == 0)
+            memset(dst, 0, sizeof(float) * d);
         if (chunks <= 1)
             continue;
         const float *base = parts + first[r] * per_item;
@@ -264,7 +274,6 @@ static void attend_split_team(int kv_type, const float *q, int64_t q_stride,
             const float m = base[c * per_item + hq * d + 2 * h];
             top = m > top ? m : top;
         }
-        float *dst = out + r * out_stride + h * d;
         float total = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {
             const float *o = base + c * per_item;
@@ -281,44 +290,25 @@ static void attend_split_team(int kv_type, const float *q, int64_t q_stride,
  * row r at q + r * q_stride, output at out + r * out_stride, both [hq, d]) over the
  * last min(seq_lens[r], window) positions (window 0: all) of the pages tables + r *
  * table_stride lists; a sequence of no positions gets zeros. With fewer than 4 rows a
- * thread, the positions are split over the team (attend_split_team); with more,
- * each row's heads are an item. scores:
- * the calling thread's own, hq * (the longest span) floats. Ends in a barrier. */
+ * thread, the positions are split over the team; with more, each row's heads are an
+ * item (attend_parts_team). scores: the calling thread's own, hq * (the longest span)
+ * floats. Ends in a barrier. */
 void quire_attend_rows_team(int kv_type, const float *q, int64_t q_stride,
                             const void *k_cache, const void *v_cache, const int64_t *tables,
                             int64_t table_stride, const int64_t *seq_lens, int64_t rows,
                             int64_t window, int64_t hq, int64_t hkv, int64_t d,
                             int64_t block_size, float scale, float *scores, float *out,
                             int64_t out_stride) {
-    const int64_t groups = hq / hkv, row = kv_slot_elems(kv_type, hkv, d);
-    if (omp_get_num_threads() > 1 && rows < 4 * omp_get_num_threads()) {
-        int64_t starts[rows], lens[rows];
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t len = seq_lens[r] > 0 ? seq_lens[r] : 0;
-            lens[r] = window > 0 && len > window ? window : len;
-            starts[r] = len - lens[r];
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            if (lens[r] == 0)
-                memset(out + r * out_stride, 0, sizeof(float) * hq * d);
-        attend_split_team(kv_type, q, q_stride, k_cache, v_cache, tables, table_stride,
-                          starts, lens, rows, hq, hkv, d, block_size, scale, scores, out,
-                          out_stride);
-        return;
-    }
-#pragma omp for schedule(dynamic, 1)
+    const int64_t threads = omp_get_num_threads();
+    int64_t starts[rows], lens[rows];
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t len = seq_lens[r];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        if (len - start <= 0) {
-            memset(out + r * out_stride, 0, sizeof(float) * hq * d);
-            continue;
-        }
-        attend_heads_kv(kv_type, q + r * q_stride, k_cache, v_cache, tables + r * table_stride,
-                        start, len - start, 0, hq, groups, row, d, block_size, scale, scores,
-                        out + r * out_stride);
+        const int64_t len = seq_lens[r] > 0 ? seq_lens[r] : 0;
+        lens[r] = window > 0 && len > window ? window : len;
+        starts[r] = len - lens[r];
     }
+    attend_parts_team(kv_type, q, q_stride, k_cache, v_cache, tables, table_stride, starts,
+                      lens, rows, threads > 1 && rows < 4 * threads, hq, hkv, d, block_size,
+                      scale, scores, out, out_stride);
 }
 
 /* Float32 pages. */
