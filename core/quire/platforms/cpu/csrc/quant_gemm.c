@@ -1056,13 +1056,16 @@ static int direct_spread_bf(int32_t fmt, int R, const float *x, int64_t k, const
  * 8-15 block b + 1's, scaled by each block's d; the _1 formats' minima multiply the
  * blocks' sums of the rounded row. A pair's x is laid out [b 0-15, b+1 0-15, b 16-31,
  * b+1 16-31]; an odd last block pairs with zeros (codes, x and scales). The products
- * are the exact weights' times the rounded rows, as the K-quants' are. */
+ * are the exact weights' times the rounded rows, as the K-quants' are. A pair's four
+ * half scales [d_b, m_b, d_b+1, m_b+1] come in one 64-bit move and one conversion
+ * (not a broadcast each), and its minima take a 128-bit multiply-add against the sums
+ * [0, s_b, 0, s_b+1]: the one-row products are bound by the vector pipes, not memory. */
 INL int blk32_codes(int32_t fmt) {
     return fmt == QF_Q4_0 ? 2 : fmt == QF_Q4_1 ? 4 : fmt == QF_Q5_0 ? 6 : 8;
 }
 
 /* A row of x rounded to bfloat16 in the pairs' order (64 words a pair), and with sums
- * each pair's rounded block sums as [b, 0 x 7, b + 1, 0 x 7] (the _1 formats'). */
+ * each pair's rounded block sums as [0, b, 0, b + 1] (the _1 formats'). */
 static void pairs_x_bf(const float *x, int64_t k, uint16_t *xp, float *sums) {
     const int64_t nb = k / 32;
     for (int64_t p = 0; p < (nb + 1) / 2; p++) {
@@ -1083,19 +1086,29 @@ static void pairs_x_bf(const float *x, int64_t k, uint16_t *xp, float *sums) {
                     _mm512_cvtepu16_epi32(b ? _mm512_extracti64x4_epi64(words, 1)
                                             : _mm512_castsi512_si256(words)), 16)));
         }
-        for (int i = 0; i < 16; i++) sums[p * 16 + i] = i == 0 ? total[0] : i == 8 ? total[1]
-                                                                                  : 0.0f;
+        sums[p * 4] = sums[p * 4 + 2] = 0.0f;
+        sums[p * 4 + 1] = total[0];
+        sums[p * 4 + 3] = total[1];
     }
 }
 
-/* The halves at p0 (lanes 0-7) and p1 (8-15, zero without one) as floats. */
-INL __m512 halves_f32(const uint8_t *p0, const uint8_t *p1) {
-    uint16_t h0, h1 = 0;
-    memcpy(&h0, p0, 2);
-    if (p1)
-        memcpy(&h1, p1, 2);
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_set1_epi16((short)h0)), _mm_set1_epi16((short)h1), 1));
+/* A pair's half scales [d0, m0, d1, m1] as four floats: d at p0 and p1, m two bytes after
+ * each (the _1 formats; zero for the others, and for a missing p1). */
+INL __m128 pair_scales(const uint8_t *p0, const uint8_t *p1, int minimum) {
+    uint32_t h0 = 0, h1 = 0;
+    if (minimum) {
+        memcpy(&h0, p0, 4);
+        if (p1)
+            memcpy(&h1, p1, 4);
+    } else {
+        uint16_t d0, d1 = 0;
+        memcpy(&d0, p0, 2);
+        if (p1)
+            memcpy(&d1, p1, 2);
+        h0 = d0;
+        h1 = d1;
+    }
+    return _mm_maskz_cvtph_ps(0xF, _mm_cvtsi64_si128((long long)((uint64_t)h1 << 32 | h0)));
 }
 
 INL void direct_rows_blocks_bf(int32_t fmt, int R, const uint16_t *xp, const float *sums,
@@ -1116,11 +1129,15 @@ INL void direct_rows_blocks_bf(int32_t fmt, int R, const uint16_t *xp, const flo
         table = _mm512_loadu_si512((const void *)t);
     }
     const __m512i low4 = _mm512_set1_epi16(0x0F), sixteen = _mm512_set1_epi16(16);
+    const __m512i d_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * ws;
-        __m512 acc[DIRECT_MAX_ROWS][2], mins[DIRECT_MAX_ROWS];
-        for (int r = 0; r < R; r++)
-            acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
+        __m512 acc[DIRECT_MAX_ROWS][2];
+        __m128 mins[DIRECT_MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            mins[r] = _mm_setzero_ps();
+        }
         for (int64_t p = 0; p < np; p++) {
             const uint8_t *b0 = row + 2 * p * BB;
             const uint8_t *b1 = 2 * p + 1 < nb ? b0 + BB : NULL;
@@ -1145,10 +1162,8 @@ INL void direct_rows_blocks_bf(int32_t fmt, int R, const uint16_t *xp, const flo
             }
             const __m512i qlo = _mm512_permutexvar_epi16(lo, table);
             const __m512i qhi = _mm512_permutexvar_epi16(hi, table);
-            const __m512 d = halves_f32(b0, b1);
-            __m512 m = _mm512_setzero_ps();
-            if (minimum)
-                m = halves_f32(b0 + 2, b1 ? b1 + 2 : NULL);
+            const __m128 dm = pair_scales(b0, b1, minimum);
+            const __m512 d = _mm512_permutexvar_ps(d_lanes, _mm512_castps128_ps512(dm));
             const uint16_t *xv = xp + p * 64;
             for (int r = 0; r < R; r++) {
                 const uint16_t *xr = xv + r * np * 64;
@@ -1159,14 +1174,15 @@ INL void direct_rows_blocks_bf(int32_t fmt, int R, const uint16_t *xp, const flo
                                        (__m512bh)_mm512_loadu_si512((const void *)(xr + 32)));
                 acc[r][p & 1] = _mm512_fmadd_ps(d, dot, acc[r][p & 1]);
                 if (minimum)
-                    mins[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sums + (r * np + p) * 16),
-                                              mins[r]);
+                    mins[r] = _mm_fmadd_ps(dm, _mm_loadu_ps(sums + (r * np + p) * 4), mins[r]);
             }
         }
         for (int r = 0; r < R; r++) {
             float sum = hsumv((vf)_mm512_add_ps(acc[r][0], acc[r][1]));
-            if (minimum)
-                sum += hsumv((vf)mins[r]);
+            if (minimum) {
+                const __m128 m2 = _mm_add_ps(mins[r], _mm_movehl_ps(mins[r], mins[r]));
+                sum += _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+            }
             y[r * ldy + j] = bias ? sum + bias[j] : sum;
         }
     }
@@ -1180,12 +1196,12 @@ static int direct_blocks_bf(int32_t fmt, int R, const float *x, int64_t k, const
     if (fmt != QF_Q4_0 && fmt != QF_Q4_1 && fmt != QF_Q5_0 && fmt != QF_Q5_1)
         return 0;
     const int64_t np = (k / 32 + 1) / 2;
-    uint16_t *xp = (uint16_t *)spread_scratch((size_t)(R * np) * (64 * 2 + 16 * 4));
+    uint16_t *xp = (uint16_t *)spread_scratch((size_t)(R * np) * (64 * 2 + 4 * 4));
     if (!xp)
         return 0;
     float *sums = (float *)(xp + R * np * 64); /* 128 bytes a pair: 64-byte aligned */
     for (int r = 0; r < R; r++)
-        pairs_x_bf(x + r * k, k, xp + r * np * 64, sums + r * np * 16);
+        pairs_x_bf(x + r * k, k, xp + r * np * 64, sums + r * np * 4);
 #define BLOCKS_FMT(F)                                                                      \
     case F:                                                                                \
         BY_ROWS(direct_rows_blocks_bf, F, xp, sums, k, w, ws, j0, j1, bias, y, ldy)        \
