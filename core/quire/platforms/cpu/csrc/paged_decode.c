@@ -189,8 +189,11 @@ static int paged_decode(int kv_type, const float *q, const void *k_cache, const 
 #define SPLIT_MIN 64
 
 /* How many positions a part takes: enough parts for SPLIT_ITEMS items a thread, none
- * shorter than SPLIT_MIN (a part's fixed costs: its queries' setup, the combine). */
-#define SPLIT_ITEMS 4
+ * shorter than SPLIT_MIN (a part's fixed costs: its queries' setup, the combine). Two
+ * items a thread beat four at every shape measured, and equalled one while leaving
+ * slack for a thread that starts late; SPLIT_MIN from 32 to 128 measured the same
+ * (docs/results: split-attention-sweep). */
+#define SPLIT_ITEMS 2
 static int64_t split_part(int64_t rows, const int64_t *lens, int64_t threads) {
     int64_t total = 0;
     for (int64_t r = 0; r < rows; r++) total += lens[r];
