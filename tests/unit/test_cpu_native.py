@@ -150,7 +150,7 @@ def test_few_long_sequences_split_their_positions(kernels: NativeKernels,
                                                   kv_dtype: torch.dtype, hq: int, hkv: int,
                                                   d: int, lens: list[int]) -> None:
     """Fewer sequences than four a thread: each sequence's positions are cut into parts
-    of at least 64 over the team (700 positions on two threads: eight parts of 88), each
+    of at least 64 over the team (700 positions on two threads: four parts of 175), each
     part taking every head, its outputs left undivided with each head's top score and
     total, then combined. Against float64 over the values the pages hold, float32's
     tolerance, with windows that leave one part or several; a sequence of one position

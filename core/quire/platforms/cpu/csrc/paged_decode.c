@@ -192,7 +192,7 @@ static int paged_decode(int kv_type, const float *q, const void *k_cache, const 
  * shorter than SPLIT_MIN (a part's fixed costs: its queries' setup, the combine). Two
  * items a thread beat four at every shape measured, and equalled one while leaving
  * slack for a thread that starts late; SPLIT_MIN from 32 to 128 measured the same
- * (docs/results: split-attention-sweep). */
+ * (docs/bench.md). */
 #define SPLIT_ITEMS 2
 static int64_t split_part(int64_t rows, const int64_t *lens, int64_t threads) {
     int64_t total = 0;
